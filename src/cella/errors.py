@@ -1,0 +1,138 @@
+"""One error hierarchy for the whole project, with stable snake_case codes.
+
+The server answers `{"error": {"code", "message"}}` with these codes and the SDK raises the
+matching class, so callers can catch by type on either side of the wire.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import ClassVar
+
+
+class CellaError(Exception):
+    code: ClassVar[str] = "internal"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.code.replace("_", " "))
+        self.message = message or self.code.replace("_", " ")
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class InvalidArgument(CellaError):
+    code = "invalid_argument"
+    status = 400
+
+
+class NotFound(CellaError):
+    code = "not_found"
+    status = 404
+
+
+class PermissionDenied(CellaError):
+    code = "permission_denied"
+    status = 403
+
+
+class AlreadyExists(CellaError):
+    code = "already_exists"
+    status = 409
+
+
+class IsADirectory(CellaError):
+    code = "is_a_directory"
+    status = 409
+
+
+class NotADirectory(CellaError):
+    code = "not_a_directory"
+    status = 409
+
+
+class DirectoryNotEmpty(CellaError):
+    code = "directory_not_empty"
+    status = 409
+
+
+class NoSpace(CellaError):
+    code = "no_space"
+    status = 507
+
+
+class UnknownUser(CellaError):
+    code = "unknown_user"
+    status = 400
+
+
+class GuestError(CellaError):
+    """The guest failed an operation for a reason with no more specific code."""
+
+    code = "guest_error"
+    status = 500
+
+
+class Timeout(CellaError):
+    code = "timeout"
+    status = 504
+
+
+class SandboxCrashed(CellaError):
+    """The VM went away (guest panic, QEMU killed) while an operation was under way."""
+
+    code = "sandbox_crashed"
+    status = 502
+
+
+class AgentUnavailable(CellaError):
+    """The guest agent did not answer (boot failed, or the guest broke the protocol)."""
+
+    code = "agent_unavailable"
+    status = 502
+
+
+class AccelUnavailable(CellaError):
+    code = "accel_unavailable"
+    status = 503
+
+
+class ImageMissing(CellaError):
+    """A kernel, initramfs or template image has not been built yet (run `cella setup`)."""
+
+    code = "image_missing"
+    status = 503
+
+
+class BuildFailed(CellaError):
+    code = "build_failed"
+    status = 500
+
+
+_BY_ERRNO: dict[int, type[CellaError]] = {
+    _errno.ENOENT: NotFound,
+    _errno.EACCES: PermissionDenied,
+    _errno.EPERM: PermissionDenied,
+    _errno.EROFS: PermissionDenied,
+    _errno.EEXIST: AlreadyExists,
+    _errno.EISDIR: IsADirectory,
+    _errno.ENOTDIR: NotADirectory,
+    _errno.ENOTEMPTY: DirectoryNotEmpty,
+    _errno.ENOSPC: NoSpace,
+    _errno.EDQUOT: NoSpace,
+    _errno.EINVAL: InvalidArgument,
+    _errno.ENAMETOOLONG: InvalidArgument,
+    _errno.ESRCH: UnknownUser,
+}
+
+
+def from_errno(err: int, message: str) -> CellaError:
+    """Maps an errno the guest reported to the error a caller can act on."""
+    return _BY_ERRNO.get(err, GuestError)(message)
+
+
+ALL_ERRORS: dict[str, type[CellaError]] = {
+    cls.code: cls
+    for cls in [CellaError, *CellaError.__subclasses__()]
+}

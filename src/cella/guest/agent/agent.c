@@ -1,0 +1,1088 @@
+/*
+ * cella guest agent: runs as PID 1 inside the microVM and serves the host over one
+ * virtio-serial port. The wire format is described in cella/guest/protocol.py; both
+ * sides must agree on every constant below.
+ *
+ * One thread, one poll loop: execs (with streamed stdout/stderr, stdin, timeouts that
+ * kill the whole process tree through a per-exec cgroup), file reads streamed in
+ * chunks, atomic file writes, listings and metadata. The host is trusted by the agent;
+ * the agent is not trusted by the host.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/random.h>
+#include <net/if.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_VERSION "cella-agent/1"
+#define PORT_NAME "cella.agent"
+#define MAX_FRAME (1u << 20)
+#define HDR 9
+#define CHUNK (256u << 10)
+#define CGROUP_ROOT "/sys/fs/cgroup/cella"
+
+/* host -> guest */
+enum {
+    T_PING = 0x01, T_EXEC = 0x02, T_STDIN = 0x03, T_KILL = 0x04,
+    T_READ = 0x10, T_WRITE = 0x11, T_WDATA = 0x12, T_WEND = 0x13, T_LIST = 0x14,
+    T_STAT = 0x15, T_MKDIR = 0x16, T_REMOVE = 0x17, T_CHMOD = 0x18, T_IDENTITY = 0x19,
+    T_SHUTDOWN = 0x1A,
+};
+/* guest -> host */
+enum {
+    M_PONG = 0x81, M_STARTED = 0x82, M_STDOUT = 0x83, M_STDERR = 0x84, M_EXIT = 0x85,
+    M_DATA = 0x86, M_END = 0x87, M_OK = 0x88, M_ERROR = 0x8F,
+};
+/* request fields (tag, u32 length, value) */
+enum {
+    F_ARG = 1, F_ENV = 2, F_CWD = 3, F_USER = 4, F_TIMEOUT_MS = 5, F_STDIN = 6, F_PATH = 7,
+    F_MODE = 8, F_PARENTS = 9, F_RECURSIVE = 10, F_HOSTNAME = 11, F_TIME_NS = 12, F_SEED = 13,
+    F_SIGNAL = 14,
+};
+
+static int port = -1;
+static int port_hup = 0;
+static int have_cgroups = 0;
+
+static void logf_(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cella-agent: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+static void put64(uint8_t *p, uint64_t v) {
+    put32(p, (uint32_t)(v >> 32)); put32(p + 4, (uint32_t)v);
+}
+static uint32_t get32(const uint8_t *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+/* ---- output to the host ------------------------------------------------------------ */
+
+static void write_all(int fd, const void *buf, size_t len) {
+    const uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) {
+                struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+                poll(&pfd, 1, 100);
+                continue;
+            }
+            return; /* host gone: drop, it will reconnect and resync by channel */
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static void send_frame(uint32_t chan, uint8_t type, const void *a, size_t alen, const void *b,
+                       size_t blen) {
+    uint8_t hdr[HDR];
+    put32(hdr, (uint32_t)(alen + blen));
+    put32(hdr + 4, chan);
+    hdr[8] = type;
+    struct iovec_like { const void *p; size_t n; } parts[3] = {{hdr, HDR}, {a, alen}, {b, blen}};
+    /* one write when small keeps frames contiguous and cheap */
+    if (alen + blen <= 4096) {
+        uint8_t buf[HDR + 4096];
+        memcpy(buf, hdr, HDR);
+        if (alen) memcpy(buf + HDR, a, alen);
+        if (blen) memcpy(buf + HDR + alen, b, blen);
+        write_all(port, buf, HDR + alen + blen);
+        return;
+    }
+    for (int i = 0; i < 3; i++)
+        if (parts[i].n) write_all(port, parts[i].p, parts[i].n);
+}
+
+static void send_error(uint32_t chan, int err, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (n < 0) n = 0;
+    if (n >= (int)sizeof msg) n = sizeof msg - 1;
+    uint8_t e[4];
+    put32(e, (uint32_t)err);
+    send_frame(chan, M_ERROR, e, 4, msg, (size_t)n);
+}
+
+static void send_ok(uint32_t chan) { send_frame(chan, M_OK, NULL, 0, NULL, 0); }
+
+/* ---- request fields ------------------------------------------------------------------ */
+
+struct field { uint8_t tag; uint32_t len; const uint8_t *val; };
+#define MAX_FIELDS 4096
+
+static int parse_fields(const uint8_t *p, uint32_t len, struct field *out, int max) {
+    int n = 0;
+    uint32_t off = 0;
+    while (off < len) {
+        if (len - off < 5 || n >= max) return -1;
+        uint32_t flen = get32(p + off + 1);
+        if (flen > len - off - 5) return -1;
+        out[n].tag = p[off];
+        out[n].len = flen;
+        out[n].val = p + off + 5;
+        n++;
+        off += 5 + flen;
+    }
+    return n;
+}
+
+/* Copies a field into a NUL-terminated string; refuses embedded NULs. */
+static char *field_str(const struct field *f) {
+    if (memchr(f->val, 0, f->len)) return NULL;
+    char *s = malloc(f->len + 1);
+    memcpy(s, f->val, f->len);
+    s[f->len] = 0;
+    return s;
+}
+
+static const struct field *find_field(const struct field *fs, int n, uint8_t tag) {
+    for (int i = 0; i < n; i++)
+        if (fs[i].tag == tag) return &fs[i];
+    return NULL;
+}
+
+static uint64_t field_u64(const struct field *f) {
+    uint64_t v = 0;
+    for (uint32_t i = 0; i < f->len && i < 8; i++) v = (v << 8) | f->val[i];
+    return v;
+}
+
+/* ---- execs ------------------------------------------------------------------------------ */
+
+struct exec {
+    uint32_t chan;
+    pid_t pid;
+    int out_fd, err_fd, in_fd;
+    uint8_t *inbuf;
+    size_t inlen;
+    int stdin_eof;
+    int64_t deadline;
+    int timed_out;
+    char cgroup[64];
+    struct exec *next;
+};
+static struct exec *execs;
+
+struct reader { uint32_t chan; int fd; struct reader *next; };
+static struct reader *readers;
+
+struct writer {
+    uint32_t chan;
+    int fd;
+    int err;
+    char tmp[4096];
+    char dst[4096];
+    struct writer *next;
+};
+static struct writer *writers;
+
+struct pending_cg { char path[64]; struct pending_cg *next; };
+static struct pending_cg *pending_cgroups;
+
+static struct exec *find_exec(uint32_t chan) {
+    for (struct exec *e = execs; e; e = e->next)
+        if (e->chan == chan) return e;
+    return NULL;
+}
+
+static void set_nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+static void write_file(const char *path, const char *val) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    if (write(fd, val, strlen(val)) < 0) { /* best effort */ }
+    close(fd);
+}
+
+struct user { uid_t uid; gid_t gid; char name[64]; char home[256]; char shell[256]; };
+
+/* Looks a user up by name or number in /etc/passwd (no NSS in a static binary). */
+static int lookup_user(const char *who, struct user *u) {
+    FILE *f = fopen("/etc/passwd", "re");
+    if (!f) return -1;
+    char line[1024];
+    char *end;
+    long want = strtol(who, &end, 10);
+    int numeric = *who && !*end;
+    int found = -1;
+    while (fgets(line, sizeof line, f)) {
+        char *fields[7];
+        char *s = line;
+        int i;
+        for (i = 0; i < 7 && s; i++) fields[i] = strsep(&s, ":\n");
+        if (i < 7) continue;
+        long uid = strtol(fields[2], NULL, 10);
+        if (numeric ? uid == want : strcmp(fields[0], who) == 0) {
+            u->uid = (uid_t)uid;
+            u->gid = (gid_t)strtol(fields[3], NULL, 10);
+            snprintf(u->name, sizeof u->name, "%s", fields[0]);
+            snprintf(u->home, sizeof u->home, "%s", fields[5]);
+            snprintf(u->shell, sizeof u->shell, "%s", fields[6]);
+            found = 0;
+            break;
+        }
+    }
+    fclose(f);
+    if (found < 0 && numeric) { /* a uid with no passwd entry is still a valid identity */
+        u->uid = u->gid = (uid_t)want;
+        snprintf(u->name, sizeof u->name, "%ld", want);
+        snprintf(u->home, sizeof u->home, "/");
+        found = 0;
+    }
+    return found;
+}
+
+static int user_groups(const char *name, gid_t primary, gid_t *out, int max) {
+    int n = 0;
+    out[n++] = primary;
+    FILE *f = fopen("/etc/group", "re");
+    if (!f) return n;
+    char line[4096];
+    while (fgets(line, sizeof line, f) && n < max) {
+        char *s = line;
+        char *gname = strsep(&s, ":");
+        strsep(&s, ":");
+        char *gid = strsep(&s, ":");
+        char *members = strsep(&s, "\n");
+        (void)gname;
+        if (!gid || !members) continue;
+        char *m;
+        while ((m = strsep(&members, ",")))
+            if (strcmp(m, name) == 0) out[n++] = (gid_t)strtol(gid, NULL, 10);
+    }
+    fclose(f);
+    return n;
+}
+
+/* Runs in the forked child; never returns. Reports exec failure as an errno on errpipe. */
+static void exec_child(char **argv, char **env, const char *cwd, const struct user *u,
+                       const char *cgroup, int in_fd, int out_fd, int err_fd, int errpipe) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (cgroup[0]) {
+        char p[128];
+        snprintf(p, sizeof p, "%s/cgroup.procs", cgroup);
+        write_file(p, "0");
+    }
+    dup2(in_fd, 0);
+    dup2(out_fd, 1);
+    dup2(err_fd, 2);
+    int err = 0;
+    if (u) {
+        gid_t groups[64];
+        int ng = user_groups(u->name, u->gid, groups, 64);
+        if (setgroups((size_t)ng, groups) || setgid(u->gid) || setuid(u->uid)) err = errno;
+    }
+    if (!err && cwd && chdir(cwd)) err = errno;
+    if (!err) {
+        execvpe(argv[0], argv, env);
+        err = errno;
+    }
+    uint8_t e[4];
+    put32(e, (uint32_t)err);
+    if (write(errpipe, e, 4) < 0) { /* parent sees EOF instead */ }
+    _exit(127);
+}
+
+static char **build_env(const struct field *fs, int n, const struct user *u) {
+    int count = 0;
+    for (int i = 0; i < n; i++) count += fs[i].tag == F_ENV;
+    char **env = calloc((size_t)count + 8, sizeof(char *));
+    int k = 0;
+    const char *defaults[][2] = {
+        {"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+        {"HOME", u->home}, {"USER", u->name}, {"LOGNAME", u->name}, {"LANG", "C.UTF-8"},
+        {"SHELL", u->shell[0] ? u->shell : "/bin/sh"},
+    };
+    for (size_t d = 0; d < sizeof defaults / sizeof defaults[0]; d++) {
+        size_t klen = strlen(defaults[d][0]);
+        int overridden = 0;
+        for (int i = 0; i < n; i++)
+            if (fs[i].tag == F_ENV && fs[i].len > klen && fs[i].val[klen] == '=' &&
+                memcmp(fs[i].val, defaults[d][0], klen) == 0)
+                overridden = 1;
+        if (!overridden) {
+            if (asprintf(&env[k], "%s=%s", defaults[d][0], defaults[d][1]) < 0) continue;
+            k++;
+        }
+    }
+    for (int i = 0; i < n; i++)
+        if (fs[i].tag == F_ENV) {
+            char *s = field_str(&fs[i]);
+            if (s) env[k++] = s;
+        }
+    env[k] = NULL;
+    return env;
+}
+
+static void free_strv(char **v) {
+    if (!v) return;
+    for (char **p = v; *p; p++) free(*p);
+    free(v);
+}
+
+static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
+    static struct field fs[MAX_FIELDS];
+    int n = parse_fields(p, len, fs, MAX_FIELDS);
+    if (n < 0) return send_error(chan, EINVAL, "malformed exec request");
+    if (find_exec(chan)) return send_error(chan, EINVAL, "channel %u already in use", chan);
+    int argc = 0;
+    for (int i = 0; i < n; i++) argc += fs[i].tag == F_ARG;
+    if (argc == 0) return send_error(chan, EINVAL, "empty argv");
+
+    struct user u = {0};
+    const struct field *fu = find_field(fs, n, F_USER);
+    char *who = fu ? field_str(fu) : strdup("root");
+    if (!who || lookup_user(who, &u) < 0) {
+        send_error(chan, ESRCH, "unknown user: %s", who ? who : "?");
+        free(who);
+        return;
+    }
+    free(who);
+
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    int a = 0;
+    for (int i = 0; i < n; i++)
+        if (fs[i].tag == F_ARG) {
+            argv[a] = field_str(&fs[i]);
+            if (!argv[a]) {
+                free_strv(argv);
+                return send_error(chan, EINVAL, "NUL byte in argument");
+            }
+            a++;
+        }
+    char **env = build_env(fs, n, &u);
+    const struct field *fc = find_field(fs, n, F_CWD);
+    char *cwd = fc ? field_str(fc) : strdup(u.home[0] ? u.home : "/");
+    const struct field *ft = find_field(fs, n, F_TIMEOUT_MS);
+    uint64_t timeout_ms = ft ? field_u64(ft) : 0;
+    int want_stdin = find_field(fs, n, F_STDIN) != NULL;
+
+    int outp[2], errp[2], inp[2] = {-1, -1}, ep[2];
+    if (pipe2(outp, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) || pipe2(ep, O_CLOEXEC) ||
+        (want_stdin ? pipe2(inp, O_CLOEXEC) : 0)) {
+        send_error(chan, errno, "pipe: %s", strerror(errno));
+        goto out;
+    }
+    if (!want_stdin) {
+        inp[0] = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+
+    struct exec *e = calloc(1, sizeof *e);
+    e->chan = chan;
+    if (have_cgroups) {
+        snprintf(e->cgroup, sizeof e->cgroup, CGROUP_ROOT "/x%u", chan);
+        if (mkdir(e->cgroup, 0755) && errno != EEXIST) e->cgroup[0] = 0;
+    }
+    pid_t pid = fork();
+    if (pid == 0)
+        exec_child(argv, env, cwd, &u, e->cgroup, inp[0], outp[1], errp[1], ep[1]);
+    close(outp[1]);
+    close(errp[1]);
+    close(ep[1]);
+    if (inp[0] >= 0) close(inp[0]);
+    if (pid < 0) {
+        send_error(chan, errno, "fork: %s", strerror(errno));
+        close(outp[0]); close(errp[0]); close(ep[0]);
+        if (inp[1] >= 0) close(inp[1]);
+        if (e->cgroup[0]) rmdir(e->cgroup);
+        free(e);
+        goto out;
+    }
+    /* exec failures (missing binary, bad cwd, bad user) come back as an errno */
+    uint8_t eb[4];
+    ssize_t r;
+    do r = read(ep[0], eb, 4); while (r < 0 && errno == EINTR);
+    close(ep[0]);
+    if (r == 4) {
+        int err = (int)get32(eb);
+        waitpid(pid, NULL, 0);
+        send_error(chan, err, "cannot run %s: %s", argv[0], strerror(err));
+        close(outp[0]); close(errp[0]);
+        if (inp[1] >= 0) close(inp[1]);
+        if (e->cgroup[0]) rmdir(e->cgroup);
+        free(e);
+        goto out;
+    }
+    e->pid = pid;
+    e->out_fd = outp[0];
+    e->err_fd = errp[0];
+    e->in_fd = inp[1];
+    set_nonblock(e->out_fd);
+    set_nonblock(e->err_fd);
+    if (e->in_fd >= 0) set_nonblock(e->in_fd);
+    e->deadline = timeout_ms ? now_ms() + (int64_t)timeout_ms : 0;
+    e->next = execs;
+    execs = e;
+    uint8_t pb[4];
+    put32(pb, (uint32_t)pid);
+    send_frame(chan, M_STARTED, pb, 4, NULL, 0);
+out:
+    free_strv(argv);
+    free_strv(env);
+    free(cwd);
+}
+
+static void kill_tree(struct exec *e, int sig) {
+    if (e->cgroup[0] && sig == SIGKILL) {
+        char p[128];
+        snprintf(p, sizeof p, "%s/cgroup.kill", e->cgroup);
+        write_file(p, "1");
+    }
+    kill(-e->pid, sig);
+    kill(e->pid, sig);
+}
+
+/* Forwards whatever a pipe holds now; returns 0 at EOF. */
+static int pump(struct exec *e, int *fd, uint8_t type, size_t budget) {
+    static uint8_t buf[64 << 10];
+    while (*fd >= 0) {
+        ssize_t n = read(*fd, buf, sizeof buf);
+        if (n > 0) {
+            send_frame(e->chan, type, buf, (size_t)n, NULL, 0);
+            if ((size_t)n >= budget) return 1;
+            budget -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return 1;
+        close(*fd);
+        *fd = -1;
+        return 0;
+    }
+    return 0;
+}
+
+static void remove_cgroup(const char *path) {
+    if (!path[0] || rmdir(path) == 0 || errno == ENOENT) return;
+    struct pending_cg *p = calloc(1, sizeof *p); /* still has background processes */
+    snprintf(p->path, sizeof p->path, "%s", path);
+    p->next = pending_cgroups;
+    pending_cgroups = p;
+}
+
+static void finish_exec(struct exec *e, int status) {
+    /* what the process wrote before exiting is already in the pipes */
+    pump(e, &e->out_fd, M_STDOUT, 4u << 20);
+    pump(e, &e->err_fd, M_STDERR, 4u << 20);
+    if (e->out_fd >= 0) close(e->out_fd);
+    if (e->err_fd >= 0) close(e->err_fd);
+    if (e->in_fd >= 0) close(e->in_fd);
+    if (e->timed_out) kill_tree(e, SIGKILL);
+    uint8_t r[9];
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    put32(r, (uint32_t)code);
+    put32(r + 4, (uint32_t)sig);
+    r[8] = (uint8_t)e->timed_out;
+    send_frame(e->chan, M_EXIT, r, 9, NULL, 0);
+    remove_cgroup(e->cgroup);
+    struct exec **pp = &execs;
+    while (*pp != e) pp = &(*pp)->next;
+    *pp = e->next;
+    free(e->inbuf);
+    free(e);
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (struct exec *e = execs; e; e = e->next)
+            if (e->pid == pid) {
+                finish_exec(e, status);
+                break;
+            }
+    }
+}
+
+static void handle_stdin(uint32_t chan, const uint8_t *p, uint32_t len) {
+    struct exec *e = find_exec(chan);
+    if (!e || e->in_fd < 0) return; /* exec already over: input is moot */
+    if (len == 0) {
+        e->stdin_eof = 1;
+    } else {
+        e->inbuf = realloc(e->inbuf, e->inlen + len);
+        memcpy(e->inbuf + e->inlen, p, len);
+        e->inlen += len;
+    }
+}
+
+static void flush_stdin(struct exec *e) {
+    while (e->inlen > 0) {
+        ssize_t n = write(e->in_fd, e->inbuf, e->inlen);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) return;
+            e->inlen = 0; /* reader went away */
+            e->stdin_eof = 1;
+            break;
+        }
+        memmove(e->inbuf, e->inbuf + n, e->inlen - (size_t)n);
+        e->inlen -= (size_t)n;
+    }
+    if (e->stdin_eof && e->inlen == 0) {
+        close(e->in_fd);
+        e->in_fd = -1;
+    }
+}
+
+/* ---- files ------------------------------------------------------------------------------ */
+
+static char *request_path(uint32_t chan, const struct field *fs, int n) {
+    const struct field *f = find_field(fs, n, F_PATH);
+    char *path = f ? field_str(f) : NULL;
+    if (!path || path[0] != '/') {
+        send_error(chan, EINVAL, "path must be absolute and free of NUL bytes");
+        free(path);
+        return NULL;
+    }
+    return path;
+}
+
+#define PARSE_OR_FAIL()                                                     \
+    static struct field fs[64];                                             \
+    int n = parse_fields(p, len, fs, 64);                                   \
+    if (n < 0) return send_error(chan, EINVAL, "malformed request");        \
+    char *path = request_path(chan, fs, n);                                 \
+    if (!path) return;
+
+static void handle_read(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) {
+        send_error(chan, errno, "%s: %s", path, strerror(errno));
+    } else if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+        send_error(chan, EISDIR, "%s: %s", path, strerror(EISDIR));
+        close(fd);
+    } else {
+        struct reader *r = calloc(1, sizeof *r);
+        r->chan = chan;
+        r->fd = fd;
+        r->next = readers;
+        readers = r;
+    }
+    free(path);
+}
+
+/* One chunk per active read per loop turn, so a large download never stalls execs. */
+static void pump_readers(void) {
+    static uint8_t buf[CHUNK];
+    struct reader **pp = &readers;
+    while (*pp) {
+        struct reader *r = *pp;
+        ssize_t n = read(r->fd, buf, sizeof buf);
+        if (n > 0) {
+            send_frame(r->chan, M_DATA, buf, (size_t)n, NULL, 0);
+            pp = &r->next;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) send_error(r->chan, errno, "read: %s", strerror(errno));
+        else send_frame(r->chan, M_END, NULL, 0, NULL, 0);
+        close(r->fd);
+        *pp = r->next;
+        free(r);
+    }
+}
+
+static int mkdirs(const char *path, mode_t mode) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *s = tmp + 1; *s; s++)
+        if (*s == '/') {
+            *s = 0;
+            if (mkdir(tmp, mode) && errno != EEXIST) return -1;
+            *s = '/';
+        }
+    if (mkdir(tmp, mode) && errno != EEXIST) return -1;
+    struct stat st;
+    if (stat(tmp, &st)) return -1;
+    if (!S_ISDIR(st.st_mode)) { errno = ENOTDIR; return -1; }
+    return 0;
+}
+
+static struct writer *find_writer(uint32_t chan) {
+    for (struct writer *w = writers; w; w = w->next)
+        if (w->chan == chan) return w;
+    return NULL;
+}
+
+static void handle_write(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    const struct field *fm = find_field(fs, n, F_MODE);
+    mode_t mode = fm ? (mode_t)field_u64(fm) & 07777 : 0644;
+    struct writer *w = calloc(1, sizeof *w);
+    w->chan = chan;
+    w->fd = -1;
+    w->next = writers;
+    writers = w;
+    snprintf(w->dst, sizeof w->dst, "%s", path);
+    char *slash = strrchr(path, '/');
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    if (!dir[0]) strcpy(dir, "/");
+    struct stat st;
+    if (slash[1] == 0) {
+        w->err = EISDIR;
+    } else if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        w->err = EISDIR;
+    } else if (find_field(fs, n, F_PARENTS) && mkdirs(dir, 0755)) {
+        w->err = errno;
+    } else {
+        snprintf(w->tmp, sizeof w->tmp, "%s/.cella-%u-%ld.tmp", dir, chan, (long)now_ms());
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+        if (w->fd < 0) w->err = errno;
+        else fchmod(w->fd, mode); /* not subject to umask */
+    }
+    free(path);
+}
+
+static void handle_wdata(uint32_t chan, const uint8_t *p, uint32_t len) {
+    struct writer *w = find_writer(chan);
+    if (!w || w->err) return;
+    while (len > 0) {
+        ssize_t n = write(w->fd, p, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { w->err = errno; return; }
+        p += n;
+        len -= (uint32_t)n;
+    }
+}
+
+static void handle_wend(uint32_t chan) {
+    struct writer *w = find_writer(chan);
+    if (!w) return send_error(chan, EINVAL, "no write in progress");
+    if (w->fd >= 0 && close(w->fd) && !w->err) w->err = errno;
+    if (!w->err && rename(w->tmp, w->dst)) w->err = errno;
+    if (w->err) {
+        if (w->fd >= 0) unlink(w->tmp);
+        send_error(chan, w->err, "%s: %s", w->dst, strerror(w->err));
+    } else {
+        send_ok(chan);
+    }
+    struct writer **pp = &writers;
+    while (*pp != w) pp = &(*pp)->next;
+    *pp = w->next;
+    free(w);
+}
+
+/* entry: kind u8, mode u32, size u64, mtime_ns u64, uid u32, gid u32, name, target */
+static size_t encode_entry(uint8_t *out, size_t cap, const char *name, const char *full,
+                           const struct stat *st) {
+    char target[4096] = "";
+    if (S_ISLNK(st->st_mode)) {
+        ssize_t t = readlink(full, target, sizeof target - 1);
+        target[t > 0 ? t : 0] = 0;
+    }
+    size_t nl = strlen(name), tl = strlen(target);
+    size_t need = 1 + 4 + 8 + 8 + 4 + 4 + 2 + nl + 2 + tl;
+    if (need > cap) return 0;
+    uint8_t *q = out;
+    *q++ = S_ISREG(st->st_mode) ? 'f' : S_ISDIR(st->st_mode) ? 'd' : S_ISLNK(st->st_mode) ? 'l' : 'o';
+    put32(q, st->st_mode & 07777); q += 4;
+    put64(q, (uint64_t)st->st_size); q += 8;
+    put64(q, (uint64_t)st->st_mtim.tv_sec * 1000000000ull + (uint64_t)st->st_mtim.tv_nsec); q += 8;
+    put32(q, st->st_uid); q += 4;
+    put32(q, st->st_gid); q += 4;
+    q[0] = (uint8_t)(nl >> 8); q[1] = (uint8_t)nl; q += 2;
+    memcpy(q, name, nl); q += nl;
+    q[0] = (uint8_t)(tl >> 8); q[1] = (uint8_t)tl; q += 2;
+    memcpy(q, target, tl); q += tl;
+    return (size_t)(q - out);
+}
+
+static void handle_stat(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    struct stat st;
+    uint8_t buf[8400];
+    if (lstat(path, &st)) {
+        send_error(chan, errno, "%s: %s", path, strerror(errno));
+    } else {
+        const char *base = strrchr(path, '/') + 1;
+        size_t m = encode_entry(buf, sizeof buf, *base ? base : "/", path, &st);
+        send_frame(chan, M_OK, buf, m, NULL, 0);
+    }
+    free(path);
+}
+
+static void handle_list(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    DIR *d = opendir(path);
+    if (!d) {
+        send_error(chan, errno, "%s: %s", path, strerror(errno));
+        free(path);
+        return;
+    }
+    static uint8_t buf[MAX_FRAME];
+    size_t used = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        char full[8192];
+        snprintf(full, sizeof full, "%s/%s", strcmp(path, "/") ? path : "", de->d_name);
+        struct stat st;
+        if (lstat(full, &st)) continue;
+        size_t m = encode_entry(buf + used, sizeof buf - used, de->d_name, full, &st);
+        if (m == 0) { /* frame full: send what we have, keep going */
+            send_frame(chan, M_DATA, buf, used, NULL, 0);
+            used = 0;
+            m = encode_entry(buf, sizeof buf, de->d_name, full, &st);
+        }
+        used += m;
+    }
+    closedir(d);
+    if (used) send_frame(chan, M_DATA, buf, used, NULL, 0);
+    send_frame(chan, M_END, NULL, 0, NULL, 0);
+    free(path);
+}
+
+static void handle_mkdir(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    const struct field *fm = find_field(fs, n, F_MODE);
+    mode_t mode = fm ? (mode_t)field_u64(fm) & 07777 : 0755;
+    int rc = find_field(fs, n, F_PARENTS) ? mkdirs(path, mode) : mkdir(path, mode);
+    if (rc) send_error(chan, errno, "%s: %s", path, strerror(errno));
+    else send_ok(chan);
+    free(path);
+}
+
+static int remove_tree(const char *path) {
+    struct stat st;
+    if (lstat(path, &st)) return -1;
+    if (!S_ISDIR(st.st_mode)) return unlink(path);
+    DIR *d = opendir(path);
+    if (!d) return -1;
+    struct dirent *de;
+    int rc = 0;
+    while ((de = readdir(d)) && rc == 0) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        char full[8192];
+        snprintf(full, sizeof full, "%s/%s", path, de->d_name);
+        rc = remove_tree(full);
+    }
+    closedir(d);
+    return rc ? rc : rmdir(path);
+}
+
+static void handle_remove(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    int rc;
+    if (!strcmp(path, "/")) {
+        errno = EPERM;
+        rc = -1;
+    } else if (find_field(fs, n, F_RECURSIVE)) {
+        rc = remove_tree(path);
+    } else {
+        rc = remove(path);
+    }
+    if (rc) send_error(chan, errno, "%s: %s", path, strerror(errno));
+    else send_ok(chan);
+    free(path);
+}
+
+static void handle_chmod(uint32_t chan, const uint8_t *p, uint32_t len) {
+    PARSE_OR_FAIL();
+    const struct field *fm = find_field(fs, n, F_MODE);
+    if (!fm) send_error(chan, EINVAL, "mode required");
+    else if (chmod(path, (mode_t)field_u64(fm) & 07777))
+        send_error(chan, errno, "%s: %s", path, strerror(errno));
+    else send_ok(chan);
+    free(path);
+}
+
+/* Fresh identity after a restore or fork: hostname, wall clock, entropy. */
+static void handle_identity(uint32_t chan, const uint8_t *p, uint32_t len) {
+    static struct field fs[16];
+    int n = parse_fields(p, len, fs, 16);
+    if (n < 0) return send_error(chan, EINVAL, "malformed request");
+    const struct field *f;
+    if ((f = find_field(fs, n, F_HOSTNAME)) && sethostname((const char *)f->val, f->len))
+        return send_error(chan, errno, "sethostname: %s", strerror(errno));
+    if ((f = find_field(fs, n, F_TIME_NS))) {
+        uint64_t ns = field_u64(f);
+        struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+        if (clock_settime(CLOCK_REALTIME, &ts))
+            return send_error(chan, errno, "clock_settime: %s", strerror(errno));
+    }
+    if ((f = find_field(fs, n, F_SEED)) && f->len > 0 && f->len <= 512) {
+        struct { int entropy_count; int buf_size; uint8_t buf[512]; } ent;
+        ent.entropy_count = (int)f->len * 8;
+        ent.buf_size = (int)f->len;
+        memcpy(ent.buf, f->val, f->len);
+        int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        int rc = fd < 0 ? -1 : ioctl(fd, RNDADDENTROPY, &ent);
+        int err = errno;
+        if (fd >= 0) close(fd);
+        if (rc) return send_error(chan, err, "reseed: %s", strerror(err));
+    }
+    send_ok(chan);
+}
+
+/* ---- dispatch ---------------------------------------------------------------------------- */
+
+static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len) {
+    switch (type) {
+    case T_PING: send_frame(chan, M_PONG, AGENT_VERSION, strlen(AGENT_VERSION), NULL, 0); break;
+    case T_EXEC: handle_exec(chan, p, len); break;
+    case T_STDIN: handle_stdin(chan, p, len); break;
+    case T_KILL: {
+        struct exec *e = find_exec(chan);
+        int sig = len >= 4 ? (int)get32(p) : SIGKILL;
+        if (e && sig > 0 && sig < 65) kill_tree(e, sig);
+        break;
+    }
+    case T_READ: handle_read(chan, p, len); break;
+    case T_WRITE: handle_write(chan, p, len); break;
+    case T_WDATA: handle_wdata(chan, p, len); break;
+    case T_WEND: handle_wend(chan); break;
+    case T_LIST: handle_list(chan, p, len); break;
+    case T_STAT: handle_stat(chan, p, len); break;
+    case T_MKDIR: handle_mkdir(chan, p, len); break;
+    case T_REMOVE: handle_remove(chan, p, len); break;
+    case T_CHMOD: handle_chmod(chan, p, len); break;
+    case T_IDENTITY: handle_identity(chan, p, len); break;
+    case T_SHUTDOWN:
+        send_ok(chan);
+        sync();
+        reboot(RB_POWER_OFF);
+        break;
+    default: send_error(chan, EINVAL, "unknown message type 0x%02x", type);
+    }
+}
+
+static uint8_t *rbuf;
+static size_t rlen;
+
+static void read_port(void) {
+    ssize_t n = read(port, rbuf + rlen, HDR + MAX_FRAME - rlen);
+    if (n == 0) { /* host end disconnected: back off until it returns */
+        port_hup = 1;
+        rlen = 0;
+        return;
+    }
+    if (n < 0) {
+        if (errno != EINTR && errno != EAGAIN) port_hup = 1;
+        return;
+    }
+    rlen += (size_t)n;
+    size_t off = 0;
+    while (rlen - off >= HDR) {
+        uint32_t flen = get32(rbuf + off);
+        if (flen > MAX_FRAME) { /* out of sync: drop everything buffered */
+            logf_("oversize frame (%u bytes), resetting", flen);
+            rlen = off = 0;
+            break;
+        }
+        if (rlen - off < HDR + flen) break;
+        dispatch(get32(rbuf + off + 4), rbuf[off + 8], rbuf + off + HDR, flen);
+        off += HDR + flen;
+    }
+    memmove(rbuf, rbuf + off, rlen - off);
+    rlen -= off;
+}
+
+static int open_port(void) {
+    for (int attempt = 0; attempt < 500; attempt++) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        struct dirent *de;
+        while (d && (de = readdir(d))) {
+            char p[512], name[64] = "";
+            snprintf(p, sizeof p, "/sys/class/virtio-ports/%s/name", de->d_name);
+            FILE *f = fopen(p, "re");
+            if (!f) continue;
+            if (fgets(name, sizeof name, f)) name[strcspn(name, "\n")] = 0;
+            fclose(f);
+            if (strcmp(name, PORT_NAME) == 0) {
+                snprintf(p, sizeof p, "/dev/%s", de->d_name);
+                closedir(d);
+                int fd = open(p, O_RDWR | O_CLOEXEC);
+                if (fd >= 0) return fd;
+                logf_("open %s: %s", p, strerror(errno));
+                d = NULL;
+                break;
+            }
+        }
+        if (d) closedir(d);
+        usleep(10000);
+    }
+    return -1;
+}
+
+static void mount_fs(const char *src, const char *dst, const char *type, unsigned long fl,
+                     const char *opts) {
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, fl, opts) && errno != EBUSY)
+        logf_("mount %s on %s: %s", type, dst, strerror(errno));
+}
+
+static void bring_up_loopback(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr = {0};
+    strcpy(ifr.ifr_name, "lo");
+    if (s >= 0 && ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    if (s >= 0) close(s);
+}
+
+static void init_system(void) {
+    const unsigned long nsd = MS_NOSUID | MS_NODEV;
+    mount_fs("proc", "/proc", "proc", nsd | MS_NOEXEC, NULL);
+    mount_fs("sysfs", "/sys", "sysfs", nsd | MS_NOEXEC, NULL);
+    mount_fs("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    mount_fs("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
+    mount_fs("tmpfs", "/dev/shm", "tmpfs", nsd, "mode=1777");
+    mount_fs("cgroup2", "/sys/fs/cgroup", "cgroup2", nsd | MS_NOEXEC, NULL);
+    if (access("/dev/ptmx", F_OK)) { if (symlink("pts/ptmx", "/dev/ptmx")) {} }
+    if (access("/dev/fd", F_OK)) { if (symlink("/proc/self/fd", "/dev/fd")) {} }
+    have_cgroups = mkdir(CGROUP_ROOT, 0755) == 0 || errno == EEXIST;
+    if (have_cgroups) {
+        char p[128];
+        snprintf(p, sizeof p, "%s/cgroup.kill", CGROUP_ROOT);
+        have_cgroups = access(p, F_OK) == 0;
+    }
+    sethostname("cella", 5);
+    bring_up_loopback();
+    struct rlimit rl = {65536, 65536};
+    setrlimit(RLIMIT_NOFILE, &rl);
+}
+
+int main(void) {
+    if (getpid() == 1) init_system();
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    port = open_port();
+    if (port < 0) {
+        logf_("no virtio port named %s", PORT_NAME);
+        if (getpid() == 1) reboot(RB_POWER_OFF);
+        return 1;
+    }
+    rbuf = malloc(HDR + MAX_FRAME);
+    logf_("ready (%s)", have_cgroups ? "cgroup kill" : "process-group kill");
+
+    struct pollfd *pfds = NULL;
+    size_t pcap = 0;
+    int64_t last_cg_sweep = now_ms();
+    for (;;) {
+        size_t need = 2;
+        for (struct exec *e = execs; e; e = e->next) need += 3;
+        if (need > pcap) {
+            pcap = need * 2;
+            pfds = realloc(pfds, pcap * sizeof *pfds);
+        }
+        size_t np = 0;
+        pfds[np++] = (struct pollfd){.fd = port_hup ? -1 : port, .events = POLLIN};
+        pfds[np++] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        int64_t now = now_ms();
+        int timeout = -1;
+        for (struct exec *e = execs; e; e = e->next) {
+            pfds[np++] = (struct pollfd){.fd = e->out_fd, .events = POLLIN};
+            pfds[np++] = (struct pollfd){.fd = e->err_fd, .events = POLLIN};
+            pfds[np++] = (struct pollfd){.fd = e->inlen || e->stdin_eof ? e->in_fd : -1,
+                                         .events = POLLOUT};
+            if (e->deadline && !e->timed_out) {
+                int64_t left = e->deadline - now;
+                if (left < 0) left = 0;
+                if (timeout < 0 || left < timeout) timeout = (int)left;
+            }
+        }
+        if (readers) timeout = 0;
+        if (port_hup && (timeout < 0 || timeout > 20)) timeout = 20;
+        if (pending_cgroups && (timeout < 0 || timeout > 1000)) timeout = 1000;
+        int rc = poll(pfds, np, timeout);
+        if (rc < 0 && errno != EINTR) logf_("poll: %s", strerror(errno));
+        if (port_hup) {
+            /* the host returns: POLLHUP clears once a reader is connected again */
+            struct pollfd pp = {.fd = port, .events = POLLIN};
+            if (poll(&pp, 1, 0) == 1 && !(pp.revents & POLLHUP)) port_hup = 0;
+        } else if (pfds[0].revents & POLLIN) {
+            read_port();
+        } else if (pfds[0].revents & (POLLHUP | POLLERR)) {
+            port_hup = 1;
+        }
+        /* pipes are drained before reaping, so output always precedes the exit frame */
+        size_t i = 2;
+        for (struct exec *e = execs; e; e = e->next, i += 3) {
+            if (i + 2 >= np) break;
+            if (pfds[i].revents) pump(e, &e->out_fd, M_STDOUT, 256u << 10);
+            if (pfds[i + 1].revents) pump(e, &e->err_fd, M_STDERR, 256u << 10);
+            if (pfds[i + 2].revents && e->in_fd >= 0) flush_stdin(e);
+        }
+        if (pfds[1].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0) {}
+        }
+        reap();
+        now = now_ms();
+        for (struct exec *e = execs; e; e = e->next)
+            if (e->deadline && !e->timed_out && now >= e->deadline) {
+                e->timed_out = 1;
+                kill_tree(e, SIGKILL);
+            }
+        if (readers) pump_readers();
+        if (pending_cgroups && now - last_cg_sweep >= 1000) {
+            last_cg_sweep = now;
+            struct pending_cg **pp = &pending_cgroups;
+            while (*pp) {
+                struct pending_cg *c = *pp;
+                if (rmdir(c->path) == 0 || errno == ENOENT) {
+                    *pp = c->next;
+                    free(c);
+                } else {
+                    pp = &c->next;
+                }
+            }
+        }
+    }
+}

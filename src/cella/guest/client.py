@@ -1,0 +1,487 @@
+"""Host side of the guest-agent channel: one unix socket, many concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cella import errors
+from cella.guest.protocol import (
+    CHUNK,
+    Entry,
+    ExitStatus,
+    Field,
+    FrameDecoder,
+    Msg,
+    ProtocolError,
+    decode_entries,
+    decode_error,
+    decode_exit,
+    fields,
+    frame,
+)
+
+_CLOSED = object()
+_READ_SIZE = 1 << 20
+# How long past its own timeout an exec may run before the host stops waiting for the guest.
+_TIMEOUT_GRACE = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+ExecEvent = Started | Output | ExitStatus
+
+
+@dataclass(slots=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    signal: int | None = None
+    timed_out: bool = False
+    duration: float = 0.0
+    pid: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(slots=True)
+class _Channel:
+    queue: asyncio.Queue[tuple[int, bytes] | object] = field(default_factory=asyncio.Queue)
+
+
+class AgentClient:
+    """Talks to cella-agent over the VM's virtio-serial port (a unix socket on the host).
+
+    The guest is untrusted: frames are bounded by the decoder and every reply is checked
+    against what the request allows. When the connection drops (VM died), every waiter gets
+    `SandboxCrashed` instead of hanging.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_lost: Callable[[], Awaitable[str]] | None = None,
+    ) -> None:
+        self._reader = reader
+        self._on_lost = on_lost
+        self._writer = writer
+        self._channels: dict[int, _Channel] = {}
+        self._ids = itertools.count(1)
+        self._closed: errors.CellaError | None = None
+        self._task = asyncio.create_task(self._pump(), name="cella-agent-reader")
+
+    @classmethod
+    async def connect(
+        cls,
+        path: str | os.PathLike[str],
+        on_lost: Callable[[], Awaitable[str]] | None = None,
+    ) -> AgentClient:
+        """`on_lost` explains a dropped channel (guest panic, QEMU killed) to every waiter."""
+        reader, writer = await asyncio.open_unix_connection(os.fspath(path), limit=_READ_SIZE)
+        return cls(reader, writer, on_lost)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    async def close(self) -> None:
+        self._fail(errors.AgentUnavailable("agent connection closed"))
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        decoder = FrameDecoder()
+        try:
+            while True:
+                data = await self._reader.read(_READ_SIZE)
+                if not data:
+                    reason = "the VM closed its agent channel"
+                    if self._on_lost is not None:
+                        reason = await self._on_lost()
+                    raise errors.SandboxCrashed(reason)
+                for channel, msg, payload in decoder.feed(data):
+                    ch = self._channels.get(channel)
+                    if ch is not None:  # replies to finished requests are dropped
+                        ch.queue.put_nowait((msg, payload))
+        except ProtocolError as exc:
+            self._fail(errors.AgentUnavailable(f"guest broke the protocol: {exc}"))
+        except errors.CellaError as exc:
+            self._fail(exc)
+        except (ConnectionError, OSError) as exc:
+            self._fail(errors.SandboxCrashed(f"agent channel failed: {exc}"))
+
+    def _fail(self, exc: errors.CellaError) -> None:
+        if self._closed is None:
+            self._closed = exc
+        for ch in self._channels.values():
+            ch.queue.put_nowait(_CLOSED)
+
+    def _open(self) -> tuple[int, _Channel]:
+        if self._closed is not None:
+            raise type(self._closed)(self._closed.message)
+        cid = next(self._ids)
+        ch = self._channels[cid] = _Channel()
+        return cid, ch
+
+    def _release(self, cid: int) -> None:
+        self._channels.pop(cid, None)
+
+    async def _send(self, cid: int, msg: Msg, payload: bytes = b"") -> None:
+        if self._closed is not None:
+            raise type(self._closed)(self._closed.message)
+        self._writer.write(frame(cid, msg, payload))
+        await self._writer.drain()
+
+    async def _next(self, ch: _Channel, timeout: float | None = None) -> tuple[int, bytes]:
+        try:
+            item = await asyncio.wait_for(ch.queue.get(), timeout)
+        except TimeoutError:
+            raise errors.Timeout("the guest agent did not answer in time") from None
+        if item is _CLOSED:
+            assert self._closed is not None
+            raise type(self._closed)(self._closed.message)
+        assert isinstance(item, tuple)
+        return item
+
+    async def _request(
+        self, msg: Msg, payload: bytes, timeout: float | None = 30.0
+    ) -> tuple[int, bytes]:
+        cid, ch = self._open()
+        try:
+            await self._send(cid, msg, payload)
+            reply, body = await self._next(ch, timeout)
+            if reply == Msg.ERROR:
+                raise _guest_error(body)
+            return reply, body
+        finally:
+            self._release(cid)
+
+    # -- basic ---------------------------------------------------------------------------
+
+    async def ping(self, timeout: float | None = 30.0) -> str:
+        reply, body = await self._request(Msg.PING, b"", timeout)
+        if reply != Msg.PONG:
+            raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to ping")
+        return body.decode("utf-8", "replace")
+
+    async def set_identity(
+        self, *, hostname: str | None = None, time_ns: int | None = None, seed: bytes | None = None
+    ) -> None:
+        items: list[tuple[Field, bytes | str | int | bool]] = []
+        if hostname is not None:
+            items.append((Field.HOSTNAME, hostname))
+        if time_ns is not None:
+            items.append((Field.TIME_NS, time_ns))
+        if seed is not None:
+            items.append((Field.SEED, seed))
+        await self._expect_ok(Msg.IDENTITY, fields(items))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Asks the guest to sync its disks and power off."""
+        await self._expect_ok(Msg.SHUTDOWN, b"", timeout)
+
+    async def _expect_ok(self, msg: Msg, payload: bytes, timeout: float | None = 30.0) -> bytes:
+        reply, body = await self._request(msg, payload, timeout)
+        if reply != Msg.OK:
+            raise errors.AgentUnavailable(f"unexpected reply {reply:#x}")
+        return body
+
+    # -- exec ----------------------------------------------------------------------------
+
+    async def exec_stream(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        stdin: bytes | AsyncIterable[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Runs a command; yields Started, then Output as produced, then the ExitStatus.
+
+        A string is run by `/bin/sh -c`. With a timeout the guest kills the whole process
+        tree (its cgroup) when it expires and reports `timed_out`.
+        """
+        args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
+        if not args:
+            raise errors.InvalidArgument("argv must not be empty")
+        items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
+        for key, value in (env or {}).items():
+            if not key or "=" in key:
+                raise errors.InvalidArgument(f"invalid environment variable name {key!r}")
+            items.append((Field.ENV, f"{key}={value}"))
+        if cwd is not None:
+            items.append((Field.CWD, cwd))
+        if user is not None:
+            items.append((Field.USER, user))
+        if timeout is not None:
+            if timeout <= 0:
+                raise errors.InvalidArgument("timeout must be positive")
+            items.append((Field.TIMEOUT_MS, max(1, int(timeout * 1000))))
+        if stdin is not None:
+            items.append((Field.STDIN, True))
+        cid, ch = self._open()
+        feeder: asyncio.Task[None] | None = None
+        running = False
+        try:
+            await self._send(cid, Msg.EXEC, fields(items))
+            reply, body = await self._next(ch, 30.0)
+            if reply == Msg.ERROR:
+                raise _guest_error(body)
+            if reply != Msg.STARTED or len(body) != 4:
+                raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to exec")
+            running = True
+            yield Started(int.from_bytes(body, "big"))
+            if stdin is not None:
+                feeder = asyncio.create_task(self._feed_stdin(cid, stdin))
+            wait = None if timeout is None else timeout + _TIMEOUT_GRACE
+            while True:
+                reply, body = await self._next(ch, wait)
+                if reply == Msg.STDOUT:
+                    yield Output("stdout", body)
+                elif reply == Msg.STDERR:
+                    yield Output("stderr", body)
+                elif reply == Msg.EXIT:
+                    running = False
+                    yield decode_exit(body)
+                    return
+                else:
+                    raise errors.AgentUnavailable(f"unexpected reply {reply:#x} during exec")
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+            if running and self._closed is None:
+                # the caller stopped listening early: do not leave the process running
+                with contextlib.suppress(Exception):
+                    await self._send(cid, Msg.KILL, (9).to_bytes(4, "big"))
+            self._release(cid)
+
+    async def _feed_stdin(self, cid: int, stdin: bytes | AsyncIterable[bytes]) -> None:
+        if isinstance(stdin, bytes):
+            for off in range(0, len(stdin), CHUNK):
+                await self._send(cid, Msg.STDIN, stdin[off : off + CHUNK])
+        else:
+            async for chunk in stdin:
+                for off in range(0, len(chunk), CHUNK):
+                    await self._send(cid, Msg.STDIN, chunk[off : off + CHUNK])
+        await self._send(cid, Msg.STDIN, b"")
+
+    async def exec(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        stdin: bytes | AsyncIterable[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        out, err = bytearray(), bytearray()
+        start = time.perf_counter()
+        pid = 0
+        status: ExitStatus | None = None
+        async for event in self.exec_stream(
+            argv, cwd=cwd, env=env, user=user, stdin=stdin, timeout=timeout
+        ):
+            if isinstance(event, Started):
+                pid = event.pid
+            elif isinstance(event, Output):
+                (out if event.stream == "stdout" else err).extend(event.data)
+            else:
+                status = event
+        assert status is not None
+        return ExecResult(
+            exit_code=status.exit_code,
+            stdout=bytes(out),
+            stderr=bytes(err),
+            signal=status.signal,
+            timed_out=status.timed_out,
+            duration=time.perf_counter() - start,
+            pid=pid,
+        )
+
+    # -- files ---------------------------------------------------------------------------
+
+    async def read_stream(self, path: str) -> AsyncIterator[bytes]:
+        cid, ch = self._open()
+        try:
+            await self._send(cid, Msg.READ, fields([(Field.PATH, _abs(path))]))
+            while True:
+                reply, body = await self._next(ch, 60.0)
+                if reply == Msg.DATA:
+                    yield body
+                elif reply == Msg.END:
+                    return
+                elif reply == Msg.ERROR:
+                    raise _guest_error(body)
+                else:
+                    raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to read")
+        finally:
+            self._release(cid)
+
+    async def read_file(self, path: str) -> bytes:
+        return b"".join([chunk async for chunk in self.read_stream(path)])
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes] | Iterable[bytes],
+        *,
+        mode: int = 0o644,
+        parents: bool = False,
+    ) -> None:
+        """Writes atomically: the guest writes a temporary file and renames it into place."""
+        items: list[tuple[Field, bytes | str | int | bool]] = [
+            (Field.PATH, _abs(path)),
+            (Field.MODE, mode),
+        ]
+        if parents:
+            items.append((Field.PARENTS, True))
+        cid, ch = self._open()
+        try:
+            await self._send(cid, Msg.WRITE, fields(items))
+            if isinstance(data, bytes):
+                for off in range(0, len(data), CHUNK):
+                    await self._send(cid, Msg.WDATA, data[off : off + CHUNK])
+            elif isinstance(data, AsyncIterable):
+                async for chunk in data:
+                    for off in range(0, len(chunk), CHUNK):
+                        await self._send(cid, Msg.WDATA, chunk[off : off + CHUNK])
+            else:
+                for chunk in data:
+                    for off in range(0, len(chunk), CHUNK):
+                        await self._send(cid, Msg.WDATA, chunk[off : off + CHUNK])
+            await self._send(cid, Msg.WEND)
+            reply, body = await self._next(ch, 60.0)
+            if reply == Msg.ERROR:
+                raise _guest_error(body)
+            if reply != Msg.OK:
+                raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to write")
+        finally:
+            self._release(cid)
+
+    async def list_dir(self, path: str) -> list[Entry]:
+        cid, ch = self._open()
+        entries: list[Entry] = []
+        try:
+            await self._send(cid, Msg.LIST, fields([(Field.PATH, _abs(path))]))
+            while True:
+                reply, body = await self._next(ch, 60.0)
+                if reply == Msg.DATA:
+                    entries.extend(decode_entries(body))
+                elif reply == Msg.END:
+                    return sorted(entries, key=lambda e: e.name)
+                elif reply == Msg.ERROR:
+                    raise _guest_error(body)
+                else:
+                    raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to list")
+        finally:
+            self._release(cid)
+
+    async def stat(self, path: str) -> Entry:
+        body = await self._expect_ok(Msg.STAT, fields([(Field.PATH, _abs(path))]))
+        entries = decode_entries(body)
+        if len(entries) != 1:
+            raise errors.AgentUnavailable("malformed stat reply")
+        return entries[0]
+
+    async def mkdir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None:
+        items: list[tuple[Field, bytes | str | int | bool]] = [
+            (Field.PATH, _abs(path)),
+            (Field.MODE, mode),
+        ]
+        if parents:
+            items.append((Field.PARENTS, True))
+        await self._expect_ok(Msg.MKDIR, fields(items))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        items: list[tuple[Field, bytes | str | int | bool]] = [(Field.PATH, _abs(path))]
+        if recursive:
+            items.append((Field.RECURSIVE, True))
+        await self._expect_ok(Msg.REMOVE, fields(items), timeout=300.0)
+
+    async def chmod(self, path: str, mode: int) -> None:
+        await self._expect_ok(
+            Msg.CHMOD, fields([(Field.PATH, _abs(path)), (Field.MODE, mode & 0o7777)])
+        )
+
+    async def tar_out(self, path: str) -> AsyncIterator[bytes]:
+        """Streams the directory at `path` as an uncompressed tar archive."""
+        entry = await self.stat(path)
+        if entry.kind != "dir":
+            raise errors.NotADirectory(f"{path}: not a directory")
+        stderr = bytearray()
+        async for event in self.exec_stream(["tar", "-c", "-C", _abs(path), "."]):
+            if isinstance(event, Output):
+                if event.stream == "stdout":
+                    yield event.data
+                else:
+                    stderr.extend(event.data)
+            elif isinstance(event, ExitStatus) and event.exit_code != 0:
+                raise errors.GuestError(f"tar failed: {stderr.decode(errors='replace')[:500]}")
+
+    async def tar_in(
+        self, path: str, archive: bytes | AsyncIterable[bytes], *, timeout: float | None = None
+    ) -> None:
+        """Unpacks a tar archive into the directory at `path` (created if missing).
+
+        GNU tar in the guest refuses members that climb out of the target; either way
+        it only ever touches the guest's own file system.
+        """
+        await self.mkdir(path, parents=True)
+        result = await self.exec(
+            ["tar", "-x", "--no-same-owner", "-C", _abs(path)], stdin=archive, timeout=timeout
+        )
+        if result.exit_code != 0:
+            raise errors.InvalidArgument(
+                f"could not unpack archive: {result.stderr.decode(errors='replace')[:500]}"
+            )
+
+
+def _abs(path: str) -> str:
+    if not path.startswith("/"):
+        raise errors.InvalidArgument(f"path must be absolute: {path!r}")
+    if "\x00" in path:
+        raise errors.InvalidArgument("path must not contain NUL bytes")
+    return path
+
+
+def _guest_error(body: bytes) -> errors.CellaError:
+    err, message = decode_error(body)
+    if err == 0:
+        return errors.AgentUnavailable(message)
+    return errors.from_errno(err, message)

@@ -1,0 +1,186 @@
+"""Wire format between the host and the guest agent (agent/agent.c keeps the same constants).
+
+A frame is a 9-byte header - payload length (u32), channel (u32), type (u8), all big-endian -
+followed by the payload. Each request picks a fresh channel; every reply to it carries that
+channel, so many execs and transfers share the one virtio-serial port. Request payloads are a
+sequence of fields: tag (u8), length (u32), value. The guest is untrusted: the host checks every
+length it reads before using it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+HEADER = struct.Struct(">IIB")
+MAX_FRAME = 1 << 20
+CHUNK = 256 << 10
+
+
+class Msg(IntEnum):
+    # host -> guest
+    PING = 0x01
+    EXEC = 0x02
+    STDIN = 0x03
+    KILL = 0x04
+    READ = 0x10
+    WRITE = 0x11
+    WDATA = 0x12
+    WEND = 0x13
+    LIST = 0x14
+    STAT = 0x15
+    MKDIR = 0x16
+    REMOVE = 0x17
+    CHMOD = 0x18
+    IDENTITY = 0x19
+    SHUTDOWN = 0x1A
+    # guest -> host
+    PONG = 0x81
+    STARTED = 0x82
+    STDOUT = 0x83
+    STDERR = 0x84
+    EXIT = 0x85
+    DATA = 0x86
+    END = 0x87
+    OK = 0x88
+    ERROR = 0x8F
+
+
+class Field(IntEnum):
+    ARG = 1
+    ENV = 2
+    CWD = 3
+    USER = 4
+    TIMEOUT_MS = 5
+    STDIN = 6
+    PATH = 7
+    MODE = 8
+    PARENTS = 9
+    RECURSIVE = 10
+    HOSTNAME = 11
+    TIME_NS = 12
+    SEED = 13
+
+
+class ProtocolError(Exception):
+    """The guest sent something that does not follow the protocol."""
+
+
+def frame(channel: int, msg: Msg, payload: bytes = b"") -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise ValueError(f"frame payload {len(payload)} exceeds {MAX_FRAME}")
+    return HEADER.pack(len(payload), channel, msg) + payload
+
+
+def fields(items: Iterable[tuple[Field, bytes | str | int | bool]]) -> bytes:
+    out = bytearray()
+    for tag, value in items:
+        if isinstance(value, bool):
+            raw = b"\x01" if value else b""
+        elif isinstance(value, int):
+            raw = value.to_bytes(8, "big")
+        elif isinstance(value, str):
+            raw = value.encode("utf-8", "surrogateescape")
+        else:
+            raw = value
+        out += struct.pack(">BI", tag, len(raw)) + raw
+    return bytes(out)
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes, get complete frames; refuses oversize frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
+        self._buf += data
+        while len(self._buf) >= HEADER.size:
+            length, channel, msg = HEADER.unpack_from(self._buf)
+            if length > MAX_FRAME:
+                raise ProtocolError(f"guest sent a {length}-byte frame (limit {MAX_FRAME})")
+            end = HEADER.size + length
+            if len(self._buf) < end:
+                break
+            payload = bytes(self._buf[HEADER.size : end])
+            del self._buf[:end]
+            yield channel, msg, payload
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One file system entry as the guest reports it."""
+
+    name: str
+    kind: str  # "file", "dir", "symlink", "other"
+    mode: int
+    size: int
+    mtime_ns: int
+    uid: int
+    gid: int
+    target: str | None = None
+
+
+_KINDS = {ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
+_ENTRY = struct.Struct(">BIQQII")
+
+
+def decode_entries(payload: bytes) -> list[Entry]:
+    entries: list[Entry] = []
+    off = 0
+    n = len(payload)
+    while off < n:
+        if n - off < _ENTRY.size + 2:
+            raise ProtocolError("truncated directory entry")
+        kind, mode, size, mtime, uid, gid = _ENTRY.unpack_from(payload, off)
+        off += _ENTRY.size
+        name, off = _short_bytes(payload, off)
+        target, off = _short_bytes(payload, off)
+        if kind not in _KINDS:
+            raise ProtocolError(f"unknown entry kind {kind}")
+        entries.append(
+            Entry(
+                name=name.decode("utf-8", "surrogateescape"),
+                kind=_KINDS[kind],
+                mode=mode,
+                size=size,
+                mtime_ns=mtime,
+                uid=uid,
+                gid=gid,
+                target=target.decode("utf-8", "surrogateescape") if target else None,
+            )
+        )
+    return entries
+
+
+def _short_bytes(payload: bytes, off: int) -> tuple[bytes, int]:
+    if len(payload) - off < 2:
+        raise ProtocolError("truncated directory entry")
+    (length,) = struct.unpack_from(">H", payload, off)
+    off += 2
+    if len(payload) - off < length:
+        raise ProtocolError("truncated directory entry")
+    return payload[off : off + length], off + length
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    exit_code: int
+    signal: int | None
+    timed_out: bool
+
+
+def decode_exit(payload: bytes) -> ExitStatus:
+    if len(payload) != 9:
+        raise ProtocolError("malformed exit frame")
+    code, sig, timed_out = struct.unpack(">IIB", payload)
+    return ExitStatus(exit_code=code, signal=sig or None, timed_out=bool(timed_out))
+
+
+def decode_error(payload: bytes) -> tuple[int, str]:
+    if len(payload) < 4:
+        raise ProtocolError("malformed error frame")
+    (err,) = struct.unpack_from(">I", payload)
+    return err, payload[4:1028].decode("utf-8", "replace")

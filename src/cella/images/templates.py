@@ -1,0 +1,211 @@
+"""Templates: root file systems declared as data, built with debootstrap, cached by hash.
+
+A template becomes a read-only qcow2 base image; every sandbox writes to its own overlay on
+top of it. The image name carries the hash of the spec, so an unchanged template is never
+rebuilt and a changed one never reuses a stale image. A build happens in a scratch directory
+and is renamed into the cache only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from cella import errors
+from cella._proc import Progress, quiet, run
+from cella.paths import Paths
+
+# Bump when the build steps change in a way that changes the resulting image.
+BUILDER_VERSION = 1
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class TemplateSpec(BaseModel):
+    """What goes into a template image."""
+
+    name: str
+    suite: str = "bookworm"
+    apt_packages: list[str] = Field(default_factory=list)
+    pip_packages: list[str] = Field(default_factory=list)
+    files: dict[str, str] = Field(default_factory=dict)  # absolute guest path -> content
+    setup: list[str] = Field(default_factory=list)  # shell commands run in the new root
+    disk_mib: int = Field(default=4096, ge=512, le=1 << 20)
+
+    def digest(self) -> str:
+        canon = json.dumps(
+            {"builder": BUILDER_VERSION, **self.model_dump()}, sort_keys=True
+        ).encode()
+        return hashlib.sha256(canon).hexdigest()[:16]
+
+    @classmethod
+    def from_toml(cls, text: str) -> TemplateSpec:
+        return cls.model_validate(tomllib.loads(text))
+
+
+def builtin_templates() -> dict[str, TemplateSpec]:
+    specs = {}
+    for entry in resources.files("cella.images").joinpath("templates").iterdir():
+        if entry.name.endswith(".toml"):
+            spec = TemplateSpec.from_toml(entry.read_text())
+            specs[spec.name] = spec
+    return specs
+
+
+def template_image(paths: Paths, spec: TemplateSpec) -> Path:
+    return paths.templates / f"{spec.name}-{spec.digest()}.qcow2"
+
+
+def find_template(paths: Paths, name: str) -> Path:
+    """The built base image of a built-in template, or ImageMissing / NotFound."""
+    specs = builtin_templates()
+    if name not in specs:
+        raise errors.NotFound(f"unknown template {name!r}")
+    image = template_image(paths, specs[name])
+    if not image.exists():
+        raise errors.ImageMissing(f"template {name!r} is not built: run `cella setup`")
+    return image
+
+
+def debian_mirror(suite: str) -> str:
+    """The host's own Debian mirror for `suite`, read from its apt sources."""
+    if env := os.environ.get("CELLA_DEBIAN_MIRROR"):
+        return env
+    for source in _apt_sources():
+        uri, suites, components = source
+        if suite in suites and "main" in components:
+            return uri
+    raise errors.BuildFailed(f"no apt source for Debian {suite} main (set CELLA_DEBIAN_MIRROR)")
+
+
+def _apt_sources() -> Iterator[tuple[str, list[str], list[str]]]:
+    apt = Path("/etc/apt")
+    lists = [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*.list"))]
+    for f in lists:
+        if not f.exists():
+            continue
+        for line in f.read_text().splitlines():
+            parts = re.sub(r"\[[^]]*\]", "", line.split("#")[0]).split()
+            if len(parts) >= 3 and parts[0] == "deb":
+                yield parts[1], [parts[2]], parts[3:]
+    for f in sorted((apt / "sources.list.d").glob("*.sources")):
+        for stanza in re.split(r"\n\s*\n", f.read_text()):
+            kv: dict[str, str] = {}
+            for line in stanza.splitlines():
+                if ":" in line and not line.startswith(("#", " ")):
+                    k, _, v = line.partition(":")
+                    kv[k.strip().lower()] = v.strip()
+            if "deb" in kv.get("types", "").split():
+                for uri in kv.get("uris", "").split():
+                    yield uri, kv.get("suites", "").split(), kv.get("components", "").split()
+
+
+def build_template(
+    paths: Paths, spec: TemplateSpec, progress: Progress = quiet, *, force: bool = False
+) -> Path:
+    """Builds the template's base image unless an identical one is cached."""
+    if not _NAME.match(spec.name):
+        raise errors.InvalidArgument(f"invalid template name {spec.name!r}")
+    image = template_image(paths, spec)
+    if image.exists() and not force:
+        progress(f"template {spec.name} is up to date ({image.name})")
+        return image
+    paths.ensure()
+    stage = paths.tmp / f"template-{spec.name}-{spec.digest()}-{os.getpid()}"
+    if stage.exists():
+        _remove_stage(stage)
+    rootfs = stage / "rootfs"
+    rootfs.mkdir(parents=True)
+    try:
+        mirror = debian_mirror(spec.suite)
+        packages = ["ca-certificates", *spec.apt_packages]
+        progress(f"debootstrap {spec.suite} ({len(packages)} extra packages)")
+        run(
+            ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
+             spec.suite, rootfs, mirror],
+            progress=lambda line: progress(f"  {line}") if line.startswith("I:") else None,
+        )
+        _configure(rootfs, spec, progress)
+        raw = stage / "root.ext4"
+        progress(f"making a {spec.disk_mib} MiB ext4 file system")
+        run(["mkfs.ext4", "-F", "-q", "-L", "cella-root", "-E", "root_owner=0:0",
+             "-d", rootfs, raw, f"{spec.disk_mib}M"])
+        progress("converting to a qcow2 base image")
+        qcow = stage / "base.qcow2"
+        run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
+        qcow.chmod(0o444)
+        (stage / "spec.json").write_text(spec.model_dump_json(indent=2))
+        shutil.copy2(stage / "spec.json", image.with_suffix(".json"))
+        qcow.rename(image)
+    finally:
+        _remove_stage(stage)
+    progress(f"template {spec.name} built ({image.name})")
+    return image
+
+
+def _configure(rootfs: Path, spec: TemplateSpec, progress: Progress) -> None:
+    (rootfs / "etc" / "hostname").write_text("cella\n")
+    (rootfs / "etc" / "hosts").write_text("127.0.0.1 localhost cella\n::1 localhost\n")
+    (rootfs / "workspace").mkdir(exist_ok=True)
+    with _chroot_mounts(rootfs):
+        resolv = rootfs / "etc" / "resolv.conf"
+        resolv.unlink(missing_ok=True)
+        shutil.copy2("/etc/resolv.conf", resolv)  # for pip during the build only
+        try:
+            if spec.pip_packages:
+                progress(f"pip install {' '.join(spec.pip_packages)}")
+                _chroot(rootfs, ["python3", "-m", "pip", "install", "--no-cache-dir",
+                                 "--break-system-packages", *spec.pip_packages], progress)
+            for path, content in spec.files.items():
+                if not path.startswith("/") or ".." in Path(path).parts:
+                    raise errors.InvalidArgument(f"template file path {path!r} is not absolute")
+                dest = rootfs / path.lstrip("/")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(content)
+            for command in spec.setup:
+                progress(f"setup: {command}")
+                _chroot(rootfs, ["/bin/sh", "-c", command], progress)
+            _chroot(rootfs, ["apt-get", "clean"], progress)
+        finally:
+            resolv.write_text("")
+    shutil.rmtree(rootfs / "var" / "lib" / "apt" / "lists", ignore_errors=True)
+    (rootfs / "var" / "lib" / "apt" / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+
+
+def _chroot(rootfs: Path, cmd: list[str], progress: Progress) -> None:
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "HOME": "/root", "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
+    run(["chroot", rootfs, *cmd], env=env, progress=lambda line: progress(f"  {line}"))
+
+
+@contextlib.contextmanager
+def _chroot_mounts(rootfs: Path) -> Iterator[None]:
+    mounted: list[Path] = []
+    try:
+        for fs, target in (("proc", "proc"), ("sysfs", "sys")):
+            subprocess.run(["mount", "-t", fs, fs, rootfs / target], check=True)
+            mounted.append(rootfs / target)
+        subprocess.run(["mount", "--bind", "/dev", rootfs / "dev"], check=True)
+        mounted.append(rootfs / "dev")
+        yield
+    finally:
+        for m in reversed(mounted):
+            subprocess.run(["umount", "-l", m], check=False)
+
+
+def _remove_stage(stage: Path) -> None:
+    # never delete through a bind mount of the host's /dev
+    mounts = Path("/proc/self/mounts").read_text()
+    if f" {stage}/" in mounts:
+        raise errors.BuildFailed(f"{stage} still has mounts; not removing it")
+    shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""The QEMU command line for a cella microVM (pure: no processes, easy to test)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Accel = Literal["kvm", "tcg"]
+QEMU = "qemu-system-x86_64"
+AGENT_PORT = "cella.agent"
+
+
+@dataclass(frozen=True, slots=True)
+class VMConfig:
+    name: str
+    vcpus: int
+    memory_mib: int
+    kernel: Path
+    initrd: Path
+    disk: Path | None
+    qmp_socket: Path
+    agent_socket: Path
+    console_log: Path
+    accel: Accel
+    extra_cmdline: tuple[str, ...] = ()
+
+
+def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
+    """The host's TSC rate in kHz, as /proc/cpuinfo reports it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    match = re.search(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.M)
+    return round(float(match.group(1)) * 1000) if match else None
+
+
+def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = ()) -> str:
+    args = [
+        "console=ttyS0",
+        "quiet",
+        "panic=-1",  # reboot on panic; with -no-reboot QEMU exits and the host sees it
+        "cryptomgr.notests",
+        "i8042.noaux",
+        "i8042.nomux",
+        "i8042.nopnp",
+        "i8042.dumbkbd",
+        "random.trust_cpu=on",
+    ]
+    if accel == "tcg":
+        args.append("tsc=reliable")
+        args.append("norandmaps")
+        args.append("mitigations=off")
+        # without it a fraction of TCG boots hang after PIT calibration fails
+        if tsc_khz:
+            args.append(f"tsc_early_khz={tsc_khz}")
+    return " ".join([*args, *extra])
+
+
+def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
+    cpu = "host" if cfg.accel == "kvm" else "qemu64,+arat"
+    argv = [
+        QEMU,
+        "-name", cfg.name,
+        "-machine", "microvm,acpi=on",
+        "-accel", cfg.accel,
+        "-cpu", cpu,
+        "-smp", str(cfg.vcpus),
+        "-m", f"{cfg.memory_mib}M",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
+        "-kernel", str(cfg.kernel),
+        "-initrd", str(cfg.initrd),
+        "-append", kernel_cmdline(cfg.accel, tsc_khz, cfg.extra_cmdline),
+        "-chardev", f"file,id=console,path={cfg.console_log}",
+        "-serial", "chardev:console",
+        "-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off",
+        "-object", "rng-random,id=rng,filename=/dev/urandom",
+        "-device", "virtio-rng-device,rng=rng",
+        "-device", "virtio-serial-device,max_ports=2",
+        "-chardev", f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+    ]
+    if cfg.disk is not None:
+        argv += [
+            "-drive",
+            f"id=root,file={cfg.disk},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap",
+            "-device", "virtio-blk-device,drive=root",
+        ]
+    return argv

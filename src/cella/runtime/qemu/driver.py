@@ -1,0 +1,102 @@
+"""The QEMU microVM driver: overlay on a template base, boot, stop, destroy."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from cella import errors
+from cella._proc import Progress, quiet
+from cella.images.boot import BootImage, ensure_boot
+from cella.images.templates import find_template
+from cella.paths import Paths
+from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
+from cella.runtime.qemu.args import VMConfig
+from cella.runtime.qemu.vm import QemuVM, vm_files
+from cella.storage.overlay import create_overlay
+
+MIN_MEMORY_MIB = 128  # the cloud kernel panics at 64 MiB
+MAX_MEMORY_MIB = 256 * 1024
+MAX_VCPUS = 64
+
+
+def validate_resources(vcpus: int, memory_mib: int) -> None:
+    if not 1 <= vcpus <= MAX_VCPUS:
+        raise errors.InvalidArgument(f"vcpus must be between 1 and {MAX_VCPUS}, got {vcpus}")
+    if not MIN_MEMORY_MIB <= memory_mib <= MAX_MEMORY_MIB:
+        raise errors.InvalidArgument(
+            f"memory_mib must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB}, got {memory_mib}"
+        )
+
+
+class QemuDriver:
+    """Boots microVMs from templates. `prepare()` once, then `boot()` many times."""
+
+    def __init__(
+        self, paths: Paths, accel: AccelMode = "auto", *, die_with_parent: bool = True
+    ) -> None:
+        self.paths = paths
+        self.accel_mode: AccelMode = accel
+        self.die_with_parent = die_with_parent
+        self._boot: BootImage | None = None
+        self._accel: AccelChoice | None = None
+
+    async def prepare(self, progress: Progress = quiet) -> AccelChoice:
+        """Builds the boot image if its sources changed and settles on an accelerator."""
+        self.paths.ensure()
+        self._boot = ensure_boot(self.paths, progress)
+        self._accel = await choose_accel(self._boot, self.accel_mode, self.paths.root)
+        return self._accel
+
+    @property
+    def accel(self) -> AccelChoice:
+        if self._accel is None:
+            raise errors.CellaError("driver not prepared")
+        return self._accel
+
+    async def boot(
+        self,
+        template: str = "default",
+        *,
+        vcpus: int = 1,
+        memory_mib: int = 512,
+        name: str | None = None,
+        boot_timeout: float = 60.0,
+    ) -> QemuVM:
+        validate_resources(vcpus, memory_mib)
+        if self._boot is None or self._accel is None:
+            await self.prepare()
+        assert self._boot is not None and self._accel is not None
+        base = find_template(self.paths, template)
+        name = name or f"vm-{secrets.token_hex(6)}"
+        directory = self.paths.vms / name
+        directory.mkdir(parents=True)
+        try:
+            overlay = directory / "disk.qcow2"
+            create_overlay(base, overlay)
+            config = VMConfig(
+                name=name, vcpus=vcpus, memory_mib=memory_mib, kernel=self._boot.kernel.vmlinux,
+                initrd=self._boot.initrd, disk=overlay, accel=self._accel.accel,
+                **vm_files(directory),
+            )
+            vm = QemuVM(config, die_with_parent=self.die_with_parent)
+            vm.directory = directory
+            vm.accel_reason = self._accel.reason
+            await vm.start(boot_timeout)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return vm
+
+    async def destroy(self, vm: QemuVM) -> None:
+        """Kills the VM and frees its overlay and sockets."""
+        await vm.kill()
+        directory = vm.directory
+        if directory is not None and Path(directory).is_relative_to(self.paths.vms):
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """VM directories on disk (for tests and recovery)."""
+        return sorted(os.listdir(self.paths.vms)) if self.paths.vms.exists() else []

@@ -1,0 +1,189 @@
+"""One QEMU microVM process: start, wait for its agent, stop cleanly or kill hard."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from cella import errors
+from cella.guest.client import AgentClient
+from cella.runtime.qemu.args import VMConfig, host_tsc_khz, qemu_argv
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: QEMU gets SIGKILL when its parent goes away."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class QemuVM:
+    """A running microVM with its QMP monitor and guest-agent channel."""
+
+    def __init__(self, config: VMConfig, *, die_with_parent: bool = True) -> None:
+        self.config = config
+        self.die_with_parent = die_with_parent
+        self.process: asyncio.subprocess.Process | None = None
+        self.qmp: QMPClient | None = None
+        self._agent: AgentClient | None = None
+        self.boot_seconds: float | None = None
+        self.directory: Path | None = None
+        self.accel_reason = ""
+
+    @property
+    def accel(self) -> str:
+        return self.config.accel
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def agent(self) -> AgentClient:
+        if self._agent is None:
+            raise errors.AgentUnavailable("the VM is not running")
+        return self._agent
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, boot_timeout: float = 60.0) -> None:
+        cfg = self.config
+        for sock in (cfg.qmp_socket, cfg.agent_socket):
+            sock.unlink(missing_ok=True)
+        cfg.console_log.write_bytes(b"")
+        started = time.perf_counter()
+        self.process = await asyncio.create_subprocess_exec(
+            *qemu_argv(cfg, host_tsc_khz()),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            start_new_session=True,
+        )
+        try:
+            await asyncio.wait_for(self._connect(), boot_timeout)
+        except TimeoutError:
+            await self.kill()
+            raise errors.AgentUnavailable(
+                f"the guest agent was not ready within {boot_timeout:.0f} s"
+                f"{self._console_hint()}"
+            ) from None
+        except BaseException:
+            await self.kill()
+            raise
+        self.boot_seconds = time.perf_counter() - started
+
+    async def _connect(self) -> None:
+        cfg = self.config
+        while not (cfg.qmp_socket.exists() and cfg.agent_socket.exists()):
+            await self._check_alive()
+            await asyncio.sleep(0.002)
+        self.qmp = QMPClient(cfg.name)
+        await self.qmp.connect(str(cfg.qmp_socket))
+        self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+        ping = asyncio.ensure_future(self._agent.ping(timeout=None))
+        while not ping.done():
+            done, _ = await asyncio.wait({ping}, timeout=0.05)
+            if not done:
+                await self._check_alive()
+        ping.result()
+
+    async def _check_alive(self) -> None:
+        assert self.process is not None
+        if self.process.returncode is not None:
+            raise errors.AgentUnavailable(f"QEMU exited during boot: {await self._exit_reason()}")
+
+    async def _exit_reason(self) -> str:
+        assert self.process is not None
+        stderr = b""
+        if self.process.stderr is not None:
+            with contextlib.suppress(Exception):
+                stderr = await asyncio.wait_for(self.process.stderr.read(4096), 1.0)
+        text = stderr.decode(errors="replace").strip()
+        return (text or f"exit status {self.process.returncode}") + self._console_hint()
+
+    def _console_hint(self) -> str:
+        tail = self.console_tail(800).strip()
+        return f"\n--- guest console ---\n{tail}" if tail else ""
+
+    async def _lost_reason(self) -> str:
+        """Why the agent channel closed: a guest panic, QEMU killed, or a poweroff."""
+        if self.process is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.process.wait(), 2.0)
+        console = self.console_tail(4000)
+        if "Kernel panic" in console:
+            line = next(
+                (ln for ln in console.splitlines() if "Kernel panic" in ln), "Kernel panic"
+            )
+            return f"the guest kernel panicked: {line.strip()}"
+        if self.process is not None and self.process.returncode is not None:
+            rc = self.process.returncode
+            how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            return f"the VM stopped (QEMU {how})"
+        return "the VM closed its agent channel"
+
+    def console_tail(self, limit: int = 4000) -> str:
+        try:
+            with self.config.console_log.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    async def stop(self, timeout: float = 15.0) -> None:
+        """Clean shutdown: the guest syncs its disks and powers off; force if it will not."""
+        if self.running and self._agent is not None and not self._agent.closed:
+            with contextlib.suppress(errors.CellaError, OSError):
+                await self._agent.shutdown(timeout=timeout)
+            with contextlib.suppress(TimeoutError):
+                assert self.process is not None
+                await asyncio.wait_for(self.process.wait(), timeout)
+        if self.running and self.qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.qmp.execute("quit"), 5.0)
+            with contextlib.suppress(TimeoutError):
+                assert self.process is not None
+                await asyncio.wait_for(self.process.wait(), 5.0)
+        await self.kill()
+
+    async def kill(self) -> None:
+        """Hard stop: SIGKILL QEMU and release every socket."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+        await self._close_channels()
+        for sock in (self.config.qmp_socket, self.config.agent_socket):
+            sock.unlink(missing_ok=True)
+
+    async def _close_channels(self) -> None:
+        if self._agent is not None:
+            await self._agent.close()
+        if self.qmp is not None:
+            with contextlib.suppress(Exception):
+                await self.qmp.disconnect()
+            self.qmp = None
+
+    async def wait(self) -> int:
+        assert self.process is not None
+        return await self.process.wait()
+
+
+def vm_files(directory: Path) -> dict[str, Path]:
+    return {
+        "qmp_socket": directory / "qmp.sock",
+        "agent_socket": directory / "agent.sock",
+        "console_log": directory / "console.log",
+    }

@@ -1,0 +1,34 @@
+"""Copy-on-write disks: each sandbox writes to its own qcow2 overlay on a read-only base."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from cella import errors
+
+
+def create_overlay(base: Path, overlay: Path, size_mib: int | None = None) -> None:
+    """A new overlay backed by `base`; unchanged blocks stay shared with it."""
+    if not base.exists():
+        raise errors.ImageMissing(f"base image {base} does not exist")
+    cmd = ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(base.resolve()),
+           str(overlay)]
+    if size_mib is not None:
+        cmd.append(f"{size_mib}M")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        overlay.unlink(missing_ok=True)
+        raise errors.CellaError(f"qemu-img create failed: {proc.stderr.strip()}")
+
+
+def image_info(image: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        ["qemu-img", "info", "-U", "--output=json", str(image)],
+        capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0:
+        raise errors.NotFound(f"{image}: {proc.stderr.strip()}")
+    info: dict[str, object] = json.loads(proc.stdout)
+    return info
