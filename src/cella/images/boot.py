@@ -1,8 +1,9 @@
 """Boot artifacts: the guest agent (compiled from source here) and the initramfs.
 
-Both are cached by content hash, so editing the agent or the init script rebuilds them on the
-next start (about a second) and an unchanged tree never does. The agent rides in the
-initramfs, not the template, so templates never need a rebuild when the agent changes.
+The agent is the initramfs's /init: it loads the virtio modules, mounts the root disk, moves
+into it and stays PID 1. Both artifacts are cached by content hash, so editing the agent
+rebuilds them on the next start (about a second) and an unchanged tree never does. The agent
+rides in the initramfs, not the template, so templates never need a rebuild for it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from cella.images import cpio
 from cella.images.kernel import Kernel
 from cella.paths import Paths
 
-BUSYBOX = Path("/bin/busybox")
-# busybox applets the init script uses
-APPLETS = ("sh", "mount", "umount", "insmod", "cat", "mkdir", "cp", "sleep", "echo",
-           "reboot", "switch_root")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +30,8 @@ class BootImage:
     agent: Path
 
 
-def _source(name: str) -> bytes:
-    if name == "agent.c":
-        return resources.files("cella.guest").joinpath("agent", "agent.c").read_bytes()
-    return resources.files("cella.images").joinpath(name).read_bytes()
+def _agent_source() -> bytes:
+    return resources.files("cella.guest").joinpath("agent", "agent.c").read_bytes()
 
 
 def _digest(*parts: bytes) -> str:
@@ -48,7 +43,7 @@ def _digest(*parts: bytes) -> str:
 
 def ensure_agent(paths: Paths, progress: Progress = quiet) -> Path:
     """Compiles the static guest agent if this source has not been compiled before."""
-    src = _source("agent.c")
+    src = _agent_source()
     out = paths.images / f"agent-{_digest(src)}"
     if out.exists():
         return out
@@ -71,21 +66,14 @@ def ensure_agent(paths: Paths, progress: Progress = quiet) -> Path:
 def ensure_boot(paths: Paths, progress: Progress = quiet) -> BootImage:
     kernel = Kernel.load(paths)
     agent = ensure_agent(paths, progress)
-    if not BUSYBOX.exists():
-        raise errors.ImageMissing(f"{BUSYBOX} is missing: run `cella setup`")
-    init = _source("init.sh")
-    busybox = BUSYBOX.read_bytes()
     agent_bytes = agent.read_bytes()
     modules = [(m.name, m.read_bytes()) for m in kernel.modules]
-    key = _digest(init, busybox, agent_bytes, kernel.sha256.encode(),
+    key = _digest(agent_bytes, kernel.sha256.encode(),
                   *(name.encode() + data for name, data in modules))
     initrd = paths.images / f"initramfs-{key}.cpio"
     if not initrd.exists():
         progress("assembling the initramfs")
         members = [
-            cpio.directory("bin"),
-            cpio.file("bin/busybox", busybox),
-            *(cpio.symlink(f"bin/{a}", "busybox") for a in APPLETS),
             cpio.directory("dev"),
             cpio.directory("proc"),
             cpio.directory("sys"),
@@ -93,8 +81,7 @@ def ensure_boot(paths: Paths, progress: Progress = quiet) -> BootImage:
             cpio.directory("modules"),
             cpio.file("modules/order", "".join(f"{n}\n" for n, _ in modules).encode(), 0o644),
             *(cpio.file(f"modules/{n}", data, 0o644) for n, data in modules),
-            cpio.file("cella-agent", agent_bytes),
-            cpio.file("init", init),
+            cpio.file("init", agent_bytes),
         ]
         tmp = initrd.with_suffix(f".tmp{os.getpid()}")
         with tmp.open("wb") as f:

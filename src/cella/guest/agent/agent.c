@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/random.h>
+#include <linux/sched.h>
 #include <net/if.h>
 #include <poll.h>
 #include <pwd.h>
@@ -28,6 +29,7 @@
 #include <sys/reboot.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -73,6 +75,13 @@ static void logf_(const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
+}
+
+static void halt_with(const char *why) {
+    logf_("%s", why);
+    sync();
+    reboot(RB_AUTOBOOT); /* QEMU runs with -no-reboot: this ends the VM */
+    _exit(1);
 }
 
 static int64_t now_ms(void) {
@@ -297,35 +306,73 @@ static int user_groups(const char *name, gid_t primary, gid_t *out, int max) {
 
 /* Runs in the forked child; never returns. Reports exec failure as an errno on errpipe. */
 static void exec_child(char **argv, char **env, const char *cwd, const struct user *u,
-                       const char *cgroup, int in_fd, int out_fd, int err_fd, int errpipe) {
+                       int in_fd, int out_fd, int err_fd, int errpipe) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
     setsid();
-    if (cgroup[0]) {
-        char p[128];
-        snprintf(p, sizeof p, "%s/cgroup.procs", cgroup);
-        write_file(p, "0");
-    }
     dup2(in_fd, 0);
     dup2(out_fd, 1);
     dup2(err_fd, 2);
-    int err = 0;
+    /* the failing step travels with its errno so the host can say what went wrong */
+    int err = 0, stage = 0;
     if (u) {
         gid_t groups[64];
         int ng = user_groups(u->name, u->gid, groups, 64);
-        if (setgroups((size_t)ng, groups) || setgid(u->gid) || setuid(u->uid)) err = errno;
+        if (setgroups((size_t)ng, groups) || setgid(u->gid) || setuid(u->uid)) err = errno, stage = 1;
     }
-    if (!err && cwd && chdir(cwd)) err = errno;
     if (!err) {
-        execvpe(argv[0], argv, env);
-        err = errno;
+        const char *dir = cwd;
+        struct stat st;
+        if (!dir) dir = stat(u->home, &st) == 0 && S_ISDIR(st.st_mode) ? u->home : "/";
+        if (chdir(dir)) err = errno, stage = 2;
     }
-    uint8_t e[4];
+    if (!err) {
+        environ = env; /* execvp searches the PATH the command will see */
+        execvp(argv[0], argv);
+        err = errno, stage = 3;
+    }
+    uint8_t e[5];
     put32(e, (uint32_t)err);
-    if (write(errpipe, e, 4) < 0) { /* parent sees EOF instead */ }
+    e[4] = (uint8_t)stage;
+    if (write(errpipe, e, 5) < 0) { /* parent sees EOF instead */ }
     _exit(127);
+}
+
+/*
+ * Forks the exec's process straight into a cgroup of its own (clone3 CLONE_INTO_CGROUP), so
+ * a timeout can kill the whole tree, daemons and all, with cgroup.kill. Moving a process in
+ * afterwards through cgroup.procs waits for an RCU grace period: slow under emulation.
+ * Empty cgroups are kept for reuse for the same reason.
+ */
+static void remove_cgroup(const char *path);
+static char free_cgroups[64][64];
+static int n_free_cgroups;
+static unsigned cgroup_seq;
+
+static pid_t spawn_in_cgroup(struct exec *e) {
+    if (!have_cgroups) return fork();
+    if (n_free_cgroups > 0) {
+        snprintf(e->cgroup, sizeof e->cgroup, "%s", free_cgroups[--n_free_cgroups]);
+    } else {
+        snprintf(e->cgroup, sizeof e->cgroup, CGROUP_ROOT "/x%u", ++cgroup_seq);
+        if (mkdir(e->cgroup, 0755) && errno != EEXIST) {
+            e->cgroup[0] = 0;
+            return fork();
+        }
+    }
+    int cg = open(e->cgroup, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct clone_args args = {.flags = CLONE_INTO_CGROUP, .exit_signal = SIGCHLD,
+                              .cgroup = (uint64_t)cg};
+    pid_t pid = cg < 0 ? -1 : (pid_t)syscall(SYS_clone3, &args, sizeof args);
+    if (cg >= 0) close(cg);
+    if (pid < 0) { /* no clone3: fall back to a plain fork without tree kill */
+        rmdir(e->cgroup);
+        e->cgroup[0] = 0;
+        return fork();
+    }
+    return pid;
 }
 
 static char **build_env(const struct field *fs, int n, const struct user *u) {
@@ -397,7 +444,12 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         }
     char **env = build_env(fs, n, &u);
     const struct field *fc = find_field(fs, n, F_CWD);
-    char *cwd = fc ? field_str(fc) : strdup(u.home[0] ? u.home : "/");
+    char *cwd = fc ? field_str(fc) : NULL;
+    if (fc && !cwd) {
+        free_strv(argv);
+        free_strv(env);
+        return send_error(chan, EINVAL, "NUL byte in cwd");
+    }
     const struct field *ft = find_field(fs, n, F_TIMEOUT_MS);
     uint64_t timeout_ms = ft ? field_u64(ft) : 0;
     int want_stdin = find_field(fs, n, F_STDIN) != NULL;
@@ -414,13 +466,9 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
 
     struct exec *e = calloc(1, sizeof *e);
     e->chan = chan;
-    if (have_cgroups) {
-        snprintf(e->cgroup, sizeof e->cgroup, CGROUP_ROOT "/x%u", chan);
-        if (mkdir(e->cgroup, 0755) && errno != EEXIST) e->cgroup[0] = 0;
-    }
-    pid_t pid = fork();
+    pid_t pid = spawn_in_cgroup(e);
     if (pid == 0)
-        exec_child(argv, env, cwd, &u, e->cgroup, inp[0], outp[1], errp[1], ep[1]);
+        exec_child(argv, env, cwd, &u, inp[0], outp[1], errp[1], ep[1]);
     close(outp[1]);
     close(errp[1]);
     close(ep[1]);
@@ -429,22 +477,24 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         send_error(chan, errno, "fork: %s", strerror(errno));
         close(outp[0]); close(errp[0]); close(ep[0]);
         if (inp[1] >= 0) close(inp[1]);
-        if (e->cgroup[0]) rmdir(e->cgroup);
+        remove_cgroup(e->cgroup);
         free(e);
         goto out;
     }
     /* exec failures (missing binary, bad cwd, bad user) come back as an errno */
-    uint8_t eb[4];
+    uint8_t eb[5];
     ssize_t r;
-    do r = read(ep[0], eb, 4); while (r < 0 && errno == EINTR);
+    do r = read(ep[0], eb, 5); while (r < 0 && errno == EINTR);
     close(ep[0]);
-    if (r == 4) {
+    if (r == 5) {
         int err = (int)get32(eb);
         waitpid(pid, NULL, 0);
-        send_error(chan, err, "cannot run %s: %s", argv[0], strerror(err));
+        if (eb[4] == 1) send_error(chan, err, "cannot switch to user %s: %s", u.name, strerror(err));
+        else if (eb[4] == 2) send_error(chan, err, "cannot change to directory %s: %s", cwd ? cwd : u.home, strerror(err));
+        else send_error(chan, err, "cannot run %s: %s", argv[0], strerror(err));
         close(outp[0]); close(errp[0]);
         if (inp[1] >= 0) close(inp[1]);
-        if (e->cgroup[0]) rmdir(e->cgroup);
+        remove_cgroup(e->cgroup);
         free(e);
         goto out;
     }
@@ -497,8 +547,24 @@ static int pump(struct exec *e, int *fd, uint8_t type, size_t budget) {
     return 0;
 }
 
+static int cgroup_empty(const char *path) {
+    char p[128], buf[64];
+    snprintf(p, sizeof p, "%s/cgroup.events", path);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = 0;
+    return strstr(buf, "populated 0") != NULL;
+}
+
 static void remove_cgroup(const char *path) {
-    if (!path[0] || rmdir(path) == 0 || errno == ENOENT) return;
+    if (!path[0]) return;
+    if (n_free_cgroups < 64 && cgroup_empty(path)) {
+        snprintf(free_cgroups[n_free_cgroups++], 64, "%s", path);
+        return;
+    }
+    if (rmdir(path) == 0 || errno == ENOENT) return;
     struct pending_cg *p = calloc(1, sizeof *p); /* still has background processes */
     snprintf(p->path, sizeof p->path, "%s", path);
     p->next = pending_cgroups;
@@ -889,8 +955,7 @@ static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len
     case T_IDENTITY: handle_identity(chan, p, len); break;
     case T_SHUTDOWN:
         send_ok(chan);
-        sync();
-        reboot(RB_POWER_OFF);
+        halt_with("shutdown requested");
         break;
     default: send_error(chan, EINVAL, "unknown message type 0x%02x", type);
     }
@@ -972,6 +1037,64 @@ static void bring_up_loopback(void) {
     if (s >= 0) close(s);
 }
 
+static int cmdline_has(const char *word) {
+    char buf[4096] = "";
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = 0;
+    for (char *tok = strtok(buf, " \n"); tok; tok = strtok(NULL, " \n"))
+        if (!strcmp(tok, word)) return 1;
+    return 0;
+}
+
+/*
+ * Stage one, as the initramfs's /init: load the virtio modules, mount the root disk and move
+ * into it. Doing this here rather than in a shell script saves a process per module.
+ */
+static void initramfs_stage(void) {
+    mount_fs("proc", "/proc", "proc", 0, NULL);
+    mount_fs("sysfs", "/sys", "sysfs", 0, NULL);
+    mount_fs("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    int console = open("/dev/console", O_WRONLY | O_CLOEXEC);
+    if (console >= 0) { dup2(console, 1); dup2(console, 2); close(console); }
+    if (cmdline_has("cella.probe")) { /* accelerator probe: booting this far is the answer */
+        printf("CELLA-PROBE-OK\n");
+        fflush(stdout);
+        halt_with("probe done");
+    }
+    FILE *order = fopen("/modules/order", "re");
+    char name[256];
+    while (order && fgets(name, sizeof name, order)) {
+        name[strcspn(name, "\n")] = 0;
+        char path[300];
+        snprintf(path, sizeof path, "/modules/%s", name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) && errno != EEXIST))
+            logf_("load %s: %s", name, strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    if (order) fclose(order);
+    struct stat st;
+    for (int i = 0; stat("/dev/vda", &st); i++) {
+        if (i > 2000) halt_with("no root disk (/dev/vda)");
+        usleep(5000);
+    }
+    mkdir("/newroot", 0755);
+    if (mount("/dev/vda", "/newroot", "ext4", MS_NOATIME, NULL))
+        halt_with("cannot mount the root disk");
+    const char *moves[] = {"/dev", "/proc", "/sys"};
+    for (int i = 0; i < 3; i++) {
+        char dst[64];
+        snprintf(dst, sizeof dst, "/newroot%s", moves[i]);
+        mkdir(dst, 0755);
+        if (mount(moves[i], dst, NULL, MS_MOVE, NULL)) halt_with("cannot move mounts");
+    }
+    if (chdir("/newroot") || mount(".", "/", NULL, MS_MOVE, NULL) || chroot(".") || chdir("/"))
+        halt_with("cannot switch to the root disk");
+}
+
 static void init_system(void) {
     const unsigned long nsd = MS_NOSUID | MS_NODEV;
     mount_fs("proc", "/proc", "proc", nsd | MS_NOEXEC, NULL);
@@ -980,6 +1103,7 @@ static void init_system(void) {
     mount_fs("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=620,ptmxmode=666");
     mount_fs("tmpfs", "/dev/shm", "tmpfs", nsd, "mode=1777");
     mount_fs("cgroup2", "/sys/fs/cgroup", "cgroup2", nsd | MS_NOEXEC, NULL);
+    mount_fs("tmpfs", "/run", "tmpfs", nsd, "mode=0755");
     if (access("/dev/ptmx", F_OK)) { if (symlink("pts/ptmx", "/dev/ptmx")) {} }
     if (access("/dev/fd", F_OK)) { if (symlink("/proc/self/fd", "/dev/fd")) {} }
     have_cgroups = mkdir(CGROUP_ROOT, 0755) == 0 || errno == EEXIST;
@@ -995,7 +1119,10 @@ static void init_system(void) {
 }
 
 int main(void) {
-    if (getpid() == 1) init_system();
+    if (getpid() == 1) {
+        if (access("/modules/order", F_OK) == 0) initramfs_stage();
+        init_system();
+    }
     signal(SIGPIPE, SIG_IGN);
     sigset_t mask;
     sigemptyset(&mask);
@@ -1005,7 +1132,7 @@ int main(void) {
     port = open_port();
     if (port < 0) {
         logf_("no virtio port named %s", PORT_NAME);
-        if (getpid() == 1) reboot(RB_POWER_OFF);
+        if (getpid() == 1) halt_with("no agent port");
         return 1;
     }
     rbuf = malloc(HDR + MAX_FRAME);

@@ -86,7 +86,7 @@ async def probe_kvm(boot: BootImage, deadline: float = PROBE_DEADLINE) -> str | 
 def _cache_key(boot: BootImage) -> str:
     qemu = shutil.which(QEMU)
     qemu_id = f"{qemu}:{os.stat(qemu).st_mtime_ns}" if qemu else "none"
-    parts = [boot.kernel.sha256, boot.initrd.name, qemu_id, platform.release(),
+    parts = [boot.kernel.sha256, qemu_id, platform.release(),
              str(kvm_flavour())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

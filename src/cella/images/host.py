@@ -1,0 +1,49 @@
+"""Host packages cella needs, installed through apt (idempotent)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from cella import errors
+from cella._proc import Progress, quiet, run
+
+HOST_PACKAGES = (
+    "qemu-system-x86",  # the microVM monitor
+    "qemu-utils",  # qemu-img: overlays and base images
+    "debootstrap",  # template root file systems
+    "e2fsprogs",  # mkfs.ext4 -d
+    "lz4",  # unpacking the kernel payload
+    "gcc",  # building the guest agent
+    "libc6-dev",  # static libc for the agent
+    "ca-certificates",
+)
+
+
+def missing_packages(packages: tuple[str, ...] = HOST_PACKAGES) -> list[str]:
+    missing = []
+    for pkg in packages:
+        out = subprocess.run(
+            ["dpkg-query", "-W", "-f=${db:Status-Status}", pkg],
+            capture_output=True, text=True, check=False,
+        ).stdout
+        if out.strip() != "installed":
+            missing.append(pkg)
+    return missing
+
+
+def ensure_host_packages(progress: Progress = quiet) -> list[str]:
+    """Installs whatever is missing; returns what was installed."""
+    missing = missing_packages()
+    if not missing:
+        progress("host packages: all present")
+        return []
+    if os.geteuid() != 0:
+        raise errors.PermissionDenied(f"installing {' '.join(missing)} needs root")
+    progress(f"installing host packages: {' '.join(missing)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    run(["apt-get", "update", "-q"], env=env, progress=lambda line: progress(f"  {line}"))
+    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env,
+        progress=lambda line: progress(f"  {line}") if line.startswith(("Setting up", "Get:"))
+        else None)
+    return missing

@@ -1,0 +1,144 @@
+"""Exec on a real microVM (shared by this module; every test leaves it as it found it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cella import errors
+from cella.guest.client import Output, Started
+from cella.guest.protocol import ExitStatus
+from cella.runtime.qemu.vm import QemuVM
+
+pytestmark = pytest.mark.vm
+
+
+async def test_guest_has_its_own_kernel_and_init(vm: QemuVM) -> None:
+    import platform
+
+    r = await vm.agent.exec(["uname", "-r"])
+    guest_kernel = r.stdout.decode().strip()
+    assert guest_kernel.endswith("-cloud-amd64")
+    assert guest_kernel != platform.release()
+    init = await vm.agent.read_file("/proc/1/cmdline")
+    assert init == b"/init\x00"
+    assert vm.accel in ("kvm", "tcg") and vm.accel_reason
+
+
+async def test_exit_codes_and_signals(vm: QemuVM) -> None:
+    assert (await vm.agent.exec("exit 0")).exit_code == 0
+    assert (await vm.agent.exec(["false"])).exit_code == 1
+    killed = await vm.agent.exec("kill -9 $$")
+    assert (killed.exit_code, killed.signal, killed.timed_out) == (137, 9, False)
+
+
+async def test_stdout_and_stderr_kept_apart(vm: QemuVM) -> None:
+    r = await vm.agent.exec("echo out; echo err >&2; echo out2")
+    assert r.stdout == b"out\nout2\n"
+    assert r.stderr == b"err\n"
+
+
+async def test_output_streams_as_produced(vm: QemuVM) -> None:
+    arrivals: list[tuple[float, bytes]] = []
+    script = "for i in 1 2 3 4 5; do echo line$i; sleep 0.2; done"
+    async for event in vm.agent.exec_stream(script):
+        if isinstance(event, Output):
+            arrivals.append((time.monotonic(), event.data))
+    assert b"".join(d for _, d in arrivals) == b"".join(b"line%d\n" % i for i in range(1, 6))
+    # line by line: five separate chunks, spread over the ~0.8 s the loop sleeps
+    assert len(arrivals) == 5
+    assert arrivals[-1][0] - arrivals[0][0] >= 0.6
+
+
+async def test_stream_event_order(vm: QemuVM) -> None:
+    events = [e async for e in vm.agent.exec_stream(["echo", "hi"])]
+    assert isinstance(events[0], Started) and events[0].pid > 1
+    assert isinstance(events[-1], ExitStatus)
+    assert events[1:-1] == [Output("stdout", b"hi\n")]
+
+
+async def test_concurrent_execs_get_their_own_output(vm: QemuVM) -> None:
+    async def one(i: int) -> tuple[int, bytes, bytes]:
+        r = await vm.agent.exec(f"echo start-{i}; sleep 0.3; echo end-{i}; echo e{i} >&2")
+        return i, r.stdout, r.stderr
+
+    results = await asyncio.gather(*(one(i) for i in range(10)))
+    for i, out, err in results:
+        assert out == f"start-{i}\nend-{i}\n".encode()
+        assert err == f"e{i}\n".encode()
+
+
+async def test_stdin_reaches_the_process(vm: QemuVM) -> None:
+    r = await vm.agent.exec(["cat"], stdin=b"hello\nworld\n")
+    assert r.stdout == b"hello\nworld\n"
+    big = bytes(range(256)) * 8192  # 2 MiB, more than any pipe buffer
+    r = await vm.agent.exec(["sha256sum"], stdin=big)
+    import hashlib
+
+    assert r.stdout.split()[0].decode() == hashlib.sha256(big).hexdigest()
+
+
+async def test_timeout_kills_the_whole_tree(vm: QemuVM) -> None:
+    start = time.monotonic()
+    r = await vm.agent.exec("setsid sleep 61 & sleep 60", timeout=2)
+    assert r.timed_out and r.signal == 9 and r.exit_code == 137
+    assert time.monotonic() - start < 30
+    # neither the command nor the child that escaped into its own session survives
+    left = await vm.agent.exec("pgrep -x sleep || true")
+    assert left.stdout == b""
+
+
+async def test_env_cwd_and_user(vm: QemuVM) -> None:
+    r = await vm.agent.exec('echo "$FOO $(pwd)"', env={"FOO": "bar baz"}, cwd="/tmp")
+    assert r.stdout == b"bar baz /tmp\n"
+    r = await vm.agent.exec(["id", "-u"], user="nobody")
+    assert r.stdout == b"65534\n"
+    with pytest.raises(errors.UnknownUser):
+        await vm.agent.exec(["true"], user="no-such-user")
+    with pytest.raises(errors.NotFound):
+        await vm.agent.exec(["true"], cwd="/no/such/dir")
+    with pytest.raises(errors.NotFound):
+        await vm.agent.exec(["/no/such/binary"])
+
+
+async def test_non_utf8_bytes_round_trip(vm: QemuVM) -> None:
+    r = await vm.agent.exec(["printf", "\\377\\376abc\\200"])
+    assert r.stdout == b"\xff\xfeabc\x80"
+    odd = b"\xff\xfe".decode("utf-8", "surrogateescape")
+    r = await vm.agent.exec(["printf", "%s", odd])
+    assert r.stdout == b"\xff\xfe"
+
+
+async def test_background_process_outlives_its_exec(vm: QemuVM) -> None:
+    # the exec returns although the child still holds its stdout open
+    r = await vm.agent.exec("sleep 300 & echo started", timeout=20)
+    assert not r.timed_out and r.stdout == b"started\n"
+    alive = await vm.agent.exec(["pgrep", "-x", "sleep"])
+    assert alive.exit_code == 0
+    await vm.agent.exec("pkill -x sleep")
+
+
+async def test_invalid_requests_are_clear_errors(vm: QemuVM) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        await vm.agent.exec([])
+    with pytest.raises(errors.InvalidArgument):
+        await vm.agent.exec(["true"], env={"A=B": "x"})
+    with pytest.raises(errors.InvalidArgument):
+        await vm.agent.exec(["true"], timeout=0)
+    # the agent still answers after all of that
+    assert (await vm.agent.exec(["true"])).exit_code == 0
+
+
+async def test_abandoned_stream_kills_its_process(vm: QemuVM) -> None:
+    stream = vm.agent.exec_stream(["sleep", "120"])
+    started = await anext(stream)
+    assert isinstance(started, Started)
+    await stream.aclose()
+    for _ in range(50):
+        r = await vm.agent.exec(["pgrep", "-x", "sleep"])
+        if r.exit_code == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert r.exit_code == 1
