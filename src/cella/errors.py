@@ -132,7 +132,14 @@ def from_errno(err: int, message: str) -> CellaError:
     return _BY_ERRNO.get(err, GuestError)(message)
 
 
-ALL_ERRORS: dict[str, type[CellaError]] = {
-    cls.code: cls
-    for cls in [CellaError, *CellaError.__subclasses__()]
-}
+def _all_errors() -> dict[str, type[CellaError]]:
+    found: dict[str, type[CellaError]] = {}
+    pending: list[type[CellaError]] = [CellaError]
+    while pending:
+        cls = pending.pop()
+        found[cls.code] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+ALL_ERRORS: dict[str, type[CellaError]] = _all_errors()

@@ -78,8 +78,11 @@ async def test_errors_have_clear_codes(vm: QemuVM) -> None:
 def _tree() -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, content in {"top.txt": b"top", "sub/inner.txt": b"inner" * 1000,
-                              "sub/deeper/x.bin": os.urandom(300_000)}.items():
+        for name, content in {
+            "top.txt": b"top",
+            "sub/inner.txt": b"inner" * 1000,
+            "sub/deeper/x.bin": os.urandom(300_000),
+        }.items():
             info = tarfile.TarInfo(name)
             info.size = len(content)
             info.mode = 0o640

@@ -5,9 +5,16 @@ from cella.runtime.qemu.args import VMConfig, host_tsc_khz, kernel_cmdline, qemu
 
 def config(accel: str = "tcg") -> VMConfig:
     return VMConfig(
-        name="vm-x", vcpus=2, memory_mib=512, kernel=Path("/k"), initrd=Path("/i"),
-        disk=Path("/d.qcow2"), qmp_socket=Path("/q.sock"), agent_socket=Path("/a.sock"),
-        console_log=Path("/c.log"), accel=accel,  # type: ignore[arg-type]
+        name="vm-x",
+        vcpus=2,
+        memory_mib=512,
+        kernel=Path("/k"),
+        initrd=Path("/i"),
+        disk=Path("/d.qcow2"),
+        qmp_socket=Path("/q.sock"),
+        agent_socket=Path("/a.sock"),
+        console_log=Path("/c.log"),
+        accel=accel,  # type: ignore[arg-type]
     )
 
 

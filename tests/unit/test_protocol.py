@@ -36,9 +36,15 @@ def test_host_refuses_to_build_oversize_frames() -> None:
 def test_fields_encoding() -> None:
     raw = fields([(Field.ARG, "ls"), (Field.TIMEOUT_MS, 5), (Field.STDIN, True)])
     assert raw == (
-        bytes([Field.ARG]) + (2).to_bytes(4, "big") + b"ls"
-        + bytes([Field.TIMEOUT_MS]) + (8).to_bytes(4, "big") + (5).to_bytes(8, "big")
-        + bytes([Field.STDIN]) + (1).to_bytes(4, "big") + b"\x01"
+        bytes([Field.ARG])
+        + (2).to_bytes(4, "big")
+        + b"ls"
+        + bytes([Field.TIMEOUT_MS])
+        + (8).to_bytes(4, "big")
+        + (5).to_bytes(8, "big")
+        + bytes([Field.STDIN])
+        + (1).to_bytes(4, "big")
+        + b"\x01"
     )
 
 
@@ -60,7 +66,12 @@ def test_entry_roundtrip() -> None:
     payload += struct.pack(">H", len(name)) + name + struct.pack(">H", 0)
     (entry,) = decode_entries(payload)
     assert (entry.name, entry.kind, entry.mode, entry.size, entry.target) == (
-        "a.txt", "file", 0o644, 12, None)
+        "a.txt",
+        "file",
+        0o644,
+        12,
+        None,
+    )
 
 
 def test_exit_frame() -> None:

@@ -20,7 +20,10 @@ def progress_printer(json_mode: bool) -> Any:
     """Progress lines go to stderr, so --json output on stdout stays clean."""
 
     def show(line: str) -> None:
-        console.print(f"[dim]{line}[/dim]" if line.startswith("  ") else f"[cyan]•[/cyan] {line}",
-                      highlight=False, markup=True)
+        console.print(
+            f"[dim]{line}[/dim]" if line.startswith("  ") else f"[cyan]•[/cyan] {line}",
+            highlight=False,
+            markup=True,
+        )
 
     return show

@@ -63,8 +63,10 @@ def setup(
     if json_:
         emit_json(result)
     else:
-        console.print(f"[green]ready[/green] in {result['seconds']} s: kernel {kernel.version}, "
-                      f"accel [bold]{choice.accel}[/bold] ({choice.reason})")
+        console.print(
+            f"[green]ready[/green] in {result['seconds']} s: kernel {kernel.version}, "
+            f"accel [bold]{choice.accel}[/bold] ({choice.reason})"
+        )
 
 
 def _accel_mode(value: str) -> Any:
@@ -98,32 +100,45 @@ def demo(
         try:
             for cmd in commands:
                 result = await vm.agent.exec(cmd)
-                steps.append({
-                    "command": cmd,
-                    "exit_code": result.exit_code,
-                    "stdout": result.stdout.decode(errors="replace").strip(),
-                    "stderr": result.stderr.decode(errors="replace").strip(),
-                    "ms": round(result.duration * 1000, 1),
-                })
+                steps.append(
+                    {
+                        "command": cmd,
+                        "exit_code": result.exit_code,
+                        "stdout": result.stdout.decode(errors="replace").strip(),
+                        "stderr": result.stderr.decode(errors="replace").strip(),
+                        "ms": round(result.duration * 1000, 1),
+                    }
+                )
             await vm.agent.write_file("/workspace/hello.txt", b"hello from the host\n")
             back = await vm.agent.read_file("/workspace/hello.txt")
         finally:
             await vm.stop()
             await driver.destroy(vm)
-        return {"template": template, "accel": choice.accel, "accel_reason": choice.reason,
-                "boot_seconds": round(vm.boot_seconds or 0, 2), "steps": steps,
-                "file_roundtrip": back.decode()}
+        return {
+            "template": template,
+            "accel": choice.accel,
+            "accel_reason": choice.reason,
+            "boot_seconds": round(vm.boot_seconds or 0, 2),
+            "steps": steps,
+            "file_roundtrip": back.decode(),
+        }
 
     report = asyncio.run(run())
     if json_:
         emit_json(report)
         return
-    console.print(f"booted [bold]{template}[/bold] in {report['boot_seconds']} s "
-                  f"under [bold]{report['accel']}[/bold] ({report['accel_reason']})")
+    console.print(
+        f"booted [bold]{template}[/bold] in {report['boot_seconds']} s "
+        f"under [bold]{report['accel']}[/bold] ({report['accel_reason']})"
+    )
     table = Table("command", "exit", "ms", "output")
     for s in report["steps"]:
-        table.add_row(s["command"], str(s["exit_code"]), str(s["ms"]),
-                      s["stdout"] or f"[red]{s['stderr']}[/red]")
+        table.add_row(
+            s["command"],
+            str(s["exit_code"]),
+            str(s["ms"]),
+            s["stdout"] or f"[red]{s['stderr']}[/red]",
+        )
     out.print(table)
     console.print(f"file written and read back: {report['file_roundtrip'].strip()!r}")
 

@@ -22,7 +22,6 @@ from cella.images.kernel import Kernel
 from cella.paths import Paths
 
 
-
 @dataclass(frozen=True, slots=True)
 class BootImage:
     kernel: Kernel
@@ -68,8 +67,9 @@ def ensure_boot(paths: Paths, progress: Progress = quiet) -> BootImage:
     agent = ensure_agent(paths, progress)
     agent_bytes = agent.read_bytes()
     modules = [(m.name, m.read_bytes()) for m in kernel.modules]
-    key = _digest(agent_bytes, kernel.sha256.encode(),
-                  *(name.encode() + data for name, data in modules))
+    key = _digest(
+        agent_bytes, kernel.sha256.encode(), *(name.encode() + data for name, data in modules)
+    )
     initrd = paths.images / f"initramfs-{key}.cpio"
     if not initrd.exists():
         progress("assembling the initramfs")

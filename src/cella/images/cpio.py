@@ -24,8 +24,7 @@ def write_newc(out: BinaryIO, members: list[Member]) -> None:
         name = m.name.encode() + b"\x00"
         nlink = 2 if stat.S_ISDIR(m.mode) else 1
         header = "070701" + "".join(
-            f"{v:08x}"
-            for v in (ino, m.mode, 0, 0, nlink, 0, len(m.data), 0, 0, 0, 0, len(name), 0)
+            f"{v:08x}" for v in (ino, m.mode, 0, 0, nlink, 0, len(m.data), 0, 0, 0, 0, len(name), 0)
         )
         out.write(header.encode() + name + b"\x00" * _pad(110 + len(name)))
         out.write(m.data + b"\x00" * _pad(len(m.data)))

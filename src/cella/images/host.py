@@ -25,7 +25,9 @@ def missing_packages(packages: tuple[str, ...] = HOST_PACKAGES) -> list[str]:
     for pkg in packages:
         out = subprocess.run(
             ["dpkg-query", "-W", "-f=${db:Status-Status}", pkg],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
         if out.strip() != "installed":
             missing.append(pkg)
@@ -43,7 +45,11 @@ def ensure_host_packages(progress: Progress = quiet) -> list[str]:
     progress(f"installing host packages: {' '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     run(["apt-get", "update", "-q"], env=env, progress=lambda line: progress(f"  {line}"))
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env,
-        progress=lambda line: progress(f"  {line}") if line.startswith(("Setting up", "Get:"))
-        else None)
+    run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
+        env=env,
+        progress=lambda line: (
+            progress(f"  {line}") if line.startswith(("Setting up", "Get:")) else None
+        ),
+    )
     return missing

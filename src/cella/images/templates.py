@@ -131,15 +131,34 @@ def build_template(
         packages = ["ca-certificates", *spec.apt_packages]
         progress(f"debootstrap {spec.suite} ({len(packages)} extra packages)")
         run(
-            ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
-             spec.suite, rootfs, mirror],
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(packages)}",
+                spec.suite,
+                rootfs,
+                mirror,
+            ],
             progress=lambda line: progress(f"  {line}") if line.startswith("I:") else None,
         )
         _configure(rootfs, spec, progress)
         raw = stage / "root.ext4"
         progress(f"making a {spec.disk_mib} MiB ext4 file system")
-        run(["mkfs.ext4", "-F", "-q", "-L", "cella-root", "-E", "root_owner=0:0",
-             "-d", rootfs, raw, f"{spec.disk_mib}M"])
+        run(
+            [
+                "mkfs.ext4",
+                "-F",
+                "-q",
+                "-L",
+                "cella-root",
+                "-E",
+                "root_owner=0:0",
+                "-d",
+                rootfs,
+                raw,
+                f"{spec.disk_mib}M",
+            ]
+        )
         progress("converting to a qcow2 base image")
         qcow = stage / "base.qcow2"
         run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
@@ -164,8 +183,19 @@ def _configure(rootfs: Path, spec: TemplateSpec, progress: Progress) -> None:
         try:
             if spec.pip_packages:
                 progress(f"pip install {' '.join(spec.pip_packages)}")
-                _chroot(rootfs, ["python3", "-m", "pip", "install", "--no-cache-dir",
-                                 "--break-system-packages", *spec.pip_packages], progress)
+                _chroot(
+                    rootfs,
+                    [
+                        "python3",
+                        "-m",
+                        "pip",
+                        "install",
+                        "--no-cache-dir",
+                        "--break-system-packages",
+                        *spec.pip_packages,
+                    ],
+                    progress,
+                )
             for path, content in spec.files.items():
                 if not path.startswith("/") or ".." in Path(path).parts:
                     raise errors.InvalidArgument(f"template file path {path!r} is not absolute")
@@ -183,8 +213,12 @@ def _configure(rootfs: Path, spec: TemplateSpec, progress: Progress) -> None:
 
 
 def _chroot(rootfs: Path, cmd: list[str], progress: Progress) -> None:
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME": "/root", "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "DEBIAN_FRONTEND": "noninteractive",
+    }
     run(["chroot", rootfs, *cmd], env=env, progress=lambda line: progress(f"  {line}"))
 
 

@@ -13,8 +13,18 @@ def create_overlay(base: Path, overlay: Path, size_mib: int | None = None) -> No
     """A new overlay backed by `base`; unchanged blocks stay shared with it."""
     if not base.exists():
         raise errors.ImageMissing(f"base image {base} does not exist")
-    cmd = ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(base.resolve()),
-           str(overlay)]
+    cmd = [
+        "qemu-img",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        str(base.resolve()),
+        str(overlay),
+    ]
     if size_mib is not None:
         cmd.append(f"{size_mib}M")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -26,7 +36,9 @@ def create_overlay(base: Path, overlay: Path, size_mib: int | None = None) -> No
 def image_info(image: Path) -> dict[str, object]:
     proc = subprocess.run(
         ["qemu-img", "info", "-U", "--output=json", str(image)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         raise errors.NotFound(f"{image}: {proc.stderr.strip()}")

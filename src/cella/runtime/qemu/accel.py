@@ -53,9 +53,16 @@ async def probe_kvm(boot: BootImage, deadline: float = PROBE_DEADLINE) -> str | 
     with tempfile.TemporaryDirectory(prefix="cella-probe-") as tmp_s:
         tmp = Path(tmp_s)
         cfg = VMConfig(
-            name="cella-kvm-probe", vcpus=1, memory_mib=256, kernel=boot.kernel.vmlinux,
-            initrd=boot.initrd, disk=None, qmp_socket=tmp / "qmp.sock",
-            agent_socket=tmp / "agent.sock", console_log=tmp / "console.log", accel="kvm",
+            name="cella-kvm-probe",
+            vcpus=1,
+            memory_mib=256,
+            kernel=boot.kernel.vmlinux,
+            initrd=boot.initrd,
+            disk=None,
+            qmp_socket=tmp / "qmp.sock",
+            agent_socket=tmp / "agent.sock",
+            console_log=tmp / "console.log",
+            accel="kvm",
             extra_cmdline=("cella.probe",),
         )
         cfg.console_log.write_bytes(b"")
@@ -86,8 +93,7 @@ async def probe_kvm(boot: BootImage, deadline: float = PROBE_DEADLINE) -> str | 
 def _cache_key(boot: BootImage) -> str:
     qemu = shutil.which(QEMU)
     qemu_id = f"{qemu}:{os.stat(qemu).st_mtime_ns}" if qemu else "none"
-    parts = [boot.kernel.sha256, qemu_id, platform.release(),
-             str(kvm_flavour())]
+    parts = [boot.kernel.sha256, qemu_id, platform.release(), str(kvm_flavour())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

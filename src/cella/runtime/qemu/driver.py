@@ -14,7 +14,7 @@ from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import VMConfig
-from cella.runtime.qemu.vm import QemuVM, vm_files
+from cella.runtime.qemu.vm import QemuVM, VMFiles
 from cella.storage.overlay import create_overlay
 
 MIN_MEMORY_MIB = 128  # the cloud kernel panics at 64 MiB
@@ -76,10 +76,18 @@ class QemuDriver:
         try:
             overlay = directory / "disk.qcow2"
             create_overlay(base, overlay)
+            files = VMFiles.under(directory)
             config = VMConfig(
-                name=name, vcpus=vcpus, memory_mib=memory_mib, kernel=self._boot.kernel.vmlinux,
-                initrd=self._boot.initrd, disk=overlay, accel=self._accel.accel,
-                **vm_files(directory),
+                name=name,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                kernel=self._boot.kernel.vmlinux,
+                initrd=self._boot.initrd,
+                disk=overlay,
+                accel=self._accel.accel,
+                qmp_socket=files.qmp_socket,
+                agent_socket=files.agent_socket,
+                console_log=files.console_log,
             )
             vm = QemuVM(config, die_with_parent=self.die_with_parent)
             vm.directory = directory

@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from qemu.qmp import QMPClient
@@ -75,8 +76,7 @@ class QemuVM:
         except TimeoutError:
             await self.kill()
             raise errors.AgentUnavailable(
-                f"the guest agent was not ready within {boot_timeout:.0f} s"
-                f"{self._console_hint()}"
+                f"the guest agent was not ready within {boot_timeout:.0f} s{self._console_hint()}"
             ) from None
         except BaseException:
             await self.kill()
@@ -123,9 +123,7 @@ class QemuVM:
                 await asyncio.wait_for(self.process.wait(), 2.0)
         console = self.console_tail(4000)
         if "Kernel panic" in console:
-            line = next(
-                (ln for ln in console.splitlines() if "Kernel panic" in ln), "Kernel panic"
-            )
+            line = next((ln for ln in console.splitlines() if "Kernel panic" in ln), "Kernel panic")
             return f"the guest kernel panicked: {line.strip()}"
         if self.process is not None and self.process.returncode is not None:
             rc = self.process.returncode
@@ -181,9 +179,14 @@ class QemuVM:
         return await self.process.wait()
 
 
-def vm_files(directory: Path) -> dict[str, Path]:
-    return {
-        "qmp_socket": directory / "qmp.sock",
-        "agent_socket": directory / "agent.sock",
-        "console_log": directory / "console.log",
-    }
+@dataclass(frozen=True, slots=True)
+class VMFiles:
+    """The per-VM files QEMU creates, kept together in the VM's directory."""
+
+    qmp_socket: Path
+    agent_socket: Path
+    console_log: Path
+
+    @classmethod
+    def under(cls, directory: Path) -> VMFiles:
+        return cls(directory / "qmp.sock", directory / "agent.sock", directory / "console.log")

@@ -1,0 +1,62 @@
+"""Runtime-level figures: cold boot to agent-ready, and exec round trip of `true`.
+
+.venv/bin/python -m bench.runtime [--boots 5] [--execs 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from bench._stats import report, summary_ms
+from cella.paths import Paths
+from cella.runtime.qemu.driver import QemuDriver
+
+
+async def measure(boots: int, execs: int) -> dict[str, dict[str, object]]:
+    driver = QemuDriver(Paths.default())
+    choice = await driver.prepare()
+    boot_times = []
+    for _ in range(boots):
+        vm = await driver.boot()
+        assert vm.boot_seconds is not None
+        boot_times.append(vm.boot_seconds)
+        await driver.destroy(vm)
+    vm = await driver.boot()
+    try:
+        for _ in range(20):  # warm the guest's page cache and TCG translations
+            await vm.agent.exec(["true"])
+        rtt, ping = [], []
+        for _ in range(execs):
+            t = time.perf_counter()
+            await vm.agent.exec(["true"])
+            rtt.append(time.perf_counter() - t)
+        for _ in range(execs):
+            t = time.perf_counter()
+            await vm.agent.ping()
+            ping.append(time.perf_counter() - t)
+    finally:
+        await driver.destroy(vm)
+    return {
+        f"cold boot to agent ready [{choice.accel}]": {
+            **summary_ms(boot_times),
+            "target": "p50 <= 1300",
+        },
+        "exec round trip of `true`": {**summary_ms(rtt), "target": "p50 <= 2, p99 <= 4"},
+        "agent ping round trip": summary_ms(ping),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--boots", type=int, default=5)
+    parser.add_argument("--execs", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = asyncio.run(measure(args.boots, args.execs))
+    report("cella runtime", rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
