@@ -67,6 +67,28 @@ class UnknownUser(CellaError):
     status = 400
 
 
+class InvalidState(CellaError):
+    """The sandbox is not in a state that allows the operation (e.g. exec while stopped)."""
+
+    code = "invalid_state"
+    status = 409
+
+
+class Unauthenticated(CellaError):
+    code = "unauthenticated"
+    status = 401
+
+
+class Forbidden(CellaError):
+    code = "forbidden"
+    status = 403
+
+
+class PayloadTooLarge(CellaError):
+    code = "payload_too_large"
+    status = 413
+
+
 class GuestError(CellaError):
     """The guest failed an operation for a reason with no more specific code."""
 

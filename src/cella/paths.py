@@ -1,4 +1,9 @@
-"""Where cella keeps its files. One data directory holds images, VMs and (later) state."""
+"""Where cella keeps its files.
+
+The data directory holds one daemon's state and VMs. The image cache (kernel, initramfs,
+template bases) is content-addressed and read-only once built, so daemons with different data
+directories share it: it defaults to the default data directory's `images/`.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +18,22 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
 
 
+def default_image_dir() -> Path:
+    return Path(os.environ.get("CELLA_IMAGE_DIR") or DEFAULT_DATA_DIR / "images")
+
+
 @dataclass(frozen=True, slots=True)
 class Paths:
     root: Path
+    image_dir: Path | None = None
 
     @classmethod
     def default(cls) -> Paths:
-        return cls(default_data_dir())
+        return cls(default_data_dir(), default_image_dir())
 
     @property
     def images(self) -> Path:
-        return self.root / "images"
+        return self.image_dir or self.root / "images"
 
     @property
     def kernel(self) -> Path:
@@ -41,6 +51,11 @@ class Paths:
     def tmp(self) -> Path:
         return self.root / "tmp"
 
+    @property
+    def build_tmp(self) -> Path:
+        """Scratch space for image builds, on the same file system as the cache."""
+        return self.images / "tmp"
+
     def ensure(self) -> None:
-        for d in (self.images, self.kernel, self.templates, self.vms, self.tmp):
+        for d in (self.images, self.kernel, self.templates, self.vms, self.tmp, self.build_tmp):
             d.mkdir(parents=True, exist_ok=True)

@@ -32,11 +32,11 @@ def test_unchanged_template_is_never_rebuilt(paths: Paths) -> None:
 def test_failed_build_leaves_no_image(paths: Paths) -> None:
     spec = TemplateSpec(name="broken", apt_packages=["cella-no-such-package-xyz"])
     before = set(paths.templates.iterdir())
-    tmp_before = set(paths.tmp.iterdir())
+    tmp_before = set(paths.build_tmp.iterdir())
     lines: list[str] = []
     with pytest.raises(errors.BuildFailed):
         build_template(paths, spec, lines.append)
     assert lines, "the build reports progress"
     assert not template_image(paths, spec).exists()
     assert set(paths.templates.iterdir()) == before
-    assert set(paths.tmp.iterdir()) == tmp_before
+    assert set(paths.build_tmp.iterdir()) == tmp_before

@@ -49,7 +49,7 @@ def setup(
             raise typer.BadParameter(f"unknown template {name!r}; known: {', '.join(specs)}")
         images[name] = str(build_template(paths, specs[name], show))
     show("probing the accelerator")
-    choice = asyncio.run(choose_accel(boot, _accel_mode(accel), paths.root))
+    choice = asyncio.run(choose_accel(boot, _accel_mode(accel), paths.images))
     result = {
         "data_dir": str(paths.root),
         "installed_packages": installed,
@@ -141,6 +141,11 @@ def demo(
         )
     out.print(table)
     console.print(f"file written and read back: {report['file_roundtrip'].strip()!r}")
+
+
+from cella.cli.serve import serve  # noqa: E402
+
+app.command()(serve)
 
 
 def main() -> None:

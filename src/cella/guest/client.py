@@ -291,13 +291,9 @@ class AgentClient:
             self._release(cid)
 
     async def _feed_stdin(self, cid: int, stdin: bytes | AsyncIterable[bytes]) -> None:
-        if isinstance(stdin, bytes):
-            for off in range(0, len(stdin), CHUNK):
-                await self._send(cid, Msg.STDIN, stdin[off : off + CHUNK])
-        else:
-            async for chunk in stdin:
-                for off in range(0, len(chunk), CHUNK):
-                    await self._send(cid, Msg.STDIN, chunk[off : off + CHUNK])
+        async for chunk in _chunks(stdin):
+            if chunk:
+                await self._send(cid, Msg.STDIN, chunk)
         await self._send(cid, Msg.STDIN, b"")
 
     async def exec(
@@ -374,17 +370,14 @@ class AgentClient:
         cid, ch = self._open()
         try:
             await self._send(cid, Msg.WRITE, fields(items))
-            if isinstance(data, bytes):
-                for off in range(0, len(data), CHUNK):
-                    await self._send(cid, Msg.WDATA, data[off : off + CHUNK])
-            elif isinstance(data, AsyncIterable):
-                async for chunk in data:
-                    for off in range(0, len(chunk), CHUNK):
-                        await self._send(cid, Msg.WDATA, chunk[off : off + CHUNK])
-            else:
-                for chunk in data:
-                    for off in range(0, len(chunk), CHUNK):
-                        await self._send(cid, Msg.WDATA, chunk[off : off + CHUNK])
+            try:
+                async for chunk in _chunks(data):
+                    await self._send(cid, Msg.WDATA, chunk)
+            except BaseException:
+                # the source failed (or was too large): the guest drops its temporary file
+                if self._closed is None:
+                    await self._send(cid, Msg.WEND, b"\x01")
+                raise
             await self._send(cid, Msg.WEND)
             reply, body = await self._next(ch, 60.0)
             if reply == Msg.ERROR:
@@ -470,6 +463,22 @@ class AgentClient:
             raise errors.InvalidArgument(
                 f"could not unpack archive: {result.stderr.decode(errors='replace')[:500]}"
             )
+
+
+async def _chunks(data: bytes | AsyncIterable[bytes] | Iterable[bytes]) -> AsyncIterator[bytes]:
+    """Any byte source, cut to frame-sized pieces."""
+    if isinstance(data, bytes):
+        sources: AsyncIterable[bytes] | Iterable[bytes] = [data]
+    else:
+        sources = data
+    if isinstance(sources, AsyncIterable):
+        async for piece in sources:
+            for off in range(0, len(piece), CHUNK):
+                yield piece[off : off + CHUNK]
+    else:
+        for piece in sources:
+            for off in range(0, len(piece), CHUNK):
+                yield piece[off : off + CHUNK]
 
 
 def _abs(path: str) -> str:

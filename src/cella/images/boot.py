@@ -50,8 +50,8 @@ def ensure_agent(paths: Paths, progress: Progress = quiet) -> Path:
         raise errors.ImageMissing("gcc is needed to build the guest agent: run `cella setup`")
     paths.ensure()
     progress("compiling the guest agent")
-    src_file = paths.tmp / f"agent-{os.getpid()}.c"
-    tmp_out = paths.tmp / f"agent-{os.getpid()}"
+    src_file = paths.build_tmp / f"agent-{os.getpid()}.c"
+    tmp_out = paths.build_tmp / f"agent-{os.getpid()}"
     src_file.write_bytes(src)
     try:
         run(["gcc", "-static", "-O2", "-Wall", "-o", tmp_out, src_file])

@@ -61,7 +61,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     except errors.ImageMissing:
         pass
     paths.ensure()
-    with tempfile.TemporaryDirectory(dir=paths.tmp, prefix="kernel-") as tmp_s:
+    with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="kernel-") as tmp_s:
         tmp = Path(tmp_s)
         package = _resolve_package()
         progress(f"downloading {package}")

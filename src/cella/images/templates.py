@@ -121,7 +121,7 @@ def build_template(
         progress(f"template {spec.name} is up to date ({image.name})")
         return image
     paths.ensure()
-    stage = paths.tmp / f"template-{spec.name}-{spec.digest()}-{os.getpid()}"
+    stage = paths.build_tmp / f"template-{spec.name}-{spec.digest()}-{os.getpid()}"
     if stage.exists():
         _remove_stage(stage)
     rootfs = stage / "rootfs"

@@ -761,10 +761,12 @@ static void handle_wdata(uint32_t chan, const uint8_t *p, uint32_t len) {
     }
 }
 
-static void handle_wend(uint32_t chan) {
+/* A payload of 0x01 aborts the write: the temporary file goes, the target is untouched. */
+static void handle_wend(uint32_t chan, const uint8_t *p, uint32_t len) {
     struct writer *w = find_writer(chan);
     if (!w) return send_error(chan, EINVAL, "no write in progress");
     if (w->fd >= 0 && close(w->fd) && !w->err) w->err = errno;
+    if (len == 1 && p[0] == 1 && !w->err) w->err = ECANCELED;
     if (!w->err && rename(w->tmp, w->dst)) w->err = errno;
     if (w->err) {
         if (w->fd >= 0) unlink(w->tmp);
@@ -946,7 +948,7 @@ static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len
     case T_READ: handle_read(chan, p, len); break;
     case T_WRITE: handle_write(chan, p, len); break;
     case T_WDATA: handle_wdata(chan, p, len); break;
-    case T_WEND: handle_wend(chan); break;
+    case T_WEND: handle_wend(chan, p, len); break;
     case T_LIST: handle_list(chan, p, len); break;
     case T_STAT: handle_stat(chan, p, len); break;
     case T_MKDIR: handle_mkdir(chan, p, len); break;

@@ -13,13 +13,14 @@ from cella.images.boot import BootImage, ensure_boot
 from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
-from cella.runtime.qemu.args import VMConfig
-from cella.runtime.qemu.vm import QemuVM, VMFiles
+from cella.runtime.qemu.args import QEMU, VMConfig
+from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline
 from cella.storage.overlay import create_overlay
 
 MIN_MEMORY_MIB = 128  # the cloud kernel panics at 64 MiB
 MAX_MEMORY_MIB = 256 * 1024
 MAX_VCPUS = 64
+DISK = "disk.qcow2"
 
 
 def validate_resources(vcpus: int, memory_mib: int) -> None:
@@ -47,7 +48,7 @@ class QemuDriver:
         """Builds the boot image if its sources changed and settles on an accelerator."""
         self.paths.ensure()
         self._boot = ensure_boot(self.paths, progress)
-        self._accel = await choose_accel(self._boot, self.accel_mode, self.paths.root)
+        self._accel = await choose_accel(self._boot, self.accel_mode, self.paths.images)
         return self._accel
 
     @property
@@ -62,47 +63,85 @@ class QemuDriver:
         *,
         vcpus: int = 1,
         memory_mib: int = 512,
+        disk_mib: int | None = None,
         name: str | None = None,
         boot_timeout: float = 60.0,
     ) -> QemuVM:
+        """A new VM on a fresh overlay of the template (removed again if the boot fails)."""
         validate_resources(vcpus, memory_mib)
-        if self._boot is None or self._accel is None:
-            await self.prepare()
-        assert self._boot is not None and self._accel is not None
         base = find_template(self.paths, template)
         name = name or f"vm-{secrets.token_hex(6)}"
         directory = self.paths.vms / name
         directory.mkdir(parents=True)
         try:
-            overlay = directory / "disk.qcow2"
-            create_overlay(base, overlay)
-            files = VMFiles.under(directory)
-            config = VMConfig(
-                name=name,
-                vcpus=vcpus,
-                memory_mib=memory_mib,
-                kernel=self._boot.kernel.vmlinux,
-                initrd=self._boot.initrd,
-                disk=overlay,
-                accel=self._accel.accel,
-                qmp_socket=files.qmp_socket,
-                agent_socket=files.agent_socket,
-                console_log=files.console_log,
+            create_overlay(base, directory / DISK, disk_mib)
+            return await self.start(
+                directory, vcpus=vcpus, memory_mib=memory_mib, boot_timeout=boot_timeout
             )
-            vm = QemuVM(config, die_with_parent=self.die_with_parent)
-            vm.directory = directory
-            vm.accel_reason = self._accel.reason
-            await vm.start(boot_timeout)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
+
+    async def start(
+        self, directory: Path, *, vcpus: int, memory_mib: int, boot_timeout: float = 60.0
+    ) -> QemuVM:
+        """Boots a VM on the overlay already in `directory` (create, or resume after stop)."""
+        validate_resources(vcpus, memory_mib)
+        if self._boot is None or self._accel is None:
+            await self.prepare()
+        assert self._boot is not None and self._accel is not None
+        vm = QemuVM(
+            self._config(directory, vcpus, memory_mib), die_with_parent=self.die_with_parent
+        )
+        vm.directory = directory
+        vm.accel_reason = self._accel.reason
+        await vm.start(boot_timeout)
         return vm
+
+    async def adopt(self, directory: Path, pid: int) -> QemuVM:
+        """Reconnects to a VM left running by an earlier daemon (its QEMU must be ours)."""
+        if str(directory / DISK) not in " ".join(qemu_cmdline(pid)):
+            raise errors.SandboxCrashed(f"process {pid} is not the QEMU of {directory.name}")
+        vm = await QemuVM.adopt(self._config(directory, 1, MIN_MEMORY_MIB), pid)
+        vm.directory = directory
+        vm.accel_reason = self._accel.reason if self._accel else ""
+        return vm
+
+    def _config(self, directory: Path, vcpus: int, memory_mib: int) -> VMConfig:
+        files = VMFiles.under(directory)
+        boot = self._boot
+        return VMConfig(
+            name=directory.name,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            kernel=boot.kernel.vmlinux if boot else Path("/"),
+            initrd=boot.initrd if boot else Path("/"),
+            disk=directory / DISK,
+            accel=self._accel.accel if self._accel else "tcg",
+            qmp_socket=files.qmp_socket,
+            agent_socket=files.agent_socket,
+            console_log=files.console_log,
+        )
+
+    def stray_qemu_pids(self, keep: set[int]) -> list[int]:
+        """QEMU processes running VMs of this data directory that nothing owns."""
+        marker = f"file={self.paths.vms}/"
+        strays = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in keep:
+                argv = qemu_cmdline(int(entry))
+                if argv and argv[0].endswith(QEMU) and marker in " ".join(argv):
+                    strays.append(int(entry))
+        return strays
 
     async def destroy(self, vm: QemuVM) -> None:
         """Kills the VM and frees its overlay and sockets."""
         await vm.kill()
-        directory = vm.directory
-        if directory is not None and Path(directory).is_relative_to(self.paths.vms):
+        if vm.directory is not None:
+            self.remove_directory(vm.directory)
+
+    def remove_directory(self, directory: Path) -> None:
+        if directory.resolve().is_relative_to(self.paths.vms.resolve()):
             shutil.rmtree(directory, ignore_errors=True)
 
     def leftovers(self) -> list[str]:

@@ -33,6 +33,7 @@ class QemuVM:
         self.config = config
         self.die_with_parent = die_with_parent
         self.process: asyncio.subprocess.Process | None = None
+        self._adopted_pid: int | None = None  # a QEMU started by an earlier daemon
         self.qmp: QMPClient | None = None
         self._agent: AgentClient | None = None
         self.boot_seconds: float | None = None
@@ -45,7 +46,7 @@ class QemuVM:
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process else None
+        return self.process.pid if self.process else self._adopted_pid
 
     @property
     def agent(self) -> AgentClient:
@@ -55,7 +56,26 @@ class QemuVM:
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
+        if self.process is not None:
+            return self.process.returncode is None
+        return self._adopted_pid is not None and pid_alive(self._adopted_pid)
+
+    @classmethod
+    async def adopt(cls, config: VMConfig, pid: int, timeout: float = 5.0) -> QemuVM:
+        """Reconnects to a VM that outlived the process that started it."""
+        vm = cls(config, die_with_parent=False)
+        vm._adopted_pid = pid
+        if not pid_alive(pid):
+            raise errors.SandboxCrashed(f"QEMU process {pid} is gone")
+        try:
+            vm.qmp = QMPClient(config.name)
+            await asyncio.wait_for(vm.qmp.connect(str(config.qmp_socket)), timeout)
+            vm._agent = await AgentClient.connect(config.agent_socket, on_lost=vm._lost_reason)
+            await vm._agent.ping(timeout=timeout)
+        except BaseException:
+            await vm._close_channels()
+            raise
+        return vm
 
     async def start(self, boot_timeout: float = 60.0) -> None:
         cfg = self.config
@@ -118,9 +138,8 @@ class QemuVM:
 
     async def _lost_reason(self) -> str:
         """Why the agent channel closed: a guest panic, QEMU killed, or a poweroff."""
-        if self.process is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.process.wait(), 2.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait(), 2.0)
         console = self.console_tail(4000)
         if "Kernel panic" in console:
             line = next((ln for ln in console.splitlines() if "Kernel panic" in ln), "Kernel panic")
@@ -129,6 +148,8 @@ class QemuVM:
             rc = self.process.returncode
             how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
             return f"the VM stopped (QEMU {how})"
+        if not self.running:
+            return "the VM stopped"
         return "the VM closed its agent channel"
 
     def console_tail(self, limit: int = 4000) -> str:
@@ -146,14 +167,12 @@ class QemuVM:
             with contextlib.suppress(errors.CellaError, OSError):
                 await self._agent.shutdown(timeout=timeout)
             with contextlib.suppress(TimeoutError):
-                assert self.process is not None
-                await asyncio.wait_for(self.process.wait(), timeout)
+                await asyncio.wait_for(self.wait(), timeout)
         if self.running and self.qmp is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.qmp.execute("quit"), 5.0)
             with contextlib.suppress(TimeoutError):
-                assert self.process is not None
-                await asyncio.wait_for(self.process.wait(), 5.0)
+                await asyncio.wait_for(self.wait(), 5.0)
         await self.kill()
 
     async def kill(self) -> None:
@@ -162,6 +181,10 @@ class QemuVM:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self.process.wait()
+        elif self._adopted_pid is not None and pid_alive(self._adopted_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._adopted_pid, signal.SIGKILL)
+            await self.wait()
         await self._close_channels()
         for sock in (self.config.qmp_socket, self.config.agent_socket):
             sock.unlink(missing_ok=True)
@@ -175,8 +198,29 @@ class QemuVM:
             self.qmp = None
 
     async def wait(self) -> int:
-        assert self.process is not None
-        return await self.process.wait()
+        """Waits for QEMU to end; an adopted one (not our child) is polled."""
+        if self.process is not None:
+            return await self.process.wait()
+        while self._adopted_pid is not None and pid_alive(self._adopted_pid):
+            await asyncio.sleep(0.02)
+        return 0
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def qemu_cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True, slots=True)

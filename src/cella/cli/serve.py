@@ -1,0 +1,27 @@
+"""`cella serve`: the daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    listen: Annotated[str | None, typer.Option(help="HOST:PORT to listen on.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="State, images and VMs.")] = None,
+    accel: Annotated[str | None, typer.Option(help="auto, kvm or tcg.")] = None,
+) -> None:
+    """Run the cella daemon (REST API under /v1). Settings: see cella/server/settings.py."""
+    import uvicorn
+
+    from cella.server.app import create_app
+    from cella.server.settings import Settings
+
+    flags = {k: v for k, v in {"listen": listen, "data_dir": data_dir, "accel": accel}.items()
+             if v is not None}
+    settings = Settings(**flags)  # type: ignore[arg-type]
+    host, port = settings.host_port
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level,
+                timeout_graceful_shutdown=5)

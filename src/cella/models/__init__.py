@@ -1,0 +1,41 @@
+"""Wire types shared by the server and the SDK (pydantic; nothing heavy imported here)."""
+
+from cella.models.exec import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    decode_data,
+    encode_data,
+    encode_pair,
+)
+from cella.models.files import ChmodRequest, FileEntry, MkdirRequest
+from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
+from cella.models.sandbox import (
+    Event,
+    EventList,
+    Sandbox,
+    SandboxCreate,
+    SandboxList,
+    SandboxState,
+)
+
+__all__ = [
+    "ChmodRequest",
+    "Event",
+    "EventList",
+    "ExecEvent",
+    "ExecRequest",
+    "ExecResult",
+    "FileEntry",
+    "KeyCreate",
+    "KeyCreated",
+    "KeyInfo",
+    "MkdirRequest",
+    "Sandbox",
+    "SandboxCreate",
+    "SandboxList",
+    "SandboxState",
+    "decode_data",
+    "encode_data",
+    "encode_pair",
+]

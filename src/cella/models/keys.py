@@ -1,0 +1,26 @@
+"""API keys and tenants."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+
+class KeyCreate(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    tenant: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class KeyCreated(BaseModel):
+    id: str
+    tenant: str
+    key: str = Field(description="shown once; only its hash is stored")
+
+
+class KeyInfo(BaseModel):
+    id: str
+    tenant: str
+    created_at: datetime
+    admin: bool

@@ -1,0 +1,70 @@
+"""Sandboxes and their lifecycle events."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class SandboxState(StrEnum):
+    creating = "creating"
+    running = "running"
+    stopping = "stopping"
+    stopped = "stopped"
+    starting = "starting"
+    deleting = "deleting"
+    deleted = "deleted"
+    error = "error"
+
+
+LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+
+
+class SandboxCreate(BaseModel):
+    """What a new sandbox should be. Limits are checked against the host's settings."""
+
+    model_config = {"extra": "forbid"}
+
+    template: str = Field(default="default", min_length=1, max_length=63)
+    vcpus: int = Field(default=1, ge=1, le=64)
+    memory_mib: int = Field(default=512, ge=128, le=262144)
+    disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    idle_timeout_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class Sandbox(BaseModel):
+    id: str
+    state: SandboxState
+    template: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int | None
+    ttl_seconds: int | None
+    idle_timeout_seconds: int | None
+    labels: dict[str, str]
+    accel: str | None
+    accel_reason: str | None
+    error: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[Sandbox]
+
+
+class Event(BaseModel):
+    id: int
+    sandbox_id: str
+    type: str
+    at: datetime
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class EventList(BaseModel):
+    events: list[Event]

@@ -1,0 +1,1 @@
+"""The daemon: FastAPI app, auth, settings."""

@@ -1,0 +1,176 @@
+"""Sandbox lifecycle, exec and events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from cella import errors
+from cella.guest.client import Output, Started
+from cella.guest.protocol import ExitStatus
+from cella.models import (
+    Event,
+    EventList,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    Sandbox,
+    SandboxCreate,
+    SandboxList,
+    SandboxState,
+    encode_data,
+    encode_pair,
+)
+from cella.server.app import Auth, jsonl
+from cella.server.routes._deps import service
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+ID = Annotated[str, "sandbox id"]
+
+
+def _sandbox(row: dict[str, Any]) -> Sandbox:
+    return Sandbox.model_validate(row)
+
+
+@router.post("", status_code=201, response_model=Sandbox)
+async def create_sandbox(body: SandboxCreate, request: Request, who: Auth) -> Sandbox:
+    """Boots a new sandbox from a template and returns it running."""
+    return _sandbox(await service(request).create(who.tenant, body))
+
+
+@router.get("", response_model=SandboxList)
+async def list_sandboxes(
+    request: Request,
+    who: Auth,
+    state: SandboxState | None = None,
+    label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
+) -> SandboxList:
+    labels = {}
+    for item in label or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise errors.InvalidArgument(f"label filter must be key=value, got {item!r}")
+        labels[key] = value
+    rows = service(request).find(who.tenant, state.value if state else None, labels)
+    return SandboxList(sandboxes=[_sandbox(r) for r in rows])
+
+
+@router.get("/{sandbox_id}", response_model=Sandbox)
+async def get_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+    return _sandbox(service(request).get(who.tenant, sandbox_id))
+
+
+@router.post("/{sandbox_id}/stop", response_model=Sandbox)
+async def stop_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+    """Ends every process in the sandbox; its file system is kept."""
+    return _sandbox(await service(request).stop(who.tenant, sandbox_id))
+
+
+@router.post("/{sandbox_id}/resume", response_model=Sandbox)
+async def resume_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+    """Boots a stopped sandbox again on the same disk."""
+    return _sandbox(await service(request).resume(who.tenant, sandbox_id))
+
+
+@router.delete("/{sandbox_id}", status_code=204)
+async def delete_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Response:
+    """Destroys the sandbox and frees its disk."""
+    await service(request).delete(who.tenant, sandbox_id)
+    return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/events", response_model=EventList)
+async def sandbox_events(
+    sandbox_id: ID, request: Request, who: Auth, after: Annotated[int, Query(ge=0)] = 0
+) -> EventList:
+    rows = service(request).events(who.tenant, sandbox_id, after)
+    return EventList(events=[Event.model_validate(r) for r in rows])
+
+
+def _exec_kwargs(body: ExecRequest) -> dict[str, Any]:
+    if isinstance(body.command, list) and not body.command:
+        raise errors.InvalidArgument("command must not be empty")
+    if isinstance(body.command, str) and not body.command.strip():
+        raise errors.InvalidArgument("command must not be empty")
+    return {
+        "cwd": body.cwd,
+        "env": body.env,
+        "user": body.user,
+        "stdin": body.stdin.encode() if body.stdin is not None else None,
+        "timeout": body.timeout,
+    }
+
+
+@router.post("/{sandbox_id}/exec", response_model=ExecResult)
+async def exec_command(
+    sandbox_id: ID, body: ExecRequest, request: Request, who: Auth
+) -> ExecResult:
+    """Runs a command to completion and returns its exit status and output."""
+    kwargs = _exec_kwargs(body)
+    start = time.monotonic()
+    out, err = bytearray(), bytearray()
+    status: ExitStatus | None = None
+    stream = service(request).exec_stream(who.tenant, sandbox_id, body.command, **kwargs)
+    async for event in stream:
+        if isinstance(event, Output):
+            (out if event.stream == "stdout" else err).extend(event.data)
+        elif isinstance(event, ExitStatus):
+            status = event
+    assert status is not None
+    stdout, stderr, encoding = encode_pair(bytes(out), bytes(err))
+    return ExecResult(
+        exit_code=status.exit_code,
+        signal=status.signal,
+        timed_out=status.timed_out,
+        duration_ms=round((time.monotonic() - start) * 1000, 2),
+        stdout=stdout,
+        stderr=stderr,
+        encoding=encoding,
+    )
+
+
+@router.post(
+    "/{sandbox_id}/exec/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/x-ndjson": {"schema": ExecEvent.model_json_schema()}},
+            "description": "JSON Lines of ExecEvent, as produced",
+        }
+    },
+)
+async def exec_stream(
+    sandbox_id: ID, body: ExecRequest, request: Request, who: Auth
+) -> StreamingResponse:
+    """Runs a command and streams started/stdout/stderr/exit events as JSON Lines."""
+    kwargs = _exec_kwargs(body)
+    svc = service(request)
+    svc.vm(who.tenant, sandbox_id)  # unknown or stopped sandboxes fail before streaming
+    start = time.monotonic()
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for event in svc.exec_stream(who.tenant, sandbox_id, body.command, **kwargs):
+                if isinstance(event, Started):
+                    yield jsonl({"type": "started", "pid": event.pid})
+                elif isinstance(event, Output):
+                    data, enc = encode_data(event.data)
+                    yield jsonl({"type": event.stream, "data": data, "encoding": enc})
+                else:
+                    yield jsonl(
+                        {
+                            "type": "exit",
+                            "exit_code": event.exit_code,
+                            "signal": event.signal,
+                            "timed_out": event.timed_out,
+                            "duration_ms": round((time.monotonic() - start) * 1000, 2),
+                        }
+                    )
+        except errors.CellaError as exc:
+            yield jsonl({"type": "error", "code": exc.code, "message": exc.message})
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")

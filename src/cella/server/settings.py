@@ -1,0 +1,62 @@
+"""Daemon settings: the one documented place for every knob.
+
+Sources, later ones winning: defaults below, a TOML file (`$CELLA_CONFIG`, else
+`<data_dir>/cella.toml`), environment variables `CELLA_<NAME>` (e.g. `CELLA_LISTEN`), and the
+`cella serve` flags.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from cella.paths import DEFAULT_DATA_DIR
+
+DEFAULT_LISTEN = "127.0.0.1:8420"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CELLA_", extra="ignore")
+
+    data_dir: Path = Field(default=DEFAULT_DATA_DIR, description="state and VMs")
+    image_dir: Path = Field(
+        default=DEFAULT_DATA_DIR / "images", description="kernel and template cache (shared)"
+    )
+    listen: str = Field(default=DEFAULT_LISTEN, description="HOST:PORT of the REST API")
+    accel: Literal["auto", "kvm", "tcg"] = Field(default="auto", description="accelerator")
+    max_vcpus: int = Field(default=16, ge=1, description="most vCPUs one sandbox may have")
+    max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")
+    max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
+    max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
+    boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
+    log_level: str = Field(default="info", description="uvicorn log level")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        data_dir = Path(os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
+        toml = Path(os.environ.get("CELLA_CONFIG") or data_dir / "cella.toml")
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml))
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+    def public(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

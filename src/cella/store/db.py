@@ -1,0 +1,130 @@
+"""The state store: sandboxes, API keys and events in SQLite (WAL)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cella.store.migrations import MIGRATIONS
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class Store:
+    """Small, synchronous and fast: every call is one short transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            for i, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version = {i};\nCOMMIT;")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def add_key(self, key_id: str, tenant: str, key_hash: str, admin: bool = False) -> None:
+        self._exec(
+            "INSERT INTO api_keys (id, tenant, hash, admin, created_at) VALUES (?, ?, ?, ?, ?)",
+            (key_id, tenant, key_hash, int(admin), now()),
+        )
+
+    def key_by_hash(self, key_hash: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._exec(
+            "SELECT * FROM api_keys WHERE hash = ? AND revoked_at IS NULL", (key_hash,)
+        ).fetchone()
+        return row
+
+    def list_keys(self) -> list[sqlite3.Row]:
+        return self._exec(
+            "SELECT * FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at"
+        ).fetchall()
+
+    def revoke_key(self, key_id: str) -> bool:
+        cur = self._exec(
+            "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+            (now(), key_id),
+        )
+        return cur.rowcount > 0
+
+    # -- sandboxes ------------------------------------------------------------------------
+
+    def insert_sandbox(self, row: dict[str, Any]) -> None:
+        row = {
+            **row,
+            "labels": json.dumps(row.get("labels", {})),
+            "created_at": now(),
+            "updated_at": now(),
+        }
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        self._exec(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", tuple(row.values()))
+
+    def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
+        fields["updated_at"] = now()
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._exec(f"UPDATE sandboxes SET {sets} WHERE id = ?", (*fields.values(), sandbox_id))
+
+    def get_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
+        row = self._exec("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _sandbox(row) if row else None
+
+    def list_sandboxes(
+        self, tenant: str | None = None, states: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM sandboxes WHERE 1=1"
+        args: list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if states:
+            sql += f" AND state IN ({', '.join('?' for _ in states)})"
+            args.extend(states)
+        return [_sandbox(r) for r in self._exec(sql + " ORDER BY created_at", tuple(args))]
+
+    # -- events ---------------------------------------------------------------------------
+
+    def add_event(self, sandbox_id: str, type_: str, data: dict[str, Any] | None = None) -> int:
+        cur = self._exec(
+            "INSERT INTO events (sandbox_id, type, at, data) VALUES (?, ?, ?, ?)",
+            (sandbox_id, type_, now(), json.dumps(data or {})),
+        )
+        return int(cur.lastrowid or 0)
+
+    def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        rows = self._exec(
+            "SELECT * FROM events WHERE sandbox_id = ? AND id > ? ORDER BY id LIMIT ?",
+            (sandbox_id, after, limit),
+        ).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+
+def _sandbox(row: sqlite3.Row) -> dict[str, Any]:
+    out = dict(row)
+    out["labels"] = json.loads(out["labels"])
+    return out

@@ -1,0 +1,41 @@
+"""Ordered schema migrations; `PRAGMA user_version` records how many have run."""
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        hash TEXT NOT NULL UNIQUE,
+        admin INTEGER NOT NULL DEFAULT 0,
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    );
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        state TEXT NOT NULL,
+        template TEXT NOT NULL,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        disk_mib INTEGER,
+        ttl_seconds INTEGER,
+        idle_timeout_seconds INTEGER,
+        labels TEXT NOT NULL DEFAULT '{}',
+        accel TEXT,
+        accel_reason TEXT,
+        error TEXT,
+        pid INTEGER,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX sandboxes_tenant ON sandboxes (tenant, state);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        sandbox_id TEXT NOT NULL,
+        type TEXT NOT NULL,
+        at TEXT NOT NULL,
+        data TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX events_sandbox ON events (sandbox_id, id);
+    """,
+]
