@@ -89,6 +89,13 @@ class PayloadTooLarge(CellaError):
     status = 413
 
 
+class CommandFailed(CellaError):
+    """Raised by the SDK for a non-zero exit when the caller asked for `check=True`."""
+
+    code = "command_failed"
+    status = 422
+
+
 class GuestError(CellaError):
     """The guest failed an operation for a reason with no more specific code."""
 

@@ -143,14 +143,17 @@ def demo(
     console.print(f"file written and read back: {report['file_roundtrip'].strip()!r}")
 
 
+from cella.cli import keys, sandbox  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 
 app.command()(serve)
+app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(keys.app, name="keys")
 
 
 def main() -> None:
     try:
         app()
     except errors.CellaError as exc:
-        console.print(f"[red]error[/red] {exc}")
+        console.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
         raise SystemExit(1) from None

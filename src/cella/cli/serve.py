@@ -19,9 +19,17 @@ def serve(
     from cella.server.app import create_app
     from cella.server.settings import Settings
 
-    flags = {k: v for k, v in {"listen": listen, "data_dir": data_dir, "accel": accel}.items()
-             if v is not None}
+    flags = {
+        k: v
+        for k, v in {"listen": listen, "data_dir": data_dir, "accel": accel}.items()
+        if v is not None
+    }
     settings = Settings(**flags)  # type: ignore[arg-type]
     host, port = settings.host_port
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -68,3 +68,10 @@ class ExecEvent(BaseModel):
     duration_ms: float | None = None
     code: str | None = None
     message: str | None = None
+
+    @property
+    def bytes(self) -> bytes:
+        """The output chunk of a stdout/stderr event as the guest wrote it."""
+        if self.data is None:
+            return b""
+        return decode_data(self.data, self.encoding or "utf-8")

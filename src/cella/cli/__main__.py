@@ -1,0 +1,3 @@
+from cella.cli import main
+
+main()

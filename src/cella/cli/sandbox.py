@@ -1,0 +1,219 @@
+"""`cella sandbox ...`: lifecycle, exec and copy, through the sync SDK."""
+
+from __future__ import annotations
+
+import io
+import sys
+import tarfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from cella import errors
+from cella.cli._output import console, emit_json, out
+from cella.sdk import Client, Sandbox
+
+app = typer.Typer(help="Create, inspect, drive and remove sandboxes.", no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    result = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{what} must be KEY=VALUE, got {item!r}")
+        result[key] = value
+    return result
+
+
+def _show(sandboxes: list[Sandbox], json_: bool) -> None:
+    if json_:
+        emit_json([s.info.model_dump(mode="json") for s in sandboxes])
+        return
+    table = Table("id", "state", "template", "vcpus", "memory", "accel", "labels", "created")
+    for s in sandboxes:
+        i = s.info
+        table.add_row(
+            i.id,
+            i.state.value,
+            i.template,
+            str(i.vcpus),
+            f"{i.memory_mib} MiB",
+            i.accel or "",
+            ",".join(f"{k}={v}" for k, v in i.labels.items()),
+            i.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    out.print(table)
+
+
+@app.command()
+def create(
+    template: str = "default",
+    vcpus: Annotated[int | None, typer.Option(help="virtual CPUs")] = None,
+    memory: Annotated[int | None, typer.Option(help="RAM in MiB")] = None,
+    disk: Annotated[int | None, typer.Option(help="disk in MiB")] = None,
+    ttl: Annotated[int | None, typer.Option(help="wall-clock limit, seconds")] = None,
+    idle_timeout: Annotated[int | None, typer.Option(help="idle limit, seconds")] = None,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Create a sandbox and wait until it is running."""
+    with Client() as client:
+        sb = client.create(
+            template,
+            vcpus=vcpus,
+            memory_mib=memory,
+            disk_mib=disk,
+            ttl_seconds=ttl,
+            idle_timeout_seconds=idle_timeout,
+            labels=_pairs(label, "label") or None,
+        )
+    if json_:
+        emit_json(sb.info.model_dump(mode="json"))
+    else:
+        console.print(f"[green]created[/green] {sb.id}")
+        out.print(sb.id)
+
+
+@app.command("ls")
+def list_(
+    state: Annotated[str | None, typer.Option(help="only this state")] = None,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """List sandboxes."""
+    with Client() as client:
+        _show(client.list(state, _pairs(label, "label")), json_)
+
+
+@app.command()
+def get(sandbox_id: str, json_: JsonOpt = False) -> None:
+    """Show one sandbox."""
+    with Client() as client:
+        sb = client.get(sandbox_id)
+    if json_:
+        emit_json(sb.info.model_dump(mode="json"))
+    else:
+        _show([sb], json_)
+
+
+@app.command(context_settings={"allow_extra_args": True})
+def exec(
+    sandbox_id: str,
+    command: Annotated[list[str], typer.Argument(help="the command (after --)")],
+    cwd: Annotated[str | None, typer.Option(help="working directory")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    user: Annotated[str | None, typer.Option(help="run as this user")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds; kills the process tree")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Run a command; output streams as produced and the exit code is the command's."""
+    argv: list[str] | str = command[0] if len(command) == 1 and " " in command[0] else command
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        if json_:
+            r = sb.exec(argv, cwd=cwd, env=_pairs(env, "env"), user=user, timeout=timeout)
+            emit_json(
+                {
+                    "exit_code": r.exit_code,
+                    "signal": r.signal,
+                    "timed_out": r.timed_out,
+                    "duration_ms": r.duration_ms,
+                    "stdout": r.stdout.decode(errors="replace"),
+                    "stderr": r.stderr.decode(errors="replace"),
+                }
+            )
+            raise typer.Exit(r.exit_code)
+        code = 1
+        for event in sb.exec_stream(
+            argv, cwd=cwd, env=_pairs(env, "env"), user=user, timeout=timeout
+        ):
+            if event.type == "stdout":
+                sys.stdout.buffer.write(event.bytes)
+                sys.stdout.flush()
+            elif event.type == "stderr":
+                sys.stderr.buffer.write(event.bytes)
+                sys.stderr.flush()
+            elif event.type == "exit":
+                code = event.exit_code if event.exit_code is not None else 1
+                if event.timed_out:
+                    console.print("[red]timed out[/red]")
+    raise typer.Exit(code)
+
+
+def _remote(spec: str) -> tuple[str, str] | None:
+    sandbox_id, sep, path = spec.partition(":")
+    if sep and sandbox_id.startswith("sb-") and path.startswith("/"):
+        return sandbox_id, path
+    return None
+
+
+@app.command()
+def cp(src: str, dst: str) -> None:
+    """Copy files or directories: `cp LOCAL SB:/path` or `cp SB:/path LOCAL`."""
+    up, down = _remote(dst), _remote(src)
+    if (up is None) == (down is None):
+        raise typer.BadParameter("exactly one side must be SANDBOX_ID:/absolute/path")
+    with Client() as client:
+        if up is not None:
+            sb = client.get(up[0])
+            local = Path(src)
+            if local.is_dir():
+                buf = io.BytesIO()
+                with tarfile.open(fileobj=buf, mode="w") as tar:
+                    tar.add(local, arcname=".")
+                sb.files.upload_archive(up[1], buf.getvalue())
+            else:
+                with local.open("rb") as f:
+                    sb.files.write(
+                        up[1], iter(lambda: f.read(1 << 20), b""), mode=local.stat().st_mode & 0o777
+                    )
+        else:
+            assert down is not None
+            sb = client.get(down[0])
+            if sb.files.stat(down[1]).kind == "dir":
+                archive = sb.files.download_archive(down[1])
+                with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                    tar.extractall(dst, filter="data")
+            else:
+                with open(dst, "wb") as f:
+                    for chunk in sb.files.read_stream(down[1]):
+                        f.write(chunk)
+
+
+def _lifecycle(action: str, sandbox_id: str, json_: bool) -> None:
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        result: Any = getattr(sb, action)()
+        if json_:
+            emit_json(
+                result.info.model_dump(mode="json")
+                if result
+                else {"id": sandbox_id, "deleted": True}
+            )
+        else:
+            console.print(f"{sandbox_id}: {result.state if result else 'deleted'}")
+
+
+@app.command()
+def stop(sandbox_id: str, json_: JsonOpt = False) -> None:
+    """Stop: processes end, the file system is kept."""
+    _lifecycle("stop", sandbox_id, json_)
+
+
+@app.command()
+def resume(sandbox_id: str, json_: JsonOpt = False) -> None:
+    """Boot a stopped sandbox again on the same disk."""
+    _lifecycle("resume", sandbox_id, json_)
+
+
+@app.command()
+def rm(sandbox_id: str, json_: JsonOpt = False) -> None:
+    """Delete a sandbox and free its disk."""
+    _lifecycle("delete", sandbox_id, json_)
+
+
+__all__ = ["app", "errors"]

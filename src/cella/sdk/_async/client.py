@@ -1,0 +1,316 @@
+"""The async SDK. `_sync/client.py` is generated from this file: edit here only."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from collections.abc import AsyncIterable, AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import httpx2
+
+from cella.models import Event, ExecEvent, FileEntry
+from cella.models import Sandbox as SandboxInfo
+from cella.sdk._base import (
+    DEFAULT_TIMEOUT,
+    ExecResult,
+    create_body,
+    exec_body,
+    raise_for,
+    resolve,
+)
+
+
+class AsyncClient:
+    """A connection to a cella daemon. Reads `CELLA_URL` and `CELLA_API_KEY` (or, on the
+    daemon's own host, its address file and local admin key)."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.url, api_key = resolve(url, api_key)
+        self._http = httpx2.AsyncClient(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx2.Timeout(timeout, connect=10.0),
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        response = await self._http.request(method, path, **kwargs)
+        raise_for(response.status_code, response.content)
+        return response
+
+    # -- sandboxes -----------------------------------------------------------------------
+
+    async def create(
+        self,
+        template: str = "default",
+        *,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
+        ttl_seconds: int | None = None,
+        idle_timeout_seconds: int | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> AsyncSandbox:
+        body = create_body(
+            template=template,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            disk_mib=disk_mib,
+            ttl_seconds=ttl_seconds,
+            idle_timeout_seconds=idle_timeout_seconds,
+            labels=labels,
+        )
+        response = await self.request("POST", "/v1/sandboxes", json=body)
+        return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        response = await self.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
+
+    async def list(
+        self, state: str | None = None, labels: dict[str, str] | None = None
+    ) -> builtins.list[AsyncSandbox]:
+        params: builtins.list[tuple[str, str]] = [
+            ("label", f"{k}={v}") for k, v in (labels or {}).items()
+        ]
+        if state is not None:
+            params.append(("state", state))
+        response = await self.request("GET", "/v1/sandboxes", params=params)
+        return [
+            AsyncSandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]
+        ]
+
+    # -- keys (admin) ----------------------------------------------------------------------
+
+    async def create_key(self, tenant: str) -> dict[str, Any]:
+        response = await self.request("POST", "/v1/keys", json={"tenant": tenant})
+        created: dict[str, Any] = response.json()
+        return created
+
+    async def list_keys(self) -> builtins.list[dict[str, Any]]:
+        keys: builtins.list[dict[str, Any]] = (await self.request("GET", "/v1/keys")).json()
+        return keys
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self.request("DELETE", f"/v1/keys/{key_id}")
+
+
+class AsyncSandbox:
+    """One sandbox. As a context manager it is deleted on exit."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo, owns_client: bool = False) -> None:
+        self.client = client
+        self.info = info
+        self.files = AsyncFiles(self)
+        self._owns_client = owns_client
+
+    @classmethod
+    async def create(
+        cls, template: str = "default", *, client: AsyncClient | None = None, **kwargs: Any
+    ) -> AsyncSandbox:
+        """Creates a sandbox; without a client, one is made from the environment."""
+        own = client is None
+        client = client or AsyncClient()
+        try:
+            sandbox = await client.create(template, **kwargs)
+        except BaseException:
+            if own:
+                await client.close()
+            raise
+        sandbox._owns_client = own
+        return sandbox
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        return self.info.state.value
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sandboxes/{self.id}"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.delete()
+        finally:
+            if self._owns_client:
+                await self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.state}>"
+
+    async def refresh(self) -> AsyncSandbox:
+        response = await self.client.request("GET", self._path)
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    async def exec(
+        self,
+        command: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+        check: bool = False,
+    ) -> ExecResult:
+        """Runs a command to completion. A string runs under /bin/sh -c."""
+        body = exec_body(command, cwd, env, user, stdin, timeout)
+        response = await self.client.request("POST", f"{self._path}/exec", json=body)
+        result = ExecResult.from_wire(response.json())
+        return result.check(command) if check else result
+
+    async def exec_stream(
+        self,
+        command: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Yields started, stdout, stderr and exit events as the command produces them."""
+        body = exec_body(command, cwd, env, user, stdin, timeout)
+        async with self.client._http.stream(
+            "POST", f"{self._path}/exec/stream", json=body
+        ) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                if line.strip():
+                    event = ExecEvent.model_validate(json.loads(line))
+                    if event.type == "error":
+                        raise_for(
+                            500,
+                            json.dumps(
+                                {"error": {"code": event.code, "message": event.message}}
+                            ).encode(),
+                        )
+                    yield event
+
+    async def stop(self) -> AsyncSandbox:
+        """Ends all processes; files and installed packages stay for `resume()`."""
+        response = await self.client.request("POST", f"{self._path}/stop")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    async def resume(self) -> AsyncSandbox:
+        response = await self.client.request("POST", f"{self._path}/resume")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    async def delete(self) -> None:
+        await self.client.request("DELETE", self._path)
+
+    async def events(self, after: int = 0) -> builtins.list[Event]:
+        response = await self.client.request("GET", f"{self._path}/events", params={"after": after})
+        return [Event.model_validate(e) for e in response.json()["events"]]
+
+
+class AsyncFiles:
+    """Files in a sandbox (`sandbox.files`)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/files"
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        return await self._sandbox.client.request(method, self._path + path, **kwargs)
+
+    async def write(
+        self,
+        path: str,
+        data: bytes | str | AsyncIterable[bytes],
+        *,
+        mode: int = 0o644,
+        parents: bool = False,
+    ) -> FileEntry:
+        """Writes a file atomically; `data` may be an iterator of chunks (streamed)."""
+        content = data.encode() if isinstance(data, str) else data
+        params = {"path": path, "mode": mode, "parents": parents}
+        response = await self._request("PUT", "/content", params=params, content=content)
+        return FileEntry.model_validate(response.json())
+
+    async def read(self, path: str) -> bytes:
+        response = await self._request("GET", "/content", params={"path": path})
+        return response.content
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def read_stream(self, path: str) -> AsyncIterator[bytes]:
+        async with self._sandbox.client._http.stream(
+            "GET", f"{self._path}/content", params={"path": path}
+        ) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, await response.aread())
+            async for chunk in response.aiter_bytes():
+                yield chunk
+
+    async def list(self, path: str) -> builtins.list[FileEntry]:
+        response = await self._request("GET", "/list", params={"path": path})
+        return [FileEntry.model_validate(e) for e in response.json()]
+
+    async def stat(self, path: str) -> FileEntry:
+        response = await self._request("GET", "/stat", params={"path": path})
+        return FileEntry.model_validate(response.json())
+
+    async def exists(self, path: str) -> bool:
+        from cella import errors
+
+        try:
+            await self.stat(path)
+        except errors.NotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
+        await self._request("POST", "/mkdir", json={"path": path, "parents": parents, "mode": mode})
+
+    async def chmod(self, path: str, mode: int) -> None:
+        await self._request("POST", "/chmod", json={"path": path, "mode": mode})
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._request("DELETE", "", params={"path": path, "recursive": recursive})
+
+    async def upload_archive(self, path: str, archive: bytes | AsyncIterable[bytes]) -> None:
+        """Unpacks a tar archive into the directory `path`."""
+        await self._request("PUT", "/archive", params={"path": path}, content=archive)
+
+    async def download_archive(self, path: str) -> bytes:
+        """The directory `path` as an uncompressed tar archive."""
+        response = await self._request("GET", "/archive", params={"path": path})
+        return response.content

@@ -1,0 +1,313 @@
+# Generated from ../_async by `python -m cella.sdk._generate`: do not edit.
+"""The async SDK. `_sync/client.py` is generated from this file: edit here only."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+import httpx2
+
+from cella.models import Event, ExecEvent, FileEntry
+from cella.models import Sandbox as SandboxInfo
+from cella.sdk._base import (
+    DEFAULT_TIMEOUT,
+    ExecResult,
+    create_body,
+    exec_body,
+    raise_for,
+    resolve,
+)
+
+
+class Client:
+    """A connection to a cella daemon. Reads `CELLA_URL` and `CELLA_API_KEY` (or, on the
+    daemon's own host, its address file and local admin key)."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.url, api_key = resolve(url, api_key)
+        self._http = httpx2.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx2.Timeout(timeout, connect=10.0),
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        response = self._http.request(method, path, **kwargs)
+        raise_for(response.status_code, response.content)
+        return response
+
+    # -- sandboxes -----------------------------------------------------------------------
+
+    def create(
+        self,
+        template: str = "default",
+        *,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
+        ttl_seconds: int | None = None,
+        idle_timeout_seconds: int | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Sandbox:
+        body = create_body(
+            template=template,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            disk_mib=disk_mib,
+            ttl_seconds=ttl_seconds,
+            idle_timeout_seconds=idle_timeout_seconds,
+            labels=labels,
+        )
+        response = self.request("POST", "/v1/sandboxes", json=body)
+        return Sandbox(self, SandboxInfo.model_validate(response.json()))
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        response = self.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return Sandbox(self, SandboxInfo.model_validate(response.json()))
+
+    def list(
+        self, state: str | None = None, labels: dict[str, str] | None = None
+    ) -> builtins.list[Sandbox]:
+        params: builtins.list[tuple[str, str]] = [
+            ("label", f"{k}={v}") for k, v in (labels or {}).items()
+        ]
+        if state is not None:
+            params.append(("state", state))
+        response = self.request("GET", "/v1/sandboxes", params=params)
+        return [Sandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]]
+
+    # -- keys (admin) ----------------------------------------------------------------------
+
+    def create_key(self, tenant: str) -> dict[str, Any]:
+        response = self.request("POST", "/v1/keys", json={"tenant": tenant})
+        created: dict[str, Any] = response.json()
+        return created
+
+    def list_keys(self) -> builtins.list[dict[str, Any]]:
+        keys: builtins.list[dict[str, Any]] = (self.request("GET", "/v1/keys")).json()
+        return keys
+
+    def revoke_key(self, key_id: str) -> None:
+        self.request("DELETE", f"/v1/keys/{key_id}")
+
+
+class Sandbox:
+    """One sandbox. As a context manager it is deleted on exit."""
+
+    def __init__(self, client: Client, info: SandboxInfo, owns_client: bool = False) -> None:
+        self.client = client
+        self.info = info
+        self.files = Files(self)
+        self._owns_client = owns_client
+
+    @classmethod
+    def create(
+        cls, template: str = "default", *, client: Client | None = None, **kwargs: Any
+    ) -> Sandbox:
+        """Creates a sandbox; without a client, one is made from the environment."""
+        own = client is None
+        client = client or Client()
+        try:
+            sandbox = client.create(template, **kwargs)
+        except BaseException:
+            if own:
+                client.close()
+            raise
+        sandbox._owns_client = own
+        return sandbox
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        return self.info.state.value
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sandboxes/{self.id}"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.delete()
+        finally:
+            if self._owns_client:
+                self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.state}>"
+
+    def refresh(self) -> Sandbox:
+        response = self.client.request("GET", self._path)
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    def exec(
+        self,
+        command: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+        check: bool = False,
+    ) -> ExecResult:
+        """Runs a command to completion. A string runs under /bin/sh -c."""
+        body = exec_body(command, cwd, env, user, stdin, timeout)
+        response = self.client.request("POST", f"{self._path}/exec", json=body)
+        result = ExecResult.from_wire(response.json())
+        return result.check(command) if check else result
+
+    def exec_stream(
+        self,
+        command: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[ExecEvent]:
+        """Yields started, stdout, stderr and exit events as the command produces them."""
+        body = exec_body(command, cwd, env, user, stdin, timeout)
+        with self.client._http.stream("POST", f"{self._path}/exec/stream", json=body) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, response.read())
+            for line in response.iter_lines():
+                if line.strip():
+                    event = ExecEvent.model_validate(json.loads(line))
+                    if event.type == "error":
+                        raise_for(
+                            500,
+                            json.dumps(
+                                {"error": {"code": event.code, "message": event.message}}
+                            ).encode(),
+                        )
+                    yield event
+
+    def stop(self) -> Sandbox:
+        """Ends all processes; files and installed packages stay for `resume()`."""
+        response = self.client.request("POST", f"{self._path}/stop")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    def resume(self) -> Sandbox:
+        response = self.client.request("POST", f"{self._path}/resume")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    def delete(self) -> None:
+        self.client.request("DELETE", self._path)
+
+    def events(self, after: int = 0) -> builtins.list[Event]:
+        response = self.client.request("GET", f"{self._path}/events", params={"after": after})
+        return [Event.model_validate(e) for e in response.json()["events"]]
+
+
+class Files:
+    """Files in a sandbox (`sandbox.files`)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/files"
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        return self._sandbox.client.request(method, self._path + path, **kwargs)
+
+    def write(
+        self,
+        path: str,
+        data: bytes | str | Iterable[bytes],
+        *,
+        mode: int = 0o644,
+        parents: bool = False,
+    ) -> FileEntry:
+        """Writes a file atomically; `data` may be an iterator of chunks (streamed)."""
+        content = data.encode() if isinstance(data, str) else data
+        params = {"path": path, "mode": mode, "parents": parents}
+        response = self._request("PUT", "/content", params=params, content=content)
+        return FileEntry.model_validate(response.json())
+
+    def read(self, path: str) -> bytes:
+        response = self._request("GET", "/content", params={"path": path})
+        return response.content
+
+    def read_text(self, path: str) -> str:
+        return (self.read(path)).decode()
+
+    def read_stream(self, path: str) -> Iterator[bytes]:
+        with self._sandbox.client._http.stream(
+            "GET", f"{self._path}/content", params={"path": path}
+        ) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, response.read())
+            for chunk in response.iter_bytes():
+                yield chunk
+
+    def list(self, path: str) -> builtins.list[FileEntry]:
+        response = self._request("GET", "/list", params={"path": path})
+        return [FileEntry.model_validate(e) for e in response.json()]
+
+    def stat(self, path: str) -> FileEntry:
+        response = self._request("GET", "/stat", params={"path": path})
+        return FileEntry.model_validate(response.json())
+
+    def exists(self, path: str) -> bool:
+        from cella import errors
+
+        try:
+            self.stat(path)
+        except errors.NotFound:
+            return False
+        return True
+
+    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
+        self._request("POST", "/mkdir", json={"path": path, "parents": parents, "mode": mode})
+
+    def chmod(self, path: str, mode: int) -> None:
+        self._request("POST", "/chmod", json={"path": path, "mode": mode})
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._request("DELETE", "", params={"path": path, "recursive": recursive})
+
+    def upload_archive(self, path: str, archive: bytes | Iterable[bytes]) -> None:
+        """Unpacks a tar archive into the directory `path`."""
+        self._request("PUT", "/archive", params={"path": path}, content=archive)
+
+    def download_archive(self, path: str) -> bytes:
+        """The directory `path` as an uncompressed tar archive."""
+        response = self._request("GET", "/archive", params={"path": path})
+        return response.content

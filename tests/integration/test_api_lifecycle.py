@@ -1,0 +1,125 @@
+"""The control plane end to end: a real daemon on loopback, real microVMs, the SDKs and CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cella import AsyncClient, Client, errors
+from tests.daemon import Daemon
+
+pytestmark = pytest.mark.vm
+
+PKG_FILES = {
+    "/workspace/mypkg/pyproject.toml": (
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "mypkg"\nversion = "1.0"\n'
+    ),
+    "/workspace/mypkg/mypkg/__init__.py": "ANSWER = 42\n",
+}
+# offline: the guest has no network, so the package comes from its own file system
+PIP_INSTALL = (
+    "pip install -q --no-index --no-build-isolation --break-system-packages /workspace/mypkg"
+)
+
+
+def test_lifecycle_through_the_sync_sdk(admin: Client, daemon: Daemon) -> None:
+    sb = admin.create(vcpus=1, memory_mib=512, labels={"suite": "sync"})
+    assert sb.state == "running" and sb.info.accel in ("kvm", "tcg")
+    disk = daemon.data_dir / "vms" / sb.id / "disk.qcow2"
+    assert disk.exists()
+    r = sb.exec(["uname", "-r"])
+    assert r.exit_code == 0 and r.text.strip().endswith("cloud-amd64")
+    for path, content in PKG_FILES.items():
+        sb.files.write(path, content, parents=True)
+    sb.exec(PIP_INSTALL, check=True, timeout=300)
+    sb.files.write("/workspace/notes.txt", "survives a stop\n")
+    sb.exec("sleep 1000 &")  # a process: stop ends it
+
+    assert sb.stop().state == "stopped"
+    with pytest.raises(errors.InvalidState):
+        sb.exec(["true"])
+    assert sb.resume().state == "running"
+
+    assert sb.files.read("/workspace/notes.txt") == b"survives a stop\n"
+    r = sb.exec(["python3", "-c", "import mypkg; print(mypkg.ANSWER)"], cwd="/")
+    assert r.stdout == b"42\n"
+    assert sb.exec("pgrep -x sleep").exit_code == 1  # processes did not survive
+    assert [s.id for s in admin.list(labels={"suite": "sync"})] == [sb.id]
+    assert admin.get(sb.id).info.labels == {"suite": "sync"}
+
+    sb.delete()
+    assert not disk.parent.exists()  # the disk is freed
+    with pytest.raises(errors.NotFound):
+        admin.get(sb.id)
+    assert sb.id not in [s.id for s in admin.list()]
+
+
+def test_streaming_and_events(admin: Client) -> None:
+    with admin.create() as sb:
+        events = list(sb.exec_stream("for i in 1 2 3; do echo $i; sleep 0.1; done; printf '\\377'"))
+        assert events[0].type == "started" and events[-1].type == "exit"
+        out = b"".join(e.bytes for e in events if e.type == "stdout")
+        assert out == b"1\n2\n3\n\xff"
+        r = sb.exec(["printf", "\\377\\376"])  # non-UTF-8 survives the JSON API
+        assert r.stdout == b"\xff\xfe"
+        kinds = [e.type for e in sb.events()]
+        assert kinds[0] == "created" and kinds.count("exec") == 2
+        sb_id = sb.id
+    with pytest.raises(errors.NotFound):
+        admin.get(sb_id)  # the context manager deleted it
+
+
+async def test_lifecycle_through_the_async_sdk(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.url, daemon.admin_key) as client:
+        sb = await client.create(labels={"suite": "async"})
+        async with sb:
+            await sb.files.write("/workspace/a.txt", b"async")
+            r = await sb.exec("cat /workspace/a.txt")
+            assert r.stdout == b"async"
+            chunks = [e.bytes async for e in sb.exec_stream(["echo", "hi"]) if e.type == "stdout"]
+            assert b"".join(chunks) == b"hi\n"
+            await sb.stop()
+            await sb.resume()
+            assert await sb.files.read("/workspace/a.txt") == b"async"
+        with pytest.raises(errors.NotFound):
+            await client.get(sb.id)
+
+
+def cli(daemon: Daemon, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cella.cli", *args],
+        env=daemon.env(key),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_lifecycle_through_the_cli(daemon: Daemon, tmp_path: object) -> None:
+    from pathlib import Path
+
+    tmp = Path(str(tmp_path))
+    created = cli(daemon, "sandbox", "create", "--label", "suite=cli", "--json")
+    assert created.returncode == 0, created.stderr
+    sb_id = json.loads(created.stdout)["id"]
+    ran = cli(daemon, "sandbox", "exec", sb_id, "--", "sh", "-c", "echo out; exit 3")
+    assert ran.returncode == 3 and ran.stdout == "out\n"  # exits with the guest's code
+    (tmp / "up.txt").write_text("from the host")
+    up = cli(daemon, "sandbox", "cp", str(tmp / "up.txt"), f"{sb_id}:/workspace/up.txt")
+    assert up.returncode == 0, up.stderr
+    assert cli(daemon, "sandbox", "stop", sb_id).returncode == 0
+    listed = json.loads(cli(daemon, "sandbox", "ls", "--json").stdout)
+    assert {s["id"]: s["state"] for s in listed}[sb_id] == "stopped"
+    assert cli(daemon, "sandbox", "resume", sb_id).returncode == 0
+    down = cli(daemon, "sandbox", "cp", f"{sb_id}:/workspace/up.txt", str(tmp / "down.txt"))
+    assert down.returncode == 0, down.stderr
+    assert (tmp / "down.txt").read_text() == "from the host"
+    got = json.loads(cli(daemon, "sandbox", "get", sb_id, "--json").stdout)
+    assert got["state"] == "running" and got["labels"] == {"suite": "cli"}
+    assert cli(daemon, "sandbox", "rm", sb_id).returncode == 0
+    missing = cli(daemon, "sandbox", "get", sb_id)
+    assert missing.returncode != 0 and "not_found" in missing.stderr
