@@ -1,0 +1,122 @@
+"""Tenants, keys and bad input against a real daemon: clear 4xx errors and nothing changes."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+
+from cella import Client, errors
+from tests.daemon import Daemon
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def alice(admin: Client, daemon: Daemon) -> Client:
+    return Client(daemon.url, admin.create_key("alice")["key"])
+
+
+@pytest.fixture(scope="module")
+def bob(admin: Client, daemon: Daemon) -> Client:
+    return Client(daemon.url, admin.create_key("bob")["key"])
+
+
+def test_tenants_see_only_their_own_sandboxes(alice: Client, bob: Client) -> None:
+    with alice.create(labels={"owner": "alice"}) as sb:
+        assert [s.id for s in alice.list()] == [sb.id]
+        assert sb.id not in [s.id for s in bob.list()]
+        for attempt in (
+            lambda: bob.get(sb.id),
+            lambda: bob.get(sb.id).exec("true"),
+        ):
+            with pytest.raises(errors.NotFound):
+                attempt()
+        # bob cannot act on it through the raw API either, and gets the same answer
+        for method, path in (
+            ("POST", "/stop"),
+            ("DELETE", ""),
+            ("GET", "/events"),
+            ("GET", "/files/content?path=/etc/hostname"),
+        ):
+            with pytest.raises(errors.NotFound):
+                bob.request(method, f"/v1/sandboxes/{sb.id}{path}")
+        assert alice.get(sb.id).state == "running"
+    with pytest.raises(errors.Forbidden):
+        alice.create_key("mallory")
+
+
+def test_missing_and_bad_keys_get_401(daemon: Daemon) -> None:
+    r = httpx2.get(f"{daemon.url}/v1/sandboxes")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+    r = httpx2.get(f"{daemon.url}/v1/sandboxes", headers={"Authorization": "Bearer ck_nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+    r = httpx2.get(f"{daemon.url}/v1/sandboxes", headers={"Authorization": "Basic abc"})
+    assert r.status_code == 401
+
+
+def test_revoked_key_stops_working(admin: Client, daemon: Daemon) -> None:
+    created = admin.create_key("temp")
+    with Client(daemon.url, created["key"]) as temp:
+        assert temp.list() == []
+        admin.revoke_key(created["id"])
+        with pytest.raises(errors.Unauthenticated):
+            temp.list()
+
+
+def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Daemon) -> None:
+    before = [(s.id, s.state) for s in admin.list()]
+    http = httpx2.Client(
+        base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.admin_key}"}
+    )
+    cases = [
+        ("GET", "/v1/sandboxes/sb-0000000000000000", None, 404, "not_found"),
+        ("POST", "/v1/sandboxes", {"vcpus": 0}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes", {"vcpus": 1000}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes", {"memory_mib": 64}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes", {"template": "no-such-template"}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes", {"surprise": 1}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes", {"labels": {"": "x"}}, 400, "invalid_argument"),
+        ("GET", "/v1/sandboxes?state=bogus", None, 400, "invalid_argument"),
+        ("GET", "/v1/no/such/route", None, 404, "not_found"),
+    ]
+    for method, path, body, status, code in cases:
+        r = http.request(method, path, json=body)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), (path, body, r.text)
+        assert r.json()["error"]["message"]
+    r = http.post(
+        "/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument"
+    assert [(s.id, s.state) for s in admin.list()] == before
+    assert not any(
+        p.name.startswith("sb-")
+        for p in (daemon.data_dir / "vms").iterdir()
+        if p.name not in {i for i, _ in before}
+    )
+
+
+def test_file_api_errors(admin: Client, daemon: Daemon) -> None:
+    with admin.create() as sb:
+        sb.files.write("/workspace/keep.txt", "keep")
+        limit = 8 << 20  # the test daemon runs with max_upload_mib = 8
+        with pytest.raises(errors.PayloadTooLarge):
+            sb.files.write("/workspace/big.bin", b"x" * (limit + 1))
+        # streamed without a length: cut off at the limit, nothing half-written remains
+        with pytest.raises(errors.PayloadTooLarge):
+            sb.files.write("/workspace/big.bin", iter([b"y" * (1 << 20)] * 9))
+        assert not sb.files.exists("/workspace/big.bin")
+        assert [e.name for e in sb.files.list("/workspace")] == ["keep.txt"]
+        with pytest.raises(errors.NotFound):
+            sb.files.read("/workspace/missing")
+        with pytest.raises(errors.InvalidArgument):
+            sb.files.read("relative/path")
+        with pytest.raises(errors.InvalidArgument):
+            sb.files.read("/etc/\x00passwd")
+        with pytest.raises(errors.IsADirectory):
+            sb.files.read("/workspace")
+        with pytest.raises(errors.NotADirectory):
+            sb.files.write("/workspace/keep.txt/child", "x")
+        # `..` stays inside the guest: it names the guest's own /etc/hostname
+        assert sb.files.read("/workspace/../etc/hostname") == sb.files.read("/etc/hostname")
+        assert sb.files.read("/workspace/keep.txt") == b"keep"
+        assert sb.exec("true").exit_code == 0

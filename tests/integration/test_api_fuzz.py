@@ -1,0 +1,74 @@
+"""A bounded schemathesis run against the committed OpenAPI on a live daemon: no 5xx."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cella import Client
+from tests.daemon import Daemon
+from tests.integration.conftest import kill_vms_of
+
+pytestmark = pytest.mark.vm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def small_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    # tight limits keep the fuzzer's valid creates cheap: one small VM each
+    d = Daemon(tmp_path / "data", max_vcpus="1", max_memory_mib="256", max_upload_mib="1").start()
+    yield d
+    d.stop()
+    kill_vms_of(d.data_dir)
+
+
+@pytest.mark.timeout(900)
+def test_no_server_errors_under_fuzzing(small_daemon: Daemon) -> None:
+    with Client(small_daemon.url, small_daemon.admin_key) as client:
+        target = client.create(memory_mib=256)  # one real sandbox for the per-sandbox routes
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "--config-file",
+            str(Path(__file__).with_name("schemathesis.toml")),
+            "run",
+            str(ROOT / "openapi.json"),
+            "--url",
+            small_daemon.url,
+            "-H",
+            f"Authorization: Bearer {small_daemon.admin_key}",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "15",
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--seed",
+            "1",
+            "--request-timeout",
+            "120",
+            "--generation-allow-x00",
+            "true",
+            # the target must stay running for the other routes to be exercised
+            "--exclude-operation-id",
+            "delete_sandbox_v1_sandboxes__sandbox_id__delete",
+            "--exclude-operation-id",
+            "stop_sandbox_v1_sandboxes__sandbox_id__stop_post",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=880,
+        env={"PATH": "/usr/bin:/bin", "CELLA_FUZZ_SANDBOX": target.id},
+    )
+    report = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    assert "passed" in result.stdout.lower()
+    with Client(small_daemon.url, small_daemon.admin_key) as client:
+        assert client.get(target.id).state == "running"  # the target was not broken
