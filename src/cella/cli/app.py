@@ -76,71 +76,22 @@ def _accel_mode(value: str) -> Any:
 
 
 @app.command()
-def demo(
-    json_: JsonOpt = False,
-    template: str = "default",
-    accel: AccelOpt = "auto",
-) -> None:
-    """Boot a sandbox from a template, run a few commands in it and show what happened."""
-    from cella.runtime.qemu.driver import QemuDriver
+def demo(json_: JsonOpt = False, template: str = "default") -> None:
+    """Start the daemon (unless one is running), then drive a sandbox through the SDK."""
+    from cella.cli.demo import run_demo
 
-    commands = [
-        "uname -r",
-        "cat /proc/1/cmdline | tr '\\0' ' '",
-        "python3 -c 'import sys; print(sys.version.split()[0])'",
-        "echo 'print(6 * 7)' > /workspace/app.py && python3 /workspace/app.py",
-        "ls /nonexistent",
-    ]
-
-    async def run() -> dict[str, Any]:
-        driver = QemuDriver(Paths.default(), _accel_mode(accel))
-        choice = await driver.prepare()
-        vm = await driver.boot(template)
-        steps = []
-        try:
-            for cmd in commands:
-                result = await vm.agent.exec(cmd)
-                steps.append(
-                    {
-                        "command": cmd,
-                        "exit_code": result.exit_code,
-                        "stdout": result.stdout.decode(errors="replace").strip(),
-                        "stderr": result.stderr.decode(errors="replace").strip(),
-                        "ms": round(result.duration * 1000, 1),
-                    }
-                )
-            await vm.agent.write_file("/workspace/hello.txt", b"hello from the host\n")
-            back = await vm.agent.read_file("/workspace/hello.txt")
-        finally:
-            await vm.stop()
-            await driver.destroy(vm)
-        return {
-            "template": template,
-            "accel": choice.accel,
-            "accel_reason": choice.reason,
-            "boot_seconds": round(vm.boot_seconds or 0, 2),
-            "steps": steps,
-            "file_roundtrip": back.decode(),
-        }
-
-    report = asyncio.run(run())
+    report = run_demo(template, progress_printer(json_))
     if json_:
         emit_json(report)
         return
-    console.print(
-        f"booted [bold]{template}[/bold] in {report['boot_seconds']} s "
-        f"under [bold]{report['accel']}[/bold] ({report['accel_reason']})"
-    )
-    table = Table("command", "exit", "ms", "output")
-    for s in report["steps"]:
-        table.add_row(
-            s["command"],
-            str(s["exit_code"]),
-            str(s["ms"]),
-            s["stdout"] or f"[red]{s['stderr']}[/red]",
-        )
+    table = Table("step", "ms", "result")
+    for step in report["steps"]:
+        table.add_row(step["step"], str(step["ms"]), step["result"])
     out.print(table)
-    console.print(f"file written and read back: {report['file_roundtrip'].strip()!r}")
+    console.print(
+        f"sandbox {report['sandbox']} under [bold]{report['accel']}[/bold]: "
+        f"{report['accel_reason']}"
+    )
 
 
 from cella.cli import keys, sandbox  # noqa: E402

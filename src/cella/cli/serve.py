@@ -12,6 +12,7 @@ def serve(
     listen: Annotated[str | None, typer.Option(help="HOST:PORT to listen on.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="State, images and VMs.")] = None,
     accel: Annotated[str | None, typer.Option(help="auto, kvm or tcg.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning...")] = None,
 ) -> None:
     """Run the cella daemon (REST API under /v1). Settings: see cella/server/settings.py."""
     import uvicorn
@@ -19,11 +20,8 @@ def serve(
     from cella.server.app import create_app
     from cella.server.settings import Settings
 
-    flags = {
-        k: v
-        for k, v in {"listen": listen, "data_dir": data_dir, "accel": accel}.items()
-        if v is not None
-    }
+    given = {"listen": listen, "data_dir": data_dir, "accel": accel, "log_level": log_level}
+    flags = {k: v for k, v in given.items() if v is not None}
     settings = Settings(**flags)  # type: ignore[arg-type]
     host, port = settings.host_port
     uvicorn.run(
