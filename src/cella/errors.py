@@ -96,6 +96,20 @@ class CommandFailed(CellaError):
     status = 422
 
 
+class SnapshotCorrupt(CellaError):
+    """A snapshot's files do not match their manifest: it is never restored."""
+
+    code = "snapshot_corrupt"
+    status = 409
+
+
+class InUse(CellaError):
+    """The object is still referenced (e.g. a snapshot that sandboxes are built on)."""
+
+    code = "in_use"
+    status = 409
+
+
 class GuestError(CellaError):
     """The guest failed an operation for a reason with no more specific code."""
 

@@ -27,8 +27,23 @@ def test_sync_sdk_is_generated_from_the_async_one() -> None:
 
 
 def test_sync_and_async_sdk_have_the_same_shape() -> None:
-    from cella.sdk import AsyncClient, AsyncFiles, AsyncSandbox, Client, Files, Sandbox
+    from cella.sdk import (
+        AsyncClient,
+        AsyncFiles,
+        AsyncSandbox,
+        AsyncSnapshot,
+        Client,
+        Files,
+        Sandbox,
+        Snapshot,
+    )
 
-    for sync, async_ in ((Client, AsyncClient), (Sandbox, AsyncSandbox), (Files, AsyncFiles)):
+    pairs = (
+        (Client, AsyncClient),
+        (Sandbox, AsyncSandbox),
+        (Files, AsyncFiles),
+        (Snapshot, AsyncSnapshot),
+    )
+    for sync, async_ in pairs:
         public = {n for n in vars(sync) if not n.startswith("_")}
         assert public == {n for n in vars(async_) if not n.startswith("_")}

@@ -198,9 +198,17 @@ class AgentClient:
         return body.decode("utf-8", "replace")
 
     async def set_identity(
-        self, *, hostname: str | None = None, time_ns: int | None = None, seed: bytes | None = None
+        self,
+        *,
+        hostname: str | None = None,
+        time_ns: int | None = None,
+        seed: bytes | None = None,
+        sandbox_id: str | None = None,
     ) -> None:
+        """Fresh identity after a restore or fork: hostname, wall clock, entropy, id."""
         items: list[tuple[Field, bytes | str | int | bool]] = []
+        if sandbox_id is not None:
+            items.append((Field.SANDBOX_ID, sandbox_id))
         if hostname is not None:
             items.append((Field.HOSTNAME, hostname))
         if time_ns is not None:

@@ -62,6 +62,7 @@ class Field(IntEnum):
     HOSTNAME = 11
     TIME_NS = 12
     SEED = 13
+    SANDBOX_ID = 15
 
 
 class ProtocolError(Exception):

@@ -13,10 +13,15 @@ from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
 from cella.models.sandbox import (
     Event,
     EventList,
+    ForkRequest,
     Sandbox,
     SandboxCreate,
     SandboxList,
     SandboxState,
+    Snapshot,
+    SnapshotCreate,
+    SnapshotList,
+    SnapshotState,
 )
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "FileEntry",
+    "ForkRequest",
     "KeyCreate",
     "KeyCreated",
     "KeyInfo",
@@ -35,6 +41,10 @@ __all__ = [
     "SandboxCreate",
     "SandboxList",
     "SandboxState",
+    "Snapshot",
+    "SnapshotCreate",
+    "SnapshotList",
+    "SnapshotState",
     "decode_data",
     "encode_data",
     "encode_pair",

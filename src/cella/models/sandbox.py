@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
+    paused = "paused"
     stopping = "stopping"
     stopped = "stopped"
     starting = "starting"
@@ -50,6 +51,9 @@ class Sandbox(BaseModel):
     accel: str | None
     accel_reason: str | None
     error: str | None = None
+    parent_id: str | None = Field(default=None, description="sandbox this one was forked from")
+    snapshot_id: str | None = Field(default=None, description="snapshot it was restored from")
+    created_from: str | None = Field(default=None, description="pool, restore, boot or fork")
     created_at: datetime
     updated_at: datetime
 
@@ -68,3 +72,41 @@ class Event(BaseModel):
 
 class EventList(BaseModel):
     events: list[Event]
+
+
+class SnapshotState(StrEnum):
+    creating = "creating"
+    ready = "ready"
+    deleted = "deleted"
+    error = "error"
+
+
+class SnapshotCreate(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    name: str = Field(default="snapshot", min_length=1, max_length=128)
+
+
+class Snapshot(BaseModel):
+    id: str
+    name: str
+    sandbox_id: str = Field(description="the sandbox it was taken from")
+    parent_snapshot_id: str | None = None
+    state: SnapshotState
+    template: str
+    vcpus: int
+    memory_mib: int
+    size_bytes: int | None = None
+    paused_ms: float | None = Field(default=None, description="how long the source was paused")
+    error: str | None = None
+    created_at: datetime
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[Snapshot]
+
+
+class ForkRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    count: int = Field(default=1, ge=1, le=64)

@@ -4,8 +4,18 @@ The async side is written by hand in `_async/`; `_sync/` is generated from it
 (`python -m cella.sdk._generate`) and a test fails when the two drift.
 """
 
-from cella.sdk._async.client import AsyncClient, AsyncFiles, AsyncSandbox
+from cella.sdk._async.client import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSnapshot
 from cella.sdk._base import ExecResult
-from cella.sdk._sync.client import Client, Files, Sandbox
+from cella.sdk._sync.client import Client, Files, Sandbox, Snapshot
 
-__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "Client", "ExecResult", "Files", "Sandbox"]
+__all__ = [
+    "AsyncClient",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AsyncSnapshot",
+    "Client",
+    "ExecResult",
+    "Files",
+    "Sandbox",
+    "Snapshot",
+]

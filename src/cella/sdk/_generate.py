@@ -18,6 +18,7 @@ REPLACEMENTS = {
     "AsyncClient": "Client",
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
+    "AsyncSnapshot": "Snapshot",
     "aclose": "close",
     "aiter_bytes": "iter_bytes",
     "aiter_lines": "iter_lines",

@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.store = store
         app.state.service = service
         await service.recover()
+        await service.start()
         host, port = settings.host_port
         (paths.root / "daemon.json").write_text(json.dumps({"url": f"http://{host}:{port}"}))
         try:
@@ -58,9 +59,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     _install_error_handlers(app)
 
-    from cella.server.routes import files, keys, sandboxes
+    from cella.server.routes import files, keys, sandboxes, snapshots
 
     app.include_router(sandboxes.router)
+    app.include_router(snapshots.router)
     app.include_router(files.router)
     app.include_router(keys.router)
 

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
     max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
+    pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
+    pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")
 
     @classmethod

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import secrets
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from cella.models import SandboxCreate, SandboxState
 from cella.runtime.qemu.driver import DISK, QemuDriver
 from cella.runtime.qemu.vm import QemuVM
 from cella.server.settings import Settings
+from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
+from cella.storage.snapshots import SnapshotDir
 from cella.store import Store
 
 log = logging.getLogger("cella.service")
@@ -38,8 +41,20 @@ class SandboxService:
         self.settings = settings
         self.store = store
         self.driver = driver
+        self.warm = WarmSnapshots(driver, settings.boot_timeout)
+        self.pool = WarmPool(driver, self.warm, settings.pool_size)
         self._vms: dict[str, QemuVM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.driver.paths.root / "snapshots"
+
+    async def start(self) -> None:
+        """After recovery: make sure the default warm snapshot exists and fill the pool."""
+        shape = Shape(self.settings.pool_template, 1, 512)
+        await self.warm.ensure(shape)
+        self.pool.watch(shape)
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
@@ -103,7 +118,9 @@ class SandboxService:
                 raise errors.InvalidArgument(
                     f"disk_mib must be at least the template's {base_mib} MiB"
                 )
-        sandbox_id = f"sb-{secrets.token_hex(8)}"
+        shape = Shape(req.template, req.vcpus, req.memory_mib)
+        vm = self.pool.claim(shape) if req.disk_mib is None else None
+        sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
         self.store.insert_sandbox(
             {
                 "id": sandbox_id,
@@ -116,37 +133,52 @@ class SandboxService:
                 "ttl_seconds": req.ttl_seconds,
                 "idle_timeout_seconds": req.idle_timeout_seconds,
                 "labels": req.labels,
+                "created_from": "pool" if vm is not None else "restore",
             }
         )
         async with self._lock(sandbox_id):
             try:
-                vm = await self.driver.boot(
-                    req.template,
-                    vcpus=req.vcpus,
-                    memory_mib=req.memory_mib,
-                    disk_mib=req.disk_mib,
-                    name=sandbox_id,
-                    boot_timeout=self.settings.boot_timeout,
-                )
+                if vm is None:  # the pool is empty: restore, never cold-boot
+                    snap = await self.warm.ensure(shape)
+                    vm = await self.driver.restore(
+                        snap, self.directory(sandbox_id), disk_mib=req.disk_mib
+                    )
+                await self._fresh_identity(vm, sandbox_id)
             except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
                 message = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
                 self.store.update_sandbox(sandbox_id, state=S.error, error=message[:2000])
                 self.store.add_event(sandbox_id, "create_failed", {"error": message[:2000]})
                 raise
-            self._vms[sandbox_id] = vm
-            self.store.update_sandbox(
-                sandbox_id,
-                state=S.running,
-                pid=vm.pid,
-                accel=vm.accel,
-                accel_reason=vm.accel_reason,
-            )
+            self._running(sandbox_id, vm)
             self.store.add_event(
                 sandbox_id,
                 "created",
-                {"template": req.template, "boot_ms": round((vm.boot_seconds or 0) * 1000, 1)},
+                {
+                    "template": req.template,
+                    "from": "pool" if vm.boot_seconds is None else "restore",
+                    "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                },
             )
+        if shape.vcpus == 1 and shape.memory_mib == 512:
+            self.pool.watch(shape)
         return self.get(tenant, sandbox_id)
+
+    def _running(self, sandbox_id: str, vm: QemuVM) -> None:
+        self._vms[sandbox_id] = vm
+        self.store.update_sandbox(
+            sandbox_id, state=S.running, pid=vm.pid, accel=vm.accel, accel_reason=vm.accel_reason
+        )
+
+    async def _fresh_identity(self, vm: QemuVM, sandbox_id: str) -> None:
+        """A restored guest is a copy: give it its own name, clock and entropy."""
+        await vm.agent.set_identity(
+            hostname=sandbox_id,
+            time_ns=time.time_ns(),
+            seed=os.urandom(64),
+            sandbox_id=sandbox_id,
+        )
 
     async def stop(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
         """Ends every process; the disk (files, installed packages) stays."""
@@ -154,7 +186,7 @@ class SandboxService:
             row = self.get(tenant, sandbox_id)
             if row["state"] == S.stopped:
                 return row
-            if row["state"] != S.running:
+            if row["state"] not in (S.running, S.paused):
                 raise errors.InvalidState(f"cannot stop a sandbox that is {row['state']}")
             self.store.update_sandbox(sandbox_id, state=S.stopping)
             vm = self._vms.pop(sandbox_id, None)
@@ -164,12 +196,37 @@ class SandboxService:
             self.store.add_event(sandbox_id, "stopped")
         return self.get(tenant, sandbox_id)
 
+    async def pause(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+        """Freezes the VM: no CPU, memory kept; processes go on after `resume`."""
+        async with self._lock(sandbox_id):
+            row = self.get(tenant, sandbox_id)
+            if row["state"] == S.paused:
+                return row
+            vm = self.vm(tenant, sandbox_id)
+            self.store.update_sandbox(sandbox_id, state=S.paused)
+            try:
+                await vm.pause()
+            except BaseException:
+                self.store.update_sandbox(sandbox_id, state=S.running)
+                raise
+            self.store.add_event(sandbox_id, "paused")
+        return self.get(tenant, sandbox_id)
+
     async def resume(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
-        """Boots the same overlay again: what was written before the stop is still there."""
+        """Paused: the VM runs on. Stopped: boots the same overlay again (files and
+        installed packages are still there; processes are not)."""
         async with self._lock(sandbox_id):
             row = self.get(tenant, sandbox_id)
             if row["state"] == S.running:
                 return row
+            if row["state"] == S.paused:
+                vm = self._vms.get(sandbox_id)
+                if vm is None:
+                    raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
+                await vm.resume()
+                self.store.update_sandbox(sandbox_id, state=S.running)
+                self.store.add_event(sandbox_id, "resumed", {"from": "paused"})
+                return self.get(tenant, sandbox_id)
             if row["state"] != S.stopped:
                 raise errors.InvalidState(f"cannot resume a sandbox that is {row['state']}")
             self.store.update_sandbox(sandbox_id, state=S.starting)
@@ -179,13 +236,14 @@ class SandboxService:
                     vcpus=row["vcpus"],
                     memory_mib=row["memory_mib"],
                     boot_timeout=self.settings.boot_timeout,
+                    disk=row["disk"],
                 )
             except BaseException:
                 self.store.update_sandbox(sandbox_id, state=S.stopped, pid=None)
                 raise
             self._vms[sandbox_id] = vm
             self.store.update_sandbox(sandbox_id, state=S.running, pid=vm.pid)
-            self.store.add_event(sandbox_id, "resumed")
+            self.store.add_event(sandbox_id, "resumed", {"from": "stopped"})
         return self.get(tenant, sandbox_id)
 
     async def delete(self, tenant: str, sandbox_id: str) -> None:
@@ -210,10 +268,157 @@ class SandboxService:
         return {vm.pid for vm in self._vms.values() if vm.pid is not None}
 
     async def shutdown(self) -> None:
-        """Daemon exit: VMs keep running and are adopted by the next daemon."""
+        """Daemon exit: sandbox VMs keep running and are adopted by the next daemon; pooled
+        VMs (not anyone's yet) are destroyed."""
+        await self.pool.close()
         for vm in list(self._vms.values()):
             await vm._close_channels()
         self._vms.clear()
+
+    # -- snapshots and forks -------------------------------------------------------------
+
+    def get_snapshot(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
+        row = self.store.get_snapshot(snapshot_id)
+        if row is None or row["tenant"] != tenant or row["state"] == "deleted":
+            raise errors.NotFound(f"no snapshot {snapshot_id!r}")
+        return row
+
+    def find_snapshots(self, tenant: str) -> list[dict[str, Any]]:
+        return self.store.list_snapshots(tenant, ["creating", "ready", "error"])
+
+    async def snapshot(self, tenant: str, sandbox_id: str, name: str) -> dict[str, Any]:
+        """Disk and memory of a running sandbox at one instant; it runs on afterwards."""
+        async with self._lock(sandbox_id):
+            row = self.get(tenant, sandbox_id)
+            vm = self.vm(tenant, sandbox_id)
+            snapshot_id = f"snap-{os.urandom(8).hex()}"
+            self.store.insert_snapshot(
+                {
+                    "id": snapshot_id,
+                    "tenant": tenant,
+                    "name": name,
+                    "sandbox_id": sandbox_id,
+                    "parent_snapshot_id": row["base_snapshot_id"],
+                    "state": "creating",
+                    "template": row["template"],
+                    "vcpus": row["vcpus"],
+                    "memory_mib": row["memory_mib"],
+                }
+            )
+            self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+            dest = SnapshotDir(self.snapshots_dir / snapshot_id)
+            overlay = f"disk-{snapshot_id}.qcow2"
+            try:
+                manifest, paused = await self.driver.snapshot_vm(
+                    vm,
+                    dest,
+                    self.directory(sandbox_id) / overlay,
+                    template=row["template"],
+                    sandbox_id=sandbox_id,
+                )
+            except BaseException as exc:
+                message = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
+                self.store.update_snapshot(snapshot_id, state="error", error=message[:2000])
+                if dest.disk.exists():  # the disk was frozen: the sandbox now sits on it
+                    self.store.update_sandbox(
+                        sandbox_id, disk=overlay, base_snapshot_id=snapshot_id
+                    )
+                raise
+            self.store.update_sandbox(sandbox_id, disk=overlay, base_snapshot_id=snapshot_id)
+            self.store.update_snapshot(
+                snapshot_id,
+                state="ready",
+                size_bytes=sum(manifest["bytes"].values()),
+                paused_ms=round(paused * 1000, 1),
+            )
+            self.store.add_event(
+                sandbox_id,
+                "snapshot",
+                {"snapshot_id": snapshot_id, "name": name, "paused_ms": round(paused * 1000, 1)},
+            )
+        return self.get_snapshot(tenant, snapshot_id)
+
+    async def fork_snapshot(
+        self, tenant: str, snapshot_id: str, count: int
+    ) -> list[dict[str, Any]]:
+        """`count` new sandboxes restored from the snapshot, each on its own overlay."""
+        snap_row = self.get_snapshot(tenant, snapshot_id)
+        if snap_row["state"] != "ready":
+            raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row['state']}")
+        snap = SnapshotDir(self.snapshots_dir / snapshot_id)
+        snap.verify()  # refuse a corrupted snapshot before creating anything
+        gate = asyncio.Semaphore(4)
+
+        async def one() -> str:
+            async with gate:
+                return await self._restore_fork(tenant, snap_row, snap)
+
+        ids = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        failed = [i for i in ids if isinstance(i, BaseException)]
+        if failed:
+            for sandbox_id in ids:
+                if isinstance(sandbox_id, str):
+                    await self.delete(tenant, sandbox_id)
+            raise failed[0]
+        return [self.get(tenant, i) for i in ids if isinstance(i, str)]
+
+    async def _restore_fork(self, tenant: str, snap_row: dict[str, Any], snap: SnapshotDir) -> str:
+        sandbox_id = new_sandbox_id()
+        source = self.store.get_sandbox(snap_row["sandbox_id"]) or {}
+        self.store.insert_sandbox(
+            {
+                "id": sandbox_id,
+                "tenant": tenant,
+                "state": S.creating,
+                "template": snap_row["template"],
+                "vcpus": snap_row["vcpus"],
+                "memory_mib": snap_row["memory_mib"],
+                "disk_mib": source.get("disk_mib"),
+                "ttl_seconds": source.get("ttl_seconds"),
+                "idle_timeout_seconds": source.get("idle_timeout_seconds"),
+                "labels": source.get("labels", {}),
+                "parent_id": snap_row["sandbox_id"],
+                "snapshot_id": snap_row["id"],
+                "base_snapshot_id": snap_row["id"],
+                "created_from": "fork",
+            }
+        )
+        async with self._lock(sandbox_id):
+            vm = None
+            try:
+                vm = await self.driver.restore(snap, self.directory(sandbox_id))
+                await self._fresh_identity(vm, sandbox_id)
+            except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
+                self.driver.remove_directory(self.directory(sandbox_id))
+                self.store.update_sandbox(sandbox_id, state=S.error, error=str(exc)[:2000])
+                raise
+            self._running(sandbox_id, vm)
+            self.store.add_event(
+                sandbox_id,
+                "forked",
+                {
+                    "parent_id": snap_row["sandbox_id"],
+                    "snapshot_id": snap_row["id"],
+                    "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                },
+            )
+        return sandbox_id
+
+    async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[dict[str, Any]]:
+        """Snapshots a running sandbox once, then restores `count` branches from it."""
+        snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
+        return await self.fork_snapshot(tenant, snap["id"], count)
+
+    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
+        self.get_snapshot(tenant, snapshot_id)
+        sandboxes, snapshots = self.store.snapshot_users(snapshot_id)
+        if sandboxes or snapshots:
+            users = ", ".join([*sandboxes, *snapshots][:10])
+            raise errors.InUse(f"snapshot {snapshot_id} is still used by {users}")
+        shutil.rmtree(self.snapshots_dir / snapshot_id, ignore_errors=True)
+        self.store.update_snapshot(snapshot_id, state="deleted")
 
     # -- exec and files -----------------------------------------------------------------
 
@@ -283,14 +488,16 @@ class SandboxService:
                 )
                 self.store.add_event(sid, "recovered", {"from": state, "to": final})
                 counts["cleaned"] += 1
-            elif state in (S.running, S.starting, S.stopping):
+            elif state in (S.running, S.paused, S.starting, S.stopping):
                 vm = None
                 if pid and state != S.stopping:
                     with contextlib.suppress(errors.CellaError, OSError, TimeoutError):
-                        vm = await self.driver.adopt(directory, pid)
+                        vm = await self.driver.adopt(directory, pid, paused=state == S.paused)
                 if vm is not None:
                     self._vms[sid] = vm
-                    self.store.update_sandbox(sid, state=S.running)
+                    self.store.update_sandbox(
+                        sid, state=S.paused if state == S.paused else S.running
+                    )
                     self.store.add_event(sid, "adopted", {"pid": pid})
                     counts["adopted"] += 1
                 else:
@@ -315,6 +522,17 @@ class SandboxService:
             for entry in self.driver.paths.vms.iterdir():
                 if entry.name not in live:
                     self.driver.remove_directory(entry)
+        # snapshots interrupted while being made; their scratch directories
+        for snap in self.store.list_snapshots(None, ["creating"]):
+            users = self.store.snapshot_users(snap["id"])
+            path = self.snapshots_dir / snap["id"]
+            if not any(users):
+                shutil.rmtree(path, ignore_errors=True)
+            self.store.update_snapshot(snap["id"], state="error", error="daemon restarted")
+        if self.snapshots_dir.exists():
+            for entry in self.snapshots_dir.iterdir():
+                if entry.name.startswith("."):
+                    shutil.rmtree(entry, ignore_errors=True)
         log.info("recovery: %s", counts)
         return counts
 

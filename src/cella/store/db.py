@@ -107,6 +107,55 @@ class Store:
             args.extend(states)
         return [_sandbox(r) for r in self._exec(sql + " ORDER BY created_at", tuple(args))]
 
+    # -- snapshots ------------------------------------------------------------------------
+
+    def insert_snapshot(self, row: dict[str, Any]) -> None:
+        row = {**row, "created_at": now(), "updated_at": now()}
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        self._exec(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", tuple(row.values()))
+
+    def update_snapshot(self, snapshot_id: str, **fields: Any) -> None:
+        fields["updated_at"] = now()
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._exec(f"UPDATE snapshots SET {sets} WHERE id = ?", (*fields.values(), snapshot_id))
+
+    def get_snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
+        row = self._exec("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+        return dict(row) if row else None
+
+    def list_snapshots(
+        self, tenant: str | None = None, states: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM snapshots WHERE 1=1"
+        args: list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if states:
+            sql += f" AND state IN ({', '.join('?' for _ in states)})"
+            args.extend(states)
+        return [dict(r) for r in self._exec(sql + " ORDER BY created_at", tuple(args))]
+
+    def snapshot_users(self, snapshot_id: str) -> tuple[list[str], list[str]]:
+        """Live sandboxes whose disk sits on the snapshot, and snapshots built on it."""
+        gone = ("deleted", "error")
+        sandboxes = [
+            r[0]
+            for r in self._exec(
+                "SELECT id FROM sandboxes WHERE base_snapshot_id = ? AND state NOT IN (?, ?)",
+                (snapshot_id, *gone),
+            )
+        ]
+        snapshots = [
+            r[0]
+            for r in self._exec(
+                "SELECT id FROM snapshots WHERE parent_snapshot_id = ? AND state NOT IN (?, ?)",
+                (snapshot_id, *gone),
+            )
+        ]
+        return sandboxes, snapshots
+
     # -- events ---------------------------------------------------------------------------
 
     def add_event(self, sandbox_id: str, type_: str, data: dict[str, Any] | None = None) -> int:

@@ -38,4 +38,28 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX events_sandbox ON events (sandbox_id, id);
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN disk TEXT NOT NULL DEFAULT 'disk.qcow2';
+    ALTER TABLE sandboxes ADD COLUMN parent_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN snapshot_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN base_snapshot_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN created_from TEXT;
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        parent_snapshot_id TEXT,
+        state TEXT NOT NULL,
+        template TEXT NOT NULL,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        size_bytes INTEGER,
+        paused_ms REAL,
+        error TEXT,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX snapshots_tenant ON snapshots (tenant, state);
+    """,
 ]

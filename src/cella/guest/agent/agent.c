@@ -61,12 +61,13 @@ enum {
 enum {
     F_ARG = 1, F_ENV = 2, F_CWD = 3, F_USER = 4, F_TIMEOUT_MS = 5, F_STDIN = 6, F_PATH = 7,
     F_MODE = 8, F_PARENTS = 9, F_RECURSIVE = 10, F_HOSTNAME = 11, F_TIME_NS = 12, F_SEED = 13,
-    F_SIGNAL = 14,
+    F_SIGNAL = 14, F_SANDBOX_ID = 15,
 };
 
 static int port = -1;
 static int port_hup = 0;
 static int have_cgroups = 0;
+static char sandbox_id[64] = "";
 
 static void logf_(const char *fmt, ...) {
     va_list ap;
@@ -384,6 +385,7 @@ static char **build_env(const struct field *fs, int n, const struct user *u) {
         {"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
         {"HOME", u->home}, {"USER", u->name}, {"LOGNAME", u->name}, {"LANG", "C.UTF-8"},
         {"SHELL", u->shell[0] ? u->shell : "/bin/sh"},
+        {"CELLA_SANDBOX_ID", sandbox_id},
     };
     for (size_t d = 0; d < sizeof defaults / sizeof defaults[0]; d++) {
         size_t klen = strlen(defaults[d][0]);
@@ -918,13 +920,25 @@ static void handle_identity(uint32_t chan, const uint8_t *p, uint32_t len) {
         if (clock_settime(CLOCK_REALTIME, &ts))
             return send_error(chan, errno, "clock_settime: %s", strerror(errno));
     }
+    if ((f = find_field(fs, n, F_SANDBOX_ID)) && f->len < sizeof sandbox_id) {
+        memcpy(sandbox_id, f->val, f->len);
+        sandbox_id[f->len] = 0;
+        mkdir("/run/cella", 0755);
+        int fd = open("/run/cella/sandbox-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            if (write(fd, sandbox_id, f->len) < 0) { /* best effort */ }
+            close(fd);
+        }
+    }
     if ((f = find_field(fs, n, F_SEED)) && f->len > 0 && f->len <= 512) {
         struct { int entropy_count; int buf_size; uint8_t buf[512]; } ent;
         ent.entropy_count = (int)f->len * 8;
         ent.buf_size = (int)f->len;
         memcpy(ent.buf, f->val, f->len);
         int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        /* mix the host's bytes in, then force a reseed: a restored CRNG must not repeat */
         int rc = fd < 0 ? -1 : ioctl(fd, RNDADDENTROPY, &ent);
+        if (rc == 0) rc = ioctl(fd, RNDRESEEDCRNG);
         int err = errno;
         if (fd >= 0) close(fd);
         if (rc) return send_error(chan, err, "reseed: %s", strerror(err));

@@ -25,6 +25,13 @@ class VMConfig:
     console_log: Path
     accel: Accel
     extra_cmdline: tuple[str, ...] = ()
+    # guest RAM in a file: shared for a template snapshot, private copy-on-write for restores
+    ram_file: Path | None = None
+    ram_shared: bool = False
+    # wait for an incoming migration instead of booting: "defer" (QMP) or a URI
+    incoming: str | None = None
+    # do not start the vCPUs (a snapshot helper that only loads and saves state)
+    paused: bool = False
 
 
 def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
@@ -63,12 +70,15 @@ def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = (
 
 def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
     cpu = "host" if cfg.accel == "kvm" else "qemu64,+arat"
+    machine = "microvm,acpi=on"
+    if cfg.ram_file is not None:
+        machine += ",memory-backend=ram"
     argv = [
         QEMU,
         "-name",
         cfg.name,
         "-machine",
-        "microvm,acpi=on",
+        machine,
         "-accel",
         cfg.accel,
         "-cpu",
@@ -104,6 +114,17 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         "-device",
         f"virtserialport,chardev=agent,name={AGENT_PORT}",
     ]
+    if cfg.ram_file is not None:
+        share = "on" if cfg.ram_shared else "off"
+        argv += [
+            "-object",
+            f"memory-backend-file,id=ram,size={cfg.memory_mib}M,"
+            f"mem-path={cfg.ram_file},share={share}",
+        ]
+    if cfg.incoming is not None:
+        argv += ["-incoming", cfg.incoming]
+    if cfg.paused:
+        argv.append("-S")
     if cfg.disk is not None:
         argv += [
             "-drive",

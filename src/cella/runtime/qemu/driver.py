@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 from cella import errors
 from cella._proc import Progress, quiet
@@ -14,8 +16,10 @@ from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
+from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline
 from cella.storage.overlay import create_overlay
+from cella.storage.snapshots import SnapshotDir
 
 MIN_MEMORY_MIB = 128  # the cloud kernel panics at 64 MiB
 MAX_MEMORY_MIB = 256 * 1024
@@ -83,34 +87,51 @@ class QemuDriver:
             raise
 
     async def start(
-        self, directory: Path, *, vcpus: int, memory_mib: int, boot_timeout: float = 60.0
+        self,
+        directory: Path,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+        disk: str = DISK,
     ) -> QemuVM:
         """Boots a VM on the overlay already in `directory` (create, or resume after stop)."""
         validate_resources(vcpus, memory_mib)
         if self._boot is None or self._accel is None:
             await self.prepare()
         assert self._boot is not None and self._accel is not None
-        vm = QemuVM(
-            self._config(directory, vcpus, memory_mib), die_with_parent=self.die_with_parent
-        )
+        config = self._config(directory, vcpus, memory_mib)
+        config = dataclasses.replace(config, disk=directory / disk)
+        vm = QemuVM(config, die_with_parent=self.die_with_parent)
         vm.directory = directory
         vm.accel_reason = self._accel.reason
         await vm.start(boot_timeout)
         return vm
 
-    async def adopt(self, directory: Path, pid: int) -> QemuVM:
+    async def adopt(self, directory: Path, pid: int, paused: bool = False) -> QemuVM:
         """Reconnects to a VM left running by an earlier daemon (its QEMU must be ours)."""
-        if str(directory / DISK) not in " ".join(qemu_cmdline(pid)):
+        if f"file={directory}/" not in " ".join(qemu_cmdline(pid)):
             raise errors.SandboxCrashed(f"process {pid} is not the QEMU of {directory.name}")
-        vm = await QemuVM.adopt(self._config(directory, 1, MIN_MEMORY_MIB), pid)
+        vm = await QemuVM.adopt(self._config(directory, 1, MIN_MEMORY_MIB), pid, paused=paused)
         vm.directory = directory
         vm.accel_reason = self._accel.reason if self._accel else ""
         return vm
 
-    def _config(self, directory: Path, vcpus: int, memory_mib: int) -> VMConfig:
+    def _config(
+        self,
+        directory: Path,
+        vcpus: int,
+        memory_mib: int,
+        ram_file: Path | None = None,
+        ram_shared: bool = False,
+        incoming: str | None = None,
+    ) -> VMConfig:
         files = VMFiles.under(directory)
         boot = self._boot
         return VMConfig(
+            ram_file=ram_file,
+            ram_shared=ram_shared,
+            incoming=incoming,
             name=directory.name,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -122,6 +143,100 @@ class QemuDriver:
             agent_socket=files.agent_socket,
             console_log=files.console_log,
         )
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    async def snapshot_template(
+        self,
+        template: str,
+        dest: SnapshotDir,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+    ) -> dict[str, Any]:
+        """The warm snapshot new sandboxes of this template and shape restore from."""
+        validate_resources(vcpus, memory_mib)
+        await self._ensure_prepared()
+        base = find_template(self.paths, template)
+        meta = self._snapshot_meta(vcpus, memory_mib, template=template)
+        return await snapshot_fresh_boot(
+            lambda d, ram, shared: self._config(d, vcpus, memory_mib, ram, shared),
+            base,
+            dest,
+            meta,
+            boot_timeout,
+        )
+
+    async def snapshot_vm(
+        self, vm: QemuVM, dest: SnapshotDir, new_overlay: Path, **meta: Any
+    ) -> tuple[dict[str, Any], float]:
+        """Snapshots a running VM (disk and memory); returns the manifest and pause time."""
+        await self._ensure_prepared()
+        cfg = vm.config
+        full_meta = {
+            **self._snapshot_meta(cfg.vcpus, cfg.memory_mib),
+            "kernel": str(cfg.kernel),
+            "initrd": str(cfg.initrd),
+            **meta,
+        }
+        return await snapshot_running(
+            vm,
+            new_overlay,
+            dest,
+            full_meta,
+            lambda d, ram, shared: dataclasses.replace(
+                self._config(d, cfg.vcpus, cfg.memory_mib, ram, shared),
+                kernel=cfg.kernel,
+                initrd=cfg.initrd,
+                accel=cfg.accel,
+            ),
+        )
+
+    async def restore(
+        self,
+        snap: SnapshotDir,
+        directory: Path,
+        timeout: float = 30.0,
+        disk_mib: int | None = None,
+    ) -> QemuVM:
+        """A new VM from a snapshot (checked against its manifest first), on a new overlay."""
+        await self._ensure_prepared()
+        manifest = snap.verify()
+        directory.mkdir(parents=True)
+        try:
+            create_overlay(snap.disk, directory / DISK, disk_mib)
+            config = dataclasses.replace(
+                self._config(
+                    directory, manifest["vcpus"], manifest["memory_mib"], snap.ram, False, "defer"
+                ),
+                kernel=Path(manifest["kernel"]),
+                initrd=Path(manifest["initrd"]),
+                accel=manifest["accel"],
+            )
+            vm = QemuVM(config, die_with_parent=self.die_with_parent)
+            vm.directory = directory
+            vm.accel_reason = self._accel.reason if self._accel else ""
+            await vm.restore(snap.state, timeout)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return vm
+
+    def _snapshot_meta(self, vcpus: int, memory_mib: int, **extra: Any) -> dict[str, Any]:
+        assert self._boot is not None and self._accel is not None
+        return {
+            "vcpus": vcpus,
+            "memory_mib": memory_mib,
+            "accel": self._accel.accel,
+            "kernel": str(self._boot.kernel.vmlinux),
+            "initrd": str(self._boot.initrd),
+            **extra,
+        }
+
+    async def _ensure_prepared(self) -> None:
+        if self._boot is None or self._accel is None:
+            await self.prepare()
 
     def stray_qemu_pids(self, keep: set[int]) -> list[int]:
         """QEMU processes running VMs of this data directory that nothing owns."""

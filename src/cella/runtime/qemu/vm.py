@@ -10,6 +10,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient
 
@@ -61,7 +62,9 @@ class QemuVM:
         return self._adopted_pid is not None and pid_alive(self._adopted_pid)
 
     @classmethod
-    async def adopt(cls, config: VMConfig, pid: int, timeout: float = 5.0) -> QemuVM:
+    async def adopt(
+        cls, config: VMConfig, pid: int, timeout: float = 5.0, paused: bool = False
+    ) -> QemuVM:
         """Reconnects to a VM that outlived the process that started it."""
         vm = cls(config, die_with_parent=False)
         vm._adopted_pid = pid
@@ -71,26 +74,21 @@ class QemuVM:
             vm.qmp = QMPClient(config.name)
             await asyncio.wait_for(vm.qmp.connect(str(config.qmp_socket)), timeout)
             vm._agent = await AgentClient.connect(config.agent_socket, on_lost=vm._lost_reason)
-            await vm._agent.ping(timeout=timeout)
+            if paused:  # frozen vCPUs cannot answer a ping; QEMU's word is enough
+                status: Any = await vm.qmp.execute("query-status")
+                if status.get("status") != "paused":
+                    raise errors.SandboxCrashed(f"expected a paused VM, found {status}")
+            else:
+                await vm._agent.ping(timeout=timeout)
         except BaseException:
             await vm._close_channels()
             raise
         return vm
 
     async def start(self, boot_timeout: float = 60.0) -> None:
-        cfg = self.config
-        for sock in (cfg.qmp_socket, cfg.agent_socket):
-            sock.unlink(missing_ok=True)
-        cfg.console_log.write_bytes(b"")
         started = time.perf_counter()
-        self.process = await asyncio.create_subprocess_exec(
-            *qemu_argv(cfg, host_tsc_khz()),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
-            start_new_session=True,
-        )
+        self.config.console_log.write_bytes(b"")
+        await self._spawn()
         try:
             await asyncio.wait_for(self._connect(), boot_timeout)
         except TimeoutError:
@@ -102,6 +100,127 @@ class QemuVM:
             await self.kill()
             raise
         self.boot_seconds = time.perf_counter() - started
+
+    async def _spawn(self) -> None:
+        cfg = self.config
+        for sock in (cfg.qmp_socket, cfg.agent_socket):
+            sock.unlink(missing_ok=True)
+        cfg.console_log.touch()
+        self.process = await asyncio.create_subprocess_exec(
+            *qemu_argv(cfg, host_tsc_khz()),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            start_new_session=True,
+        )
+
+    async def spawn_listening(self, incoming_socket: Path) -> None:
+        """Starts a QEMU that waits on a socket for a VM to migrate into it."""
+        await self._spawn()
+        cfg = self.config
+        while not (cfg.qmp_socket.exists() and incoming_socket.exists()):
+            await self._check_alive()
+            await asyncio.sleep(0.001)
+        self.qmp = QMPClient(cfg.name)
+        await self.qmp.connect(str(cfg.qmp_socket))
+
+    async def wait_incoming(self) -> None:
+        await self._wait_migration()
+
+    async def restore(self, state: Path, timeout: float = 30.0) -> None:
+        """Starts from a saved device state instead of booting (config.incoming == "defer").
+
+        The agent channel is connected before the vCPUs run, so the guest never sees its
+        host end go away.
+        """
+        started = time.perf_counter()
+        await self._spawn()
+        try:
+            await asyncio.wait_for(self._restore(state), timeout)
+        except TimeoutError:
+            await self.kill()
+            raise errors.AgentUnavailable(
+                f"restore did not finish within {timeout:.0f} s"
+            ) from None
+        except BaseException:
+            await self.kill()
+            raise
+        self.boot_seconds = time.perf_counter() - started
+
+    async def _restore(self, state: Path) -> None:
+        cfg = self.config
+        while not (cfg.qmp_socket.exists() and cfg.agent_socket.exists()):
+            await self._check_alive()
+            await asyncio.sleep(0.001)
+        self.qmp = QMPClient(cfg.name)
+        await self.qmp.connect(str(cfg.qmp_socket))
+        self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+        await self._set_ignore_shared(True)
+        await self.qmp.execute("migrate-incoming", {"uri": f"exec:cat {_quote(state)}"})
+        await self._wait_migration()
+        await self.qmp.execute("cont")
+        await self._agent.ping(timeout=10.0)
+
+    async def _set_ignore_shared(self, on: bool) -> None:
+        assert self.qmp is not None
+        await self.qmp.execute(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": on}]},
+        )
+
+    async def _wait_migration(self) -> None:
+        assert self.qmp is not None
+        while True:
+            info: Any = await self.qmp.execute("query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise errors.CellaError(f"migration {status}: {info.get('error-desc', '')}")
+            if self.process is not None and self.process.returncode is not None:
+                raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
+            await asyncio.sleep(0.002)
+
+    async def save_state(self, dest: Path, *, ignore_shared: bool) -> None:
+        """Writes the device state (and RAM unless it is shared) to `dest`.
+
+        The VM is left stopped; `resume()` lets it run on.
+        """
+        assert self.qmp is not None
+        await self._set_ignore_shared(ignore_shared)
+        await self.qmp.execute("migrate", {"uri": f"exec:cat > {_quote(dest)}"})
+        await self._wait_migration()
+
+    async def migrate_to(self, uri: str) -> None:
+        """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming uri`."""
+        assert self.qmp is not None
+        await self._set_ignore_shared(False)
+        await self.qmp.execute("migrate", {"uri": uri})
+        await self._wait_migration()
+
+    async def pause(self) -> None:
+        """Freezes the vCPUs: processes keep their memory and go on after `resume()`."""
+        assert self.qmp is not None
+        await self.qmp.execute("stop")
+
+    async def resume(self) -> None:
+        assert self.qmp is not None
+        await self.qmp.execute("cont")
+
+    async def freeze_disk(self, new_overlay: Path) -> None:
+        """From now on the guest writes to `new_overlay` (which must already exist, backed
+        by the current image); the current image is left unchanged for a snapshot."""
+        assert self.qmp is not None
+        await self.qmp.execute(
+            "blockdev-snapshot-sync",
+            {
+                "device": "root",
+                "snapshot-file": str(new_overlay),
+                "format": "qcow2",
+                "mode": "existing",
+            },
+        )
 
     async def _connect(self) -> None:
         cfg = self.config
@@ -204,6 +323,12 @@ class QemuVM:
         while self._adopted_pid is not None and pid_alive(self._adopted_pid):
             await asyncio.sleep(0.02)
         return 0
+
+
+def _quote(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
 
 
 def pid_alive(pid: int) -> bool:

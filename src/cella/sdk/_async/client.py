@@ -12,6 +12,7 @@ import httpx2
 
 from cella.models import Event, ExecEvent, FileEntry
 from cella.models import Sandbox as SandboxInfo
+from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     ExecResult,
@@ -93,6 +94,24 @@ class AsyncClient:
         if state is not None:
             params.append(("state", state))
         response = await self.request("GET", "/v1/sandboxes", params=params)
+        return [
+            AsyncSandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]
+        ]
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    async def snapshots(self) -> builtins.list[AsyncSnapshot]:
+        response = await self.request("GET", "/v1/snapshots")
+        return [
+            AsyncSnapshot(self, SnapshotInfo.model_validate(s))
+            for s in response.json()["snapshots"]
+        ]
+
+    async def get_snapshot(self, snapshot_id: str) -> AsyncSnapshot:
+        response = await self.request("GET", f"/v1/snapshots/{snapshot_id}")
+        return AsyncSnapshot(self, SnapshotInfo.model_validate(response.json()))
+
+    def _sandboxes(self, response: httpx2.Response) -> builtins.list[AsyncSandbox]:
         return [
             AsyncSandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]
         ]
@@ -218,6 +237,22 @@ class AsyncSandbox:
                         )
                     yield event
 
+    async def pause(self) -> AsyncSandbox:
+        """Freezes the sandbox; its processes go on after `resume()`."""
+        response = await self.client.request("POST", f"{self._path}/pause")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    async def snapshot(self, name: str = "snapshot") -> AsyncSnapshot:
+        """Disk and memory at this instant; the sandbox keeps running."""
+        response = await self.client.request("POST", f"{self._path}/snapshots", json={"name": name})
+        return AsyncSnapshot(self.client, SnapshotInfo.model_validate(response.json()))
+
+    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """`count` isolated copies of this sandbox as it is now (files, memory, processes)."""
+        response = await self.client.request("POST", f"{self._path}/fork", json={"count": count})
+        return self.client._sandboxes(response)
+
     async def stop(self) -> AsyncSandbox:
         """Ends all processes; files and installed packages stay for `resume()`."""
         response = await self.client.request("POST", f"{self._path}/stop")
@@ -235,6 +270,37 @@ class AsyncSandbox:
     async def events(self, after: int = 0) -> builtins.list[Event]:
         response = await self.client.request("GET", f"{self._path}/events", params={"after": after})
         return [Event.model_validate(e) for e in response.json()["events"]]
+
+
+class AsyncSnapshot:
+    """A saved sandbox (disk and memory) that new sandboxes can be forked from."""
+
+    def __init__(self, client: AsyncClient, info: SnapshotInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} {self.info.name!r}>"
+
+    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """`count` new sandboxes restored from this snapshot."""
+        response = await self.client.request(
+            "POST", f"/v1/snapshots/{self.id}/fork", json={"count": count}
+        )
+        return self.client._sandboxes(response)
+
+    async def refresh(self) -> AsyncSnapshot:
+        response = await self.client.request("GET", f"/v1/snapshots/{self.id}")
+        self.info = SnapshotInfo.model_validate(response.json())
+        return self
+
+    async def delete(self) -> None:
+        """Refused with `InUse` while a sandbox or snapshot is built on it."""
+        await self.client.request("DELETE", f"/v1/snapshots/{self.id}")
 
 
 class AsyncFiles:

@@ -13,6 +13,7 @@ import httpx2
 
 from cella.models import Event, ExecEvent, FileEntry
 from cella.models import Sandbox as SandboxInfo
+from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     ExecResult,
@@ -94,6 +95,21 @@ class Client:
         if state is not None:
             params.append(("state", state))
         response = self.request("GET", "/v1/sandboxes", params=params)
+        return [Sandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]]
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def snapshots(self) -> builtins.list[Snapshot]:
+        response = self.request("GET", "/v1/snapshots")
+        return [
+            Snapshot(self, SnapshotInfo.model_validate(s)) for s in response.json()["snapshots"]
+        ]
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        response = self.request("GET", f"/v1/snapshots/{snapshot_id}")
+        return Snapshot(self, SnapshotInfo.model_validate(response.json()))
+
+    def _sandboxes(self, response: httpx2.Response) -> builtins.list[Sandbox]:
         return [Sandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]]
 
     # -- keys (admin) ----------------------------------------------------------------------
@@ -215,6 +231,22 @@ class Sandbox:
                         )
                     yield event
 
+    def pause(self) -> Sandbox:
+        """Freezes the sandbox; its processes go on after `resume()`."""
+        response = self.client.request("POST", f"{self._path}/pause")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    def snapshot(self, name: str = "snapshot") -> Snapshot:
+        """Disk and memory at this instant; the sandbox keeps running."""
+        response = self.client.request("POST", f"{self._path}/snapshots", json={"name": name})
+        return Snapshot(self.client, SnapshotInfo.model_validate(response.json()))
+
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+        """`count` isolated copies of this sandbox as it is now (files, memory, processes)."""
+        response = self.client.request("POST", f"{self._path}/fork", json={"count": count})
+        return self.client._sandboxes(response)
+
     def stop(self) -> Sandbox:
         """Ends all processes; files and installed packages stay for `resume()`."""
         response = self.client.request("POST", f"{self._path}/stop")
@@ -232,6 +264,37 @@ class Sandbox:
     def events(self, after: int = 0) -> builtins.list[Event]:
         response = self.client.request("GET", f"{self._path}/events", params={"after": after})
         return [Event.model_validate(e) for e in response.json()["events"]]
+
+
+class Snapshot:
+    """A saved sandbox (disk and memory) that new sandboxes can be forked from."""
+
+    def __init__(self, client: Client, info: SnapshotInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} {self.info.name!r}>"
+
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+        """`count` new sandboxes restored from this snapshot."""
+        response = self.client.request(
+            "POST", f"/v1/snapshots/{self.id}/fork", json={"count": count}
+        )
+        return self.client._sandboxes(response)
+
+    def refresh(self) -> Snapshot:
+        response = self.client.request("GET", f"/v1/snapshots/{self.id}")
+        self.info = SnapshotInfo.model_validate(response.json())
+        return self
+
+    def delete(self) -> None:
+        """Refused with `InUse` while a sandbox or snapshot is built on it."""
+        self.client.request("DELETE", f"/v1/snapshots/{self.id}")
 
 
 class Files:

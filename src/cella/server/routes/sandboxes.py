@@ -70,9 +70,15 @@ async def stop_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
     return _sandbox(await service(request).stop(who.tenant, sandbox_id))
 
 
+@router.post("/{sandbox_id}/pause", response_model=Sandbox)
+async def pause_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+    """Freezes the sandbox: no CPU, memory and processes kept for `resume`."""
+    return _sandbox(await service(request).pause(who.tenant, sandbox_id))
+
+
 @router.post("/{sandbox_id}/resume", response_model=Sandbox)
 async def resume_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
-    """Boots a stopped sandbox again on the same disk."""
+    """Paused: runs on with its processes. Stopped: boots again on the same disk."""
     return _sandbox(await service(request).resume(who.tenant, sandbox_id))
 
 

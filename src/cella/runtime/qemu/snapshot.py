@@ -1,0 +1,171 @@
+"""Memory snapshots: save a VM's RAM, devices and disk at one instant; restore in milliseconds.
+
+Restored VMs map the snapshot's RAM file privately (copy-on-write), so pages they do not
+change stay shared between them, and their disks are overlays on the snapshot's frozen disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from cella import errors
+from cella.runtime.qemu.args import VMConfig
+from cella.runtime.qemu.vm import QemuVM, VMFiles
+from cella.storage.overlay import create_overlay
+from cella.storage.snapshots import SnapshotDir
+
+
+def _tmp_dir(dest: SnapshotDir) -> Path:
+    tmp = dest.path.with_name(f".{dest.path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any]:
+    for leftover in ("qmp.sock", "agent.sock", "console.log", "mig.sock", "blank.qcow2"):
+        (tmp / leftover).unlink(missing_ok=True)
+    manifest = SnapshotDir(tmp).seal(meta)
+    if dest.path.exists():  # someone else finished the same snapshot first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return dest.manifest()
+    tmp.rename(dest.path)
+    return manifest
+
+
+async def snapshot_fresh_boot(
+    config_for: Any, base: Path, dest: SnapshotDir, meta: dict[str, Any], boot_timeout: float
+) -> dict[str, Any]:
+    """A template's warm snapshot: boot with RAM in a shared file, warm it, save devices.
+
+    `config_for(directory, ram_file, shared)` builds the VM config for this host.
+    """
+    tmp = _tmp_dir(dest)
+    vm: QemuVM | None = None
+    try:
+        create_overlay(base, tmp / "disk.qcow2")
+        config: VMConfig = config_for(tmp, tmp / "ram", True)
+        vm = QemuVM(config)
+        await vm.start(boot_timeout)
+        # warm the page cache and TCG with what sandboxes run first; restores inherit it
+        await vm.agent.exec("python3 -c pass; true", timeout=60)
+        await vm.agent.exec(["sync"], timeout=60)
+        await vm.save_state(tmp / "state", ignore_shared=True)
+        await vm.kill()
+        vm = None
+        return _finish(tmp, dest, meta)
+    except BaseException:
+        if vm is not None:
+            await vm.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+async def snapshot_running(
+    vm: QemuVM,
+    new_overlay: Path,
+    dest: SnapshotDir,
+    meta: dict[str, Any],
+    config_for: Any,
+) -> tuple[dict[str, Any], float]:
+    """Snapshots a running VM; returns the manifest and how long the VM was paused.
+
+    The VM is paused, its disk frozen (it goes on writing to `new_overlay`, which is backed
+    by the snapshot's disk), and its RAM sent to a helper QEMU that writes it into a shareable
+    file. The VM runs again as soon as its RAM has left; the helper finishes alone.
+    """
+    tmp = _tmp_dir(dest)
+    helper: QemuVM | None = None
+    frozen = False
+    try:
+        current = vm.config.disk
+        assert current is not None
+        # the helper never runs the guest: any disk satisfies its device model
+        blank = tmp / "blank.qcow2"
+        await _qemu_img("create", "-q", "-f", "qcow2", str(blank), "1G")
+        helper_cfg: VMConfig = config_for(tmp, tmp / "ram", True)
+        helper_cfg = _replace(
+            helper_cfg,
+            disk=blank,
+            incoming=f"unix:{tmp / 'mig.sock'}",
+            paused=True,
+            name=f"{vm.config.name}-snap",
+        )
+        helper = QemuVM(helper_cfg)
+        spawn = asyncio.ensure_future(helper.spawn_listening(tmp / "mig.sock"))
+
+        loop = asyncio.get_running_loop()
+        paused_at = loop.time()
+        await vm.pause()
+        try:
+            os.link(current, tmp / "disk.qcow2")
+            frozen = True
+            await _qemu_img(
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "qcow2",
+                "-u",
+                "-b",
+                str(dest.disk),
+                str(new_overlay),
+                _virtual_size(current),
+            )
+            await vm.freeze_disk(new_overlay)
+            await spawn
+            await vm.migrate_to(f"unix:{tmp / 'mig.sock'}")
+        finally:
+            await vm.resume()
+        paused = loop.time() - paused_at
+        await helper.wait_incoming()
+        await helper.save_state(tmp / "state", ignore_shared=True)
+        await helper.kill()
+        helper = None
+        return _finish(tmp, dest, meta), paused
+    except BaseException:
+        if helper is not None:
+            await helper.kill()
+        if frozen:
+            # the VM's disk now sits on this frozen image: keep it (no manifest, so it is
+            # never restored) rather than pull it from under the running VM
+            for extra in tmp.iterdir():
+                if extra.name != "disk.qcow2":
+                    extra.unlink(missing_ok=True)
+            tmp.rename(dest.path)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace(cfg: VMConfig, **changes: Any) -> VMConfig:
+    import dataclasses
+
+    files = VMFiles.under(Path(changes.pop("directory", cfg.qmp_socket.parent)))
+    return dataclasses.replace(
+        cfg,
+        qmp_socket=files.qmp_socket,
+        agent_socket=files.agent_socket,
+        console_log=files.console_log,
+        **changes,
+    )
+
+
+def _virtual_size(image: Path) -> str:
+    from cella.storage.overlay import image_info
+
+    return str(image_info(image)["virtual-size"])
+
+
+async def _qemu_img(*args: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "qemu-img", *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise errors.CellaError(f"qemu-img {args[0]} failed: {err.decode(errors='replace')}")

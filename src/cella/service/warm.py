@@ -1,0 +1,177 @@
+"""Fast starts: a warm snapshot per template and shape, and a pool of VMs restored from it.
+
+A create claims a pooled VM (already restored, agent connected) when one fits; otherwise it
+restores from the warm snapshot; it never cold-boots. The pool refills in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cella import errors
+from cella.images.templates import find_template
+from cella.runtime.qemu.driver import QemuDriver
+from cella.runtime.qemu.vm import QemuVM
+from cella.storage.snapshots import SnapshotDir
+
+log = logging.getLogger("cella.warm")
+WARM_UP = (
+    "true; cat /dev/null; ls / >/dev/null; head -c1 /dev/urandom >/dev/null; hostname >/dev/null"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    template: str
+    vcpus: int
+    memory_mib: int
+
+
+def new_sandbox_id() -> str:
+    return f"sb-{secrets.token_hex(8)}"
+
+
+class WarmSnapshots:
+    """Template snapshots in the shared image cache, keyed by everything they depend on."""
+
+    def __init__(self, driver: QemuDriver, boot_timeout: float = 60.0) -> None:
+        self.driver = driver
+        self.boot_timeout = boot_timeout
+        self._locks: dict[Shape, asyncio.Lock] = {}
+
+    def location(self, shape: Shape) -> SnapshotDir:
+        d = self.driver
+        base = find_template(d.paths, shape.template)
+        meta = d._snapshot_meta(shape.vcpus, shape.memory_mib)
+        key = "|".join(
+            [
+                base.name,
+                meta["kernel"],
+                meta["initrd"],
+                meta["accel"],
+                str(shape.vcpus),
+                str(shape.memory_mib),
+            ]
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return SnapshotDir(d.paths.images / "snapshots" / f"{shape.template}-{digest}")
+
+    async def ensure(self, shape: Shape) -> SnapshotDir:
+        """The warm snapshot for `shape`, made now (one cold boot) if there is none yet."""
+        await self.driver.prepare()
+        snap = self.location(shape)
+        async with self._locks.setdefault(shape, asyncio.Lock()):
+            if snap.exists():
+                try:
+                    snap.verify()
+                    return snap
+                except errors.SnapshotCorrupt as exc:
+                    # a template snapshot is derived data: rebuild rather than refuse
+                    log.warning("rebuilding warm snapshot: %s", exc)
+                    shutil.rmtree(snap.path, ignore_errors=True)
+            snap.path.parent.mkdir(parents=True, exist_ok=True)
+            log.info("making the warm snapshot for %s", shape)
+            await self.driver.snapshot_template(
+                shape.template,
+                snap,
+                vcpus=shape.vcpus,
+                memory_mib=shape.memory_mib,
+                boot_timeout=self.boot_timeout,
+            )
+            return snap
+
+
+@dataclass
+class _Pool:
+    shape: Shape
+    ready: list[QemuVM] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class WarmPool:
+    """Restored VMs waiting to be claimed, one pool per shape."""
+
+    def __init__(self, driver: QemuDriver, snapshots: WarmSnapshots, size: int) -> None:
+        self.driver = driver
+        self.snapshots = snapshots
+        self.size = size
+        self._pools: dict[Shape, _Pool] = {}
+        self._reaping: set[asyncio.Task[None]] = set()
+
+    def watch(self, shape: Shape) -> None:
+        """Keeps a pool of `size` VMs of this shape (filled in the background)."""
+        if self.size <= 0 or shape in self._pools:
+            return
+        pool = self._pools[shape] = _Pool(shape)
+        pool.task = asyncio.create_task(self._refill(pool), name=f"pool-{shape.template}")
+
+    def ready(self, shape: Shape) -> int:
+        pool = self._pools.get(shape)
+        return len(pool.ready) if pool else 0
+
+    def claim(self, shape: Shape) -> QemuVM | None:
+        pool = self._pools.get(shape)
+        while pool is not None and pool.ready:
+            vm = pool.ready.pop(0)
+            pool.wake.set()
+            if vm.running and vm._agent is not None and not vm._agent.closed:
+                return vm
+            self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+        return None
+
+    async def fill(self, shape: Shape, timeout: float = 120.0) -> None:
+        """Waits until the pool for `shape` is full (for tests and benchmarks)."""
+        self.watch(shape)
+        async with asyncio.timeout(timeout):
+            while self.ready(shape) < self.size:
+                await asyncio.sleep(0.02)
+
+    async def _refill(self, pool: _Pool) -> None:
+        failures = 0
+        while True:
+            if len(pool.ready) >= self.size:
+                pool.wake.clear()
+                await pool.wake.wait()
+                continue
+            try:
+                snap = await self.snapshots.ensure(pool.shape)
+                directory = self.driver.paths.vms / new_sandbox_id()
+                vm = await self.driver.restore(snap, directory)
+                # run the usual first commands once, so the translation cache of this VM is
+                # warm before anyone claims it (a first exec is otherwise several times slower)
+                await vm.agent.exec(WARM_UP, timeout=60)
+                pool.ready.append(vm)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                failures += 1
+                log.exception("warm pool refill failed")
+                await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            if pool.task is not None:
+                pool.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pool.task
+            for vm in pool.ready:
+                await self.driver.destroy(vm)
+            pool.ready.clear()
+        self._pools.clear()
+
+    def status(self) -> dict[str, int]:
+        return {
+            f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.ready) for s, p in self._pools.items()
+        }
+
+    def directories(self) -> set[Path]:
+        return {vm.directory for p in self._pools.values() for vm in p.ready if vm.directory}

@@ -1,0 +1,98 @@
+"""Snapshot files on disk and their manifest.
+
+A snapshot is a directory: `ram` (guest memory, mapped copy-on-write by every VM restored
+from it, so unchanged pages are shared), `state` (device state), `disk.qcow2` (the frozen
+disk; restores get an overlay on it) and `manifest.json` with a SHA-256 of each file.
+Nothing is restored before its files match the manifest. Hashing the RAM file takes a while,
+so a verified file is remembered by (inode, size, mtime) and hashed again only when those
+change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cella import errors
+
+FILES = ("ram", "state", "disk.qcow2")
+_verified: dict[tuple[str, int, int, int], str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotDir:
+    path: Path
+
+    @property
+    def ram(self) -> Path:
+        return self.path / "ram"
+
+    @property
+    def state(self) -> Path:
+        return self.path / "state"
+
+    @property
+    def disk(self) -> Path:
+        return self.path / "disk.qcow2"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    def exists(self) -> bool:
+        return self.manifest_path.exists()
+
+    def manifest(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise errors.SnapshotCorrupt(
+                f"snapshot {self.path.name}: bad manifest: {exc}"
+            ) from None
+        return data
+
+    def seal(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Hashes the files and writes the manifest last (its presence means complete)."""
+        manifest = {
+            **meta,
+            "sha256": {name: _sha256(self.path / name) for name in FILES},
+            "bytes": {name: (self.path / name).stat().st_size for name in FILES},
+        }
+        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        tmp.rename(self.manifest_path)
+        for name in FILES:
+            (self.path / name).chmod(0o444)
+        return manifest
+
+    def verify(self) -> dict[str, Any]:
+        """Raises SnapshotCorrupt unless every file matches its checksum."""
+        manifest = self.manifest()
+        expected = manifest.get("sha256", {})
+        for name in FILES:
+            path = self.path / name
+            if not path.exists():
+                raise errors.SnapshotCorrupt(f"snapshot {self.path.name}: {name} is missing")
+            if _sha256(path) != expected.get(name):
+                raise errors.SnapshotCorrupt(
+                    f"snapshot {self.path.name}: {name} does not match its checksum"
+                )
+        return manifest
+
+
+def _sha256(path: Path) -> str:
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return _verified[key]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    _verified[key] = digest
+    return digest
