@@ -75,6 +75,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "ok": True,
             "accel": accel.accel if accel else None,
             "accel_reason": accel.reason if accel else None,
+            "pool": service.pool.status() if service else {},
+            "pool_size": service.pool.size if service else 0,
         }
 
     return app
