@@ -105,3 +105,22 @@ def test_stopped_sandbox_keeps_its_disk_across_a_crash(crashy: Daemon) -> None:
         again.delete()
         with pytest.raises(errors.NotFound):
             client.get(sb.id)
+
+
+def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
+    with Client(crashy.url, crashy.admin_key) as client:
+        sb = client.create()
+        sb.exec(
+            "nohup sh -c 'while true; do date +%s%N > /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &"
+        )
+        sb.pause()
+    crashy.kill9()
+    crashy.start()
+    with Client(crashy.url, crashy.admin_key) as client:
+        again = client.get(sb.id)
+        assert again.state == "paused"
+        again.resume()
+        first = again.files.read("/tmp/t")
+        time.sleep(0.3)
+        assert again.files.read("/tmp/t") != first  # the same process runs on
+        again.delete()

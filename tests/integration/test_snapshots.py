@@ -1,0 +1,174 @@
+"""Fast starts, identity, pause, snapshots and forks on real microVMs behind a real daemon."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from cella import Client, errors
+from tests.daemon import Daemon
+from tests.integration.conftest import kill_vms_of
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' "
+    ">/dev/null 2>&1 &"
+)
+
+
+def counting(sb: object) -> bool:
+    """The background counter started by COUNTER is alive in this sandbox."""
+    first = int(sb.files.read("/tmp/count"))  # type: ignore[attr-defined]
+    time.sleep(0.4)
+    return int(sb.files.read("/tmp/count")) > first  # type: ignore[attr-defined]
+
+
+def wait_pool_full(daemon: Daemon, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx2.get(f"{daemon.url}/v1/health").json()
+        if health["pool"] and all(n >= health["pool_size"] for n in health["pool"].values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pool never filled: {health}")
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("pooled"), pool_size="2").start()
+    yield d
+    d.stop()
+    kill_vms_of(d.data_dir)
+
+
+@pytest.fixture(scope="module")
+def client(pooled: Daemon) -> Iterator[Client]:
+    with Client(pooled.url, pooled.admin_key) as c:
+        yield c
+
+
+def test_create_claims_from_the_pool_with_a_fresh_identity(client: Client, pooled: Daemon) -> None:
+    wait_pool_full(pooled)
+    a, b = client.create(), client.create()
+    try:
+        assert a.info.created_from == b.info.created_from == "pool"
+        seen = []
+        for sb in (a, b):
+            r = sb.exec(
+                "hostname; echo $CELLA_SANDBOX_ID; cat /run/cella/sandbox-id; echo; "
+                "date +%s; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'"
+            )
+            hostname, env_id, file_id, now, rand = r.text.split("\n")[:5]
+            assert hostname == env_id == file_id == sb.id
+            assert abs(int(now) - time.time()) < 30  # clock set to now, not the snapshot's
+            seen.append(rand)
+        assert seen[0] != seen[1]  # the RNG was reseeded in each copy
+    finally:
+        a.delete()
+        b.delete()
+
+
+def test_empty_pool_falls_back_to_a_restore_not_a_boot(tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "nopool", pool_size="0").start()
+    try:
+        with Client(d.url, d.admin_key) as c:
+            sb = c.create()
+            assert sb.info.created_from == "restore"
+            assert sb.exec("echo ok").stdout == b"ok\n"
+            # a booted guest logs "ready" on its console; a restored one never boots
+            console = (d.data_dir / "vms" / sb.id / "console.log").read_text()
+            assert "cella-agent: ready" not in console
+            kinds = {e.type: e.data for e in sb.events()}
+            assert kinds["created"]["from"] == "restore"
+            sb.delete()
+    finally:
+        d.stop()
+        kill_vms_of(d.data_dir)
+
+
+def test_pause_keeps_processes_running_across_resume(client: Client) -> None:
+    with client.create() as sb:
+        sb.exec(COUNTER)
+        time.sleep(0.5)
+        assert sb.pause().state == "paused"
+        with pytest.raises(errors.InvalidState):
+            sb.exec("true")
+        time.sleep(1.0)
+        assert sb.resume().state == "running"
+        first = int(sb.files.read("/tmp/count"))
+        time.sleep(0.5)
+        second = int(sb.files.read("/tmp/count"))
+        assert first > 0 and second > first  # the same process counts on
+
+
+def test_fork_branches_are_isolated(client: Client) -> None:
+    parent = client.create()
+    try:
+        parent.files.write("/workspace/shared.txt", "before the fork")
+        parent.exec(COUNTER)
+        branches = parent.fork(3)
+        assert len(branches) == 3
+        for br in branches:
+            assert br.info.parent_id == parent.id and br.info.snapshot_id
+            assert br.info.created_from == "fork"
+            br.files.write("/workspace/mine.txt", br.id)
+        parent.files.write("/workspace/parent-only.txt", "after")
+        for br in branches:
+            assert br.files.read("/workspace/shared.txt") == b"before the fork"
+            assert br.files.read("/workspace/mine.txt") == br.id.encode()
+            assert not br.files.exists("/workspace/parent-only.txt")
+            assert counting(br)  # the parent's running process lives on in each branch
+        assert not parent.files.exists("/workspace/mine.txt")
+        names = [br.exec("hostname").text.strip() for br in branches]
+        assert names == [br.id for br in branches]
+        for br in branches:
+            br.delete()
+    finally:
+        parent.delete()
+
+
+def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemon) -> None:
+    parent = client.create()
+    parent.files.write("/workspace/state.txt", "v1")
+    snap = parent.snapshot("v1")
+    assert snap.info.state == "ready" and snap.info.paused_ms is not None
+    parent.files.write("/workspace/state.txt", "v2")  # after the snapshot
+    (child,) = snap.fork(1)
+    assert child.files.read("/workspace/state.txt") == b"v1"
+    assert parent.files.read("/workspace/state.txt") == b"v2"
+    with pytest.raises(errors.InUse):
+        snap.delete()  # the child and the parent's disk are built on it
+    child.delete()
+    with pytest.raises(errors.InUse):
+        snap.delete()  # the parent still is
+    parent.stop()
+    parent.resume()  # a cold boot on the overlay chain that runs through the snapshot
+    assert parent.files.read("/workspace/state.txt") == b"v2"
+    parent.delete()
+    snap.delete()
+    assert not (pooled.data_dir / "snapshots" / snap.id).exists()
+    with pytest.raises(errors.NotFound):
+        client.get_snapshot(snap.id)
+
+
+def test_corrupted_snapshot_is_refused(client: Client, pooled: Daemon) -> None:
+    parent = client.create()
+    try:
+        snap = parent.snapshot("to-corrupt")
+        state = pooled.data_dir / "snapshots" / snap.id / "state"
+        state.chmod(0o644)
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+        before = {s.id for s in client.list()}
+        with pytest.raises(errors.SnapshotCorrupt):
+            snap.fork(1)
+        assert {s.id for s in client.list()} == before  # nothing was created
+        assert parent.exec("echo fine").stdout == b"fine\n"
+    finally:
+        parent.delete()
