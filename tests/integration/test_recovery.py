@@ -24,7 +24,7 @@ def vms_of(data_dir: Path) -> set[int]:
 
 @pytest.fixture()
 def crashy(tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path / "data").start()
+    d = Daemon(tmp_path / "data", pool_size="0").start()
     yield d
     d.stop()
     kill_vms_of(d.data_dir)
@@ -124,3 +124,24 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         time.sleep(0.3)
         assert again.files.read("/tmp/t") != first  # the same process runs on
         again.delete()
+
+
+def test_pooled_vms_of_a_crashed_daemon_are_not_leaked(tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "pooled", pool_size="2").start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(vms_of(d.data_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        old = vms_of(d.data_dir)
+        assert len(old) == 2
+        d.kill9()
+        d.start()
+        # the old pool's VMs belong to nobody: killed; the new daemon fills a pool of its own
+        assert not old & vms_of(d.data_dir)
+        live_dirs = {p.name for p in (d.data_dir / "vms").iterdir()}
+        with Client(d.url, d.admin_key) as client:
+            assert client.list() == []
+        assert len(live_dirs) <= 2
+    finally:
+        d.stop()
+        kill_vms_of(d.data_dir)
