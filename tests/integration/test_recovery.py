@@ -113,6 +113,8 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         sb.exec(
             "nohup sh -c 'while true; do date +%s%N > /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &"
         )
+        time.sleep(0.5)
+        before = sb.files.read("/tmp/t")
         sb.pause()
     crashy.kill9()
     crashy.start()
@@ -121,6 +123,7 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         assert again.state == "paused"
         again.resume()
         first = again.files.read("/tmp/t")
+        assert first >= before  # memory (and /tmp) kept: not rebooted
         time.sleep(0.3)
         assert again.files.read("/tmp/t") != first  # the same process runs on
         again.delete()
