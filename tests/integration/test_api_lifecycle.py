@@ -133,3 +133,21 @@ def test_main_job_demo_drives_a_sandbox(daemon: Daemon) -> None:
     assert results["run it"] == "45"
     assert results["file after resume"] == "print(sum(range(10)))"
     assert results["failing command"] == "exit 2"
+
+
+def test_snapshot_and_fork_through_the_cli(daemon: Daemon) -> None:
+    sb_id = json.loads(cli(daemon, "sandbox", "create", "--json").stdout)["id"]
+    assert cli(daemon, "sandbox", "pause", sb_id).returncode == 0
+    assert cli(daemon, "sandbox", "resume", sb_id).returncode == 0
+    forked = cli(daemon, "sandbox", "fork", sb_id, "-n", "2", "--json")
+    assert forked.returncode == 0, forked.stderr
+    branches = json.loads(forked.stdout)
+    assert len(branches) == 2 and all(b["parent_id"] == sb_id for b in branches)
+    snaps = json.loads(cli(daemon, "snapshot", "ls", "--json").stdout)
+    (snap,) = [s for s in snaps if s["sandbox_id"] == sb_id]
+    refused = cli(daemon, "snapshot", "rm", snap["id"])
+    assert refused.returncode == 1 and "in_use" in refused.stderr
+    for b in branches:
+        assert cli(daemon, "sandbox", "rm", b["id"]).returncode == 0
+    assert cli(daemon, "sandbox", "rm", sb_id).returncode == 0
+    assert cli(daemon, "snapshot", "rm", snap["id"]).returncode == 0

@@ -211,6 +211,38 @@ def resume(sandbox_id: str, json_: JsonOpt = False) -> None:
 
 
 @app.command()
+def pause(sandbox_id: str, json_: JsonOpt = False) -> None:
+    """Freeze a sandbox; `resume` lets its processes run on."""
+    _lifecycle("pause", sandbox_id, json_)
+
+
+@app.command()
+def snapshot(sandbox_id: str, name: str = "snapshot", json_: JsonOpt = False) -> None:
+    """Save a running sandbox's disk and memory; it keeps running."""
+    with Client() as client:
+        snap = client.get(sandbox_id).snapshot(name)
+    if json_:
+        emit_json(snap.info.model_dump(mode="json"))
+    else:
+        console.print(
+            f"snapshot {snap.id} ({snap.info.name}), source paused {snap.info.paused_ms} ms"
+        )
+        out.print(snap.id)
+
+
+@app.command()
+def fork(
+    sandbox_id: str,
+    count: Annotated[int, typer.Option("-n", "--count", help="how many branches")] = 1,
+    json_: JsonOpt = False,
+) -> None:
+    """Fork a running sandbox into N isolated branches."""
+    with Client() as client:
+        branches = client.get(sandbox_id).fork(count)
+    _show(branches, json_)
+
+
+@app.command()
 def rm(sandbox_id: str, json_: JsonOpt = False) -> None:
     """Delete a sandbox and free its disk."""
     _lifecycle("delete", sandbox_id, json_)

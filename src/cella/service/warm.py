@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import secrets
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +47,11 @@ class WarmSnapshots:
         self.driver = driver
         self.boot_timeout = boot_timeout
         self._locks: dict[Shape, asyncio.Lock] = {}
+        self._where: dict[Shape, SnapshotDir] = {}
 
     def location(self, shape: Shape) -> SnapshotDir:
+        if shape in self._where:
+            return self._where[shape]
         d = self.driver
         base = find_template(d.paths, shape.template)
         meta = d._snapshot_meta(shape.vcpus, shape.memory_mib)
@@ -61,7 +66,9 @@ class WarmSnapshots:
             ]
         )
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return SnapshotDir(d.paths.images / "snapshots" / f"{shape.template}-{digest}")
+        where = SnapshotDir(d.paths.images / "snapshots" / f"{shape.template}-{digest}")
+        self._where[shape] = where
+        return where
 
     async def ensure(self, shape: Shape) -> SnapshotDir:
         """The warm snapshot for `shape`, made now (one cold boot) if there is none yet."""
@@ -148,6 +155,9 @@ class WarmPool:
                 # run the usual first commands once, so the translation cache of this VM is
                 # warm before anyone claims it (a first exec is otherwise several times slower)
                 await vm.agent.exec(WARM_UP, timeout=60)
+                await vm.agent.set_identity(
+                    hostname="pool", time_ns=time.time_ns(), seed=os.urandom(64), sandbox_id="pool"
+                )
                 pool.ready.append(vm)
                 failures = 0
             except asyncio.CancelledError:

@@ -49,7 +49,12 @@ class QemuDriver:
         self._accel: AccelChoice | None = None
 
     async def prepare(self, progress: Progress = quiet) -> AccelChoice:
-        """Builds the boot image if its sources changed and settles on an accelerator."""
+        """Builds the boot image if its sources changed and settles on an accelerator.
+
+        Done once per driver: later calls return at once (they sit on the create path).
+        """
+        if self._boot is not None and self._accel is not None:
+            return self._accel
         self.paths.ensure()
         self._boot = ensure_boot(self.paths, progress)
         self._accel = await choose_accel(self._boot, self.accel_mode, self.paths.images)
