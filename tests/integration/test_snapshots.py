@@ -141,19 +141,24 @@ def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemo
     (child,) = snap.fork(1)
     assert child.files.read("/workspace/state.txt") == b"v1"
     assert parent.files.read("/workspace/state.txt") == b"v2"
+    (grandchild,) = child.fork(1)  # a snapshot of the child, built on the first one
+    assert grandchild.files.read("/workspace/state.txt") == b"v1"
     with pytest.raises(errors.InUse):
-        snap.delete()  # the child and the parent's disk are built on it
+        snap.delete()  # the child's disk is built on it
     child.delete()
     with pytest.raises(errors.InUse):
-        snap.delete()  # the parent still is
-    parent.stop()
-    parent.resume()  # a cold boot on the overlay chain that runs through the snapshot
-    assert parent.files.read("/workspace/state.txt") == b"v2"
-    parent.delete()
+        snap.delete()  # the snapshot taken for the grandchild is built on it
+    grandchild.delete()
+    (inner,) = [s for s in client.snapshots() if s.info.sandbox_id == child.id]
+    inner.delete()
     snap.delete()
     assert not (pooled.data_dir / "snapshots" / snap.id).exists()
     with pytest.raises(errors.NotFound):
         client.get_snapshot(snap.id)
+    parent.stop()  # the parent never depended on the snapshot
+    parent.resume()
+    assert parent.files.read("/workspace/state.txt") == b"v2"
+    parent.delete()
 
 
 def test_corrupted_snapshot_is_refused(client: Client, pooled: Daemon) -> None:

@@ -307,24 +307,14 @@ class SandboxService:
             )
             self.snapshots_dir.mkdir(parents=True, exist_ok=True)
             dest = SnapshotDir(self.snapshots_dir / snapshot_id)
-            overlay = f"disk-{snapshot_id}.qcow2"
             try:
                 manifest, paused = await self.driver.snapshot_vm(
-                    vm,
-                    dest,
-                    self.directory(sandbox_id) / overlay,
-                    template=row["template"],
-                    sandbox_id=sandbox_id,
+                    vm, dest, template=row["template"], sandbox_id=sandbox_id
                 )
             except BaseException as exc:
                 message = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
                 self.store.update_snapshot(snapshot_id, state="error", error=message[:2000])
-                if dest.disk.exists():  # the disk was frozen: the sandbox now sits on it
-                    self.store.update_sandbox(
-                        sandbox_id, disk=overlay, base_snapshot_id=snapshot_id
-                    )
                 raise
-            self.store.update_sandbox(sandbox_id, disk=overlay, base_snapshot_id=snapshot_id)
             self.store.update_snapshot(
                 snapshot_id,
                 state="ready",

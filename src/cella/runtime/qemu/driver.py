@@ -174,7 +174,7 @@ class QemuDriver:
         )
 
     async def snapshot_vm(
-        self, vm: QemuVM, dest: SnapshotDir, new_overlay: Path, **meta: Any
+        self, vm: QemuVM, dest: SnapshotDir, **meta: Any
     ) -> tuple[dict[str, Any], float]:
         """Snapshots a running VM (disk and memory); returns the manifest and pause time."""
         await self._ensure_prepared()
@@ -187,7 +187,6 @@ class QemuDriver:
         }
         return await snapshot_running(
             vm,
-            new_overlay,
             dest,
             full_meta,
             lambda d, ram, shared: dataclasses.replace(

@@ -67,20 +67,19 @@ async def snapshot_fresh_boot(
 
 async def snapshot_running(
     vm: QemuVM,
-    new_overlay: Path,
     dest: SnapshotDir,
     meta: dict[str, Any],
     config_for: Any,
 ) -> tuple[dict[str, Any], float]:
     """Snapshots a running VM; returns the manifest and how long the VM was paused.
 
-    The VM is paused, its disk frozen (it goes on writing to `new_overlay`, which is backed
-    by the snapshot's disk), and its RAM sent to a helper QEMU that writes it into a shareable
-    file. The VM runs again as soon as its RAM has left; the helper finishes alone.
+    The VM's RAM goes to a helper QEMU by live migration while the VM keeps running; QEMU
+    pauses it only for the last dirty pages. In that pause its disk overlay (flushed by the
+    migration) is copied as the snapshot's disk, then the VM runs on. The helper writes the
+    RAM into a shareable file and saves the device state; forks restore from those.
     """
     tmp = _tmp_dir(dest)
     helper: QemuVM | None = None
-    frozen = False
     try:
         current = vm.config.disk
         assert current is not None
@@ -96,33 +95,18 @@ async def snapshot_running(
             name=f"{vm.config.name}-snap",
         )
         helper = QemuVM(helper_cfg)
-        spawn = asyncio.ensure_future(helper.spawn_listening(tmp / "mig.sock"))
-
-        loop = asyncio.get_running_loop()
-        paused_at = loop.time()
-        await vm.pause()
+        await helper.spawn_listening(tmp / "mig.sock")
         try:
-            os.link(current, tmp / "disk.qcow2")
-            frozen = True
-            await _qemu_img(
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-F",
-                "qcow2",
-                "-u",
-                "-b",
-                str(dest.disk),
-                str(new_overlay),
-                _virtual_size(current),
+            downtime = await vm.migrate_to(f"unix:{tmp / 'mig.sock'}")
+            # stopped, disks flushed: the overlay is exactly what the RAM expects
+            loop = asyncio.get_running_loop()
+            copy_started = loop.time()
+            await _run(
+                "cp", "--sparse=always", "--reflink=auto", str(current), str(tmp / "disk.qcow2")
             )
-            await vm.freeze_disk(new_overlay)
-            await spawn
-            await vm.migrate_to(f"unix:{tmp / 'mig.sock'}")
         finally:
             await vm.resume()
-        paused = loop.time() - paused_at
+        paused = downtime + (loop.time() - copy_started)
         await helper.wait_incoming()
         await helper.save_state(tmp / "state", ignore_shared=True)
         await helper.kill()
@@ -131,15 +115,7 @@ async def snapshot_running(
     except BaseException:
         if helper is not None:
             await helper.kill()
-        if frozen:
-            # the VM's disk now sits on this frozen image: keep it (no manifest, so it is
-            # never restored) rather than pull it from under the running VM
-            for extra in tmp.iterdir():
-                if extra.name != "disk.qcow2":
-                    extra.unlink(missing_ok=True)
-            tmp.rename(dest.path)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -163,9 +139,13 @@ def _virtual_size(image: Path) -> str:
 
 
 async def _qemu_img(*args: str) -> None:
+    await _run("qemu-img", *args)
+
+
+async def _run(*argv: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        "qemu-img", *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
     _, err = await proc.communicate()
     if proc.returncode != 0:
-        raise errors.CellaError(f"qemu-img {args[0]} failed: {err.decode(errors='replace')}")
+        raise errors.CellaError(f"{argv[0]} {argv[1]} failed: {err.decode(errors='replace')}")

@@ -194,12 +194,19 @@ class QemuVM:
         await self.qmp.execute("migrate", {"uri": f"exec:cat > {_quote(dest)}"})
         await self._wait_migration()
 
-    async def migrate_to(self, uri: str) -> None:
-        """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming uri`."""
+    async def migrate_to(self, uri: str) -> float:
+        """Live-migrates the whole VM (RAM included) to a QEMU waiting with `-incoming uri`.
+
+        The VM runs during the copy and is left stopped at the end (`resume()` lets it run
+        on). Returns how long QEMU had it stopped to send the last pages, in seconds.
+        """
         assert self.qmp is not None
         await self._set_ignore_shared(False)
+        await self.qmp.execute("migrate-set-parameters", {"downtime-limit": 20})
         await self.qmp.execute("migrate", {"uri": uri})
         await self._wait_migration()
+        info: Any = await self.qmp.execute("query-migrate")
+        return float(info.get("downtime", 0)) / 1000
 
     async def pause(self) -> None:
         """Freezes the vCPUs: processes keep their memory and go on after `resume()`."""
@@ -209,20 +216,6 @@ class QemuVM:
     async def resume(self) -> None:
         assert self.qmp is not None
         await self.qmp.execute("cont")
-
-    async def freeze_disk(self, new_overlay: Path) -> None:
-        """From now on the guest writes to `new_overlay` (which must already exist, backed
-        by the current image); the current image is left unchanged for a snapshot."""
-        assert self.qmp is not None
-        await self.qmp.execute(
-            "blockdev-snapshot-sync",
-            {
-                "device": "root",
-                "snapshot-file": str(new_overlay),
-                "format": "qcow2",
-                "mode": "existing",
-            },
-        )
 
     async def _connect(self) -> None:
         cfg = self.config
