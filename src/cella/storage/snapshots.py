@@ -4,8 +4,8 @@ A snapshot is a directory: `ram` (guest memory, mapped copy-on-write by every VM
 from it, so unchanged pages are shared), `state` (device state), `disk.qcow2` (the frozen
 disk; restores get an overlay on it) and `manifest.json` with a SHA-256 of each file.
 Nothing is restored before its files match the manifest. Hashing the RAM file takes a while,
-so a verified file is remembered by (inode, size, mtime) and hashed again only when those
-change.
+so a verified file is remembered by (device, inode, size, mtime) and hashed again only when
+those change.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from cella import errors
 
 FILES = ("ram", "state", "disk.qcow2")
-_verified: dict[tuple[str, int, int, int], str] = {}
+_verified: dict[tuple[int, int, int, int], str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +85,38 @@ class SnapshotDir:
 
 
 def _sha256(path: Path) -> str:
+    """SHA-256 over the file's data extents and where they lie.
+
+    RAM files are mostly holes; hashing only the extents (with their offsets, so a hole
+    cannot stand in for data) is as strict and several times faster.
+    """
     st = os.stat(path)
-    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _verified:
         return _verified[key]
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+    h.update(f"size:{st.st_size}".encode())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        while offset < st.st_size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError:  # no data after offset (ENXIO)
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            h.update(f"@{start}:{end - start}".encode())
+            os.lseek(fd, start, os.SEEK_SET)
+            remaining = end - start
+            while remaining > 0:
+                chunk = os.read(fd, min(remaining, 1 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                remaining -= len(chunk)
+            offset = end
+    finally:
+        os.close(fd)
     digest = h.hexdigest()
     _verified[key] = digest
     return digest
