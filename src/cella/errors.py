@@ -110,6 +110,20 @@ class InUse(CellaError):
     status = 409
 
 
+class QuotaExceeded(CellaError):
+    """The tenant already has as many sandboxes as it may."""
+
+    code = "quota_exceeded"
+    status = 429
+
+
+class CapacityExceeded(CellaError):
+    """The host would be over-committed (RAM or vCPUs) by this sandbox."""
+
+    code = "capacity_exceeded"
+    status = 409
+
+
 class GuestError(CellaError):
     """The guest failed an operation for a reason with no more specific code."""
 

@@ -21,7 +21,8 @@ def kill_vms_of(data_dir: object) -> None:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("daemon"), max_upload_mib="8").start()
+    # no warm pool here: fewer VMs idling in the background (the pool has its own tests)
+    d = Daemon(tmp_path_factory.mktemp("daemon"), max_upload_mib="8", pool_size="0").start()
     yield d
     d.stop()
     kill_vms_of(d.data_dir)

@@ -16,7 +16,8 @@ from tests.integration.conftest import kill_vms_of
 pytestmark = pytest.mark.vm
 
 COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' "
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; mv /tmp/c /tmp/count; "
+    "sleep 0.05; done' "
     ">/dev/null 2>&1 &"
 )
 

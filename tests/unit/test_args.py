@@ -40,3 +40,15 @@ def test_argv_shape() -> None:
     assert "-no-reboot" in argv and "-nodefaults" in argv
     assert "name=cella.agent" in joined and "file=/d.qcow2,format=qcow2" in joined
     assert qemu_argv(config("kvm"))[qemu_argv(config("kvm")).index("-cpu") + 1] == "host"
+
+
+def test_socket_paths_stay_short_under_long_directories(tmp_path: Path) -> None:
+    from cella.runtime.qemu.vm import VMFiles
+
+    deep = tmp_path.joinpath(*["a-rather-long-directory-name"] * 8)
+    files = VMFiles.under(deep)
+    assert len(str(files.qmp_socket)) < 108 and len(str(files.agent_socket)) < 108
+    assert VMFiles.under(deep) == files  # the same VM finds the same sockets again
+    assert VMFiles.under(tmp_path) != files
+    files.qmp_socket.parent.rmdir()
+    VMFiles.under(tmp_path).qmp_socket.parent.rmdir()

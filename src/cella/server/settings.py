@@ -24,6 +24,10 @@ from cella.paths import DEFAULT_DATA_DIR
 DEFAULT_LISTEN = "127.0.0.1:8420"
 
 
+def _host_memory_mib() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CELLA_", extra="ignore")
 
@@ -38,6 +42,15 @@ class Settings(BaseSettings):
     max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
     max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
+    max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
+    max_host_memory_mib: int = Field(
+        default_factory=lambda: _host_memory_mib() * 4 // 5,
+        description="RAM all sandboxes may commit together (default 80% of the host's)",
+    )
+    max_host_vcpus: int = Field(
+        default_factory=lambda: 200 * (os.cpu_count() or 1),
+        description="vCPUs all sandboxes may commit together (idle sandboxes cost little CPU)",
+    )
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")

@@ -24,7 +24,7 @@ from cella.guest.client import ExecEvent, Output
 from cella.guest.protocol import ExitStatus
 from cella.models import SandboxCreate, SandboxState
 from cella.runtime.qemu.driver import DISK, QemuDriver
-from cella.runtime.qemu.vm import QemuVM
+from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.server.settings import Settings
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
@@ -45,6 +45,7 @@ class SandboxService:
         self.pool = WarmPool(driver, self.warm, settings.pool_size)
         self._vms: dict[str, QemuVM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._admission = asyncio.Lock()
 
     @property
     def snapshots_dir(self) -> Path:
@@ -88,6 +89,36 @@ class SandboxService:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    LIVE = (S.creating, S.running, S.paused, S.starting, S.stopping)
+
+    def _admit(self, tenant: str, vcpus: int, memory_mib: int, count: int = 1) -> None:
+        """Refuses what would exceed the tenant's quota or over-commit the host.
+
+        Called with the admission lock held, right before the sandbox rows are written, so
+        concurrent creates cannot both slip under a limit.
+        """
+        s = self.settings
+        live = self.store.list_sandboxes(None, [x.value for x in self.LIVE])
+        mine = sum(1 for r in live if r["tenant"] == tenant)
+        if mine + count > s.max_sandboxes_per_tenant:
+            raise errors.QuotaExceeded(
+                f"tenant {tenant!r} has {mine} live sandboxes; the limit is "
+                f"{s.max_sandboxes_per_tenant}"
+            )
+        pooled = self.pool.committed()
+        memory = sum(r["memory_mib"] for r in live) + pooled[1]
+        cpus = sum(r["vcpus"] for r in live) + pooled[0]
+        if memory + count * memory_mib > s.max_host_memory_mib:
+            raise errors.CapacityExceeded(
+                f"{count * memory_mib} MiB more would commit {memory + count * memory_mib} of "
+                f"the host's {s.max_host_memory_mib} MiB"
+            )
+        if cpus + count * vcpus > s.max_host_vcpus:
+            raise errors.CapacityExceeded(
+                f"{count * vcpus} more vCPUs would commit {cpus + count * vcpus} of the "
+                f"host's {s.max_host_vcpus}"
+            )
+
     def _check_limits(self, req: SandboxCreate) -> None:
         s = self.settings
         if req.vcpus > s.max_vcpus:
@@ -119,23 +150,25 @@ class SandboxService:
                     f"disk_mib must be at least the template's {base_mib} MiB"
                 )
         shape = Shape(req.template, req.vcpus, req.memory_mib)
-        vm = self.pool.claim(shape) if req.disk_mib is None else None
-        sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
-        self.store.insert_sandbox(
-            {
-                "id": sandbox_id,
-                "tenant": tenant,
-                "state": S.creating,
-                "template": req.template,
-                "vcpus": req.vcpus,
-                "memory_mib": req.memory_mib,
-                "disk_mib": req.disk_mib,
-                "ttl_seconds": req.ttl_seconds,
-                "idle_timeout_seconds": req.idle_timeout_seconds,
-                "labels": req.labels,
-                "created_from": "pool" if vm is not None else "restore",
-            }
-        )
+        async with self._admission:
+            self._admit(tenant, req.vcpus, req.memory_mib)
+            vm = self.pool.claim(shape) if req.disk_mib is None else None
+            sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
+            self.store.insert_sandbox(
+                {
+                    "id": sandbox_id,
+                    "tenant": tenant,
+                    "state": S.creating,
+                    "template": req.template,
+                    "vcpus": req.vcpus,
+                    "memory_mib": req.memory_mib,
+                    "disk_mib": req.disk_mib,
+                    "ttl_seconds": req.ttl_seconds,
+                    "idle_timeout_seconds": req.idle_timeout_seconds,
+                    "labels": req.labels,
+                    "created_from": "pool" if vm is not None else "restore",
+                }
+            )
         async with self._lock(sandbox_id):
             try:
                 if vm is None:  # the pool is empty: restore, never cold-boot
@@ -337,23 +370,27 @@ class SandboxService:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row['state']}")
         snap = SnapshotDir(self.snapshots_dir / snapshot_id)
         snap.verify()  # refuse a corrupted snapshot before creating anything
+        async with self._admission:
+            self._admit(tenant, snap_row["vcpus"], snap_row["memory_mib"], count)
+            ids = [new_sandbox_id() for _ in range(count)]
+            for sandbox_id in ids:
+                self._insert_fork_row(tenant, snap_row, sandbox_id)
         gate = asyncio.Semaphore(4)
 
-        async def one() -> str:
+        async def one(sandbox_id: str) -> str:
             async with gate:
-                return await self._restore_fork(tenant, snap_row, snap)
+                return await self._restore_fork(snap_row, snap, sandbox_id)
 
-        ids = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
-        failed = [i for i in ids if isinstance(i, BaseException)]
+        results = await asyncio.gather(*(one(i) for i in ids), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            for sandbox_id in ids:
-                if isinstance(sandbox_id, str):
-                    await self.delete(tenant, sandbox_id)
+            for result in results:
+                if isinstance(result, str):
+                    await self.delete(tenant, result)
             raise failed[0]
-        return [self.get(tenant, i) for i in ids if isinstance(i, str)]
+        return [self.get(tenant, i) for i in ids]
 
-    async def _restore_fork(self, tenant: str, snap_row: dict[str, Any], snap: SnapshotDir) -> str:
-        sandbox_id = new_sandbox_id()
+    def _insert_fork_row(self, tenant: str, snap_row: dict[str, Any], sandbox_id: str) -> None:
         source = self.store.get_sandbox(snap_row["sandbox_id"]) or {}
         self.store.insert_sandbox(
             {
@@ -373,6 +410,10 @@ class SandboxService:
                 "created_from": "fork",
             }
         )
+
+    async def _restore_fork(
+        self, snap_row: dict[str, Any], snap: SnapshotDir, sandbox_id: str
+    ) -> str:
         async with self._lock(sandbox_id):
             vm = None
             try:
@@ -493,8 +534,7 @@ class SandboxService:
                 else:
                     if pid:
                         await _kill_pid(pid, only_if_contains=str(directory / DISK))
-                    for sock in ("qmp.sock", "agent.sock"):
-                        (directory / sock).unlink(missing_ok=True)
+                    shutil.rmtree(socket_dir(directory), ignore_errors=True)
                     self.store.update_sandbox(sid, state=S.stopped, pid=None)
                     self.store.add_event(sid, "recovered", {"from": state, "to": S.stopped})
                     counts["stopped"] += 1

@@ -178,6 +178,11 @@ class WarmPool:
             pool.ready.clear()
         self._pools.clear()
 
+    def committed(self) -> tuple[int, int]:
+        """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity."""
+        vms = [(p.shape, len(p.ready)) for p in self._pools.values()]
+        return (sum(s.vcpus * n for s, n in vms), sum(s.memory_mib * n for s, n in vms))
+
     def status(self) -> dict[str, int]:
         return {
             f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.ready) for s, p in self._pools.items()

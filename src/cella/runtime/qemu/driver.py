@@ -17,7 +17,7 @@ from cella.paths import Paths
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
-from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline
+from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SnapshotDir
 
@@ -260,7 +260,9 @@ class QemuDriver:
             self.remove_directory(vm.directory)
 
     def remove_directory(self, directory: Path) -> None:
+        """Removes a VM's directory (overlay, console log) and its socket directory."""
         if directory.resolve().is_relative_to(self.paths.vms.resolve()):
+            shutil.rmtree(socket_dir(directory), ignore_errors=True)
             shutil.rmtree(directory, ignore_errors=True)
 
     def leftovers(self) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from cella import errors
 from cella.runtime.qemu.args import VMConfig
-from cella.runtime.qemu.vm import QemuVM, VMFiles
+from cella.runtime.qemu.vm import QemuVM, VMFiles, socket_dir
 from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SnapshotDir
 
@@ -27,7 +27,7 @@ def _tmp_dir(dest: SnapshotDir) -> Path:
 
 
 def _finish(tmp: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any]:
-    for leftover in ("qmp.sock", "agent.sock", "console.log", "mig.sock", "blank.qcow2"):
+    for leftover in ("console.log", "blank.qcow2"):
         (tmp / leftover).unlink(missing_ok=True)
     manifest = SnapshotDir(tmp).seal(meta)
     if dest.path.exists():  # someone else finished the same snapshot first
@@ -87,17 +87,18 @@ async def snapshot_running(
         blank = tmp / "blank.qcow2"
         await _qemu_img("create", "-q", "-f", "qcow2", str(blank), "1G")
         helper_cfg: VMConfig = config_for(tmp, tmp / "ram", True)
+        mig_sock = socket_dir(tmp) / "migration"
         helper_cfg = _replace(
             helper_cfg,
             disk=blank,
-            incoming=f"unix:{tmp / 'mig.sock'}",
+            incoming=f"unix:{mig_sock}",
             paused=True,
             name=f"{vm.config.name}-snap",
         )
         helper = QemuVM(helper_cfg)
-        await helper.spawn_listening(tmp / "mig.sock")
+        await helper.spawn_listening(mig_sock)
         try:
-            downtime = await vm.migrate_to(f"unix:{tmp / 'mig.sock'}")
+            downtime = await vm.migrate_to(f"unix:{mig_sock}")
             # stopped, disks flushed: the overlay is exactly what the RAM expects
             loop = asyncio.get_running_loop()
             copy_started = loop.time()
@@ -117,6 +118,8 @@ async def snapshot_running(
             await helper.kill()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(socket_dir(tmp), ignore_errors=True)
 
 
 def _replace(cfg: VMConfig, **changes: Any) -> VMConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
 import time
@@ -312,6 +313,8 @@ class QemuVM:
         await self._close_channels()
         for sock in (self.config.qmp_socket, self.config.agent_socket):
             sock.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # shared with an incoming-migration socket
+            self.config.qmp_socket.parent.rmdir()
 
     async def _close_channels(self) -> None:
         if self._agent is not None:
@@ -366,4 +369,18 @@ class VMFiles:
 
     @classmethod
     def under(cls, directory: Path) -> VMFiles:
-        return cls(directory / "qmp.sock", directory / "agent.sock", directory / "console.log")
+        sockets = socket_dir(directory)
+        return cls(sockets / "qmp", sockets / "agent", directory / "console.log")
+
+
+SOCKET_ROOT = Path("/run/cella")
+
+
+def socket_dir(directory: Path) -> Path:
+    """A short directory for a VM's unix sockets (their paths must stay under 108 bytes,
+    whatever the data directory), derived from the VM's directory so a restarted daemon
+    finds them again."""
+    digest = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:20]
+    path = SOCKET_ROOT / digest
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path

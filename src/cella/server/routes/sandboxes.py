@@ -91,7 +91,10 @@ async def delete_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Respons
 
 @router.get("/{sandbox_id}/events", response_model=EventList)
 async def sandbox_events(
-    sandbox_id: ID, request: Request, who: Auth, after: Annotated[int, Query(ge=0)] = 0
+    sandbox_id: ID,
+    request: Request,
+    who: Auth,
+    after: Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")] = 0,
 ) -> EventList:
     rows = service(request).events(who.tenant, sandbox_id, after)
     return EventList(events=[Event.model_validate(r) for r in rows])

@@ -1,0 +1,45 @@
+"""Host-level admission: tenant quotas and committed RAM/vCPUs, refused with clear codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cella import Client, errors
+from tests.daemon import Daemon
+from tests.integration.conftest import kill_vms_of
+
+pytestmark = pytest.mark.vm
+
+
+def test_quotas_and_capacity_refuse_what_would_exceed_them(tmp_path: Path) -> None:
+    d = Daemon(
+        tmp_path / "d",
+        pool_size="0",
+        max_sandboxes_per_tenant="2",
+        max_host_memory_mib="1300",
+        max_host_vcpus="4",
+    ).start()
+    try:
+        with Client(d.url, d.admin_key) as admin:
+            bob = Client(d.url, admin.create_key("bob")["key"])
+            a = admin.create()
+            b = admin.create()
+            with pytest.raises(errors.QuotaExceeded):
+                admin.create()  # the tenant's third
+            with pytest.raises(errors.CapacityExceeded, match="MiB"):
+                bob.create()  # 3 x 512 MiB > 1300 MiB on the host
+            with pytest.raises(errors.QuotaExceeded):
+                a.fork(2)  # counted before anything is made
+            assert sorted(s.id for s in admin.list()) == sorted([a.id, b.id])
+            assert bob.list() == []
+            b.delete()  # frees both the quota and the capacity
+            (c,) = a.fork(1)
+            assert c.exec("echo ok").stdout == b"ok\n"
+            with pytest.raises(errors.CapacityExceeded, match="vCPUs"):
+                bob.create(vcpus=3, memory_mib=128)
+            bob.close()
+    finally:
+        d.stop()
+        kill_vms_of(d.data_dir)
