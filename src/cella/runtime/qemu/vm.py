@@ -171,7 +171,12 @@ class QemuVM:
         await self.qmp.execute("migrate-incoming", {"uri": f"exec:cat {_quote(state)}"})
         await self._wait_migration()
         await self.qmp.execute("cont")
-        await self._agent.ping(timeout=10.0)
+        try:
+            await self._agent.ping(timeout=30.0)
+        except errors.Timeout:
+            raise errors.AgentUnavailable(
+                f"the restored guest's agent did not answer{self._console_hint()}"
+            ) from None
 
     async def _set_ignore_shared(self, on: bool) -> None:
         assert self.qmp is not None
