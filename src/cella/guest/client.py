@@ -204,9 +204,13 @@ class AgentClient:
         time_ns: int | None = None,
         seed: bytes | None = None,
         sandbox_id: str | None = None,
+        pids_max: int | None = None,
     ) -> None:
-        """Fresh identity after a restore or fork: hostname, wall clock, entropy, id."""
+        """Fresh identity after a restore or fork: hostname, wall clock, entropy, id, and
+        the sandbox's process limit (0 lifts it)."""
         items: list[tuple[Field, bytes | str | int | bool]] = []
+        if pids_max is not None:
+            items.append((Field.PIDS_MAX, pids_max))
         if sandbox_id is not None:
             items.append((Field.SANDBOX_ID, sandbox_id))
         if hostname is not None:

@@ -63,6 +63,7 @@ class Field(IntEnum):
     TIME_NS = 12
     SEED = 13
     SANDBOX_ID = 15
+    PIDS_MAX = 16
 
 
 class ProtocolError(Exception):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -21,6 +21,7 @@ class SandboxState(StrEnum):
     error = "error"
 
 
+ExpiryAction = Literal["stop", "pause", "delete"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 
 
@@ -35,6 +36,9 @@ class SandboxCreate(BaseModel):
     disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
     ttl_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
     idle_timeout_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    ttl_action: ExpiryAction = Field(default="delete", description="what the TTL does")
+    idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
+    max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
 
 
@@ -47,6 +51,10 @@ class Sandbox(BaseModel):
     disk_mib: int | None
     ttl_seconds: int | None
     idle_timeout_seconds: int | None
+    ttl_action: ExpiryAction = "delete"
+    idle_action: ExpiryAction = "stop"
+    max_pids: int | None = None
+    last_active_at: datetime | None = None
     labels: dict[str, str]
     accel: str | None
     accel_reason: str | None

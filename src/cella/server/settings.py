@@ -51,6 +51,8 @@ class Settings(BaseSettings):
         default_factory=lambda: 200 * (os.cpu_count() or 1),
         description="vCPUs all sandboxes may commit together (idle sandboxes cost little CPU)",
     )
+    default_max_pids: int = Field(default=4096, ge=16, description="guest processes per sandbox")
+    reaper_interval: float = Field(default=0.5, gt=0, description="seconds between TTL checks")
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")

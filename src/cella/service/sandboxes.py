@@ -46,6 +46,9 @@ class SandboxService:
         self._vms: dict[str, QemuVM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._admission = asyncio.Lock()
+        self._touched: dict[str, float] = {}
+        self._busy: dict[str, int] = {}
+        self._reaper: asyncio.Task[None] | None = None
 
     @property
     def snapshots_dir(self) -> Path:
@@ -56,6 +59,7 @@ class SandboxService:
         shape = Shape(self.settings.pool_template, 1, 512)
         await self.warm.ensure(shape)
         self.pool.watch(shape)
+        self._reaper = asyncio.create_task(self._reap(), name="cella-reaper")
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
@@ -165,6 +169,9 @@ class SandboxService:
                     "disk_mib": req.disk_mib,
                     "ttl_seconds": req.ttl_seconds,
                     "idle_timeout_seconds": req.idle_timeout_seconds,
+                    "ttl_action": req.ttl_action,
+                    "idle_action": req.idle_action,
+                    "max_pids": req.max_pids,
                     "labels": req.labels,
                     "created_from": "pool" if vm is not None else "restore",
                 }
@@ -176,7 +183,7 @@ class SandboxService:
                     vm = await self.driver.restore(
                         snap, self.directory(sandbox_id), disk_mib=req.disk_mib
                     )
-                await self._fresh_identity(vm, sandbox_id)
+                await self._fresh_identity(vm, sandbox_id, req.max_pids)
             except BaseException as exc:
                 if vm is not None:
                     await self.driver.destroy(vm)
@@ -204,13 +211,16 @@ class SandboxService:
             sandbox_id, state=S.running, pid=vm.pid, accel=vm.accel, accel_reason=vm.accel_reason
         )
 
-    async def _fresh_identity(self, vm: QemuVM, sandbox_id: str) -> None:
-        """A restored guest is a copy: give it its own name, clock and entropy."""
+    async def _fresh_identity(
+        self, vm: QemuVM, sandbox_id: str, max_pids: int | None = None
+    ) -> None:
+        """A restored guest is a copy: give it its own name, clock, entropy and limits."""
         await vm.agent.set_identity(
             hostname=sandbox_id,
             time_ns=time.time_ns(),
             seed=os.urandom(64),
             sandbox_id=sandbox_id,
+            pids_max=max_pids or self.settings.default_max_pids,
         )
 
     async def stop(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
@@ -303,6 +313,10 @@ class SandboxService:
     async def shutdown(self) -> None:
         """Daemon exit: sandbox VMs keep running and are adopted by the next daemon; pooled
         VMs (not anyone's yet) are destroyed."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
         await self.pool.close()
         for vm in list(self._vms.values()):
             await vm._close_channels()
@@ -403,6 +417,9 @@ class SandboxService:
                 "disk_mib": source.get("disk_mib"),
                 "ttl_seconds": source.get("ttl_seconds"),
                 "idle_timeout_seconds": source.get("idle_timeout_seconds"),
+                "ttl_action": source.get("ttl_action", "delete"),
+                "idle_action": source.get("idle_action", "stop"),
+                "max_pids": source.get("max_pids"),
                 "labels": source.get("labels", {}),
                 "parent_id": snap_row["sandbox_id"],
                 "snapshot_id": snap_row["id"],
@@ -418,7 +435,8 @@ class SandboxService:
             vm = None
             try:
                 vm = await self.driver.restore(snap, self.directory(sandbox_id))
-                await self._fresh_identity(vm, sandbox_id)
+                row = self.store.get_sandbox(sandbox_id) or {}
+                await self._fresh_identity(vm, sandbox_id, row.get("max_pids"))
             except BaseException as exc:
                 if vm is not None:
                     await self.driver.destroy(vm)
@@ -454,16 +472,68 @@ class SandboxService:
     # -- exec and files -----------------------------------------------------------------
 
     def vm(self, tenant: str, sandbox_id: str) -> QemuVM:
+        """The running VM of a sandbox, for exec and file operations (which are activity)."""
         row = self.get(tenant, sandbox_id)
         vm = self._vms.get(sandbox_id)
         if row["state"] != S.running or vm is None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row['state']}, not running")
+        self._touch(sandbox_id)
         return vm
+
+    def _touch(self, sandbox_id: str) -> None:
+        now = time.time()
+        if now - self._touched.get(sandbox_id, 0.0) >= 1.0:  # at most one write a second
+            self._touched[sandbox_id] = now
+            self.store.update_sandbox(sandbox_id, last_active_at=_iso(now))
+
+    async def _reap(self) -> None:
+        """Enforces TTLs and idle timeouts from the store, so it picks up after a restart."""
+        while True:
+            try:
+                await self._reap_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reaper pass failed")
+            await asyncio.sleep(self.settings.reaper_interval)
+
+    async def _reap_once(self) -> None:
+        now = time.time()
+        for row in self.store.list_sandboxes(None, [S.running, S.paused, S.stopped]):
+            sid, state = row["id"], row["state"]
+            created = _epoch(row["created_at"])
+            if row["ttl_seconds"] and now - created >= row["ttl_seconds"]:
+                action = row["ttl_action"]
+                if state == S.stopped and action != "delete":
+                    continue
+                if state == S.paused and action == "pause":
+                    continue
+                await self._expire(row, "ttl", action)
+            elif (
+                row["idle_timeout_seconds"]
+                and state == S.running
+                and not self._busy.get(sid)
+                and now - _epoch(row["last_active_at"] or row["created_at"])
+                >= row["idle_timeout_seconds"]
+            ):
+                await self._expire(row, "idle", row["idle_action"])
+
+    async def _expire(self, row: dict[str, Any], limit: str, action: str) -> None:
+        self.store.add_event(row["id"], "limit_hit", {"limit": limit, "action": action})
+        log.info("%s of %s expired: %s", limit, row["id"], action)
+        with contextlib.suppress(errors.NotFound, errors.InvalidState):
+            if action == "delete":
+                await self.delete(row["tenant"], row["id"])
+            elif action == "pause":
+                await self.pause(row["tenant"], row["id"])
+            else:
+                await self.stop(row["tenant"], row["id"])
 
     async def exec_stream(
         self, tenant: str, sandbox_id: str, command: list[str] | str, **kwargs: Any
     ) -> AsyncIterator[ExecEvent]:
         vm = self.vm(tenant, sandbox_id)
+        self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
         start = time.monotonic()
         out_len = err_len = 0
         digest = hashlib.sha256()
@@ -483,6 +553,9 @@ class SandboxService:
                     status = event
                 yield event
         finally:
+            self._busy[sandbox_id] -= 1
+            self._touched.pop(sandbox_id, None)
+            self._touch(sandbox_id)
             self.store.add_event(
                 sandbox_id,
                 "exec",
@@ -587,3 +660,15 @@ async def _kill_pid(pid: int, only_if_contains: str | None = None) -> None:
         if not pid_alive(pid):
             return
         await asyncio.sleep(0.02)
+
+
+def _iso(epoch: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(epoch, UTC).isoformat()
+
+
+def _epoch(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()

@@ -85,13 +85,20 @@ class WarmSnapshots:
                     shutil.rmtree(snap.path, ignore_errors=True)
             snap.path.parent.mkdir(parents=True, exist_ok=True)
             log.info("making the warm snapshot for %s", shape)
-            await self.driver.snapshot_template(
-                shape.template,
-                snap,
-                vcpus=shape.vcpus,
-                memory_mib=shape.memory_mib,
-                boot_timeout=self.boot_timeout,
-            )
+            for attempt in (1, 2):  # one cold boot may fail on a loaded host; try once more
+                try:
+                    await self.driver.snapshot_template(
+                        shape.template,
+                        snap,
+                        vcpus=shape.vcpus,
+                        memory_mib=shape.memory_mib,
+                        boot_timeout=self.boot_timeout,
+                    )
+                    break
+                except errors.CellaError:
+                    if attempt == 2:
+                        raise
+                    log.exception("warm snapshot boot failed; trying again")
             return snap
 
 

@@ -62,4 +62,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX snapshots_tenant ON snapshots (tenant, state);
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN ttl_action TEXT NOT NULL DEFAULT 'delete';
+    ALTER TABLE sandboxes ADD COLUMN idle_action TEXT NOT NULL DEFAULT 'stop';
+    ALTER TABLE sandboxes ADD COLUMN max_pids INTEGER;
+    ALTER TABLE sandboxes ADD COLUMN last_active_at TEXT;
+    """,
 ]

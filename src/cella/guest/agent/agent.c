@@ -61,7 +61,7 @@ enum {
 enum {
     F_ARG = 1, F_ENV = 2, F_CWD = 3, F_USER = 4, F_TIMEOUT_MS = 5, F_STDIN = 6, F_PATH = 7,
     F_MODE = 8, F_PARENTS = 9, F_RECURSIVE = 10, F_HOSTNAME = 11, F_TIME_NS = 12, F_SEED = 13,
-    F_SIGNAL = 14, F_SANDBOX_ID = 15,
+    F_SIGNAL = 14, F_SANDBOX_ID = 15, F_PIDS_MAX = 16,
 };
 
 static int port = -1;
@@ -930,6 +930,13 @@ static void handle_identity(uint32_t chan, const uint8_t *p, uint32_t len) {
             close(fd);
         }
     }
+    if ((f = find_field(fs, n, F_PIDS_MAX)) && have_cgroups) {
+        char v[32];
+        uint64_t max = field_u64(f);
+        if (max) snprintf(v, sizeof v, "%llu", (unsigned long long)max);
+        else snprintf(v, sizeof v, "max");
+        write_file(CGROUP_ROOT "/pids.max", v);
+    }
     if ((f = find_field(fs, n, F_SEED)) && f->len > 0 && f->len <= 512) {
         struct { int entropy_count; int buf_size; uint8_t buf[512]; } ent;
         ent.entropy_count = (int)f->len * 8;
@@ -1111,6 +1118,28 @@ static void initramfs_stage(void) {
         halt_with("cannot switch to the root disk");
 }
 
+/*
+ * Every exec lives under CGROUP_ROOT; the agent (PID 1) does not. Capping that subtree's
+ * memory below the guest's RAM means a memory hog is OOM-killed inside its cgroup while the
+ * agent keeps room to answer; pids.max (set per sandbox) stops fork bombs.
+ */
+static void limit_execs(void) {
+    write_file("/sys/fs/cgroup/cgroup.subtree_control", "+pids +memory");
+    FILE *f = fopen("/proc/meminfo", "re");
+    long long total_kb = 0;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemTotal: %lld kB", &total_kb) == 1) break;
+    if (f) fclose(f);
+    if (total_kb > 0) {
+        long long reserve_kb = total_kb / 8 > 32768 ? total_kb / 8 : 32768;
+        char v[32];
+        snprintf(v, sizeof v, "%lld", (total_kb - reserve_kb) * 1024);
+        write_file(CGROUP_ROOT "/memory.max", v);
+        write_file(CGROUP_ROOT "/memory.swap.max", "0");
+    }
+}
+
 static void init_system(void) {
     const unsigned long nsd = MS_NOSUID | MS_NODEV;
     mount_fs("proc", "/proc", "proc", nsd | MS_NOEXEC, NULL);
@@ -1128,6 +1157,7 @@ static void init_system(void) {
         snprintf(p, sizeof p, "%s/cgroup.kill", CGROUP_ROOT);
         have_cgroups = access(p, F_OK) == 0;
     }
+    if (have_cgroups) limit_execs();
     sethostname("cella", 5);
     bring_up_loopback();
     struct rlimit rl = {65536, 65536};
@@ -1186,9 +1216,17 @@ int main(void) {
         int rc = poll(pfds, np, timeout);
         if (rc < 0 && errno != EINTR) logf_("poll: %s", strerror(errno));
         if (port_hup) {
-            /* the host returns: POLLHUP clears once a reader is connected again */
+            /* the host returns: POLLHUP clears once a reader is connected again; data that
+               arrives meanwhile is read at once */
             struct pollfd pp = {.fd = port, .events = POLLIN};
-            if (poll(&pp, 1, 0) == 1 && !(pp.revents & POLLHUP)) port_hup = 0;
+            if (poll(&pp, 1, 0) == 1) {
+                if (pp.revents & POLLIN) {
+                    port_hup = 0;
+                    read_port();
+                } else if (!(pp.revents & POLLHUP)) {
+                    port_hup = 0;
+                }
+            }
         } else if (pfds[0].revents & POLLIN) {
             read_port();
         } else if (pfds[0].revents & (POLLHUP | POLLERR)) {

@@ -127,14 +127,22 @@ class QemuVM:
         )
 
     async def spawn_listening(self, incoming_socket: Path) -> None:
-        """Starts a QEMU that waits on a socket for a VM to migrate into it."""
+        """Starts a QEMU that waits on a socket for a VM to migrate into it.
+
+        Its agent socket is connected too, like the source's: the guest's idea of whether
+        its host end is connected travels in the saved state, and a guest restored believing
+        it is not would block writing to the port.
+        """
         await self._spawn()
         cfg = self.config
-        while not (cfg.qmp_socket.exists() and incoming_socket.exists()):
+        while not (
+            cfg.qmp_socket.exists() and cfg.agent_socket.exists() and incoming_socket.exists()
+        ):
             await self._check_alive()
             await asyncio.sleep(0.001)
         self.qmp = QMPClient(cfg.name)
         await self.qmp.connect(str(cfg.qmp_socket))
+        self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
 
     async def wait_incoming(self) -> None:
         await self._wait_migration()

@@ -67,8 +67,12 @@ class AsyncClient:
         disk_mib: int | None = None,
         ttl_seconds: int | None = None,
         idle_timeout_seconds: int | None = None,
+        ttl_action: str | None = None,
+        idle_action: str | None = None,
+        max_pids: int | None = None,
         labels: dict[str, str] | None = None,
     ) -> AsyncSandbox:
+        """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete."""
         body = create_body(
             template=template,
             vcpus=vcpus,
@@ -76,6 +80,9 @@ class AsyncClient:
             disk_mib=disk_mib,
             ttl_seconds=ttl_seconds,
             idle_timeout_seconds=idle_timeout_seconds,
+            ttl_action=ttl_action,
+            idle_action=idle_action,
+            max_pids=max_pids,
             labels=labels,
         )
         response = await self.request("POST", "/v1/sandboxes", json=body)
