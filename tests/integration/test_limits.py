@@ -104,3 +104,42 @@ def test_create_options_are_validated(client: Client) -> None:
         client.request("POST", "/v1/sandboxes", json={"ttl_action": "explode"})
     with pytest.raises(errors.InvalidArgument):
         client.request("POST", "/v1/sandboxes", json={"max_pids": 1})
+
+
+def test_usage_shows_limits_and_live_figures(client: Client) -> None:
+    with client.create(vcpus=1, memory_mib=512, ttl_seconds=600, max_pids=128) as sb:
+        sb.files.write("/workspace/blob.bin", b"x" * (8 << 20))
+        sb.exec("sync; sleep 100 >/dev/null 2>&1 &")
+        u = sb.usage()
+        assert (u.vcpus, u.memory_mib, u.max_pids, u.ttl_seconds) == (1, 512, 128, 600)
+        assert u.ttl_remaining_seconds is not None and 500 < u.ttl_remaining_seconds <= 600
+        assert u.guest_memory_total_mib and 300 < u.guest_memory_total_mib <= 512
+        assert u.guest_memory_used_mib and 0 < u.guest_memory_used_mib < u.guest_memory_total_mib
+        assert u.guest_disk_used_mib and u.guest_disk_total_mib
+        assert u.guest_disk_used_mib < u.guest_disk_total_mib
+        assert u.disk_allocated_mib >= 8  # the blob reached the overlay on the host
+        assert u.host_memory_mib and u.host_memory_mib > 5
+        assert u.cpu_seconds is not None and u.cpu_seconds > 0
+        assert u.pids is not None and u.pids >= 1
+        sb.stop()
+        stopped = sb.usage()
+        assert stopped.cpu_seconds is None and stopped.disk_allocated_mib >= 8
+
+
+def test_each_vm_gets_a_host_cpu_cgroup(client: Client, limited: Daemon) -> None:
+    from cella.runtime.cgroups import CpuLimiter
+    from tests.integration.test_recovery import vms_of
+
+    limiter = CpuLimiter()
+    if limiter.base is None:
+        pytest.skip("this host offers no writable cpu cgroup")
+    with client.create(vcpus=2) as sb:
+        group = limiter.group(sb.id)
+        assert group is not None and group.exists()
+        procs = {int(p) for p in (group / "cgroup.procs").read_text().split()}
+        assert procs & vms_of(limited.data_dir)
+        if limiter.version == 1:
+            assert int((group / "cpu.cfs_quota_us").read_text()) == 2 * 100_000 + 50_000
+        else:
+            assert (group / "cpu.max").read_text().split()[0] == str(2 * 100_000 + 50_000)
+    assert not group.exists()  # released with the VM

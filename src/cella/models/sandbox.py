@@ -118,3 +118,25 @@ class ForkRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
     count: int = Field(default=1, ge=1, le=64)
+
+
+class SandboxUsage(BaseModel):
+    """Limits and live usage. Guest figures are absent while the sandbox is not running."""
+
+    id: str
+    state: SandboxState
+    vcpus: int
+    memory_mib: int
+    disk_mib: int | None
+    max_pids: int | None
+    ttl_seconds: int | None
+    ttl_remaining_seconds: float | None
+    idle_timeout_seconds: int | None
+    cpu_seconds: float | None = Field(default=None, description="CPU time of the VM on the host")
+    host_memory_mib: float | None = Field(default=None, description="PSS of the VM's QEMU")
+    guest_memory_used_mib: float | None = None
+    guest_memory_total_mib: float | None = None
+    guest_disk_used_mib: float | None = None
+    guest_disk_total_mib: float | None = None
+    disk_allocated_mib: float = Field(description="host space the sandbox's overlays take")
+    pids: int | None = None

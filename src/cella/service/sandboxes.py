@@ -469,6 +469,54 @@ class SandboxService:
         shutil.rmtree(self.snapshots_dir / snapshot_id, ignore_errors=True)
         self.store.update_snapshot(snapshot_id, state="deleted")
 
+    # -- usage -------------------------------------------------------------------------
+
+    async def usage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+        row = self.get(tenant, sandbox_id)
+        directory = self.directory(sandbox_id)
+        allocated = sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
+        out: dict[str, Any] = {
+            k: row[k]
+            for k in (
+                "id",
+                "state",
+                "vcpus",
+                "memory_mib",
+                "disk_mib",
+                "max_pids",
+                "ttl_seconds",
+                "idle_timeout_seconds",
+            )
+        }
+        out["ttl_remaining_seconds"] = (
+            max(0.0, row["ttl_seconds"] - (time.time() - _epoch(row["created_at"])))
+            if row["ttl_seconds"]
+            else None
+        )
+        out["disk_allocated_mib"] = round(allocated / (1 << 20), 2)
+        vm = self._vms.get(sandbox_id)
+        if vm is None or vm.pid is None:
+            return out
+        out["cpu_seconds"] = self.driver.cpu.cpu_seconds(vm.config.name) or _proc_cpu(vm.pid)
+        out["host_memory_mib"] = _pss_mib(vm.pid)
+        if row["state"] != S.running:
+            return out
+        meminfo = (await vm.agent.read_file("/proc/meminfo")).decode()
+        fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in meminfo.splitlines() if ":" in ln}
+        out["guest_memory_total_mib"] = round(fields["MemTotal"] / 1024, 1)
+        out["guest_memory_used_mib"] = round(
+            (fields["MemTotal"] - fields["MemAvailable"]) / 1024, 1
+        )
+        df = await vm.agent.exec(["stat", "-f", "-c", "%S %b %f", "/"], timeout=30)
+        if df.exit_code == 0:
+            size, blocks, free = (int(x) for x in df.stdout.split())
+            out["guest_disk_total_mib"] = round(size * blocks / (1 << 20), 1)
+            out["guest_disk_used_mib"] = round(size * (blocks - free) / (1 << 20), 1)
+        with contextlib.suppress(errors.CellaError):
+            pids = await vm.agent.read_file("/sys/fs/cgroup/cella/pids.current")
+            out["pids"] = int(pids)
+        return out
+
     # -- exec and files -----------------------------------------------------------------
 
     def vm(self, tenant: str, sandbox_id: str) -> QemuVM:
@@ -672,3 +720,21 @@ def _epoch(iso: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(iso).timestamp()
+
+
+def _proc_cpu(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

@@ -14,6 +14,7 @@ from cella._proc import Progress, quiet
 from cella.images.boot import BootImage, ensure_boot
 from cella.images.templates import find_template
 from cella.paths import Paths
+from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
@@ -47,6 +48,14 @@ class QemuDriver:
         self.die_with_parent = die_with_parent
         self._boot: BootImage | None = None
         self._accel: AccelChoice | None = None
+        self.cpu = CpuLimiter()
+
+    def _limit(self, vm: QemuVM) -> QemuVM:
+        """Puts a started VM in its own CPU cgroup, released when the VM is killed."""
+        if vm.pid is not None:
+            self.cpu.apply(vm.config.name, vm.pid, vm.config.vcpus)
+            vm.exit_hooks.append(lambda: self.cpu.remove(vm.config.name))
+        return vm
 
     async def prepare(self, progress: Progress = quiet) -> AccelChoice:
         """Builds the boot image if its sources changed and settles on an accelerator.
@@ -111,7 +120,7 @@ class QemuDriver:
         vm.directory = directory
         vm.accel_reason = self._accel.reason
         await vm.start(boot_timeout)
-        return vm
+        return self._limit(vm)
 
     async def adopt(self, directory: Path, pid: int, paused: bool = False) -> QemuVM:
         """Reconnects to a VM left running by an earlier daemon (its QEMU must be ours)."""
@@ -120,6 +129,7 @@ class QemuDriver:
         vm = await QemuVM.adopt(self._config(directory, 1, MIN_MEMORY_MIB), pid, paused=paused)
         vm.directory = directory
         vm.accel_reason = self._accel.reason if self._accel else ""
+        vm.exit_hooks.append(lambda: self.cpu.remove(vm.config.name))
         return vm
 
     def _config(
@@ -225,7 +235,7 @@ class QemuDriver:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        return vm
+        return self._limit(vm)
 
     def _snapshot_meta(self, vcpus: int, memory_mib: int, **extra: Any) -> dict[str, Any]:
         assert self._boot is not None and self._accel is not None

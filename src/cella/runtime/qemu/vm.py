@@ -9,6 +9,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ class QemuVM:
         self._agent: AgentClient | None = None
         self.boot_seconds: float | None = None
         self.directory: Path | None = None
+        self.exit_hooks: list[Callable[[], None]] = []
         self.accel_reason = ""
 
     @property
@@ -326,6 +328,8 @@ class QemuVM:
         await self._close_channels()
         for sock in (self.config.qmp_socket, self.config.agent_socket):
             sock.unlink(missing_ok=True)
+        for hook in self.exit_hooks:
+            hook()
         with contextlib.suppress(OSError):  # shared with an incoming-migration socket
             self.config.qmp_socket.parent.rmdir()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx2
 
-from cella.models import Event, ExecEvent, FileEntry
+from cella.models import Event, ExecEvent, FileEntry, SandboxUsage
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
@@ -273,6 +273,11 @@ class AsyncSandbox:
 
     async def delete(self) -> None:
         await self.client.request("DELETE", self._path)
+
+    async def usage(self) -> SandboxUsage:
+        """Limits and live usage (CPU time, memory, disk, processes)."""
+        response = await self.client.request("GET", f"{self._path}/usage")
+        return SandboxUsage.model_validate(response.json())
 
     async def events(self, after: int = 0) -> builtins.list[Event]:
         response = await self.client.request("GET", f"{self._path}/events", params={"after": after})

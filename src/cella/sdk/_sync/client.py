@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx2
 
-from cella.models import Event, ExecEvent, FileEntry
+from cella.models import Event, ExecEvent, FileEntry, SandboxUsage
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
@@ -267,6 +267,11 @@ class Sandbox:
 
     def delete(self) -> None:
         self.client.request("DELETE", self._path)
+
+    def usage(self) -> SandboxUsage:
+        """Limits and live usage (CPU time, memory, disk, processes)."""
+        response = self.client.request("GET", f"{self._path}/usage")
+        return SandboxUsage.model_validate(response.json())
 
     def events(self, after: int = 0) -> builtins.list[Event]:
         response = self.client.request("GET", f"{self._path}/events", params={"after": after})

@@ -22,6 +22,7 @@ from cella.models import (
     SandboxCreate,
     SandboxList,
     SandboxState,
+    SandboxUsage,
     encode_data,
     encode_pair,
 )
@@ -87,6 +88,12 @@ async def delete_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Respons
     """Destroys the sandbox and frees its disk."""
     await service(request).delete(who.tenant, sandbox_id)
     return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/usage", response_model=SandboxUsage)
+async def sandbox_usage(sandbox_id: ID, request: Request, who: Auth) -> SandboxUsage:
+    """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
+    return SandboxUsage.model_validate(await service(request).usage(who.tenant, sandbox_id))
 
 
 @router.get("/{sandbox_id}/events", response_model=EventList)
