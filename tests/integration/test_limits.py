@@ -143,3 +143,26 @@ def test_each_vm_gets_a_host_cpu_cgroup(client: Client, limited: Daemon) -> None
         else:
             assert (group / "cpu.max").read_text().split()[0] == str(2 * 100_000 + 50_000)
     assert not group.exists()  # released with the VM
+
+
+def test_disk_filler_hits_enospc_at_the_limit_and_the_host_is_untouched(
+    client: Client, limited: Daemon
+) -> None:
+    with client.create(disk_mib=6144) as sb, client.create() as neighbour:
+        total = sb.usage().guest_disk_total_mib
+        assert total is not None and 5500 < total <= 6144  # grown to the requested size
+        fill = sb.exec(
+            "fallocate -l 100G /workspace/fill; dd if=/dev/zero "
+            "of=/workspace/more bs=1M count=64; sync",
+            timeout=120,
+        )
+        assert b"No space left on device" in fill.stderr
+        after = sb.usage()
+        assert after.guest_disk_used_mib and after.guest_disk_used_mib > total - 50
+        assert after.disk_allocated_mib < 200  # reserved blocks, not host bytes
+        assert sb.exec("echo alive").stdout == b"alive\n"
+        sb.files.remove("/workspace/fill")
+        assert sb.exec("echo x > /workspace/ok && cat /workspace/ok").stdout == b"x\n"
+        assert neighbour.exec("df -m / | tail -1").exit_code == 0
+    with pytest.raises(errors.InvalidArgument):
+        client.create(disk_mib=1024)  # below the template's own size

@@ -180,10 +180,10 @@ class SandboxService:
             try:
                 if vm is None:  # the pool is empty: restore, never cold-boot
                     snap = await self.warm.ensure(shape)
-                    vm = await self.driver.restore(
-                        snap, self.directory(sandbox_id), disk_mib=req.disk_mib
-                    )
+                    vm = await self.driver.restore(snap, self.directory(sandbox_id))
                 await self._fresh_identity(vm, sandbox_id, req.max_pids)
+                if req.disk_mib is not None:
+                    await vm.grow_disk(req.disk_mib)
             except BaseException as exc:
                 if vm is not None:
                     await self.driver.destroy(vm)

@@ -234,6 +234,16 @@ class QemuVM:
         info: Any = await self.qmp.execute("query-migrate")
         return float(info.get("downtime", 0)) / 1000
 
+    async def grow_disk(self, size_mib: int) -> None:
+        """Enlarges the root disk (the guest is told at once) and its ext4 file system."""
+        assert self.qmp is not None
+        await self.qmp.execute("block_resize", {"device": "root", "size": size_mib << 20})
+        result = await self.agent.exec(["resize2fs", "/dev/vda"], timeout=300)
+        if result.exit_code != 0:
+            raise errors.GuestError(
+                f"resize2fs failed: {result.stderr.decode(errors='replace')[-500:]}"
+            )
+
     async def pause(self) -> None:
         """Freezes the vCPUs: processes keep their memory and go on after `resume()`."""
         assert self.qmp is not None
