@@ -148,3 +148,21 @@ def test_pooled_vms_of_a_crashed_daemon_are_not_leaked(tmp_path: Path) -> None:
     finally:
         d.stop()
         kill_vms_of(d.data_dir)
+
+
+def test_ttl_is_enforced_by_the_next_daemon_after_a_crash(crashy: Daemon) -> None:
+    with Client(crashy.url, crashy.admin_key) as client:
+        sb = client.create(ttl_seconds=4, ttl_action="delete")
+    crashy.kill9()
+    crashy.start()
+    with Client(crashy.url, crashy.admin_key) as client:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                client.get(sb.id)
+            except errors.NotFound:
+                break
+            time.sleep(0.2)
+        with pytest.raises(errors.NotFound):
+            client.get(sb.id)
+        assert vms_of(crashy.data_dir) == set()
