@@ -72,70 +72,65 @@ class Store:
         )
         return cur.rowcount > 0
 
-    # -- sandboxes ------------------------------------------------------------------------
+    # -- rows with a lifecycle (sandboxes, snapshots) -------------------------------------
 
-    def insert_sandbox(self, row: dict[str, Any]) -> None:
-        row = {
-            **row,
-            "labels": json.dumps(row.get("labels", {})),
-            "created_at": now(),
-            "updated_at": now(),
-        }
+    def _insert(self, table: str, row: dict[str, Any]) -> None:
+        row = {**row, "created_at": now(), "updated_at": now()}
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
-        self._exec(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", tuple(row.values()))
+        self._exec(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(row.values()))
+
+    def _update(self, table: str, row_id: str, fields: dict[str, Any]) -> None:
+        fields = {**fields, "updated_at": now()}
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._exec(f"UPDATE {table} SET {sets} WHERE id = ?", (*fields.values(), row_id))
+
+    def _get(self, table: str, row_id: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._exec(
+            f"SELECT * FROM {table} WHERE id = ?", (row_id,)
+        ).fetchone()
+        return row
+
+    def _list(self, table: str, tenant: str | None, states: list[str] | None) -> list[sqlite3.Row]:
+        sql = f"SELECT * FROM {table} WHERE 1=1"
+        args: list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if states:
+            sql += f" AND state IN ({', '.join('?' for _ in states)})"
+            args.extend(states)
+        return self._exec(sql + " ORDER BY created_at", tuple(args)).fetchall()
+
+    def insert_sandbox(self, row: dict[str, Any]) -> None:
+        self._insert("sandboxes", {**row, "labels": json.dumps(row.get("labels", {}))})
 
     def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
-        fields["updated_at"] = now()
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        self._exec(f"UPDATE sandboxes SET {sets} WHERE id = ?", (*fields.values(), sandbox_id))
+        self._update("sandboxes", sandbox_id, fields)
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
-        row = self._exec("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        row = self._get("sandboxes", sandbox_id)
         return _sandbox(row) if row else None
 
     def list_sandboxes(
         self, tenant: str | None = None, states: list[str] | None = None
     ) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM sandboxes WHERE 1=1"
-        args: list[Any] = []
-        if tenant is not None:
-            sql += " AND tenant = ?"
-            args.append(tenant)
-        if states:
-            sql += f" AND state IN ({', '.join('?' for _ in states)})"
-            args.extend(states)
-        return [_sandbox(r) for r in self._exec(sql + " ORDER BY created_at", tuple(args))]
-
-    # -- snapshots ------------------------------------------------------------------------
+        return [_sandbox(r) for r in self._list("sandboxes", tenant, states)]
 
     def insert_snapshot(self, row: dict[str, Any]) -> None:
-        row = {**row, "created_at": now(), "updated_at": now()}
-        cols = ", ".join(row)
-        marks = ", ".join("?" for _ in row)
-        self._exec(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", tuple(row.values()))
+        self._insert("snapshots", row)
 
     def update_snapshot(self, snapshot_id: str, **fields: Any) -> None:
-        fields["updated_at"] = now()
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        self._exec(f"UPDATE snapshots SET {sets} WHERE id = ?", (*fields.values(), snapshot_id))
+        self._update("snapshots", snapshot_id, fields)
 
     def get_snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
-        row = self._exec("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+        row = self._get("snapshots", snapshot_id)
         return dict(row) if row else None
 
     def list_snapshots(
         self, tenant: str | None = None, states: list[str] | None = None
     ) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM snapshots WHERE 1=1"
-        args: list[Any] = []
-        if tenant is not None:
-            sql += " AND tenant = ?"
-            args.append(tenant)
-        if states:
-            sql += f" AND state IN ({', '.join('?' for _ in states)})"
-            args.extend(states)
-        return [dict(r) for r in self._exec(sql + " ORDER BY created_at", tuple(args))]
+        return [dict(r) for r in self._list("snapshots", tenant, states)]
 
     def snapshot_users(self, snapshot_id: str) -> tuple[list[str], list[str]]:
         """Live sandboxes whose disk sits on the snapshot, and snapshots built on it."""
