@@ -73,10 +73,13 @@ async def snapshot_running(
 ) -> tuple[dict[str, Any], float]:
     """Snapshots a running VM; returns the manifest and how long the VM was paused.
 
-    The VM's RAM goes to a helper QEMU by live migration while the VM keeps running; QEMU
-    pauses it only for the last dirty pages. In that pause its disk overlay (flushed by the
-    migration) is copied as the snapshot's disk, then the VM runs on. The helper writes the
-    RAM into a shareable file and saves the device state; forks restore from those.
+    The VM is paused, its RAM sent to a helper QEMU and its disk overlay (flushed by the
+    migration) copied as the snapshot's disk; then it runs on. The helper writes the RAM into
+    a shareable file and saves the device state; forks restore from those.
+
+    The VM stays paused for the whole RAM transfer. Letting it run during the copy (live
+    migration) produced corrupted forks under TCG here - guest kernel panics and a crashed
+    init in most of a dozen forks - so it is not done.
     """
     tmp = _tmp_dir(dest)
     helper: QemuVM | None = None
@@ -97,17 +100,18 @@ async def snapshot_running(
         )
         helper = QemuVM(helper_cfg)
         await helper.spawn_listening(mig_sock)
+        loop = asyncio.get_running_loop()
+        paused_at = loop.time()
+        await vm.pause()
         try:
-            downtime = await vm.migrate_to(f"unix:{mig_sock}")
+            await vm.migrate_to(f"unix:{mig_sock}")
             # stopped, disks flushed: the overlay is exactly what the RAM expects
-            loop = asyncio.get_running_loop()
-            copy_started = loop.time()
             await _run(
                 "cp", "--sparse=always", "--reflink=auto", str(current), str(tmp / "disk.qcow2")
             )
         finally:
             await vm.resume()
-        paused = downtime + (loop.time() - copy_started)
+        paused = loop.time() - paused_at
         await helper.wait_incoming()
         await helper.save_state(tmp / "state", ignore_shared=True)
         await helper.kill()

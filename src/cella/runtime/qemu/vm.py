@@ -220,19 +220,14 @@ class QemuVM:
         await self.qmp.execute("migrate", {"uri": f"exec:cat > {_quote(dest)}"})
         await self._wait_migration()
 
-    async def migrate_to(self, uri: str) -> float:
-        """Live-migrates the whole VM (RAM included) to a QEMU waiting with `-incoming uri`.
-
-        The VM runs during the copy and is left stopped at the end (`resume()` lets it run
-        on). Returns how long QEMU had it stopped to send the last pages, in seconds.
-        """
+    async def migrate_to(self, uri: str) -> None:
+        """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming uri`; the VM is
+        left stopped (`resume()` lets it run on). Callers pause it first: see
+        `snapshot_running` for why."""
         assert self.qmp is not None
         await self._set_ignore_shared(False)
-        await self.qmp.execute("migrate-set-parameters", {"downtime-limit": 20})
         await self.qmp.execute("migrate", {"uri": uri})
         await self._wait_migration()
-        info: Any = await self.qmp.execute("query-migrate")
-        return float(info.get("downtime", 0)) / 1000
 
     async def grow_disk(self, size_mib: int) -> None:
         """Enlarges the root disk (the guest is told at once) and its ext4 file system."""
