@@ -111,7 +111,8 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
     with Client(crashy.url, crashy.admin_key) as client:
         sb = client.create()
         sb.exec(
-            "nohup sh -c 'while true; do date +%s%N > /tmp/t; sleep 0.05; done' >/dev/null 2>&1 &"
+            "nohup sh -c 'while true; do date +%s%N > /tmp/t.new; mv /tmp/t.new /tmp/t; "
+            "sleep 0.05; done' >/dev/null 2>&1 &"
         )
         time.sleep(0.5)
         before = sb.files.read("/tmp/t")
