@@ -13,6 +13,7 @@ from rich.table import Table
 
 from cella import errors
 from cella.cli._output import console, emit_json, out
+from cella.models import parse_pairs
 from cella.sdk import Client, Sandbox
 
 app = typer.Typer(help="Create, inspect, drive and remove sandboxes.", no_args_is_help=True)
@@ -20,13 +21,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
-    result = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{what} must be KEY=VALUE, got {item!r}")
-        result[key] = value
-    return result
+    try:
+        return parse_pairs(items, what)
+    except errors.InvalidArgument as exc:
+        raise typer.BadParameter(exc.message) from None
 
 
 def _show(sandboxes: list[Sandbox], json_: bool) -> None:

@@ -10,6 +10,7 @@ from cella.models.exec import (
 )
 from cella.models.files import ChmodRequest, FileEntry, MkdirRequest
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
+from cella.models.pairs import parse_pairs
 from cella.models.sandbox import (
     Event,
     EventList,
@@ -50,4 +51,5 @@ __all__ = [
     "decode_data",
     "encode_data",
     "encode_pair",
+    "parse_pairs",
 ]

@@ -212,14 +212,13 @@ class QemuDriver:
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
-        disk_mib: int | None = None,
     ) -> QemuVM:
         """A new VM from a snapshot (checked against its manifest first), on a new overlay."""
         await self._ensure_prepared()
         manifest = snap.verify()
         directory.mkdir(parents=True)
         try:
-            create_overlay(snap.disk, directory / DISK, disk_mib)
+            create_overlay(snap.disk, directory / DISK)
             config = dataclasses.replace(
                 self._config(
                     directory, manifest["vcpus"], manifest["memory_mib"], snap.ram, False, "defer"

@@ -7,6 +7,7 @@ change stay shared between them, and their disks are overlays on the snapshot's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import shutil
@@ -15,7 +16,7 @@ from typing import Any
 
 from cella import errors
 from cella.runtime.qemu.args import VMConfig
-from cella.runtime.qemu.vm import QemuVM, VMFiles, socket_dir
+from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SnapshotDir
 
@@ -91,7 +92,7 @@ async def snapshot_running(
         await _qemu_img("create", "-q", "-f", "qcow2", str(blank), "1G")
         helper_cfg: VMConfig = config_for(tmp, tmp / "ram", True)
         mig_sock = socket_dir(tmp) / "migration"
-        helper_cfg = _replace(
+        helper_cfg = dataclasses.replace(
             helper_cfg,
             disk=blank,
             incoming=f"unix:{mig_sock}",
@@ -124,25 +125,6 @@ async def snapshot_running(
         raise
     finally:
         shutil.rmtree(socket_dir(tmp), ignore_errors=True)
-
-
-def _replace(cfg: VMConfig, **changes: Any) -> VMConfig:
-    import dataclasses
-
-    files = VMFiles.under(Path(changes.pop("directory", cfg.qmp_socket.parent)))
-    return dataclasses.replace(
-        cfg,
-        qmp_socket=files.qmp_socket,
-        agent_socket=files.agent_socket,
-        console_log=files.console_log,
-        **changes,
-    )
-
-
-def _virtual_size(image: Path) -> str:
-    from cella.storage.overlay import image_info
-
-    return str(image_info(image)["virtual-size"])
 
 
 async def _qemu_img(*args: str) -> None:

@@ -25,6 +25,7 @@ from cella.models import (
     SandboxUsage,
     encode_data,
     encode_pair,
+    parse_pairs,
 )
 from cella.server.app import Auth, jsonl
 from cella.server.routes._deps import service
@@ -50,12 +51,7 @@ async def list_sandboxes(
     state: SandboxState | None = None,
     label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
 ) -> SandboxList:
-    labels = {}
-    for item in label or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise errors.InvalidArgument(f"label filter must be key=value, got {item!r}")
-        labels[key] = value
+    labels = parse_pairs(label, "label filter")
     rows = service(request).find(who.tenant, state.value if state else None, labels)
     return SandboxList(sandboxes=[_sandbox(r) for r in rows])
 
