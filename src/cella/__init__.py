@@ -3,10 +3,26 @@
 from cella import Sandbox
 with Sandbox.create() as sb:
     print(sb.exec("uname -r").text)
+
+The SDK is imported on first use, so `cella.policy` (stdlib only) loads without it.
 """
 
-from cella import errors
-from cella.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, Sandbox
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cella import errors
+    from cella.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, Sandbox
 
 __all__ = ["AsyncClient", "AsyncSandbox", "Client", "ExecResult", "Sandbox", "errors"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        return importlib.import_module("cella.errors")
+    if name in __all__:
+        return getattr(importlib.import_module("cella.sdk"), name)
+    raise AttributeError(f"module 'cella' has no attribute {name!r}")

@@ -25,7 +25,8 @@ def setup(
     template: Annotated[list[str] | None, typer.Option(help="Templates to build.")] = None,
     accel: AccelOpt = "auto",
 ) -> None:
-    """Install host packages, fetch the guest kernel, build the agent, initramfs and templates.
+    """Install host packages and the egress proxy, fetch the guest kernel, build the agent,
+    initramfs and templates.
 
     Idempotent: what is already in place is kept.
     """
@@ -33,6 +34,7 @@ def setup(
     from cella.images.host import ensure_host_packages
     from cella.images.kernel import ensure_kernel
     from cella.images.templates import build_template, builtin_templates
+    from cella.network.install import ensure_proxy
     from cella.runtime.qemu.accel import choose_accel
 
     show = progress_printer(json_)
@@ -42,6 +44,7 @@ def setup(
     installed = ensure_host_packages(show)
     kernel = ensure_kernel(paths, show)
     boot = ensure_boot(paths, show)
+    ensure_proxy(paths, show)
     specs = builtin_templates()
     images = {}
     for name in template or ["default"]:

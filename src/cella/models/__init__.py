@@ -10,6 +10,14 @@ from cella.models.exec import (
 )
 from cella.models.files import ChmodRequest, FileEntry, MkdirRequest
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
+from cella.models.network import (
+    EgressDecision,
+    EgressLog,
+    NetworkPolicy,
+    Secret,
+    SecretList,
+    SecretPut,
+)
 from cella.models.pairs import parse_pairs
 from cella.models.sandbox import (
     Event,
@@ -28,6 +36,8 @@ from cella.models.sandbox import (
 
 __all__ = [
     "ChmodRequest",
+    "EgressDecision",
+    "EgressLog",
     "Event",
     "EventList",
     "ExecEvent",
@@ -39,11 +49,15 @@ __all__ = [
     "KeyCreated",
     "KeyInfo",
     "MkdirRequest",
+    "NetworkPolicy",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",
     "SandboxState",
     "SandboxUsage",
+    "Secret",
+    "SecretList",
+    "SecretPut",
     "Snapshot",
     "SnapshotCreate",
     "SnapshotList",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
 
 
 class SandboxState(StrEnum):
@@ -40,6 +43,24 @@ class SandboxCreate(BaseModel):
     idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
     max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    network: NetworkPolicy = Field(
+        default_factory=NetworkPolicy, description="egress rules (default: reach nothing)"
+    )
+    secrets: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="environment variable -> secret name; the guest sees a placeholder",
+    )
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for env, name in value.items():
+            if not re.match(ENV_NAME, env):
+                raise ValueError(f"invalid environment variable name {env!r}")
+            if not re.match(SECRET_NAME, name):
+                raise ValueError(f"invalid secret name {name!r}")
+        return value
 
 
 class Sandbox(BaseModel):
@@ -56,6 +77,10 @@ class Sandbox(BaseModel):
     max_pids: int | None = None
     last_active_at: datetime | None = None
     labels: dict[str, str]
+    network: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    secrets: dict[str, str] = Field(
+        default_factory=dict, description="environment variable -> secret name"
+    )
     accel: str | None
     accel_reason: str | None
     error: str | None = None
@@ -64,6 +89,14 @@ class Sandbox(BaseModel):
     created_from: str | None = Field(default=None, description="pool, restore, boot or fork")
     created_at: datetime
     updated_at: datetime
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secret_refs(cls, value: Any) -> Any:
+        # stored as env -> {secret, placeholder}; only the names are shown
+        if isinstance(value, dict):
+            return {k: v["secret"] if isinstance(v, dict) else v for k, v in value.items()}
+        return value
 
 
 class SandboxList(BaseModel):

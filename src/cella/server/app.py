@@ -59,12 +59,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     _install_error_handlers(app)
 
-    from cella.server.routes import files, keys, sandboxes, snapshots
+    from cella.server.routes import egress, files, keys, sandboxes, snapshots
 
     app.include_router(sandboxes.router)
     app.include_router(snapshots.router)
     app.include_router(files.router)
     app.include_router(keys.router)
+    app.include_router(egress.router)
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:

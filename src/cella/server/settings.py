@@ -7,11 +7,12 @@ Sources, later ones winning: defaults below, a TOML file (`$CELLA_CONFIG`, else
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -56,6 +57,20 @@ class Settings(BaseSettings):
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")
+    egress_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="loopback port of the egress proxy (0: pick one once, keep it)",
+    )
+    egress_hosts: dict[str, str | list[str]] = Field(
+        default_factory=dict,
+        description="name -> address(es) the proxy uses instead of DNS (internal registries; "
+        "these may be non-public addresses)",
+    )
+    egress_upstream_ca: Path | None = Field(
+        default=None, description="PEM bundle the proxy also trusts for upstream TLS"
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -69,6 +84,23 @@ class Settings(BaseSettings):
         data_dir = Path(os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
         toml = Path(os.environ.get("CELLA_CONFIG") or data_dir / "cella.toml")
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml))
+
+    @field_validator("egress_hosts")
+    @classmethod
+    def _egress_hosts(cls, value: dict[str, str | list[str]]) -> dict[str, str | list[str]]:
+        for name, addrs in value.items():
+            for addr in [addrs] if isinstance(addrs, str) else addrs:
+                try:
+                    ipaddress.ip_address(addr)
+                except ValueError:
+                    raise ValueError(f"egress_hosts[{name!r}]: {addr!r} is not an IP") from None
+        return value
+
+    def egress_host_table(self) -> dict[str, list[str]]:
+        return {
+            name.lower(): [addrs] if isinstance(addrs, str) else list(addrs)
+            for name, addrs in self.egress_hosts.items()
+        }
 
     @property
     def host_port(self) -> tuple[str, int]:

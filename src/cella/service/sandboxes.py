@@ -26,6 +26,7 @@ from cella.models import SandboxCreate, SandboxState
 from cella.runtime.qemu.driver import DISK, QemuDriver
 from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.server.settings import Settings
+from cella.service.egress import SandboxEgress
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import Store
@@ -42,7 +43,14 @@ class SandboxService:
         self.store = store
         self.driver = driver
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.pool = WarmPool(driver, self.warm, settings.pool_size)
+        self.egress = SandboxEgress(settings, store, driver.paths)
+        self.pool = WarmPool(
+            driver,
+            self.warm,
+            settings.pool_size,
+            egress=self.egress.new_egress,
+            prepare=self._prepare_pooled,
+        )
         self._vms: dict[str, QemuVM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._admission = asyncio.Lock()
@@ -55,7 +63,9 @@ class SandboxService:
         return self.driver.paths.root / "snapshots"
 
     async def start(self) -> None:
-        """After recovery: make sure the default warm snapshot exists and fill the pool."""
+        """After recovery: start the egress proxy, make sure the default warm snapshot
+        exists and fill the pool."""
+        await self.egress.start()
         shape = Shape(self.settings.pool_template, 1, 512)
         await self.warm.ensure(shape)
         self.pool.watch(shape)
@@ -154,6 +164,7 @@ class SandboxService:
                     f"disk_mib must be at least the template's {base_mib} MiB"
                 )
         shape = Shape(req.template, req.vcpus, req.memory_mib)
+        secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         async with self._admission:
             self._admit(tenant, req.vcpus, req.memory_mib)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
@@ -173,6 +184,8 @@ class SandboxService:
                     "idle_action": req.idle_action,
                     "max_pids": req.max_pids,
                     "labels": req.labels,
+                    "network": req.network.model_dump(),
+                    "secrets": secret_refs,
                     "created_from": "pool" if vm is not None else "restore",
                 }
             )
@@ -180,7 +193,9 @@ class SandboxService:
             try:
                 if vm is None:  # the pool is empty: restore, never cold-boot
                     snap = await self.warm.ensure(shape)
-                    vm = await self.driver.restore(snap, self.directory(sandbox_id))
+                    vm = await self._restore(snap, sandbox_id)
+                    await self.egress.trust_ca(vm)
+                self.egress.attach(vm, self.store.get_sandbox(sandbox_id) or {})
                 await self._fresh_identity(vm, sandbox_id, req.max_pids)
                 if req.disk_mib is not None:
                     await vm.grow_disk(req.disk_mib)
@@ -204,6 +219,17 @@ class SandboxService:
         if shape.vcpus == 1 and shape.memory_mib == 512:
             self.pool.watch(shape)
         return self.get(tenant, sandbox_id)
+
+    async def _restore(self, snap: SnapshotDir, sandbox_id: str) -> QemuVM:
+        """A VM restored for a sandbox, with its egress forwards (freed when it exits)."""
+        vm = await self.driver.restore(
+            snap, self.directory(sandbox_id), egress=self.egress.new_egress()
+        )
+        return self.egress.release_on_exit(vm)
+
+    async def _prepare_pooled(self, vm: QemuVM) -> None:
+        self.egress.release_on_exit(vm)
+        await self.egress.trust_ca(vm)
 
     def _running(self, sandbox_id: str, vm: QemuVM) -> None:
         self._vms[sandbox_id] = vm
@@ -280,10 +306,13 @@ class SandboxService:
                     memory_mib=row["memory_mib"],
                     boot_timeout=self.settings.boot_timeout,
                     disk=row["disk"],
+                    egress=self.egress.new_egress(),
                 )
             except BaseException:
                 self.store.update_sandbox(sandbox_id, state=S.stopped, pid=None)
                 raise
+            self.egress.release_on_exit(vm)
+            self.egress.attach(vm, row)
             self._vms[sandbox_id] = vm
             self.store.update_sandbox(sandbox_id, state=S.running, pid=vm.pid)
             self.store.add_event(sandbox_id, "resumed", {"from": "stopped"})
@@ -321,6 +350,7 @@ class SandboxService:
         for vm in list(self._vms.values()):
             await vm._close_channels()
         self._vms.clear()
+        await self.egress.close()
 
     # -- snapshots and forks -------------------------------------------------------------
 
@@ -421,6 +451,8 @@ class SandboxService:
                 "idle_action": source.get("idle_action", "stop"),
                 "max_pids": source.get("max_pids"),
                 "labels": source.get("labels", {}),
+                "network": source.get("network", {"allow": [], "deny": []}),
+                "secrets": source.get("secrets", {}),
                 "parent_id": snap_row["sandbox_id"],
                 "snapshot_id": snap_row["id"],
                 "base_snapshot_id": snap_row["id"],
@@ -434,8 +466,9 @@ class SandboxService:
         async with self._lock(sandbox_id):
             vm = None
             try:
-                vm = await self.driver.restore(snap, self.directory(sandbox_id))
+                vm = await self._restore(snap, sandbox_id)
                 row = self.store.get_sandbox(sandbox_id) or {}
+                self.egress.attach(vm, row)  # the parent's policy and placeholders
                 await self._fresh_identity(vm, sandbox_id, row.get("max_pids"))
             except BaseException as exc:
                 if vm is not None:
@@ -468,6 +501,35 @@ class SandboxService:
             raise errors.InUse(f"snapshot {snapshot_id} is still used by {users}")
         shutil.rmtree(self.snapshots_dir / snapshot_id, ignore_errors=True)
         self.store.update_snapshot(snapshot_id, state="deleted")
+
+    # -- egress ------------------------------------------------------------------------
+
+    def set_network(self, tenant: str, sandbox_id: str, policy: dict[str, Any]) -> dict[str, Any]:
+        """Changes where a sandbox may connect; a running one gets it for its next connection."""
+        row = self.get(tenant, sandbox_id)
+        self.store.update_sandbox(sandbox_id, network=policy)
+        row = self.get(tenant, sandbox_id)
+        vm = self._vms.get(sandbox_id)
+        if vm is not None:
+            self.egress.attach(vm, row)
+        self.store.add_event(sandbox_id, "network_changed", policy)
+        return row
+
+    def egress_log(
+        self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        self.events(tenant, sandbox_id)  # not found for other tenants
+        rows = self.store.events(sandbox_id, after, limit, type_="egress")
+        return [{"id": r["id"], "at": r["at"], **r["data"]} for r in rows]
+
+    def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """Stores a secret; running sandboxes that use it get the new value at once."""
+        secret = self.egress.put_secret(tenant, name, fields)
+        for row in self.find(tenant):
+            vm = self._vms.get(row["id"])
+            if vm is not None and any(r["secret"] == name for r in row["secrets"].values()):
+                self.egress.attach(vm, row)
+        return secret
 
     # -- usage -------------------------------------------------------------------------
 
@@ -581,6 +643,8 @@ class SandboxService:
         self, tenant: str, sandbox_id: str, command: list[str] | str, **kwargs: Any
     ) -> AsyncIterator[ExecEvent]:
         vm = self.vm(tenant, sandbox_id)
+        row = self.get(tenant, sandbox_id)
+        kwargs["env"] = {**self.egress.guest_env(row), **(kwargs.get("env") or {})}
         self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
         start = time.monotonic()
         out_len = err_len = 0
@@ -647,6 +711,8 @@ class SandboxService:
                         vm = await self.driver.adopt(directory, pid, paused=state == S.paused)
                 if vm is not None:
                     self._vms[sid] = vm
+                    self.egress.release_on_exit(vm)
+                    self.egress.attach(vm, row)
                     self.store.update_sandbox(
                         sid, state=S.paused if state == S.paused else S.running
                     )

@@ -14,11 +14,13 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
 from cella.images.templates import find_template
+from cella.runtime.qemu.args import Egress
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.vm import QemuVM
 from cella.storage.snapshots import SnapshotDir
@@ -111,12 +113,26 @@ class _Pool:
 
 
 class WarmPool:
-    """Restored VMs waiting to be claimed, one pool per shape."""
+    """Restored VMs waiting to be claimed, one pool per shape.
 
-    def __init__(self, driver: QemuDriver, snapshots: WarmSnapshots, size: int) -> None:
+    `egress` gives each VM its forwards at restore; `prepare` readies it before it waits
+    (both come from the service, so pooled VMs are like ones restored on demand).
+    """
+
+    def __init__(
+        self,
+        driver: QemuDriver,
+        snapshots: WarmSnapshots,
+        size: int,
+        *,
+        egress: Callable[[], Egress] | None = None,
+        prepare: Callable[[QemuVM], Awaitable[None]] | None = None,
+    ) -> None:
         self.driver = driver
         self.snapshots = snapshots
         self.size = size
+        self.egress = egress
+        self.prepare = prepare
         self._pools: dict[Shape, _Pool] = {}
         self._reaping: set[asyncio.Task[None]] = set()
 
@@ -158,7 +174,14 @@ class WarmPool:
             try:
                 snap = await self.snapshots.ensure(pool.shape)
                 directory = self.driver.paths.vms / new_sandbox_id()
-                vm = await self.driver.restore(snap, directory)
+                egress = self.egress() if self.egress else None
+                vm = await self.driver.restore(snap, directory, egress=egress)
+                if self.prepare is not None:
+                    try:
+                        await self.prepare(vm)
+                    except BaseException:
+                        await self.driver.destroy(vm)
+                        raise
                 # run the usual first commands once, so the translation cache of this VM is
                 # warm before anyone claims it (a first exec is otherwise several times slower)
                 await vm.agent.exec(WARM_UP, timeout=60)

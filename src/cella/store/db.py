@@ -103,10 +103,10 @@ class Store:
         return self._exec(sql + " ORDER BY created_at", tuple(args)).fetchall()
 
     def insert_sandbox(self, row: dict[str, Any]) -> None:
-        self._insert("sandboxes", {**row, "labels": json.dumps(row.get("labels", {}))})
+        self._insert("sandboxes", _encode(row))
 
     def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
-        self._update("sandboxes", sandbox_id, fields)
+        self._update("sandboxes", sandbox_id, _encode(fields))
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
         row = self._get("sandboxes", sandbox_id)
@@ -160,15 +160,65 @@ class Store:
         )
         return int(cur.lastrowid or 0)
 
-    def events(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
-        rows = self._exec(
-            "SELECT * FROM events WHERE sandbox_id = ? AND id > ? ORDER BY id LIMIT ?",
-            (sandbox_id, after, limit),
-        ).fetchall()
+    def events(
+        self, sandbox_id: str, after: int = 0, limit: int = 1000, type_: str | None = None
+    ) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM events WHERE sandbox_id = ? AND id > ?"
+        args: tuple[Any, ...] = (sandbox_id, after)
+        if type_ is not None:
+            sql += " AND type = ?"
+            args += (type_,)
+        rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    # -- secrets (values are read only to hand them to the egress proxy) ------------------
+
+    def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> None:
+        row = {**fields, "hosts": json.dumps(fields["hosts"])}
+        stamp = now()
+        self._exec(
+            "INSERT INTO secrets (tenant, name, value, hosts, auth, username, created_at, "
+            "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE "
+            "SET value = excluded.value, hosts = excluded.hosts, auth = excluded.auth, "
+            "username = excluded.username, updated_at = excluded.updated_at",
+            (
+                tenant,
+                name,
+                row["value"],
+                row["hosts"],
+                row.get("auth"),
+                row.get("username"),
+                stamp,
+                stamp,
+            ),
+        )
+
+    def get_secret(self, tenant: str, name: str) -> dict[str, Any] | None:
+        row = self._exec(
+            "SELECT * FROM secrets WHERE tenant = ? AND name = ?", (tenant, name)
+        ).fetchone()
+        return {**dict(row), "hosts": json.loads(row["hosts"])} if row else None
+
+    def list_secrets(self, tenant: str) -> list[dict[str, Any]]:
+        rows = self._exec(
+            "SELECT * FROM secrets WHERE tenant = ? ORDER BY name", (tenant,)
+        ).fetchall()
+        return [{**dict(r), "hosts": json.loads(r["hosts"])} for r in rows]
+
+    def delete_secret(self, tenant: str, name: str) -> bool:
+        cur = self._exec("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))
+        return cur.rowcount > 0
+
+
+_JSON_COLUMNS = ("labels", "network", "secrets")
+
+
+def _encode(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: json.dumps(v) if k in _JSON_COLUMNS else v for k, v in row.items()}
 
 
 def _sandbox(row: sqlite3.Row) -> dict[str, Any]:
     out = dict(row)
-    out["labels"] = json.loads(out["labels"])
+    for key in _JSON_COLUMNS:
+        out[key] = json.loads(out[key])
     return out

@@ -68,4 +68,20 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN max_pids INTEGER;
     ALTER TABLE sandboxes ADD COLUMN last_active_at TEXT;
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '{"allow": [], "deny": []}';
+    ALTER TABLE sandboxes ADD COLUMN secrets TEXT NOT NULL DEFAULT '{}';
+    CREATE TABLE secrets (
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        value TEXT NOT NULL,
+        hosts TEXT NOT NULL,
+        auth TEXT,
+        username TEXT,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        PRIMARY KEY (tenant, name)
+    );
+    CREATE INDEX events_type ON events (sandbox_id, type, id);
+    """,
 ]

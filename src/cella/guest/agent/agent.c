@@ -15,7 +15,10 @@
 #include <grp.h>
 #include <linux/random.h>
 #include <linux/sched.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
@@ -24,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -44,6 +48,11 @@
 #define HDR 9
 #define CHUNK (256u << 10)
 #define CGROUP_ROOT "/sys/fs/cgroup/cella"
+/* The guest's only way out: QEMU user networking (restrict=on) forwards these ports of
+   EGRESS_ADDR to cella's egress proxy on the host. Every name resolves to it. */
+#define GUEST_ADDR "10.0.2.15"
+#define EGRESS_ADDR "10.0.2.100"
+#define DNS_ADDR "127.0.0.53"
 
 /* host -> guest */
 enum {
@@ -1060,6 +1069,100 @@ static void bring_up_loopback(void) {
     if (s >= 0) close(s);
 }
 
+static void set_addr(int s, unsigned long req, const char *ifname, const char *addr) {
+    struct ifreq ifr = {0};
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "%s", ifname);
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    sin->sin_family = AF_INET;
+    inet_pton(AF_INET, addr, &sin->sin_addr);
+    if (ioctl(s, req, &ifr)) logf_("%s address %s: %s", ifname, addr, strerror(errno));
+}
+
+/*
+ * eth0 gets an address on QEMU's user network but no default route: the only host it may
+ * talk to is the egress proxy's address on that link, and anything else fails at once
+ * (ENETUNREACH) instead of timing out against a NIC that drops it.
+ */
+static void bring_up_network(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return;
+    struct ifreq ifr = {0};
+    strcpy(ifr.ifr_name, "eth0");
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+        set_addr(s, SIOCSIFADDR, "eth0", GUEST_ADDR);
+        set_addr(s, SIOCSIFNETMASK, "eth0", "255.255.255.0");
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        if (ioctl(s, SIOCSIFFLAGS, &ifr)) logf_("eth0 up: %s", strerror(errno));
+    }
+    close(s);
+    /* resolv.conf may be a dangling symlink in the template (systemd-resolved) */
+    unlink("/etc/resolv.conf");
+    int fd = open("/etc/resolv.conf", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const char *conf = "nameserver " DNS_ADDR "\n";
+    if (fd < 0 || write(fd, conf, strlen(conf)) < 0) logf_("resolv.conf: %s", strerror(errno));
+    if (fd >= 0) close(fd);
+}
+
+/*
+ * The DNS stub: A queries get the egress proxy's address (the proxy resolves the real name on
+ * the host and decides), the guest's own name and localhost get loopback, everything else an
+ * empty answer. Names are never resolved inside the guest.
+ */
+static int dns_fd = -1;
+
+static void open_dns(void) {
+    dns_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(53)};
+    inet_pton(AF_INET, DNS_ADDR, &sa.sin_addr);
+    if (dns_fd >= 0 && bind(dns_fd, (struct sockaddr *)&sa, sizeof sa)) {
+        logf_("dns stub: %s", strerror(errno));
+        close(dns_fd);
+        dns_fd = -1;
+    }
+}
+
+static void answer_dns(void) {
+    unsigned char q[512], r[600];
+    struct sockaddr_in from;
+    for (;;) {
+        socklen_t fl = sizeof from;
+        ssize_t n = recvfrom(dns_fd, q, sizeof q, 0, (struct sockaddr *)&from, &fl);
+        if (n < 0) return;
+        if (n < 12 || (q[2] & 0x80) || q[4] != 0 || q[5] != 1) continue; /* one question */
+        char name[256];
+        size_t pos = 12, len = 0;
+        while (pos < (size_t)n && q[pos] && q[pos] < 64 && len + q[pos] + 1 < sizeof name) {
+            if (len) name[len++] = '.';
+            memcpy(name + len, q + pos + 1, q[pos]);
+            len += q[pos];
+            pos += q[pos] + 1;
+        }
+        if (pos + 5 > (size_t)n || q[pos]) continue;
+        name[len] = 0;
+        pos += 1;
+        unsigned qtype = (unsigned)q[pos] << 8 | q[pos + 1];
+        size_t qend = pos + 4;
+        memcpy(r, q, qend);
+        r[2] = 0x84 | (q[2] & 0x01); /* response, authoritative, keeps RD */
+        r[3] = 0x80;                 /* recursion available, NOERROR */
+        r[6] = r[7] = r[8] = r[9] = r[10] = r[11] = 0;
+        size_t out = qend;
+        if (qtype == 1) {
+            char host[65] = "";
+            gethostname(host, sizeof host - 1);
+            int local = !strcasecmp(name, "localhost") || !strcasecmp(name, host);
+            struct in_addr a;
+            inet_pton(AF_INET, local ? "127.0.0.1" : EGRESS_ADDR, &a);
+            unsigned char rr[16] = {0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 5, 0, 4};
+            memcpy(rr + 12, &a, 4);
+            memcpy(r + out, rr, sizeof rr);
+            out += sizeof rr;
+            r[7] = 1;
+        }
+        sendto(dns_fd, r, out, 0, (struct sockaddr *)&from, fl);
+    }
+}
+
 static int cmdline_has(const char *word) {
     char buf[4096] = "";
     int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
@@ -1160,6 +1263,7 @@ static void init_system(void) {
     if (have_cgroups) limit_execs();
     sethostname("cella", 5);
     bring_up_loopback();
+    bring_up_network();
     struct rlimit rl = {65536, 65536};
     setrlimit(RLIMIT_NOFILE, &rl);
 }
@@ -1181,6 +1285,7 @@ int main(void) {
         if (getpid() == 1) halt_with("no agent port");
         return 1;
     }
+    open_dns();
     rbuf = malloc(HDR + MAX_FRAME);
     logf_("ready (%s)", have_cgroups ? "cgroup kill" : "process-group kill");
 
@@ -1188,7 +1293,7 @@ int main(void) {
     size_t pcap = 0;
     int64_t last_cg_sweep = now_ms();
     for (;;) {
-        size_t need = 2;
+        size_t need = 3;
         for (struct exec *e = execs; e; e = e->next) need += 3;
         if (need > pcap) {
             pcap = need * 2;
@@ -1197,6 +1302,7 @@ int main(void) {
         size_t np = 0;
         pfds[np++] = (struct pollfd){.fd = port_hup ? -1 : port, .events = POLLIN};
         pfds[np++] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        pfds[np++] = (struct pollfd){.fd = dns_fd, .events = POLLIN};
         int64_t now = now_ms();
         int timeout = -1;
         for (struct exec *e = execs; e; e = e->next) {
@@ -1233,13 +1339,14 @@ int main(void) {
             port_hup = 1;
         }
         /* pipes are drained before reaping, so output always precedes the exit frame */
-        size_t i = 2;
+        size_t i = 3;
         for (struct exec *e = execs; e; e = e->next, i += 3) {
             if (i + 2 >= np) break;
             if (pfds[i].revents) pump(e, &e->out_fd, M_STDOUT, 256u << 10);
             if (pfds[i + 1].revents) pump(e, &e->err_fd, M_STDERR, 256u << 10);
             if (pfds[i + 2].revents && e->in_fd >= 0) flush_stdin(e);
         }
+        if (pfds[2].revents & POLLIN) answer_dns();
         if (pfds[1].revents & POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) > 0) {}

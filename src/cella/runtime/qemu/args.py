@@ -10,6 +10,21 @@ from typing import Literal
 Accel = Literal["kvm", "tcg"]
 QEMU = "qemu-system-x86_64"
 AGENT_PORT = "cella.agent"
+# The guest side of egress (the agent configures the same addresses): every name resolves to
+# EGRESS_ADDR, whose forwarded ports lead to the host's egress proxy.
+GUEST_NET = "10.0.2.0/24"
+EGRESS_ADDR = "10.0.2.100"
+EGRESS_PORTS = (80, 443, 3128)  # transparent HTTP, transparent TLS, explicit proxy
+PROXY_PORT = 3128
+
+
+@dataclass(frozen=True, slots=True)
+class Egress:
+    """Where this VM's forwarded connections go: the proxy's port on the host, from a
+    loopback source address that is this VM's alone (it tells the proxy who is asking)."""
+
+    proxy_port: int
+    source_addr: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +47,8 @@ class VMConfig:
     incoming: str | None = None
     # do not start the vCPUs (a snapshot helper that only loads and saves state)
     paused: bool = False
+    # None: the NIC leads nowhere (templates, snapshot helpers)
+    egress: Egress | None = None
 
 
 def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
@@ -66,6 +83,26 @@ def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = (
         if tsc_khz:
             args.append(f"tsc_early_khz={tsc_khz}")
     return " ".join([*args, *extra])
+
+
+def netdev(egress: Egress | None) -> str:
+    """QEMU user networking that reaches nothing (restrict=on) but the forwards to the proxy.
+
+    `cmd:` forwards start one process per guest connection (the chardev form carries one
+    connection only); socat's -t0 closes at once after the last byte instead of lingering.
+    """
+    spec = f"user,id=net,restrict=on,ipv6=off,net={GUEST_NET},host=10.0.2.2,dns=10.0.2.3"
+    if egress is not None:
+        target = f"TCP:127.0.0.1:{egress.proxy_port},,bind={egress.source_addr}"
+        for port in EGRESS_PORTS:
+            spec += f",guestfwd=tcp:{EGRESS_ADDR}:{port}-cmd:socat -t0 STDIO {target}"
+    return spec
+
+
+def egress_of(argv: list[str]) -> Egress | None:
+    """The egress forwards a running QEMU was started with (for adopting it later)."""
+    match = re.search(r"TCP:127\.0\.0\.1:(\d+),,bind=([\d.]+)", " ".join(argv))
+    return Egress(int(match.group(1)), match.group(2)) if match else None
 
 
 def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
@@ -113,6 +150,10 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
         "-device",
         f"virtserialport,chardev=agent,name={AGENT_PORT}",
+        "-netdev",
+        netdev(cfg.egress),
+        "-device",
+        "virtio-net-device,netdev=net",
     ]
     if cfg.ram_file is not None:
         share = "on" if cfg.ram_shared else "off"

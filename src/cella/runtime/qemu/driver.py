@@ -16,7 +16,7 @@ from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
-from cella.runtime.qemu.args import QEMU, VMConfig
+from cella.runtime.qemu.args import QEMU, Egress, VMConfig, egress_of
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay
@@ -84,6 +84,7 @@ class QemuDriver:
         disk_mib: int | None = None,
         name: str | None = None,
         boot_timeout: float = 60.0,
+        egress: Egress | None = None,
     ) -> QemuVM:
         """A new VM on a fresh overlay of the template (removed again if the boot fails)."""
         validate_resources(vcpus, memory_mib)
@@ -94,7 +95,11 @@ class QemuDriver:
         try:
             create_overlay(base, directory / DISK, disk_mib)
             return await self.start(
-                directory, vcpus=vcpus, memory_mib=memory_mib, boot_timeout=boot_timeout
+                directory,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                boot_timeout=boot_timeout,
+                egress=egress,
             )
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
@@ -108,6 +113,7 @@ class QemuDriver:
         memory_mib: int,
         boot_timeout: float = 60.0,
         disk: str = DISK,
+        egress: Egress | None = None,
     ) -> QemuVM:
         """Boots a VM on the overlay already in `directory` (create, or resume after stop)."""
         validate_resources(vcpus, memory_mib)
@@ -115,7 +121,7 @@ class QemuDriver:
             await self.prepare()
         assert self._boot is not None and self._accel is not None
         config = self._config(directory, vcpus, memory_mib)
-        config = dataclasses.replace(config, disk=directory / disk)
+        config = dataclasses.replace(config, disk=directory / disk, egress=egress)
         vm = QemuVM(config, die_with_parent=self.die_with_parent)
         vm.directory = directory
         vm.accel_reason = self._accel.reason
@@ -126,7 +132,10 @@ class QemuDriver:
         """Reconnects to a VM left running by an earlier daemon (its QEMU must be ours)."""
         if f"file={directory}/" not in " ".join(qemu_cmdline(pid)):
             raise errors.SandboxCrashed(f"process {pid} is not the QEMU of {directory.name}")
-        vm = await QemuVM.adopt(self._config(directory, 1, MIN_MEMORY_MIB), pid, paused=paused)
+        config = dataclasses.replace(
+            self._config(directory, 1, MIN_MEMORY_MIB), egress=egress_of(qemu_cmdline(pid))
+        )
+        vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory
         vm.accel_reason = self._accel.reason if self._accel else ""
         vm.exit_hooks.append(lambda: self.cpu.remove(vm.config.name))
@@ -212,6 +221,7 @@ class QemuDriver:
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
+        egress: Egress | None = None,
     ) -> QemuVM:
         """A new VM from a snapshot (checked against its manifest first), on a new overlay."""
         await self._ensure_prepared()
@@ -226,6 +236,7 @@ class QemuDriver:
                 kernel=Path(manifest["kernel"]),
                 initrd=Path(manifest["initrd"]),
                 accel=manifest["accel"],
+                egress=egress,
             )
             vm = QemuVM(config, die_with_parent=self.die_with_parent)
             vm.directory = directory

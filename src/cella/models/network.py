@@ -1,0 +1,105 @@
+"""Egress policy, secrets and the egress decision log."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from cella.policy.egress import MAX_RULES, parse_rule
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+SECRET_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def _rules(values: list[str]) -> list[str]:
+    for value in values:
+        parse_rule(value)  # ValueError -> 400 with the rule and what is wrong
+    return [v.strip() for v in values]
+
+
+class NetworkPolicy(BaseModel):
+    """Where a sandbox may connect. Default deny; deny rules win.
+
+    A rule is `host[:port]`: `pypi.org`, `*.github.com` (subdomains only), an IP or CIDR
+    (`10.1.0.0/16`); without a port it covers every port.
+    """
+
+    model_config = {"extra": "forbid"}
+
+    allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+    deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+
+    _check_allow = field_validator("allow")(_rules)
+    _check_deny = field_validator("deny")(_rules)
+
+
+class SecretPut(BaseModel):
+    """A credential kept on the host. Its value is never returned by the API and never
+    enters a sandbox: sandboxes see a placeholder that the egress proxy swaps for the value
+    in requests to `hosts` only (TLS to those hosts is intercepted for it)."""
+
+    model_config = {"extra": "forbid"}
+
+    value: str = Field(min_length=1, max_length=65536)
+    hosts: list[str] = Field(
+        min_length=1, max_length=64, description="domain, *.domain or IP rules"
+    )
+    auth: Literal["bearer", "basic"] | None = Field(
+        default=None,
+        description="also add an Authorization header with it to requests that carry none",
+    )
+    username: str = Field(
+        default="x-access-token", max_length=256, description="user name for basic auth"
+    )
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if parse_rule(value).port is not None:
+                raise ValueError(f"{value!r}: secrets are bound to hosts, not ports")
+        return [v.strip() for v in values]
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, value: str) -> str:
+        if any(c in value for c in "\r\n\0"):
+            raise ValueError("a secret value cannot contain CR, LF or NUL")
+        return value
+
+
+class Secret(BaseModel):
+    name: str
+    hosts: list[str]
+    auth: Literal["bearer", "basic"] | None = None
+    username: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class SecretList(BaseModel):
+    secrets: list[Secret]
+
+
+class EgressDecision(BaseModel):
+    """One connection (or HTTP request) a sandbox tried, and what the proxy decided."""
+
+    id: int
+    at: datetime
+    host: str
+    port: int
+    allowed: bool
+    reason: str
+    protocol: str | None = None
+    method: str | None = None
+    status: int | None = None
+    bytes_out: int | None = Field(default=None, description="request body / tunnel bytes sent")
+    bytes_in: int | None = Field(default=None, description="response body / tunnel bytes received")
+    credentials: list[str] = Field(default_factory=list, description="secrets added to it")
+    error: str | None = None
+
+
+class EgressLog(BaseModel):
+    decisions: list[EgressDecision]

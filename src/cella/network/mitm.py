@@ -1,0 +1,366 @@
+"""The egress proxy's mitmproxy addon (loaded by `addon.py`): per-sandbox policy, secret
+substitution, the decision log.
+
+Runs inside `mitmdump` (its own interpreter and virtualenv), so it imports only mitmproxy,
+the stdlib and `cella.policy`. The daemon drives it over a socket pair (fd in
+CELLA_EGRESS_FD), one JSON object a line:
+
+  daemon -> proxy  {"op": "set", "addr", "sandbox", "allow", "deny", "secrets": [...]}
+                   {"op": "drop", "addr"}      {"op": "reset"}
+  proxy -> daemon  {"op": "ready"}             {"op": "decision", ...}
+
+A connection's sandbox is the loopback address it comes from: QEMU's forward for that VM
+binds it, and the guest cannot choose it. TLS is intercepted only toward hosts a secret of
+the sandbox is bound to; everything else passes through untouched (and is still decided by
+policy, by SNI or CONNECT host). Every upstream connection goes through `server_connect`,
+which resolves the name on the host, decides, and pins the address it decided on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mitmproxy import http, tcp
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import layer, layers, server_hooks
+from mitmproxy.proxy.layers.tls import parse_client_hello
+
+from cella.policy.egress import Decision, IPAddress, Policy, Rule, host_matches, parse_rule
+
+log = logging.getLogger("cella.egress")
+RESOLVE_TTL = 30.0
+DENIED_STATUS = 403
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A secret as the proxy uses it: its placeholder, real value and where it may go."""
+
+    name: str
+    placeholder: str
+    value: str
+    hosts: tuple[Rule, ...]
+    header: tuple[str, str] | None = None  # added when the request does not carry it
+
+
+@dataclass
+class Net:
+    sandbox: str
+    policy: Policy
+    secrets: tuple[Binding, ...] = ()
+
+    def bound(self, host: str) -> list[Binding]:
+        return [b for b in self.secrets if host_matches(b.hosts, host)]
+
+
+@dataclass
+class Tally:
+    """What one allowed exchange carried, reported when it ends."""
+
+    net: Net
+    host: str
+    port: int
+    protocol: str
+    reason: str
+    started: float = field(default_factory=time.monotonic)
+    bytes_out: int = 0
+    bytes_in: int = 0
+    credentials: list[str] = field(default_factory=list)
+
+
+def _net_from(msg: dict[str, Any]) -> Net:
+    bindings = tuple(
+        Binding(
+            name=s["name"],
+            placeholder=s["placeholder"],
+            value=s["value"],
+            hosts=tuple(parse_rule(h) for h in s["hosts"]),
+            header=tuple(s["header"]) if s.get("header") else None,
+        )
+        for s in msg.get("secrets", [])
+    )
+    return Net(msg["sandbox"], Policy.parse(msg.get("allow", ()), msg.get("deny", ())), bindings)
+
+
+class Egress:
+    def __init__(self) -> None:
+        self.nets: dict[str, Net] = {}
+        hosts = json.loads(os.environ.get("CELLA_EGRESS_HOSTS") or "{}")
+        self.overrides = {
+            name.lower(): [ipaddress.ip_address(a) for a in addrs] for name, addrs in hosts.items()
+        }
+        self._resolved: dict[str, tuple[float, list[IPAddress]]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- control channel ----------------------------------------------------------------
+
+    async def running(self) -> None:
+        fd = os.environ.get("CELLA_EGRESS_FD")
+        if not fd:
+            return
+        reader, self._writer = await asyncio.open_unix_connection(
+            sock=socket.socket(fileno=int(fd))
+        )
+        task = asyncio.create_task(self._control(reader))
+        self._tasks.add(task)
+        self._send({"op": "ready"})
+
+    async def _control(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            msg = json.loads(line)
+            try:
+                if msg["op"] == "set":
+                    self.nets[msg["addr"]] = _net_from(msg)
+                elif msg["op"] == "drop":
+                    self.nets.pop(msg["addr"], None)
+                elif msg["op"] == "reset":
+                    self.nets.clear()
+            except (KeyError, ValueError) as exc:
+                log.error("bad control message %s: %s", msg.get("op"), exc)
+        os._exit(0)  # the daemon is gone: so is its proxy
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(json.dumps(msg).encode() + b"\n")
+
+    def _report(
+        self, net: Net | None, host: str, port: int, decision: Decision, **extra: Any
+    ) -> None:
+        self._send(
+            {
+                "op": "decision",
+                "sandbox": net.sandbox if net else None,
+                "host": host,
+                "port": port,
+                "allowed": decision.allowed,
+                "reason": decision.reason,
+                **extra,
+            }
+        )
+
+    def _finish(self, tally: Tally, **extra: Any) -> None:
+        self._report(
+            tally.net,
+            tally.host,
+            tally.port,
+            Decision(True, tally.reason),
+            protocol=tally.protocol,
+            bytes_out=tally.bytes_out,
+            bytes_in=tally.bytes_in,
+            duration_ms=round((time.monotonic() - tally.started) * 1000, 1),
+            **({"credentials": tally.credentials} if tally.credentials else {}),
+            **extra,
+        )
+
+    # -- deciding -----------------------------------------------------------------------
+
+    def _net(self, client: Any) -> Net | None:
+        peer = getattr(client, "peername", None)
+        return self.nets.get(peer[0]) if peer else None
+
+    async def _resolve(self, host: str) -> list[IPAddress]:
+        name = host.lower().rstrip(".")
+        if name in self.overrides:
+            return self.overrides[name]
+        cached = self._resolved.get(name)
+        if cached and cached[0] > time.monotonic():
+            return cached[1]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                name, None, type=socket.SOCK_STREAM
+            )
+            found = list(dict.fromkeys(ipaddress.ip_address(i[4][0]) for i in infos))
+        except (OSError, ValueError):
+            found = []
+        self._resolved[name] = (time.monotonic() + RESOLVE_TTL, found)
+        return found
+
+    async def _decide(
+        self, net: Net | None, host: str, port: int
+    ) -> tuple[Decision, list[IPAddress]]:
+        if net is None:
+            return Decision(False, "the connection belongs to no sandbox"), []
+        addresses: list[IPAddress] = []
+        if net.policy.needs_addresses(host, port):
+            addresses = await self._resolve(host)
+        trusted = host.lower().rstrip(".") in self.overrides
+        return net.policy.decide(host, port, addresses, trusted=trusted), addresses
+
+    # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        net = self._net(flow.client_conn)
+        host, port = flow.request.host, flow.request.port
+        decision, _ = await self._decide(net, host, port)
+        if not decision.allowed:
+            flow.response = _denied(host, port, decision)
+            self._report(net, host, port, decision, protocol="connect")
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        net = self._net(flow.client_conn)
+        req = flow.request
+        decision, _ = await self._decide(net, req.host, req.port)
+        if net is None or not decision.allowed:
+            flow.response = _denied(req.host, req.port, decision)
+            self._report(net, req.host, req.port, decision, protocol=req.scheme, method=req.method)
+            return
+        tally = Tally(net, req.host, req.port, req.scheme, decision.reason)
+        flow.metadata["cella"] = tally
+        for b in net.bound(req.host):
+            if _substitute_head(req, b):
+                tally.credentials.append(b.name)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        tally: Tally | None = flow.metadata.get("cella")
+        if tally is None:
+            return
+        body = flow.request.raw_content or b""
+        for b in tally.net.bound(flow.request.host):
+            if b.placeholder.encode() in body:
+                body = body.replace(b.placeholder.encode(), b.value.encode())
+                flow.request.raw_content = body
+                if b.name not in tally.credentials:
+                    tally.credentials.append(b.name)
+        tally.bytes_out = len(body)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        tally: Tally | None = flow.metadata.get("cella")
+        if tally is None or flow.response is None:
+            return
+
+        def count(chunk: bytes) -> bytes:
+            tally.bytes_in += len(chunk)
+            return chunk
+
+        flow.response.stream = count  # stream bodies through: big downloads stay off the heap
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        tally: Tally | None = flow.metadata.pop("cella", None)
+        if tally is not None and flow.response is not None:
+            self._finish(tally, method=flow.request.method, status=flow.response.status_code)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        tally: Tally | None = flow.metadata.pop("cella", None)
+        if tally is not None:
+            self._finish(tally, method=flow.request.method, error=str(flow.error))
+
+    # -- TLS: pass through unless a secret needs it opened --------------------------------
+
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        ctx = nextlayer.context
+        data = nextlayer.data_client()
+        if ctx.client.transport_protocol != "tcp" or ctx.client.tls:
+            return
+        if not starts_like_tls_record(data):
+            return
+        try:
+            hello = parse_client_hello(data)
+        except ValueError:
+            return
+        if hello is None:
+            nextlayer.layer = None  # wait for the rest of the ClientHello
+            return
+        if ctx.server.address is not None:
+            host, port = ctx.server.address[0], ctx.server.address[1]
+        else:  # straight to the transparent TLS port: SNI is all there is
+            host, port = hello.sni or "", 443
+        net = self._net(ctx.client)
+        if host and net is not None and net.bound(host):
+            return  # keep mitmproxy's TLS layers: requests get credentials
+        ctx.server.address = (host or "0.0.0.0", port)
+        nextlayer.layer = layers.TCPLayer(ctx)
+
+    async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        """The last gate of every upstream connection: decide, then pin the address."""
+        if data.server.address is None:
+            return
+        net = self._net(data.client)
+        host, port = str(data.server.address[0]), int(data.server.address[1])
+        decision, addresses = await self._decide(net, host, port)
+        if not decision.allowed:
+            data.server.error = f"cella egress: {host}:{port} {decision.reason}"
+            self._report(net, host, port, decision, protocol="tcp")
+            return
+        try:
+            literal = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        pinned = literal or (addresses[0] if addresses else None)
+        if pinned is None:  # allowed without addresses cannot happen for a name; be safe
+            data.server.error = f"cella egress: {host} does not resolve"
+            return
+        data.server.address = (str(pinned), port)
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        net = self._net(flow.client_conn)
+        if net is not None and flow.server_conn.address:
+            host = flow.server_conn.sni or str(flow.server_conn.address[0])
+            tally = Tally(net, host, int(flow.server_conn.address[1]), "tls-passthrough", "allowed")
+            flow.metadata["cella"] = tally
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        tally: Tally | None = flow.metadata.get("cella")
+        if tally is not None and flow.messages:
+            msg = flow.messages[-1]
+            if msg.from_client:
+                tally.bytes_out += len(msg.content)
+            else:
+                tally.bytes_in += len(msg.content)
+            flow.messages.clear()  # counted; not kept
+
+    def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        tally: Tally | None = flow.metadata.pop("cella", None)
+        if tally is not None:
+            self._finish(tally, address=_peer(flow.server_conn))
+
+    def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        tally: Tally | None = flow.metadata.pop("cella", None)
+        if tally is not None:
+            self._finish(tally, error=str(flow.error))
+
+
+def _peer(server: Any) -> str | None:
+    return str(server.peername[0]) if getattr(server, "peername", None) else None
+
+
+def _denied(host: str, port: int, decision: Decision) -> http.Response:
+    return http.Response.make(
+        DENIED_STATUS,
+        f"cella egress: {host}:{port} denied: {decision.reason}\n",
+        {"Content-Type": "text/plain", "X-Cella-Egress": "denied"},
+    )
+
+
+def _substitute_head(req: http.Request, b: Binding) -> bool:
+    """Swaps the placeholder for the value in the URL and headers (Basic auth decoded)."""
+    used = False
+    if b.placeholder in req.url:
+        req.url = req.url.replace(b.placeholder, b.value)
+        used = True
+    for name, value in list(req.headers.items(multi=True)):
+        new = value.replace(b.placeholder, b.value)
+        if name.lower() == "authorization" and value[:6].lower() == "basic ":
+            try:
+                decoded = base64.b64decode(value[6:], validate=True).decode()
+            except (ValueError, UnicodeDecodeError):
+                decoded = ""
+            if b.placeholder in decoded:
+                swapped = decoded.replace(b.placeholder, b.value)
+                new = "Basic " + base64.b64encode(swapped.encode()).decode()
+        if new != value:
+            req.headers.set_all(name, [new if v == value else v for v in req.headers.get_all(name)])
+            used = True
+    if b.header is not None and b.header[0] not in req.headers:
+        req.headers[b.header[0]] = b.header[1]
+        used = True
+    return used
