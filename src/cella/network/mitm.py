@@ -101,6 +101,8 @@ class Egress:
         self._resolved: dict[str, tuple[float, list[IPAddress]]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._verdicts: dict[str, str] = {}  # server connection id -> why it was allowed
+        self._tunnels: set[str] = set()  # server connections of passed-through streams
 
     # -- control channel ----------------------------------------------------------------
 
@@ -229,6 +231,8 @@ class Egress:
             if b.placeholder.encode() in body:
                 body = body.replace(b.placeholder.encode(), b.value.encode())
                 flow.request.raw_content = body
+                if "content-length" in flow.request.headers:  # raw_content leaves it as it was
+                    flow.request.headers["content-length"] = str(len(body))
                 if b.name not in tally.credentials:
                     tally.credentials.append(b.name)
         tally.bytes_out = len(body)
@@ -237,6 +241,8 @@ class Egress:
         tally: Tally | None = flow.metadata.get("cella")
         if tally is None or flow.response is None:
             return
+        if tally.net.bound(flow.request.host):
+            return  # buffered, so `response` can take secrets that come back out of it
 
         def count(chunk: bytes) -> bytes:
             tally.bytes_in += len(chunk)
@@ -246,8 +252,13 @@ class Egress:
 
     def response(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.pop("cella", None)
-        if tally is not None and flow.response is not None:
-            self._finish(tally, method=flow.request.method, status=flow.response.status_code)
+        if tally is None or flow.response is None:
+            return
+        bound = tally.net.bound(flow.request.host)
+        if bound and not flow.response.stream:
+            _redact_response(flow.response, bound)
+            tally.bytes_in = len(flow.response.raw_content or b"")
+        self._finish(tally, method=flow.request.method, status=flow.response.status_code)
 
     def error(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.pop("cella", None)
@@ -277,7 +288,8 @@ class Egress:
         net = self._net(ctx.client)
         if host and net is not None and net.bound(host):
             return  # keep mitmproxy's TLS layers: requests get credentials
-        ctx.server.address = (host or "0.0.0.0", port)
+        ctx.server.address = (host, port)  # no SNI: "" is refused by server_connect
+        ctx.server.sni = host or None
         nextlayer.layer = layers.TCPLayer(ctx)
 
     async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
@@ -300,13 +312,19 @@ class Egress:
             data.server.error = f"cella egress: {host} does not resolve"
             return
         data.server.address = (str(pinned), port)
+        self._verdicts[data.server.id] = decision.reason
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if data.server.id not in self._tunnels:  # a tunnel's verdict is read when it ends
+            self._verdicts.pop(data.server.id, None)
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         net = self._net(flow.client_conn)
         if net is not None and flow.server_conn.address:
             host = flow.server_conn.sni or str(flow.server_conn.address[0])
-            tally = Tally(net, host, int(flow.server_conn.address[1]), "tls-passthrough", "allowed")
-            flow.metadata["cella"] = tally
+            port = int(flow.server_conn.address[1])
+            flow.metadata["cella"] = Tally(net, host, port, "tls-passthrough", "")
+            self._tunnels.add(flow.server_conn.id)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         tally: Tally | None = flow.metadata.get("cella")
@@ -319,14 +337,18 @@ class Egress:
             flow.messages.clear()  # counted; not kept
 
     def tcp_end(self, flow: tcp.TCPFlow) -> None:
-        tally: Tally | None = flow.metadata.pop("cella", None)
-        if tally is not None:
-            self._finish(tally, address=_peer(flow.server_conn))
+        self._tcp_done(flow)
 
     def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        self._tcp_done(flow, error=str(flow.error))
+
+    def _tcp_done(self, flow: tcp.TCPFlow, **extra: Any) -> None:
         tally: Tally | None = flow.metadata.pop("cella", None)
-        if tally is not None:
-            self._finish(tally, error=str(flow.error))
+        self._tunnels.discard(flow.server_conn.id)
+        reason = self._verdicts.pop(flow.server_conn.id, None)
+        if tally is not None and reason is not None:  # denials were reported when made
+            tally.reason = reason
+            self._finish(tally, address=_peer(flow.server_conn), **extra)
 
 
 def _peer(server: Any) -> str | None:
@@ -339,6 +361,20 @@ def _denied(host: str, port: int, decision: Decision) -> http.Response:
         f"cella egress: {host}:{port} denied: {decision.reason}\n",
         {"Content-Type": "text/plain", "X-Cella-Egress": "denied"},
     )
+
+
+def _redact_response(resp: http.Response, bound: list[Binding]) -> None:
+    """A server that echoes a credential back must not hand it to the guest: its value
+    becomes the placeholder again (headers and, up to the buffering limit, the body)."""
+    for b in bound:
+        for name, value in list(resp.headers.items(multi=True)):
+            if b.value in value:
+                resp.headers.set_all(
+                    name, [v.replace(b.value, b.placeholder) for v in resp.headers.get_all(name)]
+                )
+        body = resp.get_content(strict=False) or b""
+        if b.value.encode() in body:
+            resp.content = body.replace(b.value.encode(), b.placeholder.encode())
 
 
 def _substitute_head(req: http.Request, b: Binding) -> bool:

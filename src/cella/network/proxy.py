@@ -32,6 +32,7 @@ log = logging.getLogger("cella.egress")
 ADDON = Path(__file__).with_name("addon.py")
 READY_TIMEOUT = 60.0
 CA_CERT = "mitmproxy-ca-cert.pem"
+SYSTEM_ROOTS = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 class Addresses:
@@ -148,7 +149,7 @@ class EgressProxy:
             "stream_large_bodies=16m",
         ]
         if self.upstream_ca is not None:
-            argv += ["--set", f"ssl_verify_upstream_trusted_ca={self.upstream_ca}"]
+            argv += ["--set", f"ssl_verify_upstream_trusted_ca={self._upstream_bundle()}"]
         logfile = open(self.dir / "proxy.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -190,6 +191,15 @@ class EgressProxy:
         for msg in self._state.values():
             self._send(msg)
         log.info("egress proxy on 127.0.0.1:%d (pid %s)", self.port, self._proc.pid)
+
+    def _upstream_bundle(self) -> Path:
+        """The host's roots plus the configured CA: mitmproxy trusts only the file it is
+        given, and an internal registry's CA should not cost the public ones."""
+        assert self.upstream_ca is not None
+        bundle = self.dir / "upstream-ca.pem"
+        parts = [p.read_bytes() for p in (SYSTEM_ROOTS, self.upstream_ca) if p.exists()]
+        bundle.write_bytes(b"\n".join(parts))
+        return bundle
 
     async def _wait_listening(self) -> None:
         while True:

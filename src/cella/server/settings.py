@@ -69,7 +69,8 @@ class Settings(BaseSettings):
         "these may be non-public addresses)",
     )
     egress_upstream_ca: Path | None = Field(
-        default=None, description="PEM bundle the proxy also trusts for upstream TLS"
+        default=None,
+        description="PEM CA the proxy trusts for upstream TLS, besides the host's roots",
     )
 
     @classmethod

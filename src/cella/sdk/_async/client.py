@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx2
 
-from cella.models import Event, ExecEvent, FileEntry, SandboxUsage
+from cella.models import EgressDecision, Event, ExecEvent, FileEntry, SandboxUsage, Secret
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
@@ -71,8 +71,17 @@ class AsyncClient:
         idle_action: str | None = None,
         max_pids: int | None = None,
         labels: dict[str, str] | None = None,
+        allow: builtins.list[str] | None = None,
+        deny: builtins.list[str] | None = None,
+        secrets: dict[str, str] | None = None,
     ) -> AsyncSandbox:
-        """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete."""
+        """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
+
+        Egress is denied unless `allow` rules (`pypi.org`, `*.github.com`, `10.0.0.0/8`,
+        `host:port`) permit it; `deny` rules win. `secrets` maps environment variables to
+        stored secrets: the sandbox sees placeholders the egress proxy replaces.
+        """
+        network = {"allow": allow or [], "deny": deny or []} if allow or deny else None
         body = create_body(
             template=template,
             vcpus=vcpus,
@@ -84,6 +93,8 @@ class AsyncClient:
             idle_action=idle_action,
             max_pids=max_pids,
             labels=labels,
+            network=network,
+            secrets=secrets,
         )
         response = await self.request("POST", "/v1/sandboxes", json=body)
         return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
@@ -122,6 +133,30 @@ class AsyncClient:
         return [
             AsyncSandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]
         ]
+
+    # -- secrets -------------------------------------------------------------------------
+
+    async def put_secret(
+        self,
+        name: str,
+        value: str,
+        hosts: builtins.list[str],
+        *,
+        auth: str | None = None,
+        username: str | None = None,
+    ) -> Secret:
+        """Stores a secret bound to `hosts` (write-only: it is never returned). `auth`
+        ("bearer" or "basic") also adds it as an Authorization header toward those hosts."""
+        body = create_body(value=value, hosts=hosts, auth=auth, username=username)
+        response = await self.request("PUT", f"/v1/secrets/{name}", json=body)
+        return Secret.model_validate(response.json())
+
+    async def secrets(self) -> builtins.list[Secret]:
+        response = await self.request("GET", "/v1/secrets")
+        return [Secret.model_validate(s) for s in response.json()["secrets"]]
+
+    async def delete_secret(self, name: str) -> None:
+        await self.request("DELETE", f"/v1/secrets/{name}")
 
     # -- keys (admin) ----------------------------------------------------------------------
 
@@ -278,6 +313,20 @@ class AsyncSandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = await self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    async def set_network(
+        self, allow: builtins.list[str] | None = None, deny: builtins.list[str] | None = None
+    ) -> AsyncSandbox:
+        """Replaces the egress rules; a running sandbox's next connection follows them."""
+        body = {"allow": allow or [], "deny": deny or []}
+        response = await self.client.request("PUT", f"{self._path}/network", json=body)
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    async def egress(self, after: int = 0) -> builtins.list[EgressDecision]:
+        """The egress decision log: every connection tried, allowed or denied and why."""
+        response = await self.client.request("GET", f"{self._path}/egress", params={"after": after})
+        return [EgressDecision.model_validate(d) for d in response.json()["decisions"]]
 
     async def events(self, after: int = 0) -> builtins.list[Event]:
         response = await self.client.request("GET", f"{self._path}/events", params={"after": after})

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx2
 
-from cella.models import Event, ExecEvent, FileEntry, SandboxUsage
+from cella.models import EgressDecision, Event, ExecEvent, FileEntry, SandboxUsage, Secret
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
@@ -72,8 +72,17 @@ class Client:
         idle_action: str | None = None,
         max_pids: int | None = None,
         labels: dict[str, str] | None = None,
+        allow: builtins.list[str] | None = None,
+        deny: builtins.list[str] | None = None,
+        secrets: dict[str, str] | None = None,
     ) -> Sandbox:
-        """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete."""
+        """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
+
+        Egress is denied unless `allow` rules (`pypi.org`, `*.github.com`, `10.0.0.0/8`,
+        `host:port`) permit it; `deny` rules win. `secrets` maps environment variables to
+        stored secrets: the sandbox sees placeholders the egress proxy replaces.
+        """
+        network = {"allow": allow or [], "deny": deny or []} if allow or deny else None
         body = create_body(
             template=template,
             vcpus=vcpus,
@@ -85,6 +94,8 @@ class Client:
             idle_action=idle_action,
             max_pids=max_pids,
             labels=labels,
+            network=network,
+            secrets=secrets,
         )
         response = self.request("POST", "/v1/sandboxes", json=body)
         return Sandbox(self, SandboxInfo.model_validate(response.json()))
@@ -118,6 +129,30 @@ class Client:
 
     def _sandboxes(self, response: httpx2.Response) -> builtins.list[Sandbox]:
         return [Sandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]]
+
+    # -- secrets -------------------------------------------------------------------------
+
+    def put_secret(
+        self,
+        name: str,
+        value: str,
+        hosts: builtins.list[str],
+        *,
+        auth: str | None = None,
+        username: str | None = None,
+    ) -> Secret:
+        """Stores a secret bound to `hosts` (write-only: it is never returned). `auth`
+        ("bearer" or "basic") also adds it as an Authorization header toward those hosts."""
+        body = create_body(value=value, hosts=hosts, auth=auth, username=username)
+        response = self.request("PUT", f"/v1/secrets/{name}", json=body)
+        return Secret.model_validate(response.json())
+
+    def secrets(self) -> builtins.list[Secret]:
+        response = self.request("GET", "/v1/secrets")
+        return [Secret.model_validate(s) for s in response.json()["secrets"]]
+
+    def delete_secret(self, name: str) -> None:
+        self.request("DELETE", f"/v1/secrets/{name}")
 
     # -- keys (admin) ----------------------------------------------------------------------
 
@@ -272,6 +307,20 @@ class Sandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    def set_network(
+        self, allow: builtins.list[str] | None = None, deny: builtins.list[str] | None = None
+    ) -> Sandbox:
+        """Replaces the egress rules; a running sandbox's next connection follows them."""
+        body = {"allow": allow or [], "deny": deny or []}
+        response = self.client.request("PUT", f"{self._path}/network", json=body)
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
+
+    def egress(self, after: int = 0) -> builtins.list[EgressDecision]:
+        """The egress decision log: every connection tried, allowed or denied and why."""
+        response = self.client.request("GET", f"{self._path}/egress", params={"after": after})
+        return [EgressDecision.model_validate(d) for d in response.json()["decisions"]]
 
     def events(self, after: int = 0) -> builtins.list[Event]:
         response = self.client.request("GET", f"{self._path}/events", params={"after": after})

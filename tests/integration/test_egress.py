@@ -1,0 +1,421 @@
+"""Egress control end to end: real microVMs, the real daemon and proxy, real servers on
+loopback addresses (HTTP, HTTPS with a test CA, git smart HTTP)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cella import Client, Sandbox
+from tests.daemon import Daemon
+from tests.integration.conftest import kill_vms_of
+from tests.netservers import EchoHandler, GitHandler, Recorder, Servers, TestCA, free_loopback_block
+
+pytestmark = pytest.mark.vm
+
+SECRET = "s3cr3t-VALUE-8c1f0e"
+GIT_TOKEN = "ghtok-REAL-5b7d2a"
+GUEST_TEST_CA = "/tmp/test-ca.pem"
+
+
+@dataclass
+class Net:
+    web: str
+    other: str
+    git: str
+    ca: TestCA
+    web_seen: Recorder
+    other_seen: Recorder
+    git_seen: Recorder
+    git_root: Path
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    base = tmp_path_factory.mktemp("net")
+    prefix = free_loopback_block()
+    web, other, git = f"{prefix}.1", f"{prefix}.2", f"{prefix}.3"
+    ca = TestCA(base / "ca", ["web.test", "other.test", "git.test"])
+    servers = Servers()
+    web_seen = servers.start(EchoHandler, (web, 80))
+    servers.start(EchoHandler, (web, 443), ca.server_context(), recorder=web_seen)
+    other_seen = servers.start(EchoHandler, (other, 80))
+    servers.start(EchoHandler, (other, 443), ca.server_context(), recorder=other_seen)
+    git_root = base / "git"
+    _make_repo(git_root)
+    git_seen = servers.start(
+        GitHandler, (git, 443), ca.server_context(), root=git_root, token=GIT_TOKEN
+    )
+    yield Net(web, other, git, ca, web_seen, other_seen, git_seen, git_root)
+    servers.close()
+
+
+def _make_repo(root: Path) -> None:
+    root.mkdir()
+    work = root / "seed"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "HOME": str(root)}
+    env |= {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    run = lambda *a, cwd=root: subprocess.run(a, cwd=cwd, env=env, check=True, capture_output=True)  # noqa: E731
+    run("git", "init", "-q", "--bare", "-b", "main", "repo.git")
+    run("git", "init", "-q", "-b", "main", "seed")
+    (work / "README").write_text("seeded\n")
+    run("git", "add", "README", cwd=work)
+    run("git", "commit", "-q", "-m", "seed", cwd=work)
+    run("git", "push", "-q", str(root / "repo.git"), "main", cwd=work)
+
+
+@pytest.fixture(scope="module")
+def egress_daemon(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Daemon]:
+    hosts = {"web.test": net.web, "other.test": net.other, "git.test": net.git}
+    d = Daemon(
+        tmp_path_factory.mktemp("egress-daemon"),
+        pool_size="1",
+        egress_hosts=json.dumps(hosts),
+        egress_upstream_ca=str(net.ca.cert),
+    ).start()
+    yield d
+    d.stop()
+    kill_vms_of(d.data_dir)
+
+
+@pytest.fixture(scope="module")
+def client(egress_daemon: Daemon) -> Iterator[Client]:
+    with Client(egress_daemon.url, egress_daemon.admin_key) as c:
+        yield c
+
+
+def sh(sb: Sandbox, command: str, timeout: float = 60) -> tuple[int, str, str]:
+    r = sb.exec(command, timeout=timeout)
+    return r.exit_code, r.stdout.decode(), r.stderr.decode()
+
+
+def with_test_ca(sb: Sandbox, net: Net) -> Sandbox:
+    """The guest trusts the test servers' CA for connections that pass through untouched."""
+    sb.files.write(GUEST_TEST_CA, net.ca.cert.read_bytes())
+    return sb
+
+
+def decisions(sb: Sandbox, settle: float = 5.0) -> list[dict[str, object]]:
+    """The decision log; an allowed exchange is reported when it ends, so wait a little."""
+    deadline = time.monotonic() + settle
+    while True:
+        log = [d.model_dump() for d in sb.egress()]
+        if time.monotonic() > deadline or log:
+            return log
+        time.sleep(0.1)
+
+
+def wait_for(sb: Sandbox, predicate: object, timeout: float = 5.0) -> list[dict[str, object]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = [d.model_dump() for d in sb.egress()]
+        if any(predicate(d) for d in log) or time.monotonic() > deadline:  # type: ignore[operator]
+            return log
+        time.sleep(0.1)
+
+
+PROBE = r"""
+import json, socket, sys, urllib.request, urllib.error
+proxy = urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"})
+via_proxy = urllib.request.build_opener(proxy)
+direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+out = {}
+def http(name, opener, url):
+    try:
+        r = opener.open(url, timeout=5)
+        out[name] = f"open {r.status} {r.read(200)!r}"
+    except urllib.error.HTTPError as e:
+        out[name] = f"denied {e.code} {e.read(200)!r}"
+    except Exception as e:
+        out[name] = f"blocked {type(e).__name__}: {e}"
+def tcp(name, family, addr):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(3)
+    try:
+        s.connect(addr)
+        out[name] = "open"
+    except Exception as e:
+        out[name] = f"blocked {type(e).__name__}: {e}"
+    finally:
+        s.close()
+def udp(name, addr):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(1.5)
+    try:
+        query = b"\x12\x34\x01\x00\x00\x01" + bytes(6) + b"\x03web\x04test\x00\x00\x01\x00\x01"
+        s.sendto(query, addr)
+        out[name] = f"open {s.recv(512)!r}"
+    except Exception as e:
+        out[name] = f"blocked {type(e).__name__}: {e}"
+    finally:
+        s.close()
+for name, target in json.loads(sys.argv[1]).items():
+    kind, *args = target
+    if kind == "proxy": http(name, via_proxy, args[0])
+    elif kind == "direct": http(name, direct, args[0])
+    elif kind == "tcp": tcp(name, socket.AF_INET, (args[0], args[1]))
+    elif kind == "tcp6": tcp(name, socket.AF_INET6, (args[0], args[1]))
+    elif kind == "udp": udp(name, (args[0], args[1]))
+print(json.dumps(out))
+"""
+
+
+def probe(sb: Sandbox, targets: dict[str, list[object]]) -> dict[str, str]:
+    sb.files.write("/tmp/probe.py", PROBE)
+    no_bypass = {"no_proxy": "", "NO_PROXY": ""}  # send even loopback names to the proxy
+    r = sb.exec(["python3", "/tmp/probe.py", json.dumps(targets)], env=no_bypass, timeout=120)
+    assert r.exit_code == 0, r.stderr
+    result: dict[str, str] = json.loads(r.stdout)
+    return result
+
+
+def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: Daemon) -> None:
+    api_port = int(egress_daemon.url.rsplit(":", 1)[1])
+    neighbour = client.create()
+    victim = client.create()
+    try:
+        # a neighbour serving a marker on its own port: nothing else can reach it
+        neighbour.exec("mkdir -p /srv && echo neighbour-marker > /srv/m && cd /srv && "
+                       "(python3 -m http.server 8000 >/dev/null 2>&1 &)")  # fmt: skip
+        targets: dict[str, list[object]] = {
+            "domain via proxy": ["proxy", "http://web.test/"],
+            "domain transparently": ["direct", "http://web.test/"],
+            "host API via proxy": ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
+            "host API at the gateway": ["tcp", "10.0.2.2", api_port],
+            "host service by its address": ["proxy", f"http://{net.web}/"],
+            "gateway": ["tcp", "10.0.2.2", 80],
+            "slirp DNS over TCP": ["tcp", "10.0.2.3", 53],
+            "metadata": ["tcp", "169.254.169.254", 80],
+            "metadata via proxy": ["proxy", "http://169.254.169.254/latest/meta-data/"],
+            "other sandbox": ["tcp", "10.0.2.16", 8000],
+            "other sandbox via proxy": ["proxy", "http://10.0.2.15:8000/m"],
+            "a public address": ["tcp", "192.0.2.10", 443],
+            "unforwarded port of the proxy address": ["tcp", "10.0.2.100", 22],
+            "udp to slirp DNS": ["udp", "10.0.2.3", 53],
+            "udp to the gateway": ["udp", "10.0.2.2", 53],
+            "udp to a public address": ["udp", "192.0.2.10", 53],
+            "ipv6": ["tcp6", "2001:db8::1", 80],
+            "ipv6 loopback of the host": ["tcp6", "::ffff:10.0.2.2", 80],
+        }
+        outcome = probe(victim, targets)
+        print(json.dumps(outcome, indent=1))  # the list of attempts and what happened
+        for name, result in outcome.items():
+            assert result.startswith(("blocked", "denied 403")), (name, result)
+        assert "neighbour-marker" not in json.dumps(outcome)
+        assert sh(neighbour, "cat /srv/m")[1].strip() == "neighbour-marker"
+        log = wait_for(victim, lambda d: d["host"] == "169.254.169.254")
+        denied = {(d["host"], d["port"]): d["reason"] for d in log if not d["allowed"]}
+        assert denied[("web.test", 80)] == "no rule allows it"
+        assert "address rule" in str(denied[(net.web, 80)])
+        assert ("127.0.0.1", api_port) in denied
+        assert ("169.254.169.254", 80) in denied
+        assert not any(d["allowed"] for d in log)
+        assert net.web_seen.requests == []  # nothing reached the server
+    finally:
+        neighbour.delete()
+        victim.delete()
+
+
+def test_allowed_domain_via_proxy_and_transparently(client: Client, net: Net) -> None:
+    with client.create(allow=["web.test"]) as sb:
+        with_test_ca(sb, net)
+        code, out, _ = sh(sb, "curl -sSf http://web.test/via-proxy")
+        assert code == 0 and json.loads(out)["path"] == "/via-proxy"
+        code, out, _ = sh(sb, "curl -sSf --noproxy '*' http://web.test/transparent")
+        assert code == 0 and json.loads(out)["headers"]["host"] == "web.test"
+        # TLS to a host no secret is bound to passes through: the guest sees the server's
+        # own certificate (it verifies against the test CA alone)
+        for flags in ("", "--noproxy '*'"):
+            code, out, err = sh(
+                sb, f"curl -sSf {flags} --cacert {GUEST_TEST_CA} https://web.test/tls"
+            )
+            assert code == 0, err
+            assert json.loads(out)["path"] == "/tls"
+        # tools that ignore the proxy variables resolve every name to the proxy address
+        code, out, _ = sh(sb, "getent hosts web.test anything.example")
+        assert out.split() == ["10.0.2.100", "web.test", "10.0.2.100", "anything.example"]
+
+        code, out, _ = sh(
+            sb, "curl -sS http://other.test/x; curl -sS --noproxy '*' http://other.test/y"
+        )
+        assert out.count("denied: no rule allows it") == 2
+        # the allowed name's address is not a way around the rules
+        code, out, _ = sh(sb, f"curl -sS http://{net.web}/raw")
+        assert "only by an address rule" in out
+        code, _, _ = sh(sb, f"curl -sS -m 5 --noproxy '*' http://{net.web}/raw")
+        assert code != 0
+        code, _, err = sh(
+            sb, f"curl -sS --noproxy '*' --cacert {GUEST_TEST_CA} https://other.test/"
+        )
+        assert code != 0, err
+        assert [r["path"] for r in net.other_seen.requests] == []
+
+        log = wait_for(sb, lambda d: d["host"] == "web.test" and d["port"] == 443)
+        allowed = [d for d in log if d["allowed"]]
+        assert {(d["host"], d["port"]) for d in allowed} == {("web.test", 80), ("web.test", 443)}
+        assert all(int(str(d["bytes_in"])) > 0 for d in allowed)
+        assert any(d["protocol"] == "tls-passthrough" for d in allowed)
+        denied = [d for d in log if not d["allowed"]]
+        assert {(d["host"], d["port"]) for d in denied} >= {("other.test", 80), ("other.test", 443)}
+
+        # a live change: deny wins over a wildcard, then other.test is let in
+        sb.set_network(allow=["*.test"], deny=["other.test"])
+        assert "denied by rule other.test" in sh(sb, "curl -sS http://other.test/z")[1]
+        assert json.loads(sh(sb, "curl -sSf http://web.test/w")[1])["path"] == "/w"
+        sb.set_network(allow=["web.test", "other.test:80"])
+        assert json.loads(sh(sb, "curl -sSf http://other.test/now")[1])["path"] == "/now"
+        code, _, err = sh(sb, f"curl -sS --cacert {GUEST_TEST_CA} https://other.test/")
+        assert code != 0 and "403" in err  # port 443 is not in the rule: CONNECT refused
+        # an address rule opens the raw IP
+        sb.set_network(allow=[f"{net.web}/32:80"])
+        assert json.loads(sh(sb, f"curl -sSf http://{net.web}/ip")[1])["path"] == "/ip"
+        assert sb.refresh().info.network.allow == [f"{net.web}/32:80"]
+
+
+def test_policy_is_validated(client: Client) -> None:
+    from cella import errors
+
+    for bad in (["*"], ["exa mple.com"], ["a.com:0"], ["a.com:99999"], ["*.*.com"]):
+        with pytest.raises(errors.InvalidArgument):
+            client.create(allow=bad)
+    with pytest.raises(errors.InvalidArgument, match="no secret"):
+        client.create(secrets={"TOKEN": "missing"})
+    with pytest.raises(errors.InvalidArgument):
+        client.put_secret("bad", "v", ["a.com:443"])
+
+
+def test_secret_reaches_only_its_hosts(client: Client, net: Net, egress_daemon: Daemon) -> None:
+    stored = client.put_secret("api", SECRET, ["web.test"])
+    assert SECRET not in stored.model_dump_json()
+    assert all(SECRET not in s.model_dump_json() for s in client.secrets())
+    with client.create(allow=["web.test", "other.test"], secrets={"API_TOKEN": "api"}) as sb:
+        with_test_ca(sb, net)
+        placeholder = sh(sb, 'printf %s "$API_TOKEN"')[1]
+        assert placeholder.startswith("cella-secret-") and SECRET not in placeholder
+        auth = '-H "Authorization: Bearer $API_TOKEN"'
+
+        # to the bound host: headers, query and body carry the real value (TLS intercepted
+        # with the deployment CA the guest trusts)
+        before = len(net.web_seen.requests)
+        code, out, err = sh(
+            sb, f'curl -sSf {auth} "https://web.test/s?key=$API_TOKEN" -d "t=$API_TOKEN"'
+        )
+        assert code == 0, err
+        code, out2, _ = sh(sb, f"curl -sSf --noproxy '*' {auth} http://web.test/plain")
+        assert code == 0
+        seen = net.web_seen.requests[before:]
+        assert [r["headers"]["authorization"] for r in seen] == [f"Bearer {SECRET}"] * 2
+        assert seen[0]["path"] == f"/s?key={SECRET}" and seen[0]["body"] == f"t={SECRET}"
+        # the server echoed it back; what reached the guest holds the placeholder again
+        echoed = json.loads(out)
+        assert echoed["headers"]["authorization"] == f"Bearer {placeholder}"
+        assert SECRET not in out + out2
+
+        # to any other host the placeholder stays a placeholder
+        before = len(net.other_seen.requests)
+        code, out, err = sh(
+            sb, f'curl -sSf {auth} --cacert {GUEST_TEST_CA} "https://other.test/o?k=$API_TOKEN"'
+        )
+        assert code == 0, err
+        code, out, _ = sh(sb, f"curl -sSf {auth} http://other.test/o2")
+        assert code == 0
+        seen_other = net.other_seen.requests[before:]
+        assert len(seen_other) == 2
+        assert all(r["headers"]["authorization"] == f"Bearer {placeholder}" for r in seen_other)
+        assert SECRET not in json.dumps(seen_other)
+
+        # the value is nowhere in the guest
+        dirs = "/etc /root /tmp /home /run /var/tmp /usr/local"
+        code, out, _ = sh(
+            sb,
+            f"env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; "
+            # split in two so the command itself (kept in the exec event) does not hold it
+            f"grep -rIl -- '{SECRET[:6]}''{SECRET[6:]}' {dirs} 2>/dev/null; true",
+        )
+        assert SECRET not in out and placeholder in out
+        log = wait_for(sb, lambda d: d.get("credentials") == ["api"])
+        assert any(d["host"] == "web.test" and d["credentials"] == ["api"] for d in log)
+        assert not any(d["host"] == "other.test" and d["credentials"] for d in log)
+        assert SECRET not in json.dumps([e.model_dump(mode="json") for e in sb.events()])
+    assert SECRET not in (egress_daemon.data_dir / "daemon.log").read_text()
+    assert SECRET not in (egress_daemon.data_dir / "egress" / "proxy.log").read_text()
+
+
+def test_git_clone_and_push_with_a_token_the_guest_never_sees(client: Client, net: Net) -> None:
+    client.put_secret("gh", GIT_TOKEN, ["git.test"], auth="basic")
+    with client.create(allow=["git.test"], secrets={"GH_TOKEN": "gh"}) as sb:
+        code, out, err = sh(
+            sb,
+            "git clone -q https://git.test/repo.git /work/repo && cat /work/repo/README",
+            timeout=120,
+        )
+        assert code == 0, err
+        assert out == "seeded\n"
+        code, out, err = sh(
+            sb,
+            "cd /work/repo && git -c user.name=agent -c user.email=a@b commit -q --allow-empty "
+            "-m 'from the sandbox' && git push -q origin HEAD:main",
+            timeout=120,
+        )
+        assert code == 0, err
+        log = subprocess.run(
+            ["git", "--git-dir", str(net.git_root / "repo.git"), "log", "--format=%s", "main"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert log.splitlines()[0] == "from the sandbox"
+        _, config, _ = sh(sb, "cat /work/repo/.git/config; git config --list --show-origin; env")
+        assert GIT_TOKEN not in config
+        assert "x-access-token" not in config
+        expected = "Basic " + base64.b64encode(f"x-access-token:{GIT_TOKEN}".encode()).decode()
+        assert net.git_seen.requests
+        assert all(r["authorization"] == expected for r in net.git_seen.requests)
+
+
+def test_the_proxy_is_restarted_and_survives_a_daemon_crash(
+    client: Client, net: Net, egress_daemon: Daemon
+) -> None:
+    sb = client.create(allow=["web.test"])
+    assert sh(sb, "curl -sSf http://web.test/one")[0] == 0
+    proxy = _proxy_pid(egress_daemon.data_dir)
+    os.kill(proxy, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:  # the supervisor starts it again with every sandbox's policy
+        code, out, _ = sh(sb, "curl -sSf http://web.test/two")
+        if code == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert code == 0 and json.loads(out)["path"] == "/two"
+    assert _proxy_pid(egress_daemon.data_dir) != proxy
+
+    egress_daemon.kill9()  # the proxy dies with it; the VM does not
+    egress_daemon.start()
+    with Client(egress_daemon.url, egress_daemon.admin_key) as again:
+        adopted = again.get(sb.id)
+        code, out, err = sh(adopted, "curl -sSf http://web.test/three")
+        assert code == 0, err
+        assert "denied" in sh(adopted, "curl -sS http://other.test/")[1]
+        adopted.delete()
+
+
+def _proxy_pid(data_dir: Path) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if (
+                any(a.endswith(b"mitmdump") for a in argv)
+                and f"confdir={data_dir}/egress".encode() in argv
+            ):
+                return int(entry)
+    raise AssertionError("no egress proxy running")

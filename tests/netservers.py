@@ -1,0 +1,210 @@
+"""Real servers on loopback addresses for egress tests: an HTTP/HTTPS echo server and a git
+smart-HTTP server (git http-backend) behind HTTPS, with a throwaway test CA (openssl)."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import random
+import socket
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def free_loopback_block() -> str:
+    """A 127.a.b.0 prefix whose .1-.9 addresses have ports 80 and 443 free."""
+    for _ in range(100):
+        prefix = f"127.{random.randrange(200, 250)}.{random.randrange(256)}"
+        try:
+            for host in range(1, 10):
+                for port in (80, 443):
+                    with socket.socket() as s:
+                        s.bind((f"{prefix}.{host}", port))
+        except OSError:
+            continue
+        return prefix
+    raise RuntimeError("no free loopback block")
+
+
+class TestCA:
+    """A CA and one server certificate for the given names."""
+
+    __test__ = False
+
+    def __init__(self, directory: Path, names: list[str]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.cert = directory / "ca.pem"
+        self.server_cert = directory / "server.pem"
+        self.server_key = directory / "server.key"
+        key = directory / "ca.key"
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        subprocess.run(
+            ["openssl", "req", "-x509", *ec, "-keyout", key, "-out", self.cert, "-days", "2",
+             "-subj", "/CN=cella test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        csr = directory / "server.csr"
+        subprocess.run(
+            ["openssl", "req", *ec, "-keyout", self.server_key, "-out", csr,
+             "-subj", f"/CN={names[0]}"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        ext = directory / "ext.cnf"
+        ext.write_text(
+            "subjectAltName=" + ",".join(f"DNS:{n}" for n in names) + "\n"
+            "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"
+        )
+        subprocess.run(
+            ["openssl", "x509", "-req", "-in", csr, "-CA", self.cert, "-CAkey", key,
+             "-CAcreateserial", "-out", self.server_cert, "-days", "2", "-extfile", ext],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.server_cert, self.server_key)
+        return ctx
+
+
+class Recorder:
+    """What a server saw, for assertions."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with self.lock:
+            self.requests.append(entry)
+
+
+class EchoHandler(http.server.BaseHTTPRequestHandler):
+    """Answers with what it received: method, path, headers, body (as JSON)."""
+
+    recorder: Recorder
+    protocol_version = "HTTP/1.1"
+
+    def _echo(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        seen = {
+            "method": self.command,
+            "path": self.path,
+            "headers": {k.lower(): v for k, v in self.headers.items()},  # h2 sends lower case
+            "body": body.decode("utf-8", "replace"),
+            "server": self.server.server_address[0],
+        }
+        self.recorder.add(seen)
+        out = json.dumps(seen).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = do_PUT = _echo
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class GitHandler(http.server.BaseHTTPRequestHandler):
+    """git smart HTTP through `git http-backend`; every request needs the token (basic)."""
+
+    root: Path
+    token: str
+    recorder: Recorder
+
+    def _cgi(self) -> None:
+        auth = self.headers.get("Authorization", "")
+        self.recorder.add({"method": self.command, "path": self.path, "authorization": auth})
+        expected = "Basic " + base64.b64encode(f"x-access-token:{self.token}".encode()).decode()
+        if auth != expected:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while size := int(self.rfile.readline().strip() or b"0", 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        else:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        path, _, query = self.path.partition("?")
+        env = {
+            "GIT_PROJECT_ROOT": str(self.root),
+            "GIT_HTTP_EXPORT_ALL": "1",
+            "PATH_INFO": path,
+            "QUERY_STRING": query,
+            "REQUEST_METHOD": self.command,
+            "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+            "CONTENT_LENGTH": str(len(body)),
+            "HTTP_CONTENT_ENCODING": self.headers.get("Content-Encoding", ""),
+            "GIT_PROTOCOL": self.headers.get("Git-Protocol", ""),
+            "REMOTE_USER": "agent",  # enables receive-pack (push)
+            "REMOTE_ADDR": "127.0.0.1",
+            "PATH": "/usr/bin:/bin",
+        }
+        out = subprocess.run(
+            ["git", "http-backend"], input=body, env=env, capture_output=True, check=False
+        ).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")
+        if not _:
+            head, _, payload = out.partition(b"\n\n")
+        status = 200
+        headers = []
+        for line in head.decode().splitlines():
+            key, _, value = line.partition(":")
+            if key.lower() == "status":
+                status = int(value.split()[0])
+            elif key:
+                headers.append((key, value.strip()))
+        self.send_response(status)
+        for key, value in headers:
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = _cgi
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class Servers:
+    """Servers started on demand; all stopped by `close()`."""
+
+    def __init__(self) -> None:
+        self._servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(
+        self,
+        handler: type[http.server.BaseHTTPRequestHandler],
+        addr: tuple[str, int],
+        tls: ssl.SSLContext | None = None,
+        **attrs: Any,
+    ) -> Recorder:
+        recorder = Recorder()
+        cls = type(handler.__name__, (handler,), {"recorder": recorder, **attrs})
+        srv = http.server.ThreadingHTTPServer(addr, cls)
+        srv.daemon_threads = True
+        if tls is not None:
+            srv.socket = tls.wrap_socket(srv.socket, server_side=True)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        self._servers.append(srv)
+        return recorder
+
+    def close(self) -> None:
+        for srv in self._servers:
+            srv.shutdown()
+            srv.server_close()
