@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -419,3 +420,48 @@ def _proxy_pid(data_dir: Path) -> int:
             ):
                 return int(entry)
     raise AssertionError("no egress proxy running")
+
+
+def test_egress_through_the_cli(egress_daemon: Daemon, client: Client, net: Net) -> None:
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", *args],
+            env=egress_daemon.env(None),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    made = cli(
+        "secret", "set", "cli-token", "--host", "web.test", "--auth", "bearer", stdin="v-cli-77\n"
+    )
+    assert made.returncode == 0, made.stderr
+    listed = cli("secret", "ls", "--json")
+    assert "cli-token" in listed.stdout and "v-cli-77" not in listed.stdout
+    created = cli(
+        "sandbox", "create", "--allow", "other.test", "--secret", "TOK=cli-token", "--json"
+    )
+    assert created.returncode == 0, created.stderr
+    info = json.loads(created.stdout)
+    assert info["network"]["allow"] == ["other.test"] and info["secrets"] == {"TOK": "cli-token"}
+    sandbox_id = info["id"]
+    try:
+        assert (
+            cli("sandbox", "exec", sandbox_id, "--", "curl", "-sSf", "http://web.test/").returncode
+            != 0
+        )
+        changed = cli("sandbox", "network", sandbox_id, "--allow", "web.test", "--json")
+        assert json.loads(changed.stdout) == {"allow": ["web.test"], "deny": []}
+        before = len(net.web_seen.requests)
+        ran = cli("sandbox", "exec", sandbox_id, "--", "curl", "-sSf", "http://web.test/cli")
+        assert ran.returncode == 0, ran.stderr
+        assert net.web_seen.requests[before]["headers"]["authorization"] == "Bearer v-cli-77"
+        log = json.loads(cli("sandbox", "egress", sandbox_id, "--json").stdout)
+        assert [(d["host"], d["allowed"]) for d in log][:1] == [("web.test", False)]
+        table = cli("sandbox", "egress", sandbox_id)
+        assert "deny" in table.stdout and "web.test" in table.stdout
+        assert cli("secret", "rm", "cli-token").returncode == 0
+        assert "cli-token" not in cli("secret", "ls", "--json").stdout
+    finally:
+        client.get(sandbox_id).delete()

@@ -97,13 +97,14 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
     )
 
 
-from cella.cli import keys, sandbox, snapshot  # noqa: E402
+from cella.cli import keys, sandbox, secret, snapshot  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 
 app.command()(serve)
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")
+app.add_typer(secret.app, name="secret")
 
 
 def main() -> None:

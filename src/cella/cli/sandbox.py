@@ -56,9 +56,15 @@ def create(
     ttl: Annotated[int | None, typer.Option(help="wall-clock limit, seconds")] = None,
     idle_timeout: Annotated[int | None, typer.Option(help="idle limit, seconds")] = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    allow: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    deny: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    secret: Annotated[
+        list[str] | None, typer.Option(help="ENV=SECRET_NAME: a placeholder in ENV, repeatable")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Create a sandbox and wait until it is running."""
+    """Create a sandbox and wait until it is running. It reaches no network unless
+    `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it."""
     with Client() as client:
         sb = client.create(
             template,
@@ -68,6 +74,9 @@ def create(
             ttl_seconds=ttl,
             idle_timeout_seconds=idle_timeout,
             labels=_pairs(label, "label") or None,
+            allow=allow,
+            deny=deny,
+            secrets=_pairs(secret, "secret") or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
@@ -238,6 +247,56 @@ def fork(
     with Client() as client:
         branches = client.get(sandbox_id).fork(count)
     _show(branches, json_)
+
+
+@app.command()
+def network(
+    sandbox_id: str,
+    allow: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    deny: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    show: Annotated[bool, typer.Option(help="print the rules, change nothing")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Replace a sandbox's egress rules (a running sandbox follows them at once)."""
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        if not show:
+            sb.set_network(allow=allow, deny=deny)
+    policy = sb.info.network
+    if json_:
+        emit_json(policy.model_dump(mode="json"))
+    else:
+        console.print(f"allow: {', '.join(policy.allow) or '(nothing)'}")
+        console.print(f"deny:  {', '.join(policy.deny) or '(nothing)'}")
+
+
+@app.command()
+def egress(
+    sandbox_id: str,
+    after: Annotated[int, typer.Option(help="only decisions after this id")] = 0,
+    json_: JsonOpt = False,
+) -> None:
+    """The egress decision log: each connection, allowed or denied and why, bytes."""
+    with Client() as client:
+        log = client.get(sandbox_id).egress(after)
+    if json_:
+        emit_json([d.model_dump(mode="json") for d in log])
+        return
+    table = Table("id", "time", "host", "port", "decision", "why", "request", "out", "in")
+    for d in log:
+        request = " ".join(str(x) for x in (d.protocol, d.method, d.status) if x)
+        table.add_row(
+            str(d.id),
+            d.at.strftime("%H:%M:%S"),
+            d.host,
+            str(d.port),
+            "[green]allow[/green]" if d.allowed else "[red]deny[/red]",
+            d.reason,
+            request + (f" +{','.join(d.credentials)}" if d.credentials else ""),
+            "" if d.bytes_out is None else str(d.bytes_out),
+            "" if d.bytes_in is None else str(d.bytes_in),
+        )
+    out.print(table)
 
 
 @app.command()

@@ -1,0 +1,60 @@
+"""`cella secret ...`: credentials the egress proxy adds for sandboxes (never shown again)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from cella.cli._output import console, emit_json, out
+from cella.sdk import Client
+
+app = typer.Typer(help="Manage secrets (write-only values).", no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+@app.command("set")
+def set_(
+    name: str,
+    host: Annotated[list[str], typer.Option(help="host it may be sent to, repeatable")],
+    auth: Annotated[
+        str | None, typer.Option(help="also send it as an Authorization header: bearer or basic")
+    ] = None,
+    username: Annotated[str | None, typer.Option(help="user name for basic auth")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Store a secret; its value is read from standard input (not from the command line,
+    where other users and shell history could see it)."""
+    value = sys.stdin.read().rstrip("\n")
+    if not value:
+        raise typer.BadParameter("pipe the secret's value into standard input")
+    with Client() as client:
+        secret = client.put_secret(name, value, host, auth=auth, username=username)
+    if json_:
+        emit_json(secret.model_dump(mode="json"))
+    else:
+        console.print(f"stored {secret.name} for {', '.join(secret.hosts)}")
+
+
+@app.command("ls")
+def list_(json_: JsonOpt = False) -> None:
+    """List secrets: names and hosts, never values."""
+    with Client() as client:
+        secrets = client.secrets()
+    if json_:
+        emit_json([s.model_dump(mode="json") for s in secrets])
+        return
+    table = Table("name", "hosts", "auth", "updated")
+    for s in secrets:
+        table.add_row(s.name, ", ".join(s.hosts), s.auth or "", str(s.updated_at))
+    out.print(table)
+
+
+@app.command()
+def rm(name: str) -> None:
+    """Delete a secret."""
+    with Client() as client:
+        client.delete_secret(name)
+    console.print(f"deleted {name}")

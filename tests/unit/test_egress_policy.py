@@ -1,0 +1,129 @@
+"""Egress rule evaluation (pure logic)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cella.policy.egress import Policy, host_matches, parse_rule
+
+ip = ipaddress.ip_address
+PUBLIC = [ip("93.184.216.34")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "*", "*.", "exa mple.com", "a..b", "-a.com", "a.com:0", "a.com:65536", "a.com:x",
+     "*.*.com", "a*.com", "[::1", "x" * 301],
+)  # fmt: skip
+def test_bad_rules_are_refused_with_a_reason(text: str) -> None:
+    with pytest.raises(ValueError, match="invalid rule"):
+        parse_rule(text)
+
+
+def test_rule_forms() -> None:
+    assert parse_rule("PyPI.org").domain == "pypi.org"
+    wild = parse_rule("*.github.com:443")
+    assert (wild.domain, wild.wildcard, wild.port) == ("github.com", True, 443)
+    assert parse_rule("10.0.0.0/8").network == ipaddress.ip_network("10.0.0.0/8")
+    assert parse_rule("[2001:db8::1]:80").port == 80
+    assert parse_rule("1.2.3.4:22").network == ipaddress.ip_network("1.2.3.4/32")
+
+
+def test_default_deny() -> None:
+    decision = Policy().decide("pypi.org", 443, PUBLIC)
+    assert not decision.allowed and decision.reason == "no rule allows it"
+
+
+def test_exact_and_wildcard_domains() -> None:
+    p = Policy.parse(["pypi.org", "*.github.com"])
+    assert p.decide("pypi.org", 443, PUBLIC).allowed
+    assert p.decide("PyPI.org.", 443, PUBLIC).allowed  # case and the root dot
+    assert not p.decide("files.pypi.org", 443, PUBLIC).allowed
+    assert p.decide("api.github.com", 443, PUBLIC).allowed
+    assert p.decide("a.b.github.com", 80, PUBLIC).allowed
+    assert not p.decide("github.com", 443, PUBLIC).allowed  # *. is subdomains only
+    assert not p.decide("evilgithub.com", 443, PUBLIC).allowed
+
+
+def test_ports() -> None:
+    p = Policy.parse(["pypi.org:443"])
+    assert p.decide("pypi.org", 443, PUBLIC).allowed
+    assert not p.decide("pypi.org", 80, PUBLIC).allowed
+
+
+def test_deny_wins() -> None:
+    p = Policy.parse(["*.example.com", "93.184.216.0/24"], ["bad.example.com", "93.184.216.34"])
+    assert p.decide("good.example.com", 443, [ip("1.1.1.1")]).allowed
+    assert p.decide("bad.example.com", 443, PUBLIC).reason == "denied by rule bad.example.com"
+    # a name that resolves into a denied address is denied too
+    assert not p.decide("good.example.com", 443, PUBLIC).allowed
+    assert not p.decide("93.184.216.34", 443).allowed
+
+
+def test_raw_ips_need_address_rules() -> None:
+    p = Policy.parse(["example.com"])
+    assert p.decide("example.com", 80, PUBLIC).allowed
+    refused = p.decide("93.184.216.34", 80)
+    assert not refused.allowed and "address rule" in refused.reason
+    assert Policy.parse(["93.184.216.0/24:80"]).decide("93.184.216.34", 80).allowed
+
+
+def test_non_public_addresses_are_guarded() -> None:
+    p = Policy.parse(["internal.example", "0.0.0.0/0"])
+    for addr in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "192.168.1.1", "::1"):
+        decision = p.decide("internal.example", 80, [ip(addr)])
+        assert not decision.allowed, addr
+        assert "non-public" in decision.reason
+        assert not p.decide(addr, 80).allowed  # /0 does not open the host's own addresses
+    # the operator's override table, or a narrow address rule, may open them
+    assert p.decide("internal.example", 80, [ip("10.1.2.3")], trusted=True).allowed
+    narrow = Policy.parse(["internal.example", "10.0.0.0/8"])
+    assert narrow.decide("internal.example", 80, [ip("10.1.2.3")]).allowed
+    assert narrow.decide("10.1.2.3", 5432).allowed
+    # a trusted name is not a way to reach a literal address
+    assert not p.decide("127.0.0.1", 80, trusted=True).allowed
+
+
+def test_names_must_resolve_and_have_a_name() -> None:
+    p = Policy.parse(["example.com"])
+    assert p.decide("example.com", 80, []).reason == "example.com does not resolve"
+    assert not p.decide("", 443).allowed
+
+
+def test_lookups_only_when_they_matter() -> None:
+    p = Policy.parse(["example.com"], ["bad.example.com"])
+    assert p.needs_addresses("example.com", 80)
+    assert not p.needs_addresses("other.org", 80)  # refused by name alone
+    assert not p.needs_addresses("bad.example.com", 80)
+    assert not p.needs_addresses("1.2.3.4", 80)
+    assert Policy.parse(["10.0.0.0/8"]).needs_addresses("db.internal", 5432)
+
+
+def test_secret_host_binding_ignores_ports() -> None:
+    hosts = [parse_rule("api.github.com"), parse_rule("*.example.com")]
+    assert host_matches(hosts, "api.github.com")
+    assert host_matches(hosts, "x.example.com")
+    assert not host_matches(hosts, "github.com")
+    assert not host_matches(hosts, "example.com")
+    assert host_matches([parse_rule("10.0.0.0/8")], "10.2.3.4")
+
+
+labels = st.sampled_from(["a", "b", "api", "pypi", "github"])
+domains = st.lists(labels, min_size=1, max_size=3).map(lambda parts: ".".join([*parts, "com"]))
+rules = st.one_of(domains, domains.map(lambda d: f"*.{d}"), domains.map(lambda d: f"{d}:443"))
+
+
+@given(allow=st.lists(rules, max_size=6), deny=st.lists(rules, max_size=6), host=domains)
+def test_deny_always_wins_and_nothing_is_allowed_without_a_rule(
+    allow: list[str], deny: list[str], host: str
+) -> None:
+    p = Policy.parse(allow, deny)
+    decision = p.decide(host, 443, PUBLIC)
+    if any(r.matches_name(host, 443) for r in p.deny):
+        assert not decision.allowed
+    if decision.allowed:
+        assert any(r.matches_name(host, 443) for r in p.allow)
