@@ -33,10 +33,11 @@ def report(title: str, rows: dict[str, dict[str, Any]], as_json: bool) -> None:
         sys.stdout.write(json.dumps({"title": title, "rows": rows}, indent=2) + "\n")
         return
     columns = sorted(
-        {k for r in rows.values() for k in r}, key=["n", "min", "p50", "p99", "max", "target"].index
+        {k for r in rows.values() for k in r},
+        key=["n", "min", "p50", "p99", "max", "target", "ratio"].index,
     )
     table = Table(
-        *["measure", *[f"{c} (ms)" if c not in ("n", "target") else c for c in columns]],
+        *["measure", *[f"{c} (ms)" if c not in ("n", "target", "ratio") else c for c in columns]],
         title=title,
     )
     for name, row in rows.items():

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -82,9 +81,12 @@ class WarmSnapshots:
                     snap.verify()
                     return snap
                 except errors.SnapshotCorrupt as exc:
-                    # a template snapshot is derived data: rebuild rather than refuse
-                    log.warning("rebuilding warm snapshot: %s", exc)
-                    shutil.rmtree(snap.path, ignore_errors=True)
+                    # a template snapshot is derived data: rebuild rather than refuse. The
+                    # old one is moved aside, not deleted: running VMs' disks sit on it.
+                    log.error("warm snapshot is corrupt, making a new one: %s", exc)
+                    aside = snap.path.with_name(f".{snap.path.name}.corrupt-{time.time_ns()}")
+                    with contextlib.suppress(FileNotFoundError):
+                        snap.path.rename(aside)
             snap.path.parent.mkdir(parents=True, exist_ok=True)
             log.info("making the warm snapshot for %s", shape)
             for attempt in (1, 2):  # one cold boot may fail on a loaded host; try once more
