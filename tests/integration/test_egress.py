@@ -465,3 +465,32 @@ def test_egress_through_the_cli(egress_daemon: Daemon, client: Client, net: Net)
         assert "cli-token" not in cli("secret", "ls", "--json").stdout
     finally:
         client.get(sandbox_id).delete()
+
+
+def test_forks_and_resumes_keep_the_policy(client: Client, net: Net) -> None:
+    with client.create(allow=["web.test"]) as sb:
+        # a connection held open across the snapshot: its forks must still start
+        sb.exec(
+            'python3 -c \'import socket,time; s=socket.create_connection(("10.0.2.100", 80)); '
+            "time.sleep(600)' >/dev/null 2>&1 &"
+        )
+        time.sleep(0.5)
+        branches = sb.fork(2)
+        try:
+            for branch in branches:
+                assert branch.info.network.allow == ["web.test"]
+                code, out, err = sh(branch, f"curl -sSf http://web.test/{branch.id}")
+                assert json.loads(out)["path"] == f"/{branch.id}"
+                assert code == 0, err
+                assert "denied" in sh(branch, "curl -sS http://other.test/")[1]
+            branches[0].set_network(allow=["other.test"])  # a branch's rules are its own
+            assert sh(branches[0], "curl -sSf http://other.test/")[0] == 0
+            assert "denied" in sh(branches[1], "curl -sS http://other.test/")[1]
+            assert "denied" in sh(sb, "curl -sS http://other.test/")[1]
+        finally:
+            for branch in branches:
+                branch.delete()
+        sb.stop()
+        sb.resume()  # a new VM, a new source address: the same rules
+        assert sh(sb, "curl -sSf http://web.test/after-resume")[0] == 0
+        assert "denied" in sh(sb, "curl -sS http://other.test/")[1]
