@@ -194,6 +194,7 @@ class SandboxService:
                 if vm is None:  # the pool is empty: restore, never cold-boot
                     snap = await self.warm.ensure(shape)
                     vm = await self._restore(snap, sandbox_id)
+                if secret_refs:  # only then is any of its TLS intercepted
                     await self.egress.trust_ca(vm)
                 self.egress.attach(vm, self.store.get_sandbox(sandbox_id) or {})
                 await self._fresh_identity(vm, sandbox_id, req.max_pids)
@@ -229,7 +230,6 @@ class SandboxService:
 
     async def _prepare_pooled(self, vm: QemuVM) -> None:
         self.egress.release_on_exit(vm)
-        await self.egress.trust_ca(vm)
 
     def _running(self, sandbox_id: str, vm: QemuVM) -> None:
         self._vms[sandbox_id] = vm
