@@ -115,6 +115,17 @@ class EventList(BaseModel):
     events: list[Event]
 
 
+class LineageNode(BaseModel):
+    """A sandbox, or a snapshot of one; a snapshot's children are the forks made from it."""
+
+    kind: Literal["sandbox", "snapshot"]
+    id: str
+    name: str | None = None
+    state: str
+    created_at: datetime
+    children: list[LineageNode] = Field(default_factory=list)
+
+
 class SnapshotState(StrEnum):
     creating = "creating"
     ready = "ready"

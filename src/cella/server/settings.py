@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every "
+        "sandbox event is also exported there as a span",
+    )
     egress_port: int = Field(
         default=0,
         ge=0,

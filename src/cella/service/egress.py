@@ -16,6 +16,7 @@ from cella.runtime.qemu.args import EGRESS_ADDR, PROXY_PORT, Egress
 from cella.runtime.qemu.vm import QemuVM
 from cella.server.settings import Settings
 from cella.store import Store
+from cella.telemetry.events import EventLog
 
 log = logging.getLogger("cella.egress")
 GUEST_CA = "/usr/local/share/ca-certificates/cella-egress.crt"
@@ -47,8 +48,9 @@ CA_ENV = {
 
 
 class SandboxEgress:
-    def __init__(self, settings: Settings, store: Store, paths: Paths) -> None:
+    def __init__(self, settings: Settings, store: Store, paths: Paths, events: EventLog) -> None:
         self.store = store
+        self.events = events
         self.proxy = EgressProxy(
             paths,
             port=settings.egress_port,
@@ -67,7 +69,7 @@ class SandboxEgress:
     def _record(self, decision: dict[str, Any]) -> None:
         sandbox_id = decision.pop("sandbox", None)
         if sandbox_id:
-            self.store.add_event(sandbox_id, "egress", decision)
+            self.events.emit(sandbox_id, "egress", decision)
         else:
             log.info("egress from no sandbox: %s", decision)
 
@@ -166,11 +168,13 @@ class SandboxEgress:
 
     def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
         self.store.put_secret(tenant, name, fields)
+        self.events.secrets_changed(tenant)
         return self.get_secret(tenant, name)
 
     def delete_secret(self, tenant: str, name: str) -> None:
         if not self.store.delete_secret(tenant, name):
             raise errors.NotFound(f"no secret {name!r}")
+        self.events.secrets_changed(tenant)
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from cella.service.egress import SandboxEgress
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import Store
+from cella.telemetry.events import EventLog
 
 log = logging.getLogger("cella.service")
 S = SandboxState
@@ -43,7 +44,14 @@ class SandboxService:
         self.store = store
         self.driver = driver
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.egress = SandboxEgress(settings, store, driver.paths)
+        self.event_log = EventLog(store)
+        self._spans: Any = None
+        if settings.otlp_endpoint:
+            from cella.telemetry.otel import SpanSink, otlp_http
+
+            self._spans = SpanSink(otlp_http(settings.otlp_endpoint))
+            self.event_log.sinks.append(self._spans)
+        self.egress = SandboxEgress(settings, store, driver.paths, self.event_log)
         self.pool = WarmPool(
             driver,
             self.warm,
@@ -95,11 +103,77 @@ class SandboxService:
             rows = [r for r in rows if all(r["labels"].get(k) == v for k, v in labels.items())]
         return rows
 
-    def events(self, tenant: str, sandbox_id: str, after: int = 0) -> list[dict[str, Any]]:
+    def events(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        after: int = 0,
+        types: list[str] | None = None,
+        limit: int = 1000,
+    ) -> list[dict[str, Any]]:
+        """A sandbox's events in order (kept after it is deleted: the trace outlives it)."""
         row = self.store.get_sandbox(sandbox_id)
         if row is None or row["tenant"] != tenant:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
-        return self.store.events(sandbox_id, after)
+        return self.store.events(sandbox_id, after, limit, types)
+
+    async def follow_events(
+        self, tenant: str, sandbox_id: str, after: int = 0, types: list[str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Events as they happen, until the sandbox is deleted (or the reader leaves)."""
+        while True:
+            batch = self.events(tenant, sandbox_id, after, types)
+            for event in batch:
+                after = event["id"]
+                yield event
+            if batch:
+                continue
+            row = self.store.get_sandbox(sandbox_id) or {}
+            if row.get("state") in (S.deleted, S.error):
+                return
+            await self.event_log.wait(sandbox_id, 5.0)
+
+    def lineage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+        """The family tree the sandbox belongs to: from its first ancestor, every snapshot
+        and fork made since (sandbox -> snapshot -> sandbox ...)."""
+        self.events(tenant, sandbox_id)  # not found for other tenants
+        root = self.store.get_sandbox(sandbox_id) or {}
+        seen = {root.get("id")}
+        while root.get("parent_id") and root["parent_id"] not in seen:
+            parent = self.store.get_sandbox(root["parent_id"])
+            if parent is None or parent["tenant"] != tenant:
+                break
+            seen.add(parent["id"])
+            root = parent
+        return self._family(tenant, root)
+
+    def _family(self, tenant: str, row: dict[str, Any]) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "kind": "sandbox",
+            "id": row["id"],
+            "state": row["state"],
+            "created_at": row["created_at"],
+            "children": [],
+        }
+        for snap in self.store.list_snapshots(tenant):
+            if snap["sandbox_id"] != row["id"]:
+                continue
+            forks = [
+                self._family(tenant, child)
+                for child in self.store.list_sandboxes(tenant)
+                if child["snapshot_id"] == snap["id"] and child["parent_id"] == row["id"]
+            ]
+            node["children"].append(
+                {
+                    "kind": "snapshot",
+                    "id": snap["id"],
+                    "name": snap["name"],
+                    "state": snap["state"],
+                    "created_at": snap["created_at"],
+                    "children": forks,
+                }
+            )
+        return node
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -205,10 +279,10 @@ class SandboxService:
                     await self.driver.destroy(vm)
                 message = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
                 self.store.update_sandbox(sandbox_id, state=S.error, error=message[:2000])
-                self.store.add_event(sandbox_id, "create_failed", {"error": message[:2000]})
+                self.event_log.emit(sandbox_id, "create_failed", {"error": message[:2000]})
                 raise
             self._running(sandbox_id, vm)
-            self.store.add_event(
+            self.event_log.emit(
                 sandbox_id,
                 "created",
                 {
@@ -262,7 +336,7 @@ class SandboxService:
             if vm is not None:
                 await vm.stop()
             self.store.update_sandbox(sandbox_id, state=S.stopped, pid=None)
-            self.store.add_event(sandbox_id, "stopped")
+            self.event_log.emit(sandbox_id, "stopped")
         return self.get(tenant, sandbox_id)
 
     async def pause(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
@@ -278,7 +352,7 @@ class SandboxService:
             except BaseException:
                 self.store.update_sandbox(sandbox_id, state=S.running)
                 raise
-            self.store.add_event(sandbox_id, "paused")
+            self.event_log.emit(sandbox_id, "paused")
         return self.get(tenant, sandbox_id)
 
     async def resume(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
@@ -294,7 +368,7 @@ class SandboxService:
                     raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
                 await vm.resume()
                 self.store.update_sandbox(sandbox_id, state=S.running)
-                self.store.add_event(sandbox_id, "resumed", {"from": "paused"})
+                self.event_log.emit(sandbox_id, "resumed", {"from": "paused"})
                 return self.get(tenant, sandbox_id)
             if row["state"] != S.stopped:
                 raise errors.InvalidState(f"cannot resume a sandbox that is {row['state']}")
@@ -315,7 +389,7 @@ class SandboxService:
             self.egress.attach(vm, row)
             self._vms[sandbox_id] = vm
             self.store.update_sandbox(sandbox_id, state=S.running, pid=vm.pid)
-            self.store.add_event(sandbox_id, "resumed", {"from": "stopped"})
+            self.event_log.emit(sandbox_id, "resumed", {"from": "stopped"})
         return self.get(tenant, sandbox_id)
 
     async def delete(self, tenant: str, sandbox_id: str) -> None:
@@ -324,7 +398,7 @@ class SandboxService:
             self.store.update_sandbox(sandbox_id, state=S.deleting)
             await self._teardown(sandbox_id)
             self.store.update_sandbox(sandbox_id, state=S.deleted, pid=None)
-            self.store.add_event(sandbox_id, "deleted")
+            self.event_log.emit(sandbox_id, "deleted")
         self._locks.pop(sandbox_id, None)
 
     async def _teardown(self, sandbox_id: str, pid: int | None = None) -> None:
@@ -351,6 +425,8 @@ class SandboxService:
             await vm._close_channels()
         self._vms.clear()
         await self.egress.close()
+        if self._spans is not None:
+            self._spans.close()  # flushes what is batched
 
     # -- snapshots and forks -------------------------------------------------------------
 
@@ -398,7 +474,7 @@ class SandboxService:
                 size_bytes=sum(manifest["bytes"].values()),
                 paused_ms=round(paused * 1000, 1),
             )
-            self.store.add_event(
+            self.event_log.emit(
                 sandbox_id,
                 "snapshot",
                 {"snapshot_id": snapshot_id, "name": name, "paused_ms": round(paused * 1000, 1)},
@@ -477,7 +553,7 @@ class SandboxService:
                 self.store.update_sandbox(sandbox_id, state=S.error, error=str(exc)[:2000])
                 raise
             self._running(sandbox_id, vm)
-            self.store.add_event(
+            self.event_log.emit(
                 sandbox_id,
                 "forked",
                 {
@@ -512,14 +588,14 @@ class SandboxService:
         vm = self._vms.get(sandbox_id)
         if vm is not None:
             self.egress.attach(vm, row)
-        self.store.add_event(sandbox_id, "network_changed", policy)
+        self.event_log.emit(sandbox_id, "network_changed", policy)
         return row
 
     def egress_log(
         self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
     ) -> list[dict[str, Any]]:
         self.events(tenant, sandbox_id)  # not found for other tenants
-        rows = self.store.events(sandbox_id, after, limit, type_="egress")
+        rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r["id"], "at": r["at"], **r["data"]} for r in rows]
 
     def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -629,7 +705,7 @@ class SandboxService:
                 await self._expire(row, "idle", row["idle_action"])
 
     async def _expire(self, row: dict[str, Any], limit: str, action: str) -> None:
-        self.store.add_event(row["id"], "limit_hit", {"limit": limit, "action": action})
+        self.event_log.emit(row["id"], "limit_hit", {"limit": limit, "action": action})
         log.info("%s of %s expired: %s", limit, row["id"], action)
         with contextlib.suppress(errors.NotFound, errors.InvalidState):
             if action == "delete":
@@ -646,6 +722,7 @@ class SandboxService:
         row = self.get(tenant, sandbox_id)
         kwargs["env"] = {**self.egress.guest_env(row), **(kwargs.get("env") or {})}
         self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
+        started_at = time.time()
         start = time.monotonic()
         out_len = err_len = 0
         digest = hashlib.sha256()
@@ -668,12 +745,14 @@ class SandboxService:
             self._busy[sandbox_id] -= 1
             self._touched.pop(sandbox_id, None)
             self._touch(sandbox_id)
-            self.store.add_event(
+            self.event_log.emit(
                 sandbox_id,
                 "exec",
                 {
                     "command": command,
                     "cwd": kwargs.get("cwd"),
+                    "started_at": _iso(started_at),
+                    "ended_at": _iso(time.time()),
                     "exit_code": status.exit_code if status else None,
                     "timed_out": status.timed_out if status else None,
                     "duration_ms": round((time.monotonic() - start) * 1000, 1),
@@ -702,7 +781,7 @@ class SandboxService:
                     pid=None,
                     error=None if final == S.deleted else "interrupted while being created",
                 )
-                self.store.add_event(sid, "recovered", {"from": state, "to": final})
+                self.event_log.emit(sid, "recovered", {"from": state, "to": final})
                 counts["cleaned"] += 1
             elif state in (S.running, S.paused, S.starting, S.stopping):
                 vm = None
@@ -716,14 +795,14 @@ class SandboxService:
                     self.store.update_sandbox(
                         sid, state=S.paused if state == S.paused else S.running
                     )
-                    self.store.add_event(sid, "adopted", {"pid": pid})
+                    self.event_log.emit(sid, "adopted", {"pid": pid})
                     counts["adopted"] += 1
                 else:
                     if pid:
                         await _kill_pid(pid, only_if_contains=str(directory / DISK))
                     shutil.rmtree(socket_dir(directory), ignore_errors=True)
                     self.store.update_sandbox(sid, state=S.stopped, pid=None)
-                    self.store.add_event(sid, "recovered", {"from": state, "to": S.stopped})
+                    self.event_log.emit(sid, "recovered", {"from": state, "to": S.stopped})
                     counts["stopped"] += 1
         # QEMU processes of this data directory that no sandbox owns
         for stray in self.driver.stray_qemu_pids(keep=self._live_pids()):

@@ -161,13 +161,17 @@ class Store:
         return int(cur.lastrowid or 0)
 
     def events(
-        self, sandbox_id: str, after: int = 0, limit: int = 1000, type_: str | None = None
+        self,
+        sandbox_id: str,
+        after: int = 0,
+        limit: int = 1000,
+        types: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         sql = "SELECT * FROM events WHERE sandbox_id = ? AND id > ?"
         args: tuple[Any, ...] = (sandbox_id, after)
-        if type_ is not None:
-            sql += " AND type = ?"
-            args += (type_,)
+        if types:
+            sql += f" AND type IN ({', '.join('?' for _ in types)})"
+            args += tuple(types)
         rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 

@@ -11,7 +11,15 @@ from typing import Any
 
 import httpx2
 
-from cella.models import EgressDecision, Event, ExecEvent, FileEntry, SandboxUsage, Secret
+from cella.models import (
+    EgressDecision,
+    Event,
+    ExecEvent,
+    FileEntry,
+    LineageNode,
+    SandboxUsage,
+    Secret,
+)
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
@@ -114,6 +122,49 @@ class Client:
             params.append(("state", state))
         response = self.request("GET", "/v1/sandboxes", params=params)
         return [Sandbox(self, SandboxInfo.model_validate(s)) for s in response.json()["sandboxes"]]
+
+    # -- traces --------------------------------------------------------------------------
+
+    def events(
+        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+    ) -> builtins.list[Event]:
+        """A sandbox's trace, in order (also of a deleted sandbox: the trace outlives it)."""
+        out: builtins.list[Event] = []
+        while True:
+            params: builtins.list[tuple[str, str | int]] = [("after", after), ("limit", 10000)]
+            params += [("type", t) for t in types or []]
+            response = self.request("GET", f"/v1/sandboxes/{sandbox_id}/events", params=params)
+            batch = [Event.model_validate(e) for e in response.json()["events"]]
+            out += batch
+            if len(batch) < 10000:
+                return out
+            after = batch[-1].id
+
+    def follow(
+        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+    ) -> Iterator[Event]:
+        """Events as they happen, until the sandbox is deleted."""
+        params: builtins.list[tuple[str, str | int | float | bool | None]] = [
+            ("after", after),
+            ("follow", "true"),
+        ]
+        params += [("type", t) for t in types or []]
+        with self._http.stream(
+            "GET",
+            f"/v1/sandboxes/{sandbox_id}/events/stream",
+            params=params,
+            timeout=httpx2.Timeout(None, connect=10.0),
+        ) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, response.read())
+            for line in response.iter_lines():
+                if line.strip():
+                    yield Event.model_validate(json.loads(line))
+
+    def lineage(self, sandbox_id: str) -> LineageNode:
+        """The family tree this sandbox belongs to (snapshots and forks)."""
+        response = self.request("GET", f"/v1/sandboxes/{sandbox_id}/lineage")
+        return LineageNode.model_validate(response.json())
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -322,9 +373,20 @@ class Sandbox:
         response = self.client.request("GET", f"{self._path}/egress", params={"after": after})
         return [EgressDecision.model_validate(d) for d in response.json()["decisions"]]
 
-    def events(self, after: int = 0) -> builtins.list[Event]:
-        response = self.client.request("GET", f"{self._path}/events", params={"after": after})
-        return [Event.model_validate(e) for e in response.json()["events"]]
+    def events(
+        self, after: int = 0, types: builtins.list[str] | None = None
+    ) -> builtins.list[Event]:
+        """The trace: every event so far, in order."""
+        return self.client.events(self.id, after, types)
+
+    def follow(self, after: int = 0, types: builtins.list[str] | None = None) -> Iterator[Event]:
+        """Events as they happen, until the sandbox is deleted."""
+        for event in self.client.follow(self.id, after, types):
+            yield event
+
+    def lineage(self) -> LineageNode:
+        """The family tree this sandbox belongs to (snapshots and forks)."""
+        return self.client.lineage(self.id)
 
 
 class Snapshot:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -52,6 +53,12 @@ async def _body(request: Request, limit: int) -> AsyncIterator[bytes]:
         yield chunk
 
 
+async def _hashed(stream: AsyncIterator[bytes], digest: Any) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        digest.update(chunk)
+        yield chunk
+
+
 async def _primed(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pulls the first chunk before the response starts, so errors become 4xx, not a cut."""
     first = await anext(stream, b"")
@@ -87,9 +94,16 @@ async def write_file(
     vm = svc.vm(who.tenant, sandbox_id)
     target = guest_path(path)
     limit = svc.settings.max_upload_mib << 20
-    await vm.agent.write_file(target, _body(request, limit), mode=mode, parents=parents)
+    digest = hashlib.sha256()
+    await vm.agent.write_file(
+        target, _hashed(_body(request, limit), digest), mode=mode, parents=parents
+    )
     entry = await vm.agent.stat(target)
-    svc.store.add_event(sandbox_id, "file_write", {"path": target, "size": entry.size})
+    svc.event_log.emit(
+        sandbox_id,
+        "file_write",
+        {"path": target, "size": entry.size, "mode": mode, "sha256": digest.hexdigest()},
+    )
     return FileEntry.model_validate(entry, from_attributes=True)
 
 
@@ -109,15 +123,21 @@ async def stat(sandbox_id: str, path: PathQ, request: Request, who: Auth) -> Fil
 
 @router.post("/mkdir", status_code=204)
 async def mkdir(sandbox_id: str, body: MkdirRequest, request: Request, who: Auth) -> Response:
-    vm = service(request).vm(who.tenant, sandbox_id)
-    await vm.agent.mkdir(guest_path(body.path), mode=body.mode, parents=body.parents)
+    svc = service(request)
+    vm = svc.vm(who.tenant, sandbox_id)
+    target = guest_path(body.path)
+    await vm.agent.mkdir(target, mode=body.mode, parents=body.parents)
+    svc.event_log.emit(sandbox_id, "mkdir", {"path": target, "mode": body.mode})
     return Response(status_code=204)
 
 
 @router.post("/chmod", status_code=204)
 async def chmod(sandbox_id: str, body: ChmodRequest, request: Request, who: Auth) -> Response:
-    vm = service(request).vm(who.tenant, sandbox_id)
-    await vm.agent.chmod(guest_path(body.path), body.mode)
+    svc = service(request)
+    vm = svc.vm(who.tenant, sandbox_id)
+    target = guest_path(body.path)
+    await vm.agent.chmod(target, body.mode)
+    svc.event_log.emit(sandbox_id, "chmod", {"path": target, "mode": body.mode})
     return Response(status_code=204)
 
 
@@ -129,7 +149,7 @@ async def remove(
     vm = svc.vm(who.tenant, sandbox_id)
     target = guest_path(path)
     await vm.agent.remove(target, recursive=recursive)
-    svc.store.add_event(sandbox_id, "file_remove", {"path": target})
+    svc.event_log.emit(sandbox_id, "file_remove", {"path": target, "recursive": recursive})
     return Response(status_code=204)
 
 
@@ -149,6 +169,17 @@ async def upload_archive(sandbox_id: str, path: PathQ, request: Request, who: Au
     svc = service(request)
     vm = svc.vm(who.tenant, sandbox_id)
     target = guest_path(path)
-    await vm.agent.tar_in(target, _body(request, svc.settings.max_upload_mib << 20))
-    svc.store.add_event(sandbox_id, "archive_upload", {"path": target})
+    digest = hashlib.sha256()
+    size = 0
+
+    async def counted() -> AsyncIterator[bytes]:
+        nonlocal size
+        async for chunk in _hashed(_body(request, svc.settings.max_upload_mib << 20), digest):
+            size += len(chunk)
+            yield chunk
+
+    await vm.agent.tar_in(target, counted())
+    svc.event_log.emit(
+        sandbox_id, "archive_upload", {"path": target, "size": size, "sha256": digest.hexdigest()}
+    )
     return Response(status_code=204)

@@ -18,6 +18,7 @@ from cella.models import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    LineageNode,
     Sandbox,
     SandboxCreate,
     SandboxList,
@@ -92,15 +93,65 @@ async def sandbox_usage(sandbox_id: ID, request: Request, who: Auth) -> SandboxU
     return SandboxUsage.model_validate(await service(request).usage(who.tenant, sandbox_id))
 
 
+After = Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")]
+Types = Annotated[list[str] | None, Query(alias="type", description="only these types")]
+
+
 @router.get("/{sandbox_id}/events", response_model=EventList)
 async def sandbox_events(
     sandbox_id: ID,
     request: Request,
     who: Auth,
-    after: Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")] = 0,
+    after: After = 0,
+    types: Types = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> EventList:
-    rows = service(request).events(who.tenant, sandbox_id, after)
+    """The sandbox's trace: lifecycle, execs, file changes, egress decisions, limit hits, in
+    order (kept after the sandbox is deleted). Secrets appear as `[secret:NAME]`."""
+    rows = service(request).events(who.tenant, sandbox_id, after, types, limit)
     return EventList(events=[Event.model_validate(r) for r in rows])
+
+
+@router.get(
+    "/{sandbox_id}/events/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/x-ndjson": {"schema": Event.model_json_schema()}},
+            "description": "JSON Lines of Event",
+        }
+    },
+)
+async def stream_events(
+    sandbox_id: ID,
+    request: Request,
+    who: Auth,
+    after: After = 0,
+    types: Types = None,
+    follow: Annotated[bool, Query(description="keep streaming until the sandbox is gone")] = False,
+) -> StreamingResponse:
+    """The trace as JSON Lines (an export); with `follow`, new events as they happen."""
+    svc = service(request)
+    svc.events(who.tenant, sandbox_id)  # unknown ids fail before streaming
+
+    async def lines() -> AsyncIterator[bytes]:
+        if follow:
+            async for row in svc.follow_events(who.tenant, sandbox_id, after, types):
+                yield jsonl(Event.model_validate(row).model_dump(mode="json"))
+            return
+        cursor = after
+        while batch := svc.events(who.tenant, sandbox_id, cursor, types):
+            for row in batch:
+                cursor = row["id"]
+                yield jsonl(Event.model_validate(row).model_dump(mode="json"))
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/{sandbox_id}/lineage", response_model=LineageNode)
+async def sandbox_lineage(sandbox_id: ID, request: Request, who: Auth) -> LineageNode:
+    """The family the sandbox belongs to, from its first ancestor: snapshots and forks."""
+    return LineageNode.model_validate(service(request).lineage(who.tenant, sandbox_id))
 
 
 def _exec_kwargs(body: ExecRequest) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""`cella eval run`: tasks in fresh forks of a snapshot, with a progress bar and a summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cella.cli._output import console, emit_json, out
+
+app = typer.Typer(help="Run evaluation tasks across a fleet of sandboxes.", no_args_is_help=True)
+
+
+@app.command()
+def run(
+    tasks_file: Annotated[Path, typer.Argument(help="tasks, one JSON object a line")],
+    snapshot: Annotated[str, typer.Option(help="the prepared snapshot every task forks")],
+    parallel: Annotated[int, typer.Option(min=1, max=256, help="tasks at once")] = 4,
+    out_dir: Annotated[Path, typer.Option("--out", help="results, traces and artifacts")] = Path(
+        "eval-results"
+    ),
+    only: Annotated[list[str] | None, typer.Option(help="run just these task ids")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
+) -> None:
+    """Run each task in its own sandbox forked from SNAPSHOT; the check's exit is the score."""
+    from cella.eval import TaskResult, load_tasks, run_eval, summarize
+
+    tasks = load_tasks(tasks_file)
+    if only:
+        unknown = set(only) - {t.id for t in tasks}
+        if unknown:
+            raise typer.BadParameter(f"no such tasks: {', '.join(sorted(unknown))}")
+        tasks = [t for t in tasks if t.id in only]
+    with Progress(
+        TextColumn("[bold]eval[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=json_,
+    ) as bar:
+        job = bar.add_task("tasks", total=len(tasks), last="")
+
+        def done(r: TaskResult) -> None:
+            bar.update(job, advance=1, last=f"{r.task_id}: {'pass' if r.passed else 'FAIL'}")
+
+        results = run_eval(tasks, snapshot, parallel=parallel, out_dir=out_dir, on_done=done)
+    summary = summarize(results)
+    if json_:
+        emit_json({"summary": summary, "results": [r.model_dump(mode="json") for r in results]})
+        return
+    table = Table("task", "score", "check exit", "sandbox", "ms", "error")
+    for r in results:
+        check = next((s for s in reversed(r.steps) if s.phase == "check"), None)
+        table.add_row(
+            r.task_id,
+            f"{r.score:g}",
+            "" if check is None else str(check.exit_code),
+            r.sandbox_id or "",
+            f"{r.duration_ms:.0f}",
+            r.error or "",
+        )
+    out.print(table)
+    console.print(
+        f"{summary['passed']}/{summary['tasks']} passed, mean score {summary['mean_score']}, "
+        f"{summary['errors']} errors; results in {out_dir / 'results.jsonl'}"
+    )

@@ -1,0 +1,1 @@
+"""The trace: sandbox events (written in one place, secrets redacted there) and exporters."""
