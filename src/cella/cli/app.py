@@ -104,6 +104,30 @@ from cella.cli.trace import trace  # noqa: E402
 
 app.command()(serve)
 app.command()(trace)
+
+
+@app.command()
+def mcp(
+    transport: Annotated[str, typer.Option(help="stdio or http (streamable HTTP)")] = "stdio",
+    host: Annotated[str, typer.Option(help="listen address for http")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="listen port for http")] = 8421,
+) -> None:
+    """Serve sandboxes as MCP tools (create, exec, files, snapshot, fork, delete)."""
+    try:
+        from cella.integrations.mcp import build_server
+    except ImportError:
+        raise typer.BadParameter(
+            "the MCP server needs the extra: pip install 'cella[mcp]'"
+        ) from None
+    server = build_server()
+    if transport == "stdio":
+        server.run("stdio")
+    elif transport == "http":
+        server.run("streamable-http", host=host, port=port)
+    else:
+        raise typer.BadParameter("transport must be stdio or http")
+
+
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")

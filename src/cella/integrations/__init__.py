@@ -1,0 +1,1 @@
+"""Agent-framework integrations (behind extras): MCP, LangChain, deepagents, OpenAI Agents."""

@@ -1,0 +1,90 @@
+"""Agent-framework integrations against real sandboxes: the MCP server over stdio (driven
+by the `mcp` client library), LangChain tools, the deepagents backend and the OpenAI Agents
+SDK sandbox client, each through the framework's own interface."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cella import Client, Sandbox
+from tests.daemon import Daemon
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> Iterator[Client]:
+    with Client(daemon.url, daemon.admin_key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sandbox(client: Client) -> Iterator[Sandbox]:
+    sb = client.create()
+    yield sb
+    sb.delete()
+
+
+async def test_mcp_server_over_stdio(daemon: Daemon, client: Client) -> None:
+    from mcp import Client as McpClient
+    from mcp import StdioServerParameters
+
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "cella.cli", "mcp"],
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "CELLA_URL": daemon.url,
+            "CELLA_API_KEY": daemon.admin_key,
+        },
+    )
+    async with McpClient(params, read_timeout_seconds=120) as mcp:
+        tools = {t.name: t for t in (await mcp.list_tools()).tools}
+        assert {
+            "create_sandbox",
+            "exec_command",
+            "write_file",
+            "read_file",
+            "list_files",
+            "snapshot_sandbox",
+            "fork_sandbox",
+            "delete_sandbox",
+        } <= set(tools)
+        create = tools["create_sandbox"]
+        assert "egress" in create.input_schema["properties"]["allow"]["description"]
+        assert create.output_schema is not None  # typed results
+
+        async def call(tool: str, /, **args: Any) -> dict[str, Any]:
+            result = await mcp.call_tool(tool, args)
+            assert not result.is_error, result.content
+            assert result.structured_content is not None
+            return result.structured_content
+
+        made = await call("create_sandbox")
+        sandbox_id = made["id"]
+        assert made["state"] == "running" and client.get(sandbox_id).id == sandbox_id
+        ran = await call("exec_command", sandbox_id=sandbox_id, command="uname -s; exit 3")
+        assert ran["stdout"] == "Linux\n" and ran["exit_code"] == 3
+        wrote = await call(
+            "write_file", sandbox_id=sandbox_id, path="/workspace/m/hello.txt", content="hi mcp"
+        )
+        assert wrote["size"] == 6
+        read = await call("read_file", sandbox_id=sandbox_id, path="/workspace/m/hello.txt")
+        assert (read["content"], read["encoding"]) == ("hi mcp", "utf-8")
+        listed = await call("list_files", sandbox_id=sandbox_id, path="/workspace/m")
+        assert [e["name"] for e in listed["result"]] == ["hello.txt"]
+        snap = await call("snapshot_sandbox", sandbox_id=sandbox_id, name="mcp")
+        forks = await call("fork_sandbox", source_id=snap["id"], count=1)
+        fork_id = forks["sandboxes"][0]["id"]
+        again = await call("read_file", sandbox_id=fork_id, path="/workspace/m/hello.txt")
+        assert again["content"] == "hi mcp"
+        for sid in (fork_id, sandbox_id):
+            assert (await call("delete_sandbox", sandbox_id=sid))["deleted"] is True
+        missing = await mcp.call_tool("exec_command", {"sandbox_id": sandbox_id, "command": "true"})
+        assert missing.is_error and "not_found" in str(missing.content)
+    client.get_snapshot(snap["id"]).delete()
