@@ -88,3 +88,44 @@ async def test_mcp_server_over_stdio(daemon: Daemon, client: Client) -> None:
         missing = await mcp.call_tool("exec_command", {"sandbox_id": sandbox_id, "command": "true"})
         assert missing.is_error and "not_found" in str(missing.content)
     client.get_snapshot(snap["id"]).delete()
+
+
+def test_langchain_tools_drive_a_sandbox(sandbox: Sandbox) -> None:
+    from langchain_core.tools import BaseTool
+
+    from cella.integrations.langchain import sandbox_tools
+
+    tools: dict[str, BaseTool] = {t.name: t for t in sandbox_tools(sandbox)}
+    assert set(tools) == {"run_command", "write_file", "read_file", "list_files"}
+    assert "command" in tools["run_command"].args  # the schema a model sees
+    wrote = tools["write_file"].invoke({"path": "/workspace/lc/a.py", "content": "print(6*7)\n"})
+    assert "wrote 11 bytes" in wrote
+    ran = tools["run_command"].invoke({"command": "python3 a.py; exit 4", "cwd": "/workspace/lc"})
+    assert ran.startswith("exit code 4") and "42" in ran
+    assert tools["read_file"].invoke({"path": "/workspace/lc/a.py"}) == "print(6*7)\n"
+    assert "file 11 a.py" in tools["list_files"].invoke({"path": "/workspace/lc"})
+    assert tools["read_file"].invoke({"path": "/workspace/lc/missing"}).startswith("error:")
+
+
+def test_deepagents_backend_runs_in_the_sandbox(sandbox: Sandbox) -> None:
+    from deepagents.backends.protocol import SandboxBackendProtocol
+
+    from cella.integrations.deepagents import CellaBackend
+
+    backend = CellaBackend(sandbox)
+    assert isinstance(backend, SandboxBackendProtocol)
+    assert backend.id == sandbox.id
+    ran = backend.execute("echo from-deepagents; exit 2")
+    assert ran.output == "from-deepagents\n" and ran.exit_code == 2
+    assert backend.write("/workspace/da/notes.md", "alpha\nbeta\n").error is None
+    read = backend.read("/workspace/da/notes.md")
+    assert read.error is None and read.file_data is not None
+    assert "beta" in str(read.file_data)
+    edited = backend.edit("/workspace/da/notes.md", "beta", "gamma")
+    assert edited.error is None
+    assert sandbox.files.read_text("/workspace/da/notes.md") == "alpha\ngamma\n"
+    assert [m["path"] for m in backend.grep("gamma", path="/workspace/da").matches or []] == [
+        "/workspace/da/notes.md"
+    ]
+    missing = backend.download_files(["/workspace/da/nope"])[0]
+    assert missing.content is None and missing.error == "file_not_found"
