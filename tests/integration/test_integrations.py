@@ -129,3 +129,28 @@ def test_deepagents_backend_runs_in_the_sandbox(sandbox: Sandbox) -> None:
     ]
     missing = backend.download_files(["/workspace/da/nope"])[0]
     assert missing.content is None and missing.error == "file_not_found"
+
+
+def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, client: Client) -> None:
+    import json
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "demo", "--json"],
+        env=daemon.env(None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["tests_before"] != 0  # the bug reproduced
+    passing = [b for b in report["branches"] if b["tests_exit"] == 0]
+    assert [b["branch"] for b in passing] == [report["winner"]]
+    assert report["winner_fix"] == "mean of the two middles"
+    assert {s["step"] for s in report["steps"]} >= {"snapshot", "fork 3 branches"}
+    assert any("unittest" in line and "exit 0" in line for line in report["trace"])
+    live = {s.id for s in client.list()}
+    assert report["winner"] in live  # kept
+    assert not live & {b["branch"] for b in report["branches"] if b["tests_exit"] != 0}
+    client.get(report["winner"]).delete()

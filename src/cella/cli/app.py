@@ -80,20 +80,34 @@ def _accel_mode(value: str) -> Any:
 
 @app.command()
 def demo(json_: JsonOpt = False, template: str = "default") -> None:
-    """Start the daemon (unless one is running), then drive a sandbox through the SDK."""
+    """Start the daemon (unless one is running), then play the core agent workflow: a buggy
+    project, failing tests, a snapshot, three forks trying fixes in parallel, the winner."""
     from cella.cli.demo import run_demo
 
     report = run_demo(template, progress_printer(json_))
     if json_:
         emit_json(report)
         return
-    table = Table("step", "ms", "result")
+    table = Table("step", "ms", "result", title="steps")
     for step in report["steps"]:
         table.add_row(step["step"], str(step["ms"]), step["result"])
     out.print(table)
+    branches = Table("branch", "fix tried", "tests", "ms", title="branches")
+    for b in report["branches"]:
+        verdict = "[green]pass[/green]" if b["tests_exit"] == 0 else f"fail ({b['tests_exit']})"
+        branches.add_row(b["branch"], b["fix"], verdict, str(b["ms"]))
+    out.print(branches)
+    out.print(f"[bold]trace of {report['winner']}[/bold]")
+    for line in report["trace"]:
+        out.print(f"  {line}", markup=False)
     console.print(
-        f"sandbox {report['sandbox']} under [bold]{report['accel']}[/bold]: "
-        f"{report['accel_reason']}"
+        f"under [bold]{report['accel']}[/bold] ({report['accel_reason']}); "
+        f"the branches share the snapshot's disk blocks and memory pages"
+    )
+    out.print(
+        f"passing branch: [bold green]{report['winner']}[/bold green] "
+        f"({report['winner_fix']}); kept running, remove it with `cella sandbox rm "
+        f"{report['winner']}`"
     )
 
 
@@ -136,8 +150,16 @@ app.add_typer(eval_cli.app, name="eval")
 
 
 def main() -> None:
+    import httpx2
+
     try:
         app()
     except errors.CellaError as exc:
         console.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
+        raise SystemExit(1) from None
+    except httpx2.ConnectError as exc:
+        console.print(
+            f"[red]error[/red] no cella daemon answers ({exc}); start one with `cella serve`",
+            highlight=False,
+        )
         raise SystemExit(1) from None

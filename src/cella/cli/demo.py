@@ -1,4 +1,5 @@
-"""The main job on the embedded defaults: a local daemon, one sandbox, driven by the SDK."""
+"""The main job on the embedded defaults: a local daemon and the core agent workflow
+(reproduce, snapshot, fork, fix in parallel, keep the winner), driven by the SDK."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import httpx2
 
+from cella.cli.trace import describe
 from cella.sdk import Client
 from cella.sdk._base import resolve
 
@@ -50,51 +54,115 @@ def local_daemon(progress: Callable[[str], None]) -> Iterator[None]:
         proc.wait(30)
 
 
+PROJECT = {
+    "/workspace/project/stats.py": (
+        "def median(values):\n"
+        "    ordered = sorted(values)\n"
+        "    middle = len(ordered) // 2\n"
+        "    return ordered[middle]\n"
+    ),
+    "/workspace/project/test_stats.py": (
+        "import unittest\n"
+        "from stats import median\n\n\n"
+        "class MedianTest(unittest.TestCase):\n"
+        "    def test_odd(self):\n"
+        "        self.assertEqual(median([3, 1, 2]), 2)\n\n"
+        "    def test_even(self):\n"
+        "        self.assertEqual(median([4, 1, 3, 2]), 2.5)\n\n"
+        "    def test_skewed(self):\n"
+        "        self.assertEqual(median([1, 2, 10]), 2)\n\n"
+        "    def test_one(self):\n"
+        "        self.assertEqual(median([7]), 7)\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    unittest.main()\n"
+    ),
+}
+TESTS = "cd /workspace/project && python3 -m unittest -q test_stats 2>&1"
+# three attempts a scripted agent makes, each in its own branch
+FIXES = {
+    "average of all": (
+        "    return ordered[middle]\n",
+        "    return sum(ordered) / len(ordered)\n",
+    ),
+    "lower middle": (
+        "    return ordered[middle]\n",
+        "    return ordered[middle - 1] if len(ordered) % 2 == 0 else ordered[middle]\n",
+    ),
+    "mean of the two middles": (
+        "    return ordered[middle]\n",
+        "    if len(ordered) % 2 == 0:\n"
+        "        return (ordered[middle - 1] + ordered[middle]) / 2\n"
+        "    return ordered[middle]\n",
+    ),
+}
+
+
 def run_demo(template: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The core agent workflow, scripted: a buggy project, failing tests, a snapshot, three
+    forks that each try a fix, their tests in parallel, and the branch that passes."""
     steps: list[dict[str, Any]] = []
 
-    def step(name: str, fn: Callable[[], str]) -> None:
+    def step(name: str, fn: Callable[[], Any], show: Callable[[Any], str] = str) -> Any:
         t = time.perf_counter()
-        result = fn()
-        steps.append(
-            {"step": name, "ms": round((time.perf_counter() - t) * 1000, 1), "result": result}
-        )
-        progress(f"{name}: {result}")
+        value = fn()
+        ms = round((time.perf_counter() - t) * 1000, 1)
+        steps.append({"step": name, "ms": ms, "result": show(value)})
+        progress(f"{name}: {show(value)} ({ms} ms)")
+        return value
 
     with local_daemon(progress), Client() as client:
-        t = time.perf_counter()
-        sb = client.create(template, labels={"demo": "yes"})
-        steps.append(
-            {
-                "step": "create sandbox",
-                "ms": round((time.perf_counter() - t) * 1000, 1),
-                "result": sb.id,
-            }
-        )
+        sb = step("create a sandbox", lambda: client.create(template, labels={"demo": "yes"}),
+                  lambda s: s.id)  # fmt: skip
         try:
-            step("guest kernel", lambda: sb.exec("uname -r").text.strip())
-            step("pid 1", lambda: sb.files.read("/proc/1/cmdline").rstrip(b"\0").decode())
-            step(
-                "write a program",
-                lambda: (
-                    str(sb.files.write("/workspace/app.py", "print(sum(range(10)))\n").size)
-                    + " bytes"
-                ),
-            )
-            step("run it", lambda: sb.exec(["python3", "/workspace/app.py"]).text.strip())
-            step(
-                "stream output",
-                lambda: " ".join(
-                    e.bytes.decode().strip()
-                    for e in sb.exec_stream("for i in 1 2 3; do echo $i; sleep 0.2; done")
-                    if e.type == "stdout"
-                ),
-            )
-            step("stop (processes end, files stay)", lambda: sb.stop().state)
-            step("resume", lambda: sb.resume().state)
-            step("file after resume", lambda: sb.files.read_text("/workspace/app.py").strip())
-            step("failing command", lambda: f"exit {sb.exec('ls /nonexistent').exit_code}")
+            for path, text in PROJECT.items():
+                step(f"write {path.rsplit('/', 1)[1]}",
+                     partial(sb.files.write, path, text, parents=True),
+                     lambda e: f"{e.size} bytes")  # fmt: skip
+            first = step("run the tests", lambda: sb.exec(TESTS),
+                         lambda r: f"exit {r.exit_code} (failing, as expected)" if r.exit_code
+                         else "exit 0")  # fmt: skip
+            snap = step("snapshot", lambda: sb.snapshot("bug reproduced"), lambda s: s.id)
+            branches = step("fork 3 branches", lambda: snap.fork(3),
+                            lambda bs: ", ".join(b.id for b in bs))  # fmt: skip
+
+            def attempt(branch: Any, fix: tuple[str, str]) -> tuple[int, float]:
+                t = time.perf_counter()
+                source = branch.files.read_text("/workspace/project/stats.py")
+                branch.files.write("/workspace/project/stats.py", source.replace(*fix))
+                result = branch.exec(TESTS)
+                return result.exit_code, round((time.perf_counter() - t) * 1000, 1)
+
+            def in_parallel() -> list[tuple[int, float]]:
+                with ThreadPoolExecutor(len(branches)) as pool:
+                    return list(pool.map(attempt, branches, FIXES.values()))
+
+            outcomes = step("fix and test in all 3 branches at once", in_parallel,
+                            lambda os_: ", ".join(f"exit {c}" for c, _ in os_))  # fmt: skip
+            report_branches = [
+                {"branch": b.id, "fix": name, "tests_exit": code, "ms": ms}
+                for b, name, (code, ms) in zip(branches, FIXES, outcomes, strict=True)
+            ]
+            winners = [b for b, (code, _) in zip(branches, outcomes, strict=True) if code == 0]
+            if not winners:
+                raise RuntimeError("no branch passed its tests")
+            winner = winners[0]
+            for b in branches:
+                if b is not winner:
+                    step(f"delete losing branch {b.id}", b.delete, lambda _: "deleted")
+            trace = [
+                describe(e) for e in winner.events() if e.type in ("forked", "exec", "file_write")
+            ]
         finally:
             accel, reason = sb.info.accel, sb.info.accel_reason
             sb.delete()
-    return {"sandbox": sb.id, "accel": accel, "accel_reason": reason, "steps": steps}
+    return {
+        "sandbox": sb.id,
+        "accel": accel,
+        "accel_reason": reason,
+        "tests_before": first.exit_code,
+        "steps": steps,
+        "branches": report_branches,
+        "winner": winner.id,
+        "winner_fix": next(r["fix"] for r in report_branches if r["branch"] == winner.id),
+        "trace": trace,
+    }
