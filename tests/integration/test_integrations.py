@@ -154,3 +154,35 @@ def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, client: 
     assert report["winner"] in live  # kept
     assert not live & {b["branch"] for b in report["branches"] if b["tests_exit"] != 0}
     client.get(report["winner"]).delete()
+
+
+async def test_openai_agents_sandbox_client(daemon: Daemon) -> None:
+    import io
+    from pathlib import Path
+
+    from cella import AsyncClient
+    from cella.integrations.openai_agents import CellaSandboxClient, CellaSandboxClientOptions
+
+    async with AsyncClient(daemon.url, daemon.admin_key) as cella:
+        client = CellaSandboxClient(cella)
+        session = await client.create(options=CellaSandboxClientOptions(memory_mib=512))
+        async with session:
+            sandbox_id = session._inner.state.sandbox_id  # type: ignore[attr-defined]
+            assert sandbox_id and (await cella.get(sandbox_id)).state == "running"
+            ran = await session.exec("uname -s && echo $((6*7)) && exit 5")
+            assert ran.stdout == b"Linux\n42\n" and ran.exit_code == 5
+            await session.write(Path("notes/a.txt"), io.BytesIO(b"from the agents sdk"))
+            assert (await session.read(Path("notes/a.txt"))).read() == b"from the agents sdk"
+            listed = await session.exec("cat /workspace/notes/a.txt")
+            assert listed.stdout == b"from the agents sdk"
+            archive = await session._inner.persist_workspace()  # type: ignore[attr-defined]
+            assert len(archive.read()) > 0
+            state = client.serialize_session_state(session.state)
+        resumed = await client.resume(client.deserialize_session_state(state))
+        async with resumed:  # the same sandbox again
+            assert (await resumed.read(Path("notes/a.txt"))).read() == b"from the agents sdk"
+        await client.delete(resumed)
+        from cella import errors
+
+        with pytest.raises(errors.NotFound):
+            await cella.get(sandbox_id)
