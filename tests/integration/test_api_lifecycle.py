@@ -125,16 +125,6 @@ def test_lifecycle_through_the_cli(daemon: Daemon, tmp_path: object) -> None:
     assert missing.returncode != 0 and "not_found" in missing.stderr
 
 
-def test_main_job_demo_drives_a_sandbox(daemon: Daemon) -> None:
-    done = cli(daemon, "demo", "--json")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    results = {s["step"]: s["result"] for s in report["steps"]}
-    assert results["run it"] == "45"
-    assert results["file after resume"] == "print(sum(range(10)))"
-    assert results["failing command"] == "exit 2"
-
-
 def test_snapshot_and_fork_through_the_cli(daemon: Daemon) -> None:
     sb_id = json.loads(cli(daemon, "sandbox", "create", "--json").stdout)["id"]
     assert cli(daemon, "sandbox", "pause", sb_id).returncode == 0
