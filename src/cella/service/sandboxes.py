@@ -24,7 +24,7 @@ from cella.guest.client import ExecEvent, Output
 from cella.guest.protocol import ExitStatus
 from cella.models import SandboxCreate, SandboxState
 from cella.runtime.qemu.driver import DISK, QemuDriver
-from cella.runtime.qemu.vm import QemuVM, socket_dir
+from cella.runtime.qemu.vm import QemuVM, pid_alive, socket_dir
 from cella.server.settings import Settings
 from cella.service.egress import SandboxEgress
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
@@ -65,6 +65,7 @@ class SandboxService:
         self._touched: dict[str, float] = {}
         self._busy: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._watchers: set[asyncio.Task[None]] = set()
 
     @property
     def snapshots_dir(self) -> Path:
@@ -306,10 +307,38 @@ class SandboxService:
         self.egress.release_on_exit(vm)
 
     def _running(self, sandbox_id: str, vm: QemuVM) -> None:
-        self._vms[sandbox_id] = vm
+        self._track(sandbox_id, vm)
         self.store.update_sandbox(
             sandbox_id, state=S.running, pid=vm.pid, accel=vm.accel, accel_reason=vm.accel_reason
         )
+
+    def _track(self, sandbox_id: str, vm: QemuVM) -> None:
+        """Owns the VM from now on; if it ends without being asked to (QEMU crashed or was
+        killed), the sandbox is marked stopped with the reason, its disk kept for resume."""
+        self._vms[sandbox_id] = vm
+        task = asyncio.create_task(self._watch(sandbox_id, vm), name=f"watch-{sandbox_id}")
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, sandbox_id: str, vm: QemuVM) -> None:
+        if vm.process is not None:
+            await vm.process.wait()
+        else:
+            while vm.pid is not None and pid_alive(vm.pid):
+                await asyncio.sleep(0.5)
+        if self._vms.get(sandbox_id) is not vm:
+            return  # stopped, deleted or replaced by us: an expected end
+        async with self._lock(sandbox_id):
+            if self._vms.get(sandbox_id) is not vm:
+                return
+            self._vms.pop(sandbox_id)
+            reason = await vm._exit_reason() if vm.process is not None else "QEMU ended"
+            await vm.kill()  # releases sockets, egress address, CPU cgroup
+            shutil.rmtree(socket_dir(self.directory(sandbox_id)), ignore_errors=True)
+            message = f"the VM exited unexpectedly ({reason}); its disk is kept: resume it"
+            log.warning("%s: %s", sandbox_id, message)
+            self.store.update_sandbox(sandbox_id, state=S.stopped, pid=None, error=message)
+            self.event_log.emit(sandbox_id, "crashed", {"reason": reason})
 
     async def _fresh_identity(
         self, vm: QemuVM, sandbox_id: str, max_pids: int | None = None
@@ -387,7 +416,7 @@ class SandboxService:
                 raise
             self.egress.release_on_exit(vm)
             self.egress.attach(vm, row)
-            self._vms[sandbox_id] = vm
+            self._track(sandbox_id, vm)
             self.store.update_sandbox(sandbox_id, state=S.running, pid=vm.pid)
             self.event_log.emit(sandbox_id, "resumed", {"from": "stopped"})
         return self.get(tenant, sandbox_id)
@@ -421,9 +450,12 @@ class SandboxService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.pool.close()
-        for vm in list(self._vms.values()):
+        left = list(self._vms.values())
+        self._vms.clear()  # watchers now see an expected end
+        for task in list(self._watchers):
+            task.cancel()
+        for vm in left:
             await vm._close_channels()
-        self._vms.clear()
         await self.egress.close()
         if self._spans is not None:
             self._spans.close()  # flushes what is batched
@@ -789,7 +821,7 @@ class SandboxService:
                     with contextlib.suppress(errors.CellaError, OSError, TimeoutError):
                         vm = await self.driver.adopt(directory, pid, paused=state == S.paused)
                 if vm is not None:
-                    self._vms[sid] = vm
+                    self._track(sid, vm)
                     self.egress.release_on_exit(vm)
                     self.egress.attach(vm, row)
                     self.store.update_sandbox(

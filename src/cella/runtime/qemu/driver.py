@@ -28,6 +28,16 @@ MAX_VCPUS = 64
 DISK = "disk.qcow2"
 
 
+def _arg(argv: list[str], flag: str, default: str) -> str:
+    """The value after `flag` in a QEMU command line."""
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else default
+
+
+def _memory_mib(argv: list[str]) -> int:
+    value = _arg(argv, "-m", f"{MIN_MEMORY_MIB}M")
+    return int(value.rstrip("M"))
+
+
 def validate_resources(vcpus: int, memory_mib: int) -> None:
     if not 1 <= vcpus <= MAX_VCPUS:
         raise errors.InvalidArgument(f"vcpus must be between 1 and {MAX_VCPUS}, got {vcpus}")
@@ -132,8 +142,15 @@ class QemuDriver:
         """Reconnects to a VM left running by an earlier daemon (its QEMU must be ours)."""
         if f"file={directory}/" not in " ".join(qemu_cmdline(pid)):
             raise errors.SandboxCrashed(f"process {pid} is not the QEMU of {directory.name}")
+        argv = qemu_cmdline(pid)
+        # the shape it was started with: a later snapshot's helper must match it exactly
         config = dataclasses.replace(
-            self._config(directory, 1, MIN_MEMORY_MIB), egress=egress_of(qemu_cmdline(pid))
+            self._config(directory, int(_arg(argv, "-smp", "1")), _memory_mib(argv)),
+            kernel=Path(
+                _arg(argv, "-kernel", str(self._boot.kernel.vmlinux if self._boot else "/"))
+            ),
+            initrd=Path(_arg(argv, "-initrd", str(self._boot.initrd if self._boot else "/"))),
+            egress=egress_of(argv),
         )
         vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory

@@ -87,11 +87,17 @@ class QemuVM:
             vm.qmp = QMPClient(config.name)
             await asyncio.wait_for(vm.qmp.connect(str(config.qmp_socket)), timeout)
             vm._agent = await AgentClient.connect(config.agent_socket, on_lost=vm._lost_reason)
+            status: Any = await vm.qmp.execute("query-status")
             if paused:  # frozen vCPUs cannot answer a ping; QEMU's word is enough
-                status: Any = await vm.qmp.execute("query-status")
                 if status.get("status") != "paused":
                     raise errors.SandboxCrashed(f"expected a paused VM, found {status}")
             else:
+                if status.get("status") != "running":
+                    # left paused by an interrupted snapshot (its RAM copy to a helper that
+                    # died with the daemon): cancel that and let it run on
+                    with contextlib.suppress(Exception):
+                        await vm.qmp.execute("migrate_cancel")
+                    await vm.qmp.execute("cont")
                 await vm._agent.ping(timeout=timeout)
         except BaseException:
             await vm._close_channels()
@@ -198,14 +204,45 @@ class QemuVM:
         await self.qmp.execute("migrate-set-parameters", {"max-bandwidth": UNTHROTTLED})
 
     async def _wait_migration(self) -> None:
-        assert self.qmp is not None
+        """Waits for an incoming migration into this (fresh) QEMU to finish."""
         while True:
-            info: Any = await self.qmp.execute("query-migrate")
-            status = info.get("status") if isinstance(info, dict) else None
+            status, desc = await self._migration_status()
             if status == "completed":
                 return
             if status in ("failed", "cancelled"):
-                raise errors.CellaError(f"migration {status}: {info.get('error-desc', '')}")
+                raise errors.CellaError(f"migration {status}: {desc}")
+            if self.process is not None and self.process.returncode is not None:
+                raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
+            await asyncio.sleep(0.002)
+
+    async def _migration_status(self) -> tuple[str | None, str]:
+        assert self.qmp is not None
+        info: Any = await self.qmp.execute("query-migrate")
+        if not isinstance(info, dict):
+            return None, ""
+        return info.get("status"), str(info.get("error-desc", ""))
+
+    async def _migrate(self, uri: str) -> None:
+        """Starts a migration and waits for it.
+
+        A socket migration connects asynchronously, so until it does, QEMU still reports the
+        previous migration's outcome: an earlier failure (say, of a snapshot interrupted by
+        a daemon crash) is not taken for this one's.
+        """
+        assert self.qmp is not None
+        previous = await self._migration_status()
+        await self.qmp.execute("migrate", {"uri": uri})
+        stale_until = asyncio.get_running_loop().time() + 10.0
+        while True:
+            status, desc = await self._migration_status()
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                stale = (status, desc) == previous
+                if not stale or asyncio.get_running_loop().time() > stale_until:
+                    raise errors.CellaError(f"migration {status}: {desc}")
+            else:
+                previous = (None, "")  # this migration has started: its end is its own
             if self.process is not None and self.process.returncode is not None:
                 raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
             await asyncio.sleep(0.002)
@@ -217,8 +254,7 @@ class QemuVM:
         """
         assert self.qmp is not None
         await self._set_ignore_shared(ignore_shared)
-        await self.qmp.execute("migrate", {"uri": f"exec:cat > {_quote(dest)}"})
-        await self._wait_migration()
+        await self._migrate(f"exec:cat > {_quote(dest)}")
 
     async def migrate_to(self, uri: str) -> None:
         """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming uri`; the VM is
@@ -226,8 +262,7 @@ class QemuVM:
         `snapshot_running` for why."""
         assert self.qmp is not None
         await self._set_ignore_shared(False)
-        await self.qmp.execute("migrate", {"uri": uri})
-        await self._wait_migration()
+        await self._migrate(uri)
 
     async def grow_disk(self, size_mib: int) -> None:
         """Enlarges the root disk (the guest is told at once) and its ext4 file system."""
