@@ -386,3 +386,73 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
     assert on_disk <= live, on_disk - live
     owners = {p for p in vms_of(hard.data_dir)}
     assert len(owners) == len(live), (owners, live)
+
+
+def test_load_50_creates_and_500_execs_without_errors_or_leaks(hard: Daemon) -> None:
+    import asyncio
+
+    from bench.load import leaks, run_load
+
+    result = asyncio.run(run_load(hard.url, hard.admin_key, 50, 500))
+    assert result["errors"] == []
+    assert result["created"] == 50 and len(result["exec_times"]) == 500
+    deadline = time.monotonic() + 20
+    while leaks(hard.data_dir) != {"qemu": 0, "vm_dirs": 0} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leaks(hard.data_dir) == {"qemu": 0, "vm_dirs": 0}
+    assert not [p for p in Path("/run/cella").iterdir() if p.is_dir() and not any(p.iterdir())]
+
+
+@pytest.fixture()
+def small_data_dir(tmp_path: Path) -> Iterator[Path]:
+    """A 400 MiB file system for a daemon's data directory, to fill up on purpose."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_data_directory_filling_up_during_a_snapshot(small_data_dir: Path) -> None:
+    import shutil
+
+    d = Daemon(small_data_dir / "data", pool_size="0").start()
+    try:
+        with Client(d.url, d.admin_key) as c:
+            sb = c.create(memory_mib=256)
+            sb.files.write("/workspace/keep.txt", "precious")
+            snapshots = d.data_dir / "snapshots"
+            filler = small_data_dir / "filler"
+            filled = threading.Event()
+
+            def fill_when_the_snapshot_starts() -> None:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if snapshots.exists() and any(snapshots.glob(".snap-*")):
+                        free = shutil.disk_usage(small_data_dir).free
+                        subprocess.run(["fallocate", "-l", str(free - (1 << 20)), str(filler)])
+                        filled.set()
+                        return
+                    time.sleep(0.002)
+
+            filler_thread = threading.Thread(target=fill_when_the_snapshot_starts)
+            filler_thread.start()
+            with pytest.raises(errors.NoSpace) as refused:
+                sb.snapshot("into a full disk")
+            filler_thread.join()
+            assert filled.is_set()
+            print("snapshot refused:", refused.value)
+            failed = [s for s in c.snapshots() if s.info.name == "into a full disk"]
+            assert [s.info.state for s in failed] == ["error"]
+            assert not list(snapshots.glob(".*"))  # its scratch files are gone
+            assert sb.refresh().state == "running"
+            assert sb.files.read_text("/workspace/keep.txt") == "precious"
+            # with the disk still full, a new snapshot is refused before anything is written
+            with pytest.raises(errors.NoSpace, match="MiB free"):
+                sb.snapshot("still full")
+            filler.unlink()
+            assert sb.snapshot("with room").info.state == "ready"
+            sb.delete()
+    finally:
+        d.stop()
+        kill_vms_of(d.data_dir)

@@ -493,13 +493,16 @@ class SandboxService:
             self.snapshots_dir.mkdir(parents=True, exist_ok=True)
             dest = SnapshotDir(self.snapshots_dir / snapshot_id)
             try:
+                self._check_space(row)
                 manifest, paused = await self.driver.snapshot_vm(
                     vm, dest, template=row["template"], sandbox_id=sandbox_id
                 )
             except BaseException as exc:
+                if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
+                    exc = errors.NoSpace(f"the data directory ran out of space: {exc}")
                 message = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
                 self.store.update_snapshot(snapshot_id, state="error", error=message[:2000])
-                raise
+                raise exc from None
             self.store.update_snapshot(
                 snapshot_id,
                 state="ready",
@@ -512,6 +515,23 @@ class SandboxService:
                 {"snapshot_id": snapshot_id, "name": name, "paused_ms": round(paused * 1000, 1)},
             )
         return self.get_snapshot(tenant, snapshot_id)
+
+    def _snapshot_needs(self, row: dict[str, Any]) -> int:
+        """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""
+        overlay = sum(p.stat().st_blocks * 512 for p in self.directory(row["id"]).glob("*.qcow2"))
+        return int(row["memory_mib"]) * (1 << 20) + overlay
+
+    def _short_of_space(self, row: dict[str, Any]) -> bool:
+        """A failed snapshot that could not have fit (what it wrote is already removed)."""
+        return shutil.disk_usage(self.snapshots_dir).free < self._snapshot_needs(row)
+
+    def _check_space(self, row: dict[str, Any]) -> None:
+        free = shutil.disk_usage(self.snapshots_dir).free
+        if free < self._snapshot_needs(row):
+            raise errors.NoSpace(
+                f"a snapshot of {row['id']} may need {self._snapshot_needs(row) >> 20} MiB; "
+                f"{self.snapshots_dir} has {free >> 20} MiB free"
+            )
 
     async def fork_snapshot(
         self, tenant: str, snapshot_id: str, count: int
