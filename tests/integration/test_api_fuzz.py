@@ -36,6 +36,16 @@ def small_daemon(tmp_path: Path) -> Iterator[Daemon]:
 
 @pytest.mark.timeout(900)
 def test_no_server_errors_under_fuzzing(small_daemon: Daemon) -> None:
+    fuzz(small_daemon, examples=15, seed=1)
+
+
+@pytest.mark.hardening
+@pytest.mark.timeout(1200)
+def test_no_server_errors_under_a_longer_fuzzing(small_daemon: Daemon) -> None:
+    fuzz(small_daemon, examples=60, seed=7)
+
+
+def fuzz(small_daemon: Daemon, examples: int, seed: int) -> None:
     with Client(small_daemon.url, small_daemon.admin_key) as client:
         target = client.create(memory_mib=256)  # one real sandbox for the per-sandbox routes
     result = subprocess.run(
@@ -54,11 +64,11 @@ def test_no_server_errors_under_fuzzing(small_daemon: Daemon) -> None:
             "--checks",
             "not_a_server_error",
             "--max-examples",
-            "15",
+            str(examples),
             "--phases",
             "examples,coverage,fuzzing",
             "--seed",
-            "1",
+            str(seed),
             "--request-timeout",
             "120",
             "--generation-allow-x00",
@@ -71,7 +81,7 @@ def test_no_server_errors_under_fuzzing(small_daemon: Daemon) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=880,
+        timeout=1100,
         env={"PATH": "/usr/bin:/bin", "CELLA_FUZZ_SANDBOX": target.id},
     )
     report = result.stdout[-6000:] + result.stderr[-2000:]
