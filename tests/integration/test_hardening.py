@@ -21,7 +21,7 @@ import httpx2
 import pytest
 
 from cella import Client, Sandbox, errors
-from cella.runtime.qemu.vm import qemu_cmdline
+from cella.runtime.qemu.vm import SOCKET_ROOT, qemu_cmdline
 from tests.conftest import qemu_pids
 from tests.daemon import Daemon
 from tests.integration.conftest import kill_vms_of
@@ -63,6 +63,13 @@ def client(hard: Daemon) -> Iterator[Client]:
 def sh(sb: Sandbox, command: str, timeout: float = 60) -> tuple[int | None, str]:
     r = sb.exec(command, timeout=timeout)
     return r.exit_code, (r.stdout + r.stderr).decode(errors="replace")
+
+
+def sockets_of(vm_dir: Path) -> Path:
+    """Where a VM's sockets live (as `socket_dir` computes it, without creating it)."""
+    import hashlib
+
+    return SOCKET_ROOT / hashlib.sha256(str(vm_dir.resolve()).encode()).hexdigest()[:20]
 
 
 def vms_of(data_dir: Path) -> list[int]:
@@ -323,9 +330,11 @@ def test_faults_end_in_clear_states_without_leaks(client: Client, hard: Daemon) 
     crashed = client.get(sb.id)
     assert crashed.state == "stopped" and "unexpectedly" in str(crashed.info.error)
     assert "crashed" in [e.type for e in client.events(sb.id)]
+    assert not sockets_of(hard.data_dir / "vms" / sb.id).exists()  # QMP/agent sockets gone
     crashed.resume()
     assert crashed.files.read_text("/workspace/kept.txt") == "before the crash"
     crashed.delete()
+    assert not sockets_of(hard.data_dir / "vms" / sb.id).exists()
     assert not (hard.data_dir / "vms" / sb.id).exists()
     assert vms_of(hard.data_dir) == []
     assert not any(sb.id in " ".join(qemu_cmdline(p)) for p in qemu_pids())
@@ -413,8 +422,6 @@ def small_data_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_data_directory_filling_up_during_a_snapshot(small_data_dir: Path) -> None:
-    import shutil
-
     d = Daemon(small_data_dir / "data", pool_size="0").start()
     try:
         with Client(d.url, d.admin_key) as c:
@@ -428,8 +435,12 @@ def test_data_directory_filling_up_during_a_snapshot(small_data_dir: Path) -> No
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     if snapshots.exists() and any(snapshots.glob(".snap-*")):
-                        free = shutil.disk_usage(small_data_dir).free
-                        subprocess.run(["fallocate", "-l", str(free - (1 << 20)), str(filler)])
+                        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+                        for size in (4 << 20, 4096):  # every last block
+                            with contextlib.suppress(OSError):
+                                while os.write(fd, b"\1" * size):
+                                    pass
+                        os.close(fd)
                         filled.set()
                         return
                     time.sleep(0.002)
