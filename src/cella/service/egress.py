@@ -77,8 +77,7 @@ class SandboxEgress:
 
     def new_egress(self) -> Egress:
         """Forwards for a VM about to start; its address reaches nothing until `attach`."""
-        egress = self.proxy.egress_for()
-        return egress
+        return self.proxy.egress_for()
 
     def release_on_exit(self, vm: QemuVM) -> QemuVM:
         if vm.config.egress is not None:
