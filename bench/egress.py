@@ -15,8 +15,7 @@ from pathlib import Path
 
 from bench._stats import report
 from cella import Client
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 from tests.netservers import EchoHandler, Servers, TestCA, free_loopback_block
 
 TIMER = r"""

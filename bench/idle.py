@@ -19,8 +19,7 @@ from bench._stats import report, summary_ms
 from bench.starts import pss_kib
 from cella import Client
 from tests.conftest import qemu_pids
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 
 
 def mem_available_mib() -> int:

@@ -17,8 +17,7 @@ from bench._stats import report, summary_ms
 from cella import AsyncClient
 from cella.runtime.qemu.vm import qemu_cmdline
 from tests.conftest import qemu_pids
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 
 
 async def run_load(url: str, key: str, creates: int, execs: int) -> dict[str, Any]:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from bench._stats import report, summary_ms
 from cella import Client
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 
 
 def rtts(sb: object, n: int) -> list[float]:

@@ -23,8 +23,7 @@ from bench._stats import report, summary_ms
 from cella import Client
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 
 
 def pool_full(d: Daemon) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -81,3 +83,24 @@ class Daemon:
 
     def env(self, key: str | None = None) -> dict[str, str]:
         return {**os.environ, "CELLA_URL": self.url, "CELLA_API_KEY": key or self.admin_key}
+
+
+def kill_vms_of(data_dir: object) -> None:
+    """VMs outlive their daemon by design; a test daemon's are removed with it."""
+    from cella.runtime.qemu.vm import qemu_cmdline
+    from tests.conftest import qemu_pids
+
+    for pid in qemu_pids():
+        if f"{data_dir}/vms/" in " ".join(qemu_cmdline(pid)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_daemon(data_dir: Path, **settings: str) -> Iterator[Daemon]:
+    """A daemon for the duration of the block; stopped, and its VMs killed, afterwards."""
+    d = Daemon(data_dir, **settings).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        kill_vms_of(d.data_dir)

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from cella import Client, errors
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of
 
 pytestmark = pytest.mark.vm
 

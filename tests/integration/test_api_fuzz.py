@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from cella import Client
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, running_daemon
 
 pytestmark = pytest.mark.vm
 
@@ -21,17 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture()
 def small_daemon(tmp_path: Path) -> Iterator[Daemon]:
     # tight limits keep the fuzzer's valid creates cheap: one small VM each
-    d = Daemon(
+    with running_daemon(
         tmp_path / "data",
         max_vcpus="1",
         max_memory_mib="256",
         max_upload_mib="1",
         pool_size="0",
         max_sandboxes_per_tenant="3",
-    ).start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    ) as d:
+        yield d
 
 
 @pytest.mark.timeout(900)

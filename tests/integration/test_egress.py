@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from cella import Client, Sandbox
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, running_daemon
 from tests.netservers import EchoHandler, GitHandler, Recorder, Servers, TestCA, free_loopback_block
 
 pytestmark = pytest.mark.vm
@@ -77,15 +76,13 @@ def _make_repo(root: Path) -> None:
 @pytest.fixture(scope="module")
 def egress_daemon(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Daemon]:
     hosts = {"web.test": net.web, "other.test": net.other, "git.test": net.git}
-    d = Daemon(
+    with running_daemon(
         tmp_path_factory.mktemp("egress-daemon"),
         pool_size="1",
         egress_hosts=json.dumps(hosts),
         egress_upstream_ca=str(net.ca.cert),
-    ).start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    ) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

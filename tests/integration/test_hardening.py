@@ -23,8 +23,7 @@ import pytest
 from cella import Client, Sandbox, errors
 from cella.runtime.qemu.vm import SOCKET_ROOT, qemu_cmdline
 from tests.conftest import qemu_pids
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of, running_daemon
 from tests.netservers import EchoHandler, Servers, free_loopback_block
 
 pytestmark = [pytest.mark.vm, pytest.mark.hardening]
@@ -43,15 +42,13 @@ def web() -> Iterator[tuple[str, Any]]:
 
 @pytest.fixture(scope="module")
 def hard(tmp_path_factory: pytest.TempPathFactory, web: tuple[str, Any]) -> Iterator[Daemon]:
-    d = Daemon(
+    with running_daemon(
         tmp_path_factory.mktemp("hard"),
         pool_size="0",
         max_upload_mib="8",
         egress_hosts=json.dumps({"web.test": web[0]}),
-    ).start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    ) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

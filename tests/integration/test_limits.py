@@ -8,18 +8,17 @@ from collections.abc import Iterator
 import pytest
 
 from cella import Client, errors
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, running_daemon
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("limited"), pool_size="0", reaper_interval="0.2").start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    with running_daemon(
+        tmp_path_factory.mktemp("limited"), pool_size="0", reaper_interval="0.2"
+    ) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import pytest
 from cella import Client, errors
 from cella.runtime.qemu.vm import qemu_cmdline
 from tests.conftest import qemu_pids
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of, running_daemon
 
 pytestmark = pytest.mark.vm
 
@@ -24,10 +23,8 @@ def vms_of(data_dir: Path) -> set[int]:
 
 @pytest.fixture()
 def crashy(tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path / "data", pool_size="0").start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    with running_daemon(tmp_path / "data", pool_size="0") as d:
+        yield d
 
 
 def test_running_sandbox_survives_a_daemon_crash(crashy: Daemon) -> None:

@@ -10,8 +10,7 @@ import httpx2
 import pytest
 
 from cella import Client, errors
-from tests.daemon import Daemon
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, kill_vms_of, running_daemon
 
 pytestmark = pytest.mark.vm
 
@@ -46,10 +45,8 @@ def wait_pool_full(daemon: Daemon, timeout: float = 120) -> None:
 
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("pooled"), pool_size="2").start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    with running_daemon(tmp_path_factory.mktemp("pooled"), pool_size="2") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

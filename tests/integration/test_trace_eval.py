@@ -18,8 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from cella import Client
 from cella.eval import Task, run_eval
-from tests.daemon import Daemon, free_port
-from tests.integration.conftest import kill_vms_of
+from tests.daemon import Daemon, free_port, running_daemon
 
 pytestmark = pytest.mark.vm
 
@@ -87,10 +86,10 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("traced"), pool_size="0", otlp_endpoint=receiver.url).start()
-    yield d
-    d.stop()
-    kill_vms_of(d.data_dir)
+    with running_daemon(
+        tmp_path_factory.mktemp("traced"), pool_size="0", otlp_endpoint=receiver.url
+    ) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
