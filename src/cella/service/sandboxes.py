@@ -113,15 +113,26 @@ class SandboxService:
         limit: int = 1000,
     ) -> list[dict[str, Any]]:
         """A sandbox's events in order (kept after it is deleted: the trace outlives it)."""
+        self.owned(tenant, sandbox_id)
+        return self.store.events(sandbox_id, after, limit, types)
+
+    def owned(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+        """The tenant's sandbox row, deleted ones included (their traces stay readable)."""
         row = self.store.get_sandbox(sandbox_id)
         if row is None or row["tenant"] != tenant:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
-        return self.store.events(sandbox_id, after, limit, types)
+        return row
 
-    async def follow_events(
-        self, tenant: str, sandbox_id: str, after: int = 0, types: list[str] | None = None
+    async def stream_events(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        after: int = 0,
+        types: list[str] | None = None,
+        follow: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Events as they happen, until the sandbox is deleted (or the reader leaves)."""
+        """Every event after `after`; with `follow`, then new ones as they happen, until the
+        sandbox is deleted (or the reader leaves)."""
         while True:
             batch = self.events(tenant, sandbox_id, after, types)
             for event in batch:
@@ -129,6 +140,8 @@ class SandboxService:
                 yield event
             if batch:
                 continue
+            if not follow:
+                return
             row = self.store.get_sandbox(sandbox_id) or {}
             if row.get("state") in (S.deleted, S.error):
                 return
@@ -137,8 +150,7 @@ class SandboxService:
     def lineage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
         """The family tree the sandbox belongs to: from its first ancestor, every snapshot
         and fork made since (sandbox -> snapshot -> sandbox ...)."""
-        self.events(tenant, sandbox_id)  # not found for other tenants
-        root = self.store.get_sandbox(sandbox_id) or {}
+        root = self.owned(tenant, sandbox_id)
         seen = {root.get("id")}
         while root.get("parent_id") and root["parent_id"] not in seen:
             parent = self.store.get_sandbox(root["parent_id"])
@@ -646,7 +658,7 @@ class SandboxService:
     def egress_log(
         self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
     ) -> list[dict[str, Any]]:
-        self.events(tenant, sandbox_id)  # not found for other tenants
+        self.owned(tenant, sandbox_id)
         rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r["id"], "at": r["at"], **r["data"]} for r in rows]
 
@@ -711,12 +723,15 @@ class SandboxService:
 
     def vm(self, tenant: str, sandbox_id: str) -> QemuVM:
         """The running VM of a sandbox, for exec and file operations (which are activity)."""
+        return self._live(tenant, sandbox_id)[1]
+
+    def _live(self, tenant: str, sandbox_id: str) -> tuple[dict[str, Any], QemuVM]:
         row = self.get(tenant, sandbox_id)
         vm = self._vms.get(sandbox_id)
         if row["state"] != S.running or vm is None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row['state']}, not running")
         self._touch(sandbox_id)
-        return vm
+        return row, vm
 
     def _touch(self, sandbox_id: str) -> None:
         now = time.time()
@@ -770,8 +785,7 @@ class SandboxService:
     async def exec_stream(
         self, tenant: str, sandbox_id: str, command: list[str] | str, **kwargs: Any
     ) -> AsyncIterator[ExecEvent]:
-        vm = self.vm(tenant, sandbox_id)
-        row = self.get(tenant, sandbox_id)
+        row, vm = self._live(tenant, sandbox_id)  # one store read on the exec path
         kwargs["env"] = {**self.egress.guest_env(row), **(kwargs.get("env") or {})}
         self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
         started_at = time.time()

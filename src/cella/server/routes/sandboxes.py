@@ -132,18 +132,11 @@ async def stream_events(
 ) -> StreamingResponse:
     """The trace as JSON Lines (an export); with `follow`, new events as they happen."""
     svc = service(request)
-    svc.events(who.tenant, sandbox_id)  # unknown ids fail before streaming
+    svc.owned(who.tenant, sandbox_id)  # unknown ids fail before streaming
 
     async def lines() -> AsyncIterator[bytes]:
-        if follow:
-            async for row in svc.follow_events(who.tenant, sandbox_id, after, types):
-                yield jsonl(Event.model_validate(row).model_dump(mode="json"))
-            return
-        cursor = after
-        while batch := svc.events(who.tenant, sandbox_id, cursor, types):
-            for row in batch:
-                cursor = row["id"]
-                yield jsonl(Event.model_validate(row).model_dump(mode="json"))
+        async for row in svc.stream_events(who.tenant, sandbox_id, after, types, follow):
+            yield jsonl(Event.model_validate(row).model_dump(mode="json"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
