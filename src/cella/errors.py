@@ -1,7 +1,19 @@
 """One error hierarchy for the whole project, with stable snake_case codes.
 
 The server answers `{"error": {"code", "message"}}` with these codes and the SDK raises the
-matching class, so callers can catch by type on either side of the wire.
+matching class, so callers can catch by type on either side of the wire:
+
+    CellaError (internal, 500)
+    ├── RequestError: the caller's request (4xx)
+    │   ├── InvalidArgument (400) ── UnknownUser (400)
+    │   ├── Unauthenticated (401), PermissionDenied (403), NotFound (404)
+    │   ├── PayloadTooLarge (413), CommandFailed (422), QuotaExceeded (429)
+    │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
+    │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
+    ├── SandboxError: the guest or its VM (5xx)
+    │   └── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
+    └── HostError: this host (5xx)
+        └── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
 """
 
 from __future__ import annotations
@@ -9,8 +21,45 @@ from __future__ import annotations
 import errno as _errno
 from typing import ClassVar
 
+__all__ = [
+    "ALL_ERRORS",
+    "AccelUnavailable",
+    "AgentUnavailable",
+    "AlreadyExists",
+    "BuildFailed",
+    "CapacityExceeded",
+    "CellaError",
+    "CommandFailed",
+    "Conflict",
+    "DirectoryNotEmpty",
+    "Forbidden",
+    "GuestError",
+    "HostError",
+    "ImageMissing",
+    "InUse",
+    "InvalidArgument",
+    "InvalidState",
+    "IsADirectory",
+    "NoSpace",
+    "NotADirectory",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "QuotaExceeded",
+    "RequestError",
+    "SandboxCrashed",
+    "SandboxError",
+    "SnapshotCorrupt",
+    "Timeout",
+    "Unauthenticated",
+    "UnknownUser",
+    "from_errno",
+]
+
 
 class CellaError(Exception):
+    """Base of every cella error; `code` and `status` travel on the wire."""
+
     code: ClassVar[str] = "internal"
     status: ClassVar[int] = 500
 
@@ -22,147 +71,179 @@ class CellaError(Exception):
         return f"{self.code}: {self.message}"
 
 
-class InvalidArgument(CellaError):
+# -- the caller's request (4xx) -------------------------------------------------------------
+
+
+class RequestError(CellaError):
+    """The request cannot be done as asked; retrying it unchanged will not help."""
+
+    code = "bad_request"
+    status = 400
+
+
+class InvalidArgument(RequestError):
     code = "invalid_argument"
     status = 400
 
 
-class NotFound(CellaError):
-    code = "not_found"
-    status = 404
-
-
-class PermissionDenied(CellaError):
-    code = "permission_denied"
-    status = 403
-
-
-class AlreadyExists(CellaError):
-    code = "already_exists"
-    status = 409
-
-
-class IsADirectory(CellaError):
-    code = "is_a_directory"
-    status = 409
-
-
-class NotADirectory(CellaError):
-    code = "not_a_directory"
-    status = 409
-
-
-class DirectoryNotEmpty(CellaError):
-    code = "directory_not_empty"
-    status = 409
-
-
-class NoSpace(CellaError):
-    code = "no_space"
-    status = 507
-
-
-class UnknownUser(CellaError):
+class UnknownUser(InvalidArgument):
     code = "unknown_user"
     status = 400
 
 
-class InvalidState(CellaError):
-    """The sandbox is not in a state that allows the operation (e.g. exec while stopped)."""
-
-    code = "invalid_state"
-    status = 409
-
-
-class Unauthenticated(CellaError):
+class Unauthenticated(RequestError):
     code = "unauthenticated"
     status = 401
 
 
-class Forbidden(CellaError):
-    code = "forbidden"
+class PermissionDenied(RequestError):
+    """The one 403: a key without the right (admin), or a guest path the guest refuses."""
+
+    code = "permission_denied"
     status = 403
 
 
-class PayloadTooLarge(CellaError):
+Forbidden = PermissionDenied  # the name earlier SDKs caught
+
+
+class NotFound(RequestError):
+    code = "not_found"
+    status = 404
+
+
+class PayloadTooLarge(RequestError):
     code = "payload_too_large"
     status = 413
 
 
-class CommandFailed(CellaError):
+class CommandFailed(RequestError):
     """Raised by the SDK for a non-zero exit when the caller asked for `check=True`."""
 
     code = "command_failed"
     status = 422
 
 
-class SnapshotCorrupt(CellaError):
-    """A snapshot's files do not match their manifest: it is never restored."""
-
-    code = "snapshot_corrupt"
-    status = 409
-
-
-class InUse(CellaError):
-    """The object is still referenced (e.g. a snapshot that sandboxes are built on)."""
-
-    code = "in_use"
-    status = 409
-
-
-class QuotaExceeded(CellaError):
+class QuotaExceeded(RequestError):
     """The tenant already has as many sandboxes as it may."""
 
     code = "quota_exceeded"
     status = 429
 
 
-class CapacityExceeded(CellaError):
-    """The host would be over-committed (RAM or vCPUs) by this sandbox."""
+# -- conflicts with the current state (409) -------------------------------------------------
 
-    code = "capacity_exceeded"
+
+class Conflict(RequestError):
+    """The request clashes with the state of what it names; it may succeed later."""
+
+    code = "conflict"
     status = 409
 
 
-class GuestError(CellaError):
+class AlreadyExists(Conflict):
+    code = "already_exists"
+
+
+class IsADirectory(Conflict):
+    code = "is_a_directory"
+
+
+class NotADirectory(Conflict):
+    code = "not_a_directory"
+
+
+class DirectoryNotEmpty(Conflict):
+    code = "directory_not_empty"
+
+
+class InvalidState(Conflict):
+    """The sandbox is not in a state that allows the operation (e.g. exec while stopped)."""
+
+    code = "invalid_state"
+
+
+class SnapshotCorrupt(Conflict):
+    """A snapshot's files do not match their manifest: it is never restored."""
+
+    code = "snapshot_corrupt"
+
+
+class InUse(Conflict):
+    """The object is still referenced (e.g. a snapshot that sandboxes are built on)."""
+
+    code = "in_use"
+
+
+class CapacityExceeded(Conflict):
+    """The host would be over-committed (RAM or vCPUs) by this sandbox."""
+
+    code = "capacity_exceeded"
+
+
+# -- a sandbox that misbehaves or went away (5xx) -------------------------------------------
+
+
+class SandboxError(CellaError):
+    """The guest or its VM failed; the daemon is fine."""
+
+    code = "sandbox_error"
+    status = 502
+
+
+class GuestError(SandboxError):
     """The guest failed an operation for a reason with no more specific code."""
 
     code = "guest_error"
     status = 500
 
 
-class Timeout(CellaError):
+class Timeout(SandboxError):
     code = "timeout"
     status = 504
 
 
-class SandboxCrashed(CellaError):
+class SandboxCrashed(SandboxError):
     """The VM went away (guest panic, QEMU killed) while an operation was under way."""
 
     code = "sandbox_crashed"
     status = 502
 
 
-class AgentUnavailable(CellaError):
+class AgentUnavailable(SandboxError):
     """The guest agent did not answer (boot failed, or the guest broke the protocol)."""
 
     code = "agent_unavailable"
     status = 502
 
 
-class AccelUnavailable(CellaError):
+# -- the host (5xx) -------------------------------------------------------------------------
+
+
+class HostError(CellaError):
+    """This host cannot do it now: missing images, no accelerator, a full disk."""
+
+    code = "host_error"
+    status = 503
+
+
+class NoSpace(HostError):
+    code = "no_space"
+    status = 507
+
+
+class AccelUnavailable(HostError):
     code = "accel_unavailable"
     status = 503
 
 
-class ImageMissing(CellaError):
+class ImageMissing(HostError):
     """A kernel, initramfs or template image has not been built yet (run `cella setup`)."""
 
     code = "image_missing"
     status = 503
 
 
-class BuildFailed(CellaError):
+class BuildFailed(HostError):
     code = "build_failed"
     status = 500
 

@@ -7,19 +7,22 @@ directories share it: it defaults to the default data directory's `images/`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path("/var/lib/cella")
+from cella.config import DEFAULT_DATA_DIR, DaemonSettings
+
+__all__ = ["DEFAULT_DATA_DIR", "Paths", "default_data_dir", "default_image_dir"]
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
+    """`CELLA_DATA_DIR` (or the TOML file's `data_dir`), else /var/lib/cella."""
+    return DaemonSettings().data_dir
 
 
 def default_image_dir() -> Path:
-    return Path(os.environ.get("CELLA_IMAGE_DIR") or DEFAULT_DATA_DIR / "images")
+    """`CELLA_IMAGE_DIR` (or the TOML file's `image_dir`), else /var/lib/cella/images."""
+    return DaemonSettings().image_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,9 @@ class Paths:
 
     @classmethod
     def default(cls) -> Paths:
-        return cls(default_data_dir(), default_image_dir())
+        """The directories of the daemon settings (`cella.config.DaemonSettings`)."""
+        settings = DaemonSettings()
+        return cls(settings.data_dir, settings.image_dir)
 
     @property
     def images(self) -> Path:

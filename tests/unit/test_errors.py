@@ -15,3 +15,20 @@ def test_codes_are_unique_and_snake_case() -> None:
     assert len(codes) == len(set(codes))
     assert all(c == c.lower() and " " not in c for c in codes)
     assert errors.ALL_ERRORS["not_found"] is errors.NotFound
+
+
+def test_the_tree_groups_by_status() -> None:
+    every = list(errors.ALL_ERRORS.values())
+    assert len(every) == len({cls.code for cls in every}) >= 25
+    for cls in every:
+        if issubclass(cls, errors.RequestError):
+            assert 400 <= cls.status < 500, cls
+        elif cls is not errors.CellaError:
+            assert issubclass(cls, errors.SandboxError | errors.HostError), cls
+            assert cls.status >= 500, cls
+    assert all(
+        issubclass(errors.ALL_ERRORS[c], errors.Conflict) for c in ("in_use", "invalid_state")
+    )
+    assert {c for c, cls in errors.ALL_ERRORS.items() if cls.status == 403} == {"permission_denied"}
+    assert errors.Forbidden is errors.PermissionDenied
+    assert set(errors.__all__) >= {cls.__name__ for cls in every}

@@ -1,7 +1,36 @@
 from pathlib import Path
 
-from cella.store import Store
+from cella.models import NetworkPolicy, SandboxState, SnapshotState
+from cella.store import SandboxRecord, SecretRef, SnapshotRecord, Store
 from cella.store.migrations import MIGRATIONS
+
+S = SandboxState
+
+
+def sandbox(sandbox_id: str, tenant: str, state: S, **fields: object) -> SandboxRecord:
+    return SandboxRecord(
+        id=sandbox_id,
+        tenant=tenant,
+        state=state,
+        template="default",
+        vcpus=1,
+        memory_mib=512,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def snapshot(snapshot_id: str, **fields: object) -> SnapshotRecord:
+    return SnapshotRecord(
+        id=snapshot_id,
+        tenant="t",
+        name="n",
+        sandbox_id="sb-a",
+        state=SnapshotState.ready,
+        template="default",
+        vcpus=1,
+        memory_mib=512,
+        **fields,  # type: ignore[arg-type]
+    )
 
 
 def test_migrations_run_in_order_once(tmp_path: Path) -> None:
@@ -14,39 +43,34 @@ def test_migrations_run_in_order_once(tmp_path: Path) -> None:
 
 def test_sandbox_rows_round_trip_and_filter(tmp_path: Path) -> None:
     store = Store(tmp_path / "x.db")
-    base = {"template": "default", "vcpus": 1, "memory_mib": 512}
     store.insert_sandbox(
-        {"id": "sb-a", "tenant": "t1", "state": "running", "labels": {"k": "v"}, **base}
+        sandbox(
+            "sb-a",
+            "t1",
+            S.running,
+            labels={"k": "v"},
+            network=NetworkPolicy(allow=["pypi.org"]),
+            secrets={"TOKEN": SecretRef("gh", "cella-secret-1")},
+        )
     )
-    store.insert_sandbox({"id": "sb-b", "tenant": "t2", "state": "stopped", **base})
-    store.update_sandbox("sb-a", state="paused", pid=42)
+    store.insert_sandbox(sandbox("sb-b", "t2", S.stopped))
+    store.update_sandbox("sb-a", state="paused", pid=42, network=NetworkPolicy(deny=["x.org"]))
     row = store.get_sandbox("sb-a")
-    assert row is not None and (row["state"], row["pid"], row["labels"]) == (
-        "paused",
-        42,
-        {"k": "v"},
-    )
-    assert [r["id"] for r in store.list_sandboxes("t1")] == ["sb-a"]
-    assert [r["id"] for r in store.list_sandboxes(None, ["stopped"])] == ["sb-b"]
+    assert row is not None and (row.state, row.pid, row.labels) == (S.paused, 42, {"k": "v"})
+    assert row.network == NetworkPolicy(deny=["x.org"])
+    assert row.secrets == {"TOKEN": SecretRef("gh", "cella-secret-1")}
+    assert row.created_at and row.updated_at
+    assert [r.id for r in store.list_sandboxes("t1")] == ["sb-a"]
+    assert [r.id for r in store.list_sandboxes(None, ["stopped"])] == ["sb-b"]
     assert store.get_sandbox("sb-nope") is None
 
 
 def test_snapshot_users_count_live_dependants_only(tmp_path: Path) -> None:
     store = Store(tmp_path / "x.db")
-    snap = {
-        "tenant": "t",
-        "name": "n",
-        "sandbox_id": "sb-a",
-        "state": "ready",
-        "template": "default",
-        "vcpus": 1,
-        "memory_mib": 512,
-    }
-    store.insert_snapshot({"id": "snap-1", **snap})
-    store.insert_snapshot({"id": "snap-2", **snap, "parent_snapshot_id": "snap-1"})
-    base = {"tenant": "t", "template": "default", "vcpus": 1, "memory_mib": 512}
-    store.insert_sandbox({"id": "sb-f", "state": "running", "base_snapshot_id": "snap-1", **base})
-    store.insert_sandbox({"id": "sb-g", "state": "deleted", "base_snapshot_id": "snap-1", **base})
+    store.insert_snapshot(snapshot("snap-1"))
+    store.insert_snapshot(snapshot("snap-2", parent_snapshot_id="snap-1"))
+    store.insert_sandbox(sandbox("sb-f", "t", S.running, base_snapshot_id="snap-1"))
+    store.insert_sandbox(sandbox("sb-g", "t", S.deleted, base_snapshot_id="snap-1"))
     assert store.snapshot_users("snap-1") == (["sb-f"], ["snap-2"])
     store.update_snapshot("snap-2", state="deleted")
     store.update_sandbox("sb-f", state="deleted")

@@ -13,7 +13,11 @@ from cella import errors
 from cella.cli._output import console, emit_json, out, progress_printer
 from cella.paths import Paths
 
-app = typer.Typer(help="cella: microVM sandboxes for AI coding agents.", no_args_is_help=True)
+app = typer.Typer(
+    help="cella: microVM sandboxes for AI coding agents.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 AccelOpt = Annotated[str, typer.Option(help="Accelerator: auto, kvm or tcg.")]

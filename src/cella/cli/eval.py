@@ -6,12 +6,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from cella.cli._output import console, emit_json, out
+from cella.cli._output import Listing, console, emit_json, out
 
-app = typer.Typer(help="Run evaluation tasks across a fleet of sandboxes.", no_args_is_help=True)
+app = typer.Typer(
+    help="Run evaluation tasks across a fleet of sandboxes.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
 
 
 @app.command()
@@ -53,16 +57,25 @@ def run(
     if json_:
         emit_json({"summary": summary, "results": [r.model_dump(mode="json") for r in results]})
         return
-    table = Table("task", "score", "check exit", "sandbox", "ms", "error")
+    table = Listing(
+        "task",
+        "score",
+        "check exit",
+        "sandbox",
+        "ms",
+        "error",
+        ids=("task", "sandbox"),
+        give_way={"error": 10},
+    )
     for r in results:
         check = next((s for s in reversed(r.steps) if s.phase == "check"), None)
         table.add_row(
-            r.task_id,
+            escape(r.task_id),
             f"{r.score:g}",
             "" if check is None else str(check.exit_code),
-            r.sandbox_id or "",
+            escape(r.sandbox_id or ""),
             f"{r.duration_ms:.0f}",
-            r.error or "",
+            escape(r.error or ""),
         )
     out.print(table)
     console.print(

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
-from cella.cli._output import console, emit_json, out
+from cella.cli._output import Listing, console, emit_json, out
+from cella.models import KeyInfo
 from cella.sdk import Client
 
-app = typer.Typer(help="Manage API keys (admin).", no_args_is_help=True)
+app = typer.Typer(
+    help="Manage API keys (admin).", no_args_is_help=True, rich_markup_mode="markdown"
+)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
@@ -36,10 +40,20 @@ def list_(json_: JsonOpt = False) -> None:
     if json_:
         emit_json(keys)
         return
-    table = Table("id", "tenant", "admin", "created")
+    out.print(listing([KeyInfo.model_validate(k) for k in keys]))
+
+
+def listing(keys: Sequence[KeyInfo]) -> Listing:
+    """The `keys ls` table: whole key ids."""
+    table = Listing("id", "tenant", "admin", "created", give_way={"created": 10})
     for k in keys:
-        table.add_row(k["id"], k["tenant"], str(k["admin"]), str(k["created_at"]))
-    out.print(table)
+        table.add_row(
+            escape(k.id),
+            escape(k.tenant),
+            str(k.admin),
+            k.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    return table
 
 
 @app.command()

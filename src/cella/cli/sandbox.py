@@ -5,18 +5,24 @@ from __future__ import annotations
 import io
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
 from cella import errors
-from cella.cli._output import console, emit_json, out
+from cella.cli._output import Listing, console, emit_json, out
+from cella.models import Sandbox as SandboxInfo
 from cella.models import parse_pairs
 from cella.sdk import Client, Sandbox
 
-app = typer.Typer(help="Create, inspect, drive and remove sandboxes.", no_args_is_help=True)
+app = typer.Typer(
+    help="Create, inspect, drive and remove sandboxes.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
@@ -27,24 +33,38 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
         raise typer.BadParameter(exc.message) from None
 
 
+def listing(infos: Sequence[SandboxInfo]) -> Listing:
+    """The `sandbox ls` table: whole ids; on a narrow terminal labels and times wrap."""
+    table = Listing(
+        "id",
+        "state",
+        "template",
+        "vcpus",
+        "memory",
+        "accel",
+        "labels",
+        "created",
+        give_way={"labels": 6, "created": 10},
+    )
+    for i in infos:
+        table.add_row(
+            escape(i.id),
+            i.state.value,
+            escape(i.template),
+            str(i.vcpus),
+            f"{i.memory_mib} MiB",
+            escape(i.accel or ""),
+            escape(", ".join(f"{k}={v}" for k, v in i.labels.items())),
+            i.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    return table
+
+
 def _show(sandboxes: list[Sandbox], json_: bool) -> None:
     if json_:
         emit_json([s.info.model_dump(mode="json") for s in sandboxes])
         return
-    table = Table("id", "state", "template", "vcpus", "memory", "accel", "labels", "created")
-    for s in sandboxes:
-        i = s.info
-        table.add_row(
-            i.id,
-            i.state.value,
-            i.template,
-            str(i.vcpus),
-            f"{i.memory_mib} MiB",
-            i.accel or "",
-            ",".join(f"{k}={v}" for k, v in i.labels.items()),
-            i.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-        )
-    out.print(table)
+    out.print(listing([s.info for s in sandboxes]))
 
 
 @app.command()
@@ -282,17 +302,28 @@ def egress(
     if json_:
         emit_json([d.model_dump(mode="json") for d in log])
         return
-    table = Table("id", "time", "host", "port", "decision", "why", "request", "out", "in")
+    table = Listing(
+        "id",
+        "time",
+        "host",
+        "port",
+        "decision",
+        "why",
+        "request",
+        "out",
+        "in",
+        give_way={"why": 10, "request": 8, "host": 12},
+    )
     for d in log:
         request = " ".join(str(x) for x in (d.protocol, d.method, d.status) if x)
         table.add_row(
             str(d.id),
             d.at.strftime("%H:%M:%S"),
-            d.host,
+            escape(d.host),
             str(d.port),
             "[green]allow[/green]" if d.allowed else "[red]deny[/red]",
-            d.reason,
-            request + (f" +{','.join(d.credentials)}" if d.credentials else ""),
+            escape(d.reason),
+            escape(request + (f" +{','.join(d.credentials)}" if d.credentials else "")),
             "" if d.bytes_out is None else str(d.bytes_out),
             "" if d.bytes_in is None else str(d.bytes_in),
         )

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
-from cella.cli._output import console, emit_json, out
+from cella.cli._output import Listing, console, emit_json, out
+from cella.models import Secret
 from cella.sdk import Client
 
-app = typer.Typer(help="Manage secrets (write-only values).", no_args_is_help=True)
+app = typer.Typer(
+    help="Manage secrets (write-only values).", no_args_is_help=True, rich_markup_mode="markdown"
+)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
@@ -46,10 +50,22 @@ def list_(json_: JsonOpt = False) -> None:
     if json_:
         emit_json([s.model_dump(mode="json") for s in secrets])
         return
-    table = Table("name", "hosts", "auth", "updated")
+    out.print(listing(secrets))
+
+
+def listing(secrets: Sequence[Secret]) -> Listing:
+    """The `secret ls` table: whole names (they are what sandboxes refer to)."""
+    table = Listing(
+        "name", "hosts", "auth", "updated", ids=("name",), give_way={"hosts": 12, "updated": 10}
+    )
     for s in secrets:
-        table.add_row(s.name, ", ".join(s.hosts), s.auth or "", str(s.updated_at))
-    out.print(table)
+        table.add_row(
+            escape(s.name),
+            escape(", ".join(s.hosts)),
+            s.auth or "",
+            s.updated_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    return table
 
 
 @app.command()

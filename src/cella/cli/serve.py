@@ -14,11 +14,11 @@ def serve(
     accel: Annotated[str | None, typer.Option(help="auto, kvm or tcg.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning...")] = None,
 ) -> None:
-    """Run the cella daemon (REST API under /v1). Settings: see cella/server/settings.py."""
+    """Run the cella daemon (REST API under /v1). Settings: see cella/config.py."""
     import uvicorn
 
+    from cella.config import DaemonSettings as Settings
     from cella.server.app import create_app
-    from cella.server.settings import Settings
 
     given = {"listen": listen, "data_dir": data_dir, "accel": accel, "log_level": log_level}
     flags = {k: v for k, v in given.items() if v is not None}

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
-from cella.cli._output import console, emit_json, out
+from cella.cli._output import Listing, console, emit_json, out
 from cella.cli.sandbox import _show
+from cella.models import Snapshot as SnapshotInfo
 from cella.sdk import Client
 
-app = typer.Typer(help="Snapshots of sandboxes (disk and memory).", no_args_is_help=True)
+app = typer.Typer(
+    help="Snapshots of sandboxes (disk and memory).",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
@@ -23,20 +29,33 @@ def list_(json_: JsonOpt = False) -> None:
     if json_:
         emit_json([s.info.model_dump(mode="json") for s in snaps])
         return
-    table = Table("id", "name", "state", "from sandbox", "size", "paused", "created")
-    for s in snaps:
-        i = s.info
-        size = f"{(i.size_bytes or 0) >> 20} MiB"
+    out.print(listing([s.info for s in snaps]))
+
+
+def listing(infos: Sequence[SnapshotInfo]) -> Listing:
+    """The `snapshot ls` table: whole ids (its own and its sandbox's)."""
+    table = Listing(
+        "id",
+        "name",
+        "state",
+        "from sandbox",
+        "size",
+        "pause",
+        "created",
+        ids=("id", "from sandbox"),
+        give_way={"name": 4, "created": 10},
+    )
+    for i in infos:
         table.add_row(
-            i.id,
-            i.name,
+            escape(i.id),
+            escape(i.name),
             i.state.value,
-            i.sandbox_id,
-            size,
-            f"{i.paused_ms} ms",
+            escape(i.sandbox_id),
+            "" if i.size_bytes is None else f"{i.size_bytes >> 20} MiB",
+            "" if i.paused_ms is None else f"{i.paused_ms:.0f} ms",
             i.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
-    out.print(table)
+    return table
 
 
 @app.command()

@@ -34,6 +34,7 @@ from cella.guest.protocol import (
     fields,
     frame,
 )
+from cella.models.exec import ExecResult, OutputCollector
 
 _CLOSED = object()
 _READ_SIZE = 1 << 20
@@ -53,21 +54,6 @@ class Output:
 
 
 ExecEvent = Started | Output | ExitStatus
-
-
-@dataclass(slots=True)
-class ExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    signal: int | None = None
-    timed_out: bool = False
-    duration: float = 0.0
-    pid: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
 
 
 @dataclass(slots=True)
@@ -249,20 +235,13 @@ class AgentClient:
         tree (its cgroup) when it expires and reports `timed_out`.
         """
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
-        if not args:
-            raise errors.InvalidArgument("argv must not be empty")
         items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
-        for key, value in (env or {}).items():
-            if not key or "=" in key:
-                raise errors.InvalidArgument(f"invalid environment variable name {key!r}")
-            items.append((Field.ENV, f"{key}={value}"))
+        items += [(Field.ENV, f"{key}={value}") for key, value in (env or {}).items()]
         if cwd is not None:
             items.append((Field.CWD, cwd))
         if user is not None:
             items.append((Field.USER, user))
         if timeout is not None:
-            if timeout <= 0:
-                raise errors.InvalidArgument("timeout must be positive")
             items.append((Field.TIMEOUT_MS, max(1, int(timeout * 1000))))
         if stdin is not None:
             items.append((Field.STDIN, True))
@@ -318,36 +297,27 @@ class AgentClient:
         stdin: bytes | AsyncIterable[bytes] | None = None,
         timeout: float | None = None,
     ) -> ExecResult:
-        out, err = bytearray(), bytearray()
+        """Runs a command to completion; all of its output is kept."""
+        output = OutputCollector()
         start = time.perf_counter()
-        pid = 0
         status: ExitStatus | None = None
         async for event in self.exec_stream(
             argv, cwd=cwd, env=env, user=user, stdin=stdin, timeout=timeout
         ):
-            if isinstance(event, Started):
-                pid = event.pid
-            elif isinstance(event, Output):
-                (out if event.stream == "stdout" else err).extend(event.data)
-            else:
+            if isinstance(event, Output):
+                output.add(event.stream, event.data)
+            elif isinstance(event, ExitStatus):
                 status = event
         assert status is not None
-        return ExecResult(
-            exit_code=status.exit_code,
-            stdout=bytes(out),
-            stderr=bytes(err),
-            signal=status.signal,
-            timed_out=status.timed_out,
-            duration=time.perf_counter() - start,
-            pid=pid,
-        )
+        duration_ms = (time.perf_counter() - start) * 1000
+        return output.result(status.exit_code, status.signal, status.timed_out, duration_ms)
 
     # -- files ---------------------------------------------------------------------------
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
         cid, ch = self._open()
         try:
-            await self._send(cid, Msg.READ, fields([(Field.PATH, _abs(path))]))
+            await self._send(cid, Msg.READ, fields([(Field.PATH, path)]))
             while True:
                 reply, body = await self._next(ch, 60.0)
                 if reply == Msg.DATA:
@@ -374,7 +344,7 @@ class AgentClient:
     ) -> None:
         """Writes atomically: the guest writes a temporary file and renames it into place."""
         items: list[tuple[Field, bytes | str | int | bool]] = [
-            (Field.PATH, _abs(path)),
+            (Field.PATH, path),
             (Field.MODE, mode),
         ]
         if parents:
@@ -403,7 +373,7 @@ class AgentClient:
         cid, ch = self._open()
         entries: list[Entry] = []
         try:
-            await self._send(cid, Msg.LIST, fields([(Field.PATH, _abs(path))]))
+            await self._send(cid, Msg.LIST, fields([(Field.PATH, path)]))
             while True:
                 reply, body = await self._next(ch, 60.0)
                 if reply == Msg.DATA:
@@ -418,7 +388,7 @@ class AgentClient:
             self._release(cid)
 
     async def stat(self, path: str) -> Entry:
-        body = await self._expect_ok(Msg.STAT, fields([(Field.PATH, _abs(path))]))
+        body = await self._expect_ok(Msg.STAT, fields([(Field.PATH, path)]))
         entries = decode_entries(body)
         if len(entries) != 1:
             raise errors.AgentUnavailable("malformed stat reply")
@@ -426,7 +396,7 @@ class AgentClient:
 
     async def mkdir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None:
         items: list[tuple[Field, bytes | str | int | bool]] = [
-            (Field.PATH, _abs(path)),
+            (Field.PATH, path),
             (Field.MODE, mode),
         ]
         if parents:
@@ -434,15 +404,13 @@ class AgentClient:
         await self._expect_ok(Msg.MKDIR, fields(items))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        items: list[tuple[Field, bytes | str | int | bool]] = [(Field.PATH, _abs(path))]
+        items: list[tuple[Field, bytes | str | int | bool]] = [(Field.PATH, path)]
         if recursive:
             items.append((Field.RECURSIVE, True))
         await self._expect_ok(Msg.REMOVE, fields(items), timeout=300.0)
 
     async def chmod(self, path: str, mode: int) -> None:
-        await self._expect_ok(
-            Msg.CHMOD, fields([(Field.PATH, _abs(path)), (Field.MODE, mode & 0o7777)])
-        )
+        await self._expect_ok(Msg.CHMOD, fields([(Field.PATH, path), (Field.MODE, mode & 0o7777)]))
 
     async def tar_out(self, path: str) -> AsyncIterator[bytes]:
         """Streams the directory at `path` as an uncompressed tar archive."""
@@ -450,7 +418,7 @@ class AgentClient:
         if entry.kind != "dir":
             raise errors.NotADirectory(f"{path}: not a directory")
         stderr = bytearray()
-        async for event in self.exec_stream(["tar", "-c", "-C", _abs(path), "."]):
+        async for event in self.exec_stream(["tar", "-c", "-C", path, "."]):
             if isinstance(event, Output):
                 if event.stream == "stdout":
                     yield event.data
@@ -469,7 +437,7 @@ class AgentClient:
         """
         await self.mkdir(path, parents=True)
         result = await self.exec(
-            ["tar", "-x", "--no-same-owner", "-C", _abs(path)], stdin=archive, timeout=timeout
+            ["tar", "-x", "--no-same-owner", "-C", path], stdin=archive, timeout=timeout
         )
         if result.exit_code != 0:
             raise errors.InvalidArgument(
@@ -491,14 +459,6 @@ async def _chunks(data: bytes | AsyncIterable[bytes] | Iterable[bytes]) -> Async
         for piece in sources:
             for off in range(0, len(piece), CHUNK):
                 yield piece[off : off + CHUNK]
-
-
-def _abs(path: str) -> str:
-    if not path.startswith("/"):
-        raise errors.InvalidArgument(f"path must be absolute: {path!r}")
-    if "\x00" in path:
-        raise errors.InvalidArgument("path must not contain NUL bytes")
-    return path
 
 
 def _guest_error(body: bytes) -> errors.CellaError:

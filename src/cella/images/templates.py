@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 
 from cella import errors
 from cella._proc import Progress, quiet, run
+from cella.config import DaemonSettings
 from cella.paths import Paths
 
 # Bump when the build steps change in a way that changes the resulting image.
@@ -78,9 +79,10 @@ def find_template(paths: Paths, name: str) -> Path:
 
 
 def debian_mirror(suite: str) -> str:
-    """The host's own Debian mirror for `suite`, read from its apt sources."""
-    if env := os.environ.get("CELLA_DEBIAN_MIRROR"):
-        return env
+    """The configured mirror (`CELLA_DEBIAN_MIRROR`, see `cella.config`), else the host's own
+    Debian mirror for `suite`, read from its apt sources."""
+    if mirror := DaemonSettings().debian_mirror:
+        return mirror
     for source in _apt_sources():
         uri, suites, components = source
         if suite in suites and "main" in components:

@@ -4,11 +4,11 @@ from cella.models.exec import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    OutputCollector,
     decode_data,
     encode_data,
-    encode_pair,
 )
-from cella.models.files import ChmodRequest, FileEntry, MkdirRequest
+from cella.models.files import ChmodRequest, FileEntry, GuestPath, MkdirRequest, guest_path
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
 from cella.models.network import (
     EgressDecision,
@@ -46,12 +46,14 @@ __all__ = [
     "ExecResult",
     "FileEntry",
     "ForkRequest",
+    "GuestPath",
     "KeyCreate",
     "KeyCreated",
     "KeyInfo",
     "LineageNode",
     "MkdirRequest",
     "NetworkPolicy",
+    "OutputCollector",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",
@@ -66,6 +68,6 @@ __all__ = [
     "SnapshotState",
     "decode_data",
     "encode_data",
-    "encode_pair",
+    "guest_path",
     "parse_pairs",
 ]

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import posixpath
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
+
+
+def guest_path(path: str) -> str:
+    """Absolute, normalised, free of NUL bytes. The path is inside the guest's own file
+    system, so `..` cannot reach the host; it is normalised so errors name the real path."""
+    if "\x00" in path:
+        raise ValueError("path must not contain NUL bytes")
+    if not path.startswith("/"):
+        raise ValueError(f"path must be absolute: {path!r}")
+    return posixpath.normpath(path).replace("//", "/")
+
+
+GuestPath = Annotated[
+    str,
+    Field(min_length=1, max_length=4096, description="absolute guest path"),
+    AfterValidator(guest_path),
+]
 
 
 class FileEntry(BaseModel):
+    model_config = {"from_attributes": True}
+
     name: str
     kind: Literal["file", "dir", "symlink", "other"]
     mode: int
@@ -21,7 +41,7 @@ class FileEntry(BaseModel):
 class MkdirRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    path: str = Field(min_length=1, max_length=4096)
+    path: GuestPath
     parents: bool = False
     mode: int = Field(default=0o755, ge=0, le=0o7777)
 
@@ -29,5 +49,5 @@ class MkdirRequest(BaseModel):
 class ChmodRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    path: str = Field(min_length=1, max_length=4096)
+    path: GuestPath
     mode: int = Field(ge=0, le=0o7777)

@@ -20,6 +20,8 @@ class KeyCreated(BaseModel):
 
 
 class KeyInfo(BaseModel):
+    model_config = {"from_attributes": True}
+
     id: str
     tenant: str
     created_at: datetime

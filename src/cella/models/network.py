@@ -71,6 +71,8 @@ class SecretPut(BaseModel):
 
 
 class Secret(BaseModel):
+    model_config = {"from_attributes": True}
+
     name: str
     hosts: list[str]
     auth: Literal["bearer", "basic"] | None = None

@@ -52,6 +52,16 @@ class SandboxCreate(BaseModel):
         description="environment variable -> secret name; the guest sees a placeholder",
     )
 
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not re.match(LABEL_KEY, key):
+                raise ValueError(f"invalid label key {key!r} (letters, digits, ._/-; 1-63)")
+            if len(item) > 255:
+                raise ValueError(f"label {key!r}: value longer than 255 characters")
+        return value
+
     @field_validator("secrets")
     @classmethod
     def _secret_names(cls, value: dict[str, str]) -> dict[str, str]:
@@ -64,6 +74,8 @@ class SandboxCreate(BaseModel):
 
 
 class Sandbox(BaseModel):
+    model_config = {"from_attributes": True}
+
     id: str
     state: SandboxState
     template: str
@@ -95,7 +107,9 @@ class Sandbox(BaseModel):
     def _secret_refs(cls, value: Any) -> Any:
         # stored as env -> {secret, placeholder}; only the names are shown
         if isinstance(value, dict):
-            return {k: v["secret"] if isinstance(v, dict) else v for k, v in value.items()}
+            return {
+                k: v if isinstance(v, str) else getattr(v, "secret", v) for k, v in value.items()
+            }
         return value
 
 
@@ -104,6 +118,8 @@ class SandboxList(BaseModel):
 
 
 class Event(BaseModel):
+    model_config = {"from_attributes": True}
+
     id: int
     sandbox_id: str
     type: str
@@ -140,6 +156,8 @@ class SnapshotCreate(BaseModel):
 
 
 class Snapshot(BaseModel):
+    model_config = {"from_attributes": True}
+
     id: str
     name: str
     sandbox_id: str = Field(description="the sandbox it was taken from")

@@ -26,7 +26,7 @@ import cella
 from cella import errors
 from cella.network.install import mitmdump
 from cella.paths import Paths
-from cella.runtime.qemu.args import Egress
+from cella.runtime.contract import Egress
 
 log = logging.getLogger("cella.egress")
 ADDON = Path(__file__).with_name("addon.py")

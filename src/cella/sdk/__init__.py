@@ -4,8 +4,8 @@ The async side is written by hand in `_async/`; `_sync/` is generated from it
 (`python -m cella.sdk._generate`) and a test fails when the two drift.
 """
 
+from cella.models import ExecResult
 from cella.sdk._async.client import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSnapshot
-from cella.sdk._base import ExecResult
 from cella.sdk._sync.client import Client, Files, Sandbox, Snapshot
 
 __all__ = [

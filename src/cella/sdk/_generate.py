@@ -23,6 +23,7 @@ REPLACEMENTS = {
     "aiter_bytes": "iter_bytes",
     "aiter_lines": "iter_lines",
     "aread": "read",
+    "asynccontextmanager": "contextmanager",
     "_async": "_sync",
 }
 HEADER = "# Generated from ../_async by `python -m cella.sdk._generate`: do not edit.\n"

@@ -1,54 +1,37 @@
-"""The REST API under /v1 (FastAPI). Routes are thin: the service does the work."""
+"""The REST API under /v1 (FastAPI). Routes are thin: the daemon's service rooms do the work."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cella import errors
-from cella.paths import Paths
-from cella.server.auth import Principal, authenticate, ensure_admin_key
-from cella.server.settings import Settings
+from cella.config import DaemonSettings
 
 log = logging.getLogger("cella.server")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
+def create_app(settings: DaemonSettings | None = None) -> FastAPI:
+    settings = settings or DaemonSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from cella.runtime.qemu.driver import QemuDriver
-        from cella.service.sandboxes import SandboxService
-        from cella.store import Store
+        from cella.service.daemon import Daemon
 
-        paths = Paths(settings.data_dir, settings.image_dir)
-        paths.ensure()
-        store = Store(paths.root / "cella.db")
-        ensure_admin_key(store, paths.root)
-        # VMs outlive the daemon so that a restart (or crash) re-adopts them
-        driver = QemuDriver(paths, settings.accel, die_with_parent=False)
-        await driver.prepare()
-        service = SandboxService(settings, store, driver)
-        app.state.store = store
-        app.state.service = service
-        await service.recover()
-        await service.start()
-        host, port = settings.host_port
-        (paths.root / "daemon.json").write_text(json.dumps({"url": f"http://{host}:{port}"}))
+        daemon = Daemon.open(settings)
+        app.state.daemon = daemon
         try:
+            await daemon.start()
             yield
         finally:
-            await service.shutdown()
-            store.close()
+            await daemon.shutdown()
 
     app = FastAPI(
         title="cella",
@@ -70,24 +53,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
         """Liveness, and the accelerator this host uses (no key needed)."""
-        service = getattr(app.state, "service", None)
-        accel = service.driver.accel if service else None
-        return {
-            "ok": True,
-            "accel": accel.accel if accel else None,
-            "accel_reason": accel.reason if accel else None,
-            "pool": service.pool.status() if service else {},
-            "pool_size": service.pool.size if service else 0,
-        }
+        daemon = getattr(app.state, "daemon", None)
+        if daemon is None:
+            return {"ok": True, "accel": None, "accel_reason": None, "pool": {}, "pool_size": 0}
+        return daemon.health()  # type: ignore[no-any-return]
 
     return app
-
-
-def principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    return authenticate(request.app.state.store, authorization)
-
-
-Auth = Annotated[Principal, Depends(principal)]
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -121,7 +92,3 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return JSONResponse(error_body("internal", f"{type(exc).__name__}"), status_code=500)
-
-
-def jsonl(obj: Any) -> bytes:
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()

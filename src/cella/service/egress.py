@@ -1,5 +1,6 @@
-"""Egress for sandboxes: each VM's policy and secrets in the proxy, the guest's side of it
-(proxy variables, the deployment CA, placeholders) and the tenant's secret store."""
+"""Egress for sandboxes: owns the egress proxy, each VM's policy and secrets in it, the
+guest's side of it (proxy variables, the deployment CA, placeholders), network policy
+changes, the egress decision log and the tenant's secret store."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import secrets as tokens
 from typing import Any
 
 from cella import errors
+from cella.config import DaemonSettings
+from cella.models import NetworkPolicy, SecretPut
 from cella.network.proxy import EgressProxy
-from cella.paths import Paths
-from cella.runtime.qemu.args import EGRESS_ADDR, PROXY_PORT, Egress
-from cella.runtime.qemu.vm import QemuVM
-from cella.server.settings import Settings
-from cella.store import Store
-from cella.telemetry.events import EventLog
+from cella.runtime.contract import VM, Egress
+from cella.runtime.qemu.args import EGRESS_ADDR, PROXY_PORT
+from cella.service.registry import Registry
+from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
 GUEST_CA = "/usr/local/share/ca-certificates/cella-egress.crt"
@@ -48,11 +49,12 @@ CA_ENV = {
 
 
 class SandboxEgress:
-    def __init__(self, settings: Settings, store: Store, paths: Paths, events: EventLog) -> None:
-        self.store = store
-        self.events = events
+    def __init__(self, settings: DaemonSettings, registry: Registry) -> None:
+        self.registry = registry
+        self.store = registry.store
+        self.events = registry.events
         self.proxy = EgressProxy(
-            paths,
+            registry.driver.paths,
             port=settings.egress_port,
             hosts=settings.egress_host_table(),
             upstream_ca=settings.egress_upstream_ca,
@@ -79,58 +81,59 @@ class SandboxEgress:
         """Forwards for a VM about to start; its address reaches nothing until `attach`."""
         return self.proxy.egress_for()
 
-    def release_on_exit(self, vm: QemuVM) -> QemuVM:
-        if vm.config.egress is not None:
-            addr = vm.config.egress.source_addr
+    def release_on_exit(self, vm: VM) -> VM:
+        """The VM's source address is taken until it ends."""
+        if vm.egress is not None:
+            addr = vm.egress.source_addr
             self.proxy.addresses.claim(addr)
             vm.exit_hooks.append(lambda: self.proxy.drop(addr))
         return vm
 
-    def attach(self, vm: QemuVM, row: dict[str, Any]) -> None:
+    def attach(self, vm: VM, row: SandboxRecord) -> None:
         """Gives the VM's address the sandbox's policy and secrets (again, after changes)."""
-        if vm.config.egress is None:
+        if vm.egress is None:
             return
-        if vm.config.egress.proxy_port != self.proxy.port:
+        if vm.egress.proxy_port != self.proxy.port:
             log.warning(
                 "%s forwards to port %d, the proxy is on %d: it has no network",
-                row["id"],
-                vm.config.egress.proxy_port,
+                row.id,
+                vm.egress.proxy_port,
                 self.proxy.port,
             )
         self.proxy.set(
-            vm.config.egress.source_addr,
-            row["id"],
-            list(row["network"]["allow"]),
-            list(row["network"]["deny"]),
+            vm.egress.source_addr,
+            row.id,
+            list(row.network.allow),
+            list(row.network.deny),
             self._bindings(row),
         )
 
-    def _bindings(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+    def _bindings(self, row: SandboxRecord) -> list[dict[str, Any]]:
         out = []
-        for ref in row["secrets"].values():
-            secret = self.store.get_secret(row["tenant"], ref["secret"])
+        for ref in row.secrets.values():
+            secret = self.store.get_secret(row.tenant, ref.secret)
             if secret is None:
                 continue  # deleted since: the placeholder stays a placeholder
             out.append(
                 {
-                    "name": ref["secret"],
-                    "placeholder": ref["placeholder"],
-                    "value": secret["value"],
-                    "hosts": secret["hosts"],
+                    "name": ref.secret,
+                    "placeholder": ref.placeholder,
+                    "value": secret.value,
+                    "hosts": secret.hosts,
                     "header": _auth_header(secret),
                 }
             )
         return out
 
-    def guest_env(self, row: dict[str, Any]) -> dict[str, str]:
+    def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
-        if row["secrets"]:
+        if row.secrets:
             env |= CA_ENV
-        for name, ref in row["secrets"].items():
-            env[name] = ref["placeholder"]
+        for name, ref in row.secrets.items():
+            env[name] = ref.placeholder
         return env
 
-    async def trust_ca(self, vm: QemuVM) -> None:
+    async def trust_ca(self, vm: VM) -> None:
         """Makes the guest trust the deployment's CA. Only sandboxes with secrets need it
         (nothing else is intercepted), and it costs a create ~0.2 s under TCG."""
         if self._ca is None:
@@ -147,27 +150,34 @@ class SandboxEgress:
 
     # -- secrets ------------------------------------------------------------------------
 
-    def bind_secrets(self, tenant: str, wanted: dict[str, str]) -> dict[str, dict[str, str]]:
-        """env -> {secret, placeholder} for a new sandbox; every secret must exist."""
+    def bind_secrets(self, tenant: str, wanted: dict[str, str]) -> dict[str, SecretRef]:
+        """env -> its secret and a fresh placeholder, for a new sandbox; every secret must
+        exist."""
         refs = {}
         for env, name in wanted.items():
             if self.store.get_secret(tenant, name) is None:
                 raise errors.InvalidArgument(f"no secret {name!r} (for {env})")
-            refs[env] = {"secret": name, "placeholder": f"cella-secret-{tokens.token_hex(16)}"}
+            refs[env] = SecretRef(name, f"cella-secret-{tokens.token_hex(16)}")
         return refs
 
-    def get_secret(self, tenant: str, name: str) -> dict[str, Any]:
+    def get_secret(self, tenant: str, name: str) -> SecretRecord:
+        """The secret's record: callers show it without `value` (never returned)."""
         row = self.store.get_secret(tenant, name)
         if row is None:
             raise errors.NotFound(f"no secret {name!r}")
-        return _public(row)
+        return row
 
-    def list_secrets(self, tenant: str) -> list[dict[str, Any]]:
-        return [_public(r) for r in self.store.list_secrets(tenant)]
+    def list_secrets(self, tenant: str) -> list[SecretRecord]:
+        return self.store.list_secrets(tenant)
 
-    def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
-        self.store.put_secret(tenant, name, fields)
+    def put_secret(self, tenant: str, name: str, body: SecretPut) -> SecretRecord:
+        """Stores a secret; running sandboxes that use it get the new value at once."""
+        self.store.put_secret(tenant, name, body.value, body.hosts, body.auth, body.username)
         self.events.secrets_changed(tenant)
+        for sandbox_id, vm in self.registry.vms().items():
+            row = self.store.get_sandbox(sandbox_id)
+            if row and row.tenant == tenant and any(r.secret == name for r in row.secrets.values()):
+                self.attach(vm, row)
         return self.get_secret(tenant, name)
 
     def delete_secret(self, tenant: str, name: str) -> None:
@@ -175,15 +185,33 @@ class SandboxEgress:
             raise errors.NotFound(f"no secret {name!r}")
         self.events.secrets_changed(tenant)
 
+    # -- policy and log -------------------------------------------------------------------
 
-def _public(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k not in ("value", "tenant")}
+    def set_network(self, tenant: str, sandbox_id: str, policy: NetworkPolicy) -> SandboxRecord:
+        """Changes where a sandbox may connect; a running one gets it for its next
+        connection."""
+        self.registry.get(tenant, sandbox_id)
+        self.registry.update(sandbox_id, network=policy)
+        row = self.registry.get(tenant, sandbox_id)
+        vm = self.registry.vm(sandbox_id)
+        if vm is not None:
+            self.attach(vm, row)
+        self.events.emit(sandbox_id, "network_changed", policy.model_dump())
+        return row
+
+    def log(
+        self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Every connection the sandbox tried, from its trace."""
+        self.registry.owned(tenant, sandbox_id)
+        rows = self.store.events(sandbox_id, after, limit, ["egress"])
+        return [{"id": r.id, "at": r.at, **r.data} for r in rows]
 
 
-def _auth_header(secret: dict[str, Any]) -> list[str] | None:
-    if secret.get("auth") == "bearer":
-        return ["Authorization", f"Bearer {secret['value']}"]
-    if secret.get("auth") == "basic":
-        pair = f"{secret.get('username') or 'x-access-token'}:{secret['value']}"
+def _auth_header(secret: SecretRecord) -> list[str] | None:
+    if secret.auth == "bearer":
+        return ["Authorization", f"Bearer {secret.value}"]
+    if secret.auth == "basic":
+        pair = f"{secret.username or 'x-access-token'}:{secret.value}"
         return ["Authorization", "Basic " + base64.b64encode(pair.encode()).decode()]
     return None

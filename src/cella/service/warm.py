@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -18,10 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
-from cella.images.templates import find_template
-from cella.runtime.qemu.args import Egress
-from cella.runtime.qemu.driver import QemuDriver
-from cella.runtime.qemu.vm import QemuVM
+from cella.runtime.contract import VM, Driver, Egress
 from cella.storage.snapshots import SnapshotDir
 
 log = logging.getLogger("cella.warm")
@@ -44,7 +40,7 @@ def new_sandbox_id() -> str:
 class WarmSnapshots:
     """Template snapshots in the shared image cache, keyed by everything they depend on."""
 
-    def __init__(self, driver: QemuDriver, boot_timeout: float = 60.0) -> None:
+    def __init__(self, driver: Driver, boot_timeout: float = 60.0) -> None:
         self.driver = driver
         self.boot_timeout = boot_timeout
         self._locks: dict[Shape, asyncio.Lock] = {}
@@ -53,21 +49,8 @@ class WarmSnapshots:
     def location(self, shape: Shape) -> SnapshotDir:
         if shape in self._where:
             return self._where[shape]
-        d = self.driver
-        base = find_template(d.paths, shape.template)
-        meta = d._snapshot_meta(shape.vcpus, shape.memory_mib)
-        key = "|".join(
-            [
-                base.name,
-                meta["kernel"],
-                meta["initrd"],
-                meta["accel"],
-                str(shape.vcpus),
-                str(shape.memory_mib),
-            ]
-        )
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        where = SnapshotDir(d.paths.images / "snapshots" / f"{shape.template}-{digest}")
+        key = self.driver.warm_key(shape.template, shape.vcpus, shape.memory_mib)
+        where = SnapshotDir(self.driver.paths.images / "snapshots" / f"{shape.template}-{key}")
         self._where[shape] = where
         return where
 
@@ -109,7 +92,7 @@ class WarmSnapshots:
 @dataclass
 class _Pool:
     shape: Shape
-    ready: list[QemuVM] = field(default_factory=list)
+    ready: list[VM] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -123,12 +106,12 @@ class WarmPool:
 
     def __init__(
         self,
-        driver: QemuDriver,
+        driver: Driver,
         snapshots: WarmSnapshots,
         size: int,
         *,
         egress: Callable[[], Egress] | None = None,
-        prepare: Callable[[QemuVM], Awaitable[None]] | None = None,
+        prepare: Callable[[VM], Awaitable[None]] | None = None,
     ) -> None:
         self.driver = driver
         self.snapshots = snapshots
@@ -149,12 +132,12 @@ class WarmPool:
         pool = self._pools.get(shape)
         return len(pool.ready) if pool else 0
 
-    def claim(self, shape: Shape) -> QemuVM | None:
+    def claim(self, shape: Shape) -> VM | None:
         pool = self._pools.get(shape)
         while pool is not None and pool.ready:
             vm = pool.ready.pop(0)
             pool.wake.set()
-            if vm.running and vm._agent is not None and not vm._agent.closed:
+            if vm.usable:
                 return vm
             self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
         return None

@@ -1,5 +1,21 @@
-"""SQLite state: the only module that touches the database."""
+"""SQLite state: the only module that touches the database. It speaks in typed records."""
 
 from cella.store.db import Store
+from cella.store.records import (
+    EventRecord,
+    KeyRecord,
+    SandboxRecord,
+    SecretRecord,
+    SecretRef,
+    SnapshotRecord,
+)
 
-__all__ = ["Store"]
+__all__ = [
+    "EventRecord",
+    "KeyRecord",
+    "SandboxRecord",
+    "SecretRecord",
+    "SecretRef",
+    "SnapshotRecord",
+    "Store",
+]

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cella.models.network import NetworkPolicy
+from cella.models.sandbox import SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
+from cella.store.records import (
+    EventRecord,
+    KeyRecord,
+    SandboxRecord,
+    SecretRecord,
+    SecretRef,
+    SnapshotRecord,
+)
 
 
 def now() -> str:
@@ -54,16 +66,15 @@ class Store:
             (key_id, tenant, key_hash, int(admin), now()),
         )
 
-    def key_by_hash(self, key_hash: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self._exec(
+    def key_by_hash(self, key_hash: str) -> KeyRecord | None:
+        row = self._exec(
             "SELECT * FROM api_keys WHERE hash = ? AND revoked_at IS NULL", (key_hash,)
         ).fetchone()
-        return row
+        return _key(row) if row else None
 
-    def list_keys(self) -> list[sqlite3.Row]:
-        return self._exec(
-            "SELECT * FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at"
-        ).fetchall()
+    def list_keys(self) -> list[KeyRecord]:
+        rows = self._exec("SELECT * FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at")
+        return [_key(r) for r in rows.fetchall()]
 
     def revoke_key(self, key_id: str) -> bool:
         cur = self._exec(
@@ -75,7 +86,6 @@ class Store:
     # -- rows with a lifecycle (sandboxes, snapshots) -------------------------------------
 
     def _insert(self, table: str, row: dict[str, Any]) -> None:
-        row = {**row, "created_at": now(), "updated_at": now()}
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         self._exec(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(row.values()))
@@ -91,46 +101,53 @@ class Store:
         ).fetchone()
         return row
 
-    def _list(self, table: str, tenant: str | None, states: list[str] | None) -> list[sqlite3.Row]:
+    def _list(self, table: str, tenant: str | None, states: Iterable[str] | None) -> list[Any]:
         sql = f"SELECT * FROM {table} WHERE 1=1"
         args: list[Any] = []
         if tenant is not None:
             sql += " AND tenant = ?"
             args.append(tenant)
-        if states:
+        if states is not None:
+            states = list(states)
             sql += f" AND state IN ({', '.join('?' for _ in states)})"
             args.extend(states)
         return self._exec(sql + " ORDER BY created_at", tuple(args)).fetchall()
 
-    def insert_sandbox(self, row: dict[str, Any]) -> None:
-        self._insert("sandboxes", _encode(row))
+    def insert_sandbox(self, record: SandboxRecord) -> SandboxRecord:
+        """Stores a new sandbox; its timestamps are set here."""
+        record.created_at = record.updated_at = now()
+        self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
+        return record
 
     def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
         self._update("sandboxes", sandbox_id, _encode(fields))
 
-    def get_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
+    def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._get("sandboxes", sandbox_id)
         return _sandbox(row) if row else None
 
     def list_sandboxes(
-        self, tenant: str | None = None, states: list[str] | None = None
-    ) -> list[dict[str, Any]]:
+        self, tenant: str | None = None, states: Iterable[str] | None = None
+    ) -> list[SandboxRecord]:
+        """Sandboxes, oldest first; `states=None` means all (the deleted ones too)."""
         return [_sandbox(r) for r in self._list("sandboxes", tenant, states)]
 
-    def insert_snapshot(self, row: dict[str, Any]) -> None:
-        self._insert("snapshots", row)
+    def insert_snapshot(self, record: SnapshotRecord) -> SnapshotRecord:
+        record.created_at = record.updated_at = now()
+        self._insert("snapshots", dataclasses.asdict(record))
+        return record
 
     def update_snapshot(self, snapshot_id: str, **fields: Any) -> None:
         self._update("snapshots", snapshot_id, fields)
 
-    def get_snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
+    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
         row = self._get("snapshots", snapshot_id)
-        return dict(row) if row else None
+        return _snapshot(row) if row else None
 
     def list_snapshots(
-        self, tenant: str | None = None, states: list[str] | None = None
-    ) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._list("snapshots", tenant, states)]
+        self, tenant: str | None = None, states: Iterable[str] | None = None
+    ) -> list[SnapshotRecord]:
+        return [_snapshot(r) for r in self._list("snapshots", tenant, states)]
 
     def snapshot_users(self, snapshot_id: str) -> tuple[list[str], list[str]]:
         """Live sandboxes whose disk sits on the snapshot, and snapshots built on it."""
@@ -166,63 +183,93 @@ class Store:
         after: int = 0,
         limit: int = 1000,
         types: list[str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[EventRecord]:
         sql = "SELECT * FROM events WHERE sandbox_id = ? AND id > ?"
         args: tuple[Any, ...] = (sandbox_id, after)
         if types:
             sql += f" AND type IN ({', '.join('?' for _ in types)})"
             args += tuple(types)
         rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return [EventRecord(**{**dict(r), "data": json.loads(r["data"])}) for r in rows]
 
     # -- secrets (values are read only to hand them to the egress proxy) ------------------
 
-    def put_secret(self, tenant: str, name: str, fields: dict[str, Any]) -> None:
-        row = {**fields, "hosts": json.dumps(fields["hosts"])}
+    def put_secret(
+        self,
+        tenant: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        auth: str | None,
+        username: str | None,
+    ) -> None:
         stamp = now()
         self._exec(
             "INSERT INTO secrets (tenant, name, value, hosts, auth, username, created_at, "
             "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE "
             "SET value = excluded.value, hosts = excluded.hosts, auth = excluded.auth, "
             "username = excluded.username, updated_at = excluded.updated_at",
-            (
-                tenant,
-                name,
-                row["value"],
-                row["hosts"],
-                row.get("auth"),
-                row.get("username"),
-                stamp,
-                stamp,
-            ),
+            (tenant, name, value, json.dumps(hosts), auth, username, stamp, stamp),
         )
 
-    def get_secret(self, tenant: str, name: str) -> dict[str, Any] | None:
+    def get_secret(self, tenant: str, name: str) -> SecretRecord | None:
         row = self._exec(
             "SELECT * FROM secrets WHERE tenant = ? AND name = ?", (tenant, name)
         ).fetchone()
-        return {**dict(row), "hosts": json.loads(row["hosts"])} if row else None
+        return _secret(row) if row else None
 
-    def list_secrets(self, tenant: str) -> list[dict[str, Any]]:
+    def list_secrets(self, tenant: str) -> list[SecretRecord]:
         rows = self._exec(
             "SELECT * FROM secrets WHERE tenant = ? ORDER BY name", (tenant,)
         ).fetchall()
-        return [{**dict(r), "hosts": json.loads(r["hosts"])} for r in rows]
+        return [_secret(r) for r in rows]
 
     def delete_secret(self, tenant: str, name: str) -> bool:
         cur = self._exec("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))
         return cur.rowcount > 0
 
 
-_JSON_COLUMNS = ("labels", "network", "secrets")
+def _json_of(record: SandboxRecord) -> dict[str, Any]:
+    return {
+        "network": record.network.model_dump(),
+        "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
+    }
 
 
-def _encode(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: json.dumps(v) if k in _JSON_COLUMNS else v for k, v in row.items()}
-
-
-def _sandbox(row: sqlite3.Row) -> dict[str, Any]:
-    out = dict(row)
-    for key in _JSON_COLUMNS:
-        out[key] = json.loads(out[key])
+def _encode(fields: dict[str, Any]) -> dict[str, Any]:
+    """Column values for SQLite: JSON columns as text."""
+    out = dict(fields)
+    if isinstance(out.get("network"), NetworkPolicy):
+        out["network"] = out["network"].model_dump()
+    if "secrets" in out:
+        out["secrets"] = {
+            k: dataclasses.asdict(v) if isinstance(v, SecretRef) else v
+            for k, v in out["secrets"].items()
+        }
+    for key in ("labels", "network", "secrets"):
+        if key in out:
+            out[key] = json.dumps(out[key])
     return out
+
+
+def _sandbox(row: sqlite3.Row) -> SandboxRecord:
+    out = dict(row)
+    out["labels"] = json.loads(out["labels"])
+    out["network"] = NetworkPolicy.model_validate(json.loads(out["network"]))
+    out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
+    out["state"] = SandboxState(out["state"])
+    return SandboxRecord(**out)
+
+
+def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
+    out = dict(row)
+    out["state"] = SnapshotState(out["state"])
+    return SnapshotRecord(**out)
+
+
+def _secret(row: sqlite3.Row) -> SecretRecord:
+    return SecretRecord(**{**dict(row), "hosts": json.loads(row["hosts"])})
+
+
+def _key(row: sqlite3.Row) -> KeyRecord:
+    return KeyRecord(**{**dict(row), "admin": bool(row["admin"])})

@@ -50,17 +50,19 @@ class EventLog:
 
     def _pairs(self, sandbox_id: str) -> list[tuple[str, str]]:
         if sandbox_id not in self._placeholders:
-            row = self.store.get_sandbox(sandbox_id) or {"tenant": "", "secrets": {}}
-            marks = [
-                (ref["placeholder"], f"[secret:{ref['secret']}]") for ref in row["secrets"].values()
-            ]
-            self._placeholders[sandbox_id] = (row["tenant"], marks)
+            row = self.store.get_sandbox(sandbox_id)
+            marks = (
+                [(r.placeholder, f"[secret:{r.secret}]") for r in row.secrets.values()]
+                if row
+                else []
+            )
+            self._placeholders[sandbox_id] = (row.tenant if row else "", marks)
         tenant, marks = self._placeholders[sandbox_id]
         if tenant not in self._tenant_values:
             self._tenant_values[tenant] = [
-                (s["value"], f"[secret:{s['name']}]")
+                (s.value, f"[secret:{s.name}]")
                 for s in self.store.list_secrets(tenant)
-                if len(s["value"]) >= MIN_REDACTED
+                if len(s.value) >= MIN_REDACTED
             ]
         pairs = marks + self._tenant_values[tenant]
         return sorted(pairs, key=lambda p: -len(p[0]))  # a longer secret may contain a shorter

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from cella.runtime.contract import Egress
+
 Accel = Literal["kvm", "tcg"]
 QEMU = "qemu-system-x86_64"
 AGENT_PORT = "cella.agent"
@@ -16,15 +18,6 @@ GUEST_NET = "10.0.2.0/24"
 EGRESS_ADDR = "10.0.2.100"
 EGRESS_PORTS = (80, 443, 3128)  # transparent HTTP, transparent TLS, explicit proxy
 PROXY_PORT = 3128
-
-
-@dataclass(frozen=True, slots=True)
-class Egress:
-    """Where this VM's forwarded connections go: the proxy's port on the host, from a
-    loopback source address that is this VM's alone (it tells the proxy who is asking)."""
-
-    proxy_port: int
-    source_addr: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import hashlib
 import os
 import secrets
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +19,15 @@ from cella.images.boot import BootImage, ensure_boot
 from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
+from cella.runtime.contract import VM, Egress
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
-from cella.runtime.qemu.args import QEMU, Egress, VMConfig, egress_of
+from cella.runtime.qemu.args import QEMU, VMConfig, egress_of
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
-from cella.runtime.qemu.vm import QemuVM, VMFiles, qemu_cmdline, socket_dir
-from cella.storage.overlay import create_overlay
+from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
+from cella.storage.overlay import create_overlay, image_info
 from cella.storage.snapshots import SnapshotDir
 
-MIN_MEMORY_MIB = 128  # the cloud kernel panics at 64 MiB
-MAX_MEMORY_MIB = 256 * 1024
-MAX_VCPUS = 64
+MIN_MEMORY_MIB = 128  # the shape of an adopted VM whose command line says nothing
 DISK = "disk.qcow2"
 
 
@@ -38,17 +41,11 @@ def _memory_mib(argv: list[str]) -> int:
     return int(value.rstrip("M"))
 
 
-def validate_resources(vcpus: int, memory_mib: int) -> None:
-    if not 1 <= vcpus <= MAX_VCPUS:
-        raise errors.InvalidArgument(f"vcpus must be between 1 and {MAX_VCPUS}, got {vcpus}")
-    if not MIN_MEMORY_MIB <= memory_mib <= MAX_MEMORY_MIB:
-        raise errors.InvalidArgument(
-            f"memory_mib must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB}, got {memory_mib}"
-        )
-
-
 class QemuDriver:
-    """Boots microVMs from templates. `prepare()` once, then `boot()` many times."""
+    """Boots microVMs from templates. `prepare()` once, then `boot()` many times.
+
+    Implements `cella.runtime.contract.Driver`; shapes (vCPUs, RAM) are validated by the
+    request models before they get here."""
 
     def __init__(
         self, paths: Paths, accel: AccelMode = "auto", *, die_with_parent: bool = True
@@ -97,7 +94,6 @@ class QemuDriver:
         egress: Egress | None = None,
     ) -> QemuVM:
         """A new VM on a fresh overlay of the template (removed again if the boot fails)."""
-        validate_resources(vcpus, memory_mib)
         base = find_template(self.paths, template)
         name = name or f"vm-{secrets.token_hex(6)}"
         directory = self.paths.vms / name
@@ -126,7 +122,6 @@ class QemuDriver:
         egress: Egress | None = None,
     ) -> QemuVM:
         """Boots a VM on the overlay already in `directory` (create, or resume after stop)."""
-        validate_resources(vcpus, memory_mib)
         if self._boot is None or self._accel is None:
             await self.prepare()
         assert self._boot is not None and self._accel is not None
@@ -197,7 +192,6 @@ class QemuDriver:
         boot_timeout: float = 60.0,
     ) -> dict[str, Any]:
         """The warm snapshot new sandboxes of this template and shape restore from."""
-        validate_resources(vcpus, memory_mib)
         await self._ensure_prepared()
         base = find_template(self.paths, template)
         meta = self._snapshot_meta(vcpus, memory_mib, template=template)
@@ -210,10 +204,11 @@ class QemuDriver:
         )
 
     async def snapshot_vm(
-        self, vm: QemuVM, dest: SnapshotDir, **meta: Any
+        self, vm: VM, dest: SnapshotDir, **meta: Any
     ) -> tuple[dict[str, Any], float]:
         """Snapshots a running VM (disk and memory); returns the manifest and pause time."""
         await self._ensure_prepared()
+        assert isinstance(vm, QemuVM)
         cfg = vm.config
         full_meta = {
             **self._snapshot_meta(cfg.vcpus, cfg.memory_mib),
@@ -279,9 +274,10 @@ class QemuDriver:
         if self._boot is None or self._accel is None:
             await self.prepare()
 
-    def stray_qemu_pids(self, keep: set[int]) -> list[int]:
-        """QEMU processes running VMs of this data directory that nothing owns."""
-        marker = f"file={self.paths.vms}/"
+    def stray_pids(self, keep: set[int], directory: Path | None = None) -> list[int]:
+        """QEMU processes running VMs of this data directory (or only the VM in
+        `directory`) that nothing owns."""
+        marker = f"file={directory or self.paths.vms}/"
         strays = []
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) not in keep:
@@ -290,7 +286,40 @@ class QemuDriver:
                     strays.append(int(entry))
         return strays
 
-    async def destroy(self, vm: QemuVM) -> None:
+    async def kill_pid(self, pid: int, directory: Path | None = None) -> None:
+        """SIGKILLs a left-behind QEMU and waits for it to go. With `directory`, only if it
+        still runs that VM (the pid may have been reused)."""
+        if directory is not None and f"file={directory}/" not in " ".join(qemu_cmdline(pid)):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(250):
+            if not pid_alive(pid):
+                return
+            await asyncio.sleep(0.02)
+
+    def template_disk_mib(self, template: str) -> int:
+        size = image_info(find_template(self.paths, template))["virtual-size"]
+        return int(str(size)) >> 20
+
+    def warm_key(self, template: str, vcpus: int, memory_mib: int) -> str:
+        meta = self._snapshot_meta(vcpus, memory_mib)
+        parts = [find_template(self.paths, template).name, meta["kernel"], meta["initrd"]]
+        parts += [meta["accel"], str(vcpus), str(memory_mib)]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def cpu_seconds(self, vm: VM) -> float | None:
+        if vm.pid is None:
+            return None
+        return self.cpu.cpu_seconds(vm.name) or _proc_cpu(vm.pid)
+
+    def host_memory_mib(self, vm: VM) -> float | None:
+        return _pss_mib(vm.pid) if vm.pid is not None else None
+
+    def clear_sockets(self, directory: Path) -> None:
+        shutil.rmtree(socket_dir(directory), ignore_errors=True)
+
+    async def destroy(self, vm: VM) -> None:
         """Kills the VM and frees its overlay and sockets."""
         await vm.kill()
         if vm.directory is not None:
@@ -299,9 +328,27 @@ class QemuDriver:
     def remove_directory(self, directory: Path) -> None:
         """Removes a VM's directory (overlay, console log) and its socket directory."""
         if directory.resolve().is_relative_to(self.paths.vms.resolve()):
-            shutil.rmtree(socket_dir(directory), ignore_errors=True)
+            self.clear_sockets(directory)
             shutil.rmtree(directory, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """VM directories on disk (for tests and recovery)."""
         return sorted(os.listdir(self.paths.vms)) if self.paths.vms.exists() else []
+
+
+def _proc_cpu(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

@@ -18,6 +18,7 @@ from qemu.qmp import QMPClient
 
 from cella import errors
 from cella.guest.client import AgentClient
+from cella.runtime.contract import Egress
 from cella.runtime.qemu.args import VMConfig, host_tsc_khz, qemu_argv
 
 _PR_SET_PDEATHSIG = 1
@@ -59,6 +60,22 @@ class QemuVM:
         return self.config.accel
 
     @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def vcpus(self) -> int:
+        return self.config.vcpus
+
+    @property
+    def memory_mib(self) -> int:
+        return self.config.memory_mib
+
+    @property
+    def egress(self) -> Egress | None:
+        return self.config.egress
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else self._adopted_pid
 
@@ -73,6 +90,18 @@ class QemuVM:
         if self.process is not None:
             return self.process.returncode is None
         return self._adopted_pid is not None and pid_alive(self._adopted_pid)
+
+    @property
+    def usable(self) -> bool:
+        return self.running and self._agent is not None and not self._agent.closed
+
+    async def exit_reason(self) -> str:
+        if self.process is None:
+            return "QEMU ended" + self._console_hint()
+        return await self._exit_reason()
+
+    async def detach(self) -> None:
+        await self._close_channels()
 
     @classmethod
     async def adopt(

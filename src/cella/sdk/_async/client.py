@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from types import TracebackType
@@ -14,6 +15,7 @@ from cella.models import (
     EgressDecision,
     Event,
     ExecEvent,
+    ExecResult,
     FileEntry,
     LineageNode,
     SandboxUsage,
@@ -23,7 +25,6 @@ from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
-    ExecResult,
     create_body,
     exec_body,
     raise_for,
@@ -32,8 +33,8 @@ from cella.sdk._base import (
 
 
 class AsyncClient:
-    """A connection to a cella daemon. Reads `CELLA_URL` and `CELLA_API_KEY` (or, on the
-    daemon's own host, its address file and local admin key)."""
+    """A connection to a cella daemon. Without arguments: `CELLA_URL` and `CELLA_API_KEY`,
+    else (on the daemon's own host) the address file and admin key in `CELLA_DATA_DIR`."""
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
@@ -63,6 +64,14 @@ class AsyncClient:
         response = await self._http.request(method, path, **kwargs)
         raise_for(response.status_code, response.content)
         return response
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx2.Response]:
+        """A streamed response (an error response raises its typed error first)."""
+        async with self._http.stream(method, path, **kwargs) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, await response.aread())
+            yield response
 
     # -- sandboxes -----------------------------------------------------------------------
 
@@ -152,14 +161,12 @@ class AsyncClient:
             ("follow", "true"),
         ]
         params += [("type", t) for t in types or []]
-        async with self._http.stream(
+        async with self.stream(
             "GET",
             f"/v1/sandboxes/{sandbox_id}/events/stream",
             params=params,
             timeout=httpx2.Timeout(None, connect=10.0),
         ) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, await response.aread())
             async for line in response.aiter_lines():
                 if line.strip():
                     yield Event.model_validate(json.loads(line))
@@ -251,6 +258,21 @@ class AsyncSandbox:
         sandbox._owns_client = own
         return sandbox
 
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, client: AsyncClient | None = None) -> AsyncSandbox:
+        """Attaches to an existing sandbox; without a client, one is made from the environment.
+        As with `create`, leaving the `with` block deletes the sandbox (and closes that client)."""
+        own = client is None
+        client = client or AsyncClient()
+        try:
+            sandbox = await client.get(sandbox_id)
+        except BaseException:
+            if own:
+                await client.close()
+            raise
+        sandbox._owns_client = own
+        return sandbox
+
     @property
     def id(self) -> str:
         return self.info.id
@@ -300,7 +322,7 @@ class AsyncSandbox:
         """Runs a command to completion. A string runs under /bin/sh -c."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
         response = await self.client.request("POST", f"{self._path}/exec", json=body)
-        result = ExecResult.from_wire(response.json())
+        result = ExecResult.model_validate(response.json())
         return result.check(command) if check else result
 
     async def exec_stream(
@@ -315,11 +337,7 @@ class AsyncSandbox:
     ) -> AsyncIterator[ExecEvent]:
         """Yields started, stdout, stderr and exit events as the command produces them."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
-        async with self.client._http.stream(
-            "POST", f"{self._path}/exec/stream", json=body
-        ) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, await response.aread())
+        async with self.client.stream("POST", f"{self._path}/exec/stream", json=body) as response:
             async for line in response.aiter_lines():
                 if line.strip():
                     event = ExecEvent.model_validate(json.loads(line))
@@ -465,11 +483,9 @@ class AsyncFiles:
         return (await self.read(path)).decode()
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
-        async with self._sandbox.client._http.stream(
+        async with self._sandbox.client.stream(
             "GET", f"{self._path}/content", params={"path": path}
         ) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, await response.aread())
             async for chunk in response.aiter_bytes():
                 yield chunk
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 from collections.abc import Iterable, Iterator
 from types import TracebackType
@@ -15,6 +16,7 @@ from cella.models import (
     EgressDecision,
     Event,
     ExecEvent,
+    ExecResult,
     FileEntry,
     LineageNode,
     SandboxUsage,
@@ -24,7 +26,6 @@ from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
-    ExecResult,
     create_body,
     exec_body,
     raise_for,
@@ -33,8 +34,8 @@ from cella.sdk._base import (
 
 
 class Client:
-    """A connection to a cella daemon. Reads `CELLA_URL` and `CELLA_API_KEY` (or, on the
-    daemon's own host, its address file and local admin key)."""
+    """A connection to a cella daemon. Without arguments: `CELLA_URL` and `CELLA_API_KEY`,
+    else (on the daemon's own host) the address file and admin key in `CELLA_DATA_DIR`."""
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
@@ -64,6 +65,14 @@ class Client:
         response = self._http.request(method, path, **kwargs)
         raise_for(response.status_code, response.content)
         return response
+
+    @contextlib.contextmanager
+    def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx2.Response]:
+        """A streamed response (an error response raises its typed error first)."""
+        with self._http.stream(method, path, **kwargs) as response:
+            if response.status_code >= 400:
+                raise_for(response.status_code, response.read())
+            yield response
 
     # -- sandboxes -----------------------------------------------------------------------
 
@@ -149,14 +158,12 @@ class Client:
             ("follow", "true"),
         ]
         params += [("type", t) for t in types or []]
-        with self._http.stream(
+        with self.stream(
             "GET",
             f"/v1/sandboxes/{sandbox_id}/events/stream",
             params=params,
             timeout=httpx2.Timeout(None, connect=10.0),
         ) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, response.read())
             for line in response.iter_lines():
                 if line.strip():
                     yield Event.model_validate(json.loads(line))
@@ -245,6 +252,21 @@ class Sandbox:
         sandbox._owns_client = own
         return sandbox
 
+    @classmethod
+    def connect(cls, sandbox_id: str, *, client: Client | None = None) -> Sandbox:
+        """Attaches to an existing sandbox; without a client, one is made from the environment.
+        As with `create`, leaving the `with` block deletes the sandbox (and closes that client)."""
+        own = client is None
+        client = client or Client()
+        try:
+            sandbox = client.get(sandbox_id)
+        except BaseException:
+            if own:
+                client.close()
+            raise
+        sandbox._owns_client = own
+        return sandbox
+
     @property
     def id(self) -> str:
         return self.info.id
@@ -294,7 +316,7 @@ class Sandbox:
         """Runs a command to completion. A string runs under /bin/sh -c."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
         response = self.client.request("POST", f"{self._path}/exec", json=body)
-        result = ExecResult.from_wire(response.json())
+        result = ExecResult.model_validate(response.json())
         return result.check(command) if check else result
 
     def exec_stream(
@@ -309,9 +331,7 @@ class Sandbox:
     ) -> Iterator[ExecEvent]:
         """Yields started, stdout, stderr and exit events as the command produces them."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
-        with self.client._http.stream("POST", f"{self._path}/exec/stream", json=body) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, response.read())
+        with self.client.stream("POST", f"{self._path}/exec/stream", json=body) as response:
             for line in response.iter_lines():
                 if line.strip():
                     event = ExecEvent.model_validate(json.loads(line))
@@ -455,11 +475,9 @@ class Files:
         return (self.read(path)).decode()
 
     def read_stream(self, path: str) -> Iterator[bytes]:
-        with self._sandbox.client._http.stream(
+        with self._sandbox.client.stream(
             "GET", f"{self._path}/content", params={"path": path}
         ) as response:
-            if response.status_code >= 400:
-                raise_for(response.status_code, response.read())
             for chunk in response.iter_bytes():
                 yield chunk
 

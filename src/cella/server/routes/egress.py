@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Response
 
 from cella.models import (
     EgressDecision,
@@ -16,54 +16,51 @@ from cella.models import (
     SecretPut,
 )
 from cella.models.network import SECRET_NAME
-from cella.server.app import Auth
-from cella.server.routes._deps import service
+from cella.server.deps import Auth, Service
 
 router = APIRouter(tags=["egress"])
 SecretName = Annotated[str, Path(pattern=SECRET_NAME, description="secret name")]
 
 
 @router.put("/v1/sandboxes/{sandbox_id}/network", response_model=Sandbox)
-async def set_network(sandbox_id: str, body: NetworkPolicy, request: Request, who: Auth) -> Sandbox:
+async def set_network(sandbox_id: str, body: NetworkPolicy, svc: Service, who: Auth) -> Sandbox:
     """Replaces the sandbox's egress rules; a running sandbox's next connection uses them."""
-    return Sandbox.model_validate(
-        service(request).set_network(who.tenant, sandbox_id, body.model_dump())
-    )
+    return Sandbox.model_validate(svc.egress.set_network(who.tenant, sandbox_id, body))
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/egress", response_model=EgressLog)
 async def egress_log(
     sandbox_id: str,
-    request: Request,
+    svc: Service,
     who: Auth,
     after: Annotated[int, Query(ge=0, le=2**63 - 1, description="only after this id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> EgressLog:
     """Every connection the sandbox tried: host, port, allowed or denied and why, bytes."""
-    rows = service(request).egress_log(who.tenant, sandbox_id, after, limit)
+    rows = svc.egress.log(who.tenant, sandbox_id, after, limit)
     return EgressLog(decisions=[EgressDecision.model_validate(r) for r in rows])
 
 
 @router.get("/v1/secrets", response_model=SecretList)
-async def list_secrets(request: Request, who: Auth) -> SecretList:
+async def list_secrets(svc: Service, who: Auth) -> SecretList:
     """The tenant's secrets: names and bindings, never values."""
-    rows = service(request).egress.list_secrets(who.tenant)
+    rows = svc.egress.list_secrets(who.tenant)
     return SecretList(secrets=[Secret.model_validate(r) for r in rows])
 
 
 @router.put("/v1/secrets/{name}", response_model=Secret)
-async def put_secret(name: SecretName, body: SecretPut, request: Request, who: Auth) -> Secret:
+async def put_secret(name: SecretName, body: SecretPut, svc: Service, who: Auth) -> Secret:
     """Creates or replaces a secret (write-only: the value is never returned)."""
-    return Secret.model_validate(service(request).put_secret(who.tenant, name, body.model_dump()))
+    return Secret.model_validate(svc.egress.put_secret(who.tenant, name, body))
 
 
 @router.get("/v1/secrets/{name}", response_model=Secret)
-async def get_secret(name: SecretName, request: Request, who: Auth) -> Secret:
-    return Secret.model_validate(service(request).egress.get_secret(who.tenant, name))
+async def get_secret(name: SecretName, svc: Service, who: Auth) -> Secret:
+    return Secret.model_validate(svc.egress.get_secret(who.tenant, name))
 
 
 @router.delete("/v1/secrets/{name}", status_code=204)
-async def delete_secret(name: SecretName, request: Request, who: Auth) -> Response:
+async def delete_secret(name: SecretName, svc: Service, who: Auth) -> Response:
     """Deletes a secret; sandboxes that used it keep a placeholder that is never replaced."""
-    service(request).egress.delete_secret(who.tenant, name)
+    svc.egress.delete_secret(who.tenant, name)
     return Response(status_code=204)

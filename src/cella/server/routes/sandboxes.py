@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
 from cella import errors
 from cella.guest.client import Output, Started
-from cella.guest.protocol import ExitStatus
 from cella.models import (
     Event,
     EventList,
@@ -25,72 +24,66 @@ from cella.models import (
     SandboxState,
     SandboxUsage,
     encode_data,
-    encode_pair,
     parse_pairs,
 )
-from cella.server.app import Auth, jsonl
-from cella.server.routes._deps import service
+from cella.server.deps import Auth, Service, jsonl
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ID = Annotated[str, "sandbox id"]
 
 
-def _sandbox(row: dict[str, Any]) -> Sandbox:
-    return Sandbox.model_validate(row)
-
-
 @router.post("", status_code=201, response_model=Sandbox)
-async def create_sandbox(body: SandboxCreate, request: Request, who: Auth) -> Sandbox:
+async def create_sandbox(body: SandboxCreate, svc: Service, who: Auth) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    return _sandbox(await service(request).create(who.tenant, body))
+    return Sandbox.model_validate(await svc.lifecycle.create(who.tenant, body))
 
 
 @router.get("", response_model=SandboxList)
 async def list_sandboxes(
-    request: Request,
+    svc: Service,
     who: Auth,
     state: SandboxState | None = None,
     label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
 ) -> SandboxList:
     labels = parse_pairs(label, "label filter")
-    rows = service(request).find(who.tenant, state.value if state else None, labels)
-    return SandboxList(sandboxes=[_sandbox(r) for r in rows])
+    rows = svc.registry.find(who.tenant, state.value if state else None, labels)
+    return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)
-async def get_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
-    return _sandbox(service(request).get(who.tenant, sandbox_id))
+async def get_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
+    return Sandbox.model_validate(svc.registry.get(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/stop", response_model=Sandbox)
-async def stop_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+async def stop_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
     """Ends every process in the sandbox; its file system is kept."""
-    return _sandbox(await service(request).stop(who.tenant, sandbox_id))
+    return Sandbox.model_validate(await svc.lifecycle.stop(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/pause", response_model=Sandbox)
-async def pause_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+async def pause_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
     """Freezes the sandbox: no CPU, memory and processes kept for `resume`."""
-    return _sandbox(await service(request).pause(who.tenant, sandbox_id))
+    return Sandbox.model_validate(await svc.lifecycle.pause(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/resume", response_model=Sandbox)
-async def resume_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Sandbox:
+async def resume_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
     """Paused: runs on with its processes. Stopped: boots again on the same disk."""
-    return _sandbox(await service(request).resume(who.tenant, sandbox_id))
+    return Sandbox.model_validate(await svc.lifecycle.resume(who.tenant, sandbox_id))
 
 
 @router.delete("/{sandbox_id}", status_code=204)
-async def delete_sandbox(sandbox_id: ID, request: Request, who: Auth) -> Response:
+async def delete_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Response:
     """Destroys the sandbox and frees its disk."""
-    await service(request).delete(who.tenant, sandbox_id)
+    await svc.lifecycle.delete(who.tenant, sandbox_id)
     return Response(status_code=204)
 
 
 @router.get("/{sandbox_id}/usage", response_model=SandboxUsage)
-async def sandbox_usage(sandbox_id: ID, request: Request, who: Auth) -> SandboxUsage:
+async def sandbox_usage(sandbox_id: ID, svc: Service, who: Auth) -> SandboxUsage:
     """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
-    return SandboxUsage.model_validate(await service(request).usage(who.tenant, sandbox_id))
+    return SandboxUsage.model_validate(await svc.usage.usage(who.tenant, sandbox_id))
 
 
 After = Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")]
@@ -100,7 +93,7 @@ Types = Annotated[list[str] | None, Query(alias="type", description="only these 
 @router.get("/{sandbox_id}/events", response_model=EventList)
 async def sandbox_events(
     sandbox_id: ID,
-    request: Request,
+    svc: Service,
     who: Auth,
     after: After = 0,
     types: Types = None,
@@ -108,7 +101,7 @@ async def sandbox_events(
 ) -> EventList:
     """The sandbox's trace: lifecycle, execs, file changes, egress decisions, limit hits, in
     order (kept after the sandbox is deleted). Secrets appear as `[secret:NAME]`."""
-    rows = service(request).events(who.tenant, sandbox_id, after, types, limit)
+    rows = svc.trace.events(who.tenant, sandbox_id, after, types, limit)
     return EventList(events=[Event.model_validate(r) for r in rows])
 
 
@@ -124,69 +117,32 @@ async def sandbox_events(
 )
 async def stream_events(
     sandbox_id: ID,
-    request: Request,
+    svc: Service,
     who: Auth,
     after: After = 0,
     types: Types = None,
     follow: Annotated[bool, Query(description="keep streaming until the sandbox is gone")] = False,
 ) -> StreamingResponse:
     """The trace as JSON Lines (an export); with `follow`, new events as they happen."""
-    svc = service(request)
-    svc.owned(who.tenant, sandbox_id)  # unknown ids fail before streaming
+    svc.registry.owned(who.tenant, sandbox_id)  # unknown ids fail before streaming
 
     async def lines() -> AsyncIterator[bytes]:
-        async for row in svc.stream_events(who.tenant, sandbox_id, after, types, follow):
+        async for row in svc.trace.stream(who.tenant, sandbox_id, after, types, follow):
             yield jsonl(Event.model_validate(row).model_dump(mode="json"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
 @router.get("/{sandbox_id}/lineage", response_model=LineageNode)
-async def sandbox_lineage(sandbox_id: ID, request: Request, who: Auth) -> LineageNode:
+async def sandbox_lineage(sandbox_id: ID, svc: Service, who: Auth) -> LineageNode:
     """The family the sandbox belongs to, from its first ancestor: snapshots and forks."""
-    return LineageNode.model_validate(service(request).lineage(who.tenant, sandbox_id))
-
-
-def _exec_kwargs(body: ExecRequest) -> dict[str, Any]:
-    if isinstance(body.command, list) and not body.command:
-        raise errors.InvalidArgument("command must not be empty")
-    if isinstance(body.command, str) and not body.command.strip():
-        raise errors.InvalidArgument("command must not be empty")
-    return {
-        "cwd": body.cwd,
-        "env": body.env,
-        "user": body.user,
-        "stdin": body.stdin.encode() if body.stdin is not None else None,
-        "timeout": body.timeout,
-    }
+    return LineageNode.model_validate(svc.trace.lineage(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult)
-async def exec_command(
-    sandbox_id: ID, body: ExecRequest, request: Request, who: Auth
-) -> ExecResult:
+async def exec_command(sandbox_id: ID, body: ExecRequest, svc: Service, who: Auth) -> ExecResult:
     """Runs a command to completion and returns its exit status and output."""
-    kwargs = _exec_kwargs(body)
-    start = time.monotonic()
-    out, err = bytearray(), bytearray()
-    status: ExitStatus | None = None
-    stream = service(request).exec_stream(who.tenant, sandbox_id, body.command, **kwargs)
-    async for event in stream:
-        if isinstance(event, Output):
-            (out if event.stream == "stdout" else err).extend(event.data)
-        elif isinstance(event, ExitStatus):
-            status = event
-    assert status is not None
-    stdout, stderr, encoding = encode_pair(bytes(out), bytes(err))
-    return ExecResult(
-        exit_code=status.exit_code,
-        signal=status.signal,
-        timed_out=status.timed_out,
-        duration_ms=round((time.monotonic() - start) * 1000, 2),
-        stdout=stdout,
-        stderr=stderr,
-        encoding=encoding,
-    )
+    return await svc.exec.run(who.tenant, sandbox_id, body)
 
 
 @router.post(
@@ -200,17 +156,15 @@ async def exec_command(
     },
 )
 async def exec_stream(
-    sandbox_id: ID, body: ExecRequest, request: Request, who: Auth
+    sandbox_id: ID, body: ExecRequest, svc: Service, who: Auth
 ) -> StreamingResponse:
     """Runs a command and streams started/stdout/stderr/exit events as JSON Lines."""
-    kwargs = _exec_kwargs(body)
-    svc = service(request)
-    svc.vm(who.tenant, sandbox_id)  # unknown or stopped sandboxes fail before streaming
+    svc.exec.check(who.tenant, sandbox_id)  # unknown or stopped sandboxes fail before streaming
     start = time.monotonic()
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for event in svc.exec_stream(who.tenant, sandbox_id, body.command, **kwargs):
+            async for event in svc.exec.stream(who.tenant, sandbox_id, body):
                 if isinstance(event, Started):
                     yield jsonl({"type": "started", "pid": event.pid})
                 elif isinstance(event, Output):

@@ -1,13 +1,25 @@
-"""Daemon settings: the one documented place for every knob.
+"""Configuration, in one place: the daemon's settings and the client's.
 
-Sources, later ones winning: defaults below, a TOML file (`$CELLA_CONFIG`, else
-`<data_dir>/cella.toml`), environment variables `CELLA_<NAME>` (e.g. `CELLA_LISTEN`), and the
-`cella serve` flags.
+Nothing else in cella reads the environment for configuration. Every variable:
+
+| variable              | read by        | meaning                                               |
+| --------------------- | -------------- | ----------------------------------------------------- |
+| `CELLA_DATA_DIR`      | daemon, client | daemon state; clients find its address and key there  |
+| `CELLA_IMAGE_DIR`     | daemon, setup  | kernel and template cache (shared by daemons)         |
+| `CELLA_CONFIG`        | daemon         | TOML of daemon settings (else `DATA_DIR/cella.toml`)  |
+| `CELLA_<SETTING>`     | daemon         | any field of `DaemonSettings`, e.g. `CELLA_LISTEN`    |
+| `CELLA_DEBIAN_MIRROR` | setup          | mirror for template builds (else the host's apt one)  |
+| `CELLA_URL`           | client         | daemon URL (else from `DATA_DIR/daemon.json`)         |
+| `CELLA_API_KEY`       | client         | API key (else `DATA_DIR/admin.key`, owner-readable)   |
+
+Daemon settings come from, later ones winning: the defaults below, the TOML file, the
+environment, then `cella serve` flags. This module imports only pydantic: the SDK loads it.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -20,21 +32,31 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from cella.paths import DEFAULT_DATA_DIR
-
+DEFAULT_DATA_DIR = Path("/var/lib/cella")
 DEFAULT_LISTEN = "127.0.0.1:8420"
+DAEMON_FILE = "daemon.json"  # the daemon's address, written at start
+ADMIN_KEY_FILE = "admin.key"
 
 
 def _host_memory_mib() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
 
 
-class Settings(BaseSettings):
+def _default_image_dir() -> Path:
+    return DEFAULT_DATA_DIR / "images"
+
+
+class DaemonSettings(BaseSettings):
+    """Every knob of `cella serve` (and of `cella setup`'s image builds)."""
+
     model_config = SettingsConfigDict(env_prefix="CELLA_", extra="ignore")
 
     data_dir: Path = Field(default=DEFAULT_DATA_DIR, description="state and VMs")
     image_dir: Path = Field(
-        default=DEFAULT_DATA_DIR / "images", description="kernel and template cache (shared)"
+        default_factory=_default_image_dir, description="kernel and template cache (shared)"
+    )
+    debian_mirror: str | None = Field(
+        default=None, description="Debian mirror for template builds (default: the host's)"
     )
     listen: str = Field(default=DEFAULT_LISTEN, description="HOST:PORT of the REST API")
     accel: Literal["auto", "kvm", "tcg"] = Field(default="auto", description="accelerator")
@@ -115,3 +137,31 @@ class Settings(BaseSettings):
 
     def public(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+class ClientSettings(BaseSettings):
+    """Where the SDK and CLI find a daemon and the key to use."""
+
+    model_config = SettingsConfigDict(env_prefix="CELLA_", extra="ignore")
+
+    url: str | None = Field(default=None, description="daemon URL")
+    api_key: str | None = Field(default=None, description="API key")
+    data_dir: Path = Field(default=DEFAULT_DATA_DIR, description="a local daemon's data directory")
+
+    def daemon_url(self) -> str:
+        """`url`, else the address the local daemon wrote, else the default listen address."""
+        if self.url:
+            return self.url.rstrip("/")
+        try:
+            return str(json.loads((self.data_dir / DAEMON_FILE).read_text())["url"]).rstrip("/")
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"http://{DEFAULT_LISTEN}"
+
+    def key(self) -> str | None:
+        """`api_key`, else the local daemon's admin key (readable by its owner only)."""
+        if self.api_key:
+            return self.api_key
+        try:
+            return (self.data_dir / ADMIN_KEY_FILE).read_text().strip() or None
+        except OSError:
+            return None

@@ -1,0 +1,228 @@
+"""What the service layer may ask of a runtime: the `Driver` that makes VMs and the `VM` it
+hands back, with its `GuestAgent`. `runtime.qemu` implements it; the service's unit tests use
+an in-process fake. Everything here is public: no caller reaches into a VM's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from cella.guest.client import ExecEvent
+    from cella.guest.protocol import Entry
+    from cella.models.exec import ExecResult
+    from cella.paths import Paths
+    from cella.runtime.qemu.accel import AccelChoice
+    from cella.storage.snapshots import SnapshotDir
+
+
+@dataclass(frozen=True, slots=True)
+class Egress:
+    """Where a VM's forwarded connections go: the proxy's port on the host, from a loopback
+    source address that is this VM's alone (it tells the proxy who is asking)."""
+
+    proxy_port: int
+    source_addr: str
+
+
+class GuestAgent(Protocol):
+    """The agent inside a VM: commands and files. Guest errors arrive as `cella.errors`."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def exec_stream(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        stdin: bytes | AsyncIterable[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ExecEvent]: ...
+
+    async def exec(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        stdin: bytes | AsyncIterable[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult: ...
+
+    async def set_identity(
+        self,
+        *,
+        hostname: str | None = None,
+        time_ns: int | None = None,
+        seed: bytes | None = None,
+        sandbox_id: str | None = None,
+        pids_max: int | None = None,
+    ) -> None: ...
+
+    def read_stream(self, path: str) -> AsyncIterator[bytes]: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes] | Iterable[bytes],
+        *,
+        mode: int = 0o644,
+        parents: bool = False,
+    ) -> None: ...
+
+    async def list_dir(self, path: str) -> list[Entry]: ...
+
+    async def stat(self, path: str) -> Entry: ...
+
+    async def mkdir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None: ...
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None: ...
+
+    async def chmod(self, path: str, mode: int) -> None: ...
+
+    def tar_out(self, path: str) -> AsyncIterator[bytes]: ...
+
+    async def tar_in(
+        self, path: str, archive: bytes | AsyncIterable[bytes], *, timeout: float | None = None
+    ) -> None: ...
+
+
+class VM(Protocol):
+    """One microVM. `exit_hooks` run once when it ends (kill, stop or crash)."""
+
+    directory: Path | None
+    boot_seconds: float | None  # restore/boot time; None for a VM claimed from the pool
+    accel_reason: str
+    exit_hooks: list[Callable[[], None]]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def accel(self) -> str: ...
+
+    @property
+    def vcpus(self) -> int: ...
+
+    @property
+    def memory_mib(self) -> int: ...
+
+    @property
+    def egress(self) -> Egress | None: ...
+
+    @property
+    def agent(self) -> GuestAgent: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def usable(self) -> bool:
+        """Running with its agent connected."""
+        ...
+
+    async def wait(self) -> int: ...
+
+    async def exit_reason(self) -> str:
+        """Why the VM ended, for an unexpected end (QEMU's last words, the guest console)."""
+        ...
+
+    async def stop(self, timeout: float = 15.0) -> None: ...
+
+    async def kill(self) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def grow_disk(self, size_mib: int) -> None: ...
+
+    async def detach(self) -> None:
+        """Lets go of the VM without stopping it (the next daemon adopts it)."""
+        ...
+
+
+class Driver(Protocol):
+    """Makes, adopts, snapshots and removes VMs under one data directory."""
+
+    paths: Paths
+
+    @property
+    def accel(self) -> AccelChoice: ...
+
+    async def prepare(self) -> AccelChoice: ...
+
+    def template_disk_mib(self, template: str) -> int:
+        """The size of a template's disk; `NotFound` for an unknown template."""
+        ...
+
+    def warm_key(self, template: str, vcpus: int, memory_mib: int) -> str:
+        """Names everything a template's warm snapshot depends on (base, kernel, shape)."""
+        ...
+
+    async def start(
+        self,
+        directory: Path,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+        disk: str = ...,
+        egress: Egress | None = None,
+    ) -> VM: ...
+
+    async def restore(
+        self,
+        snap: SnapshotDir,
+        directory: Path,
+        timeout: float = 30.0,
+        egress: Egress | None = None,
+    ) -> VM: ...
+
+    async def adopt(self, directory: Path, pid: int, paused: bool = False) -> VM: ...
+
+    async def snapshot_template(
+        self,
+        template: str,
+        dest: SnapshotDir,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+    ) -> dict[str, Any]: ...
+
+    async def snapshot_vm(
+        self, vm: VM, dest: SnapshotDir, **meta: Any
+    ) -> tuple[dict[str, Any], float]: ...
+
+    def stray_pids(self, keep: set[int], directory: Path | None = None) -> list[int]:
+        """VM processes of this data directory (or of one VM directory) nobody owns."""
+        ...
+
+    async def kill_pid(self, pid: int, directory: Path | None = None) -> None:
+        """Kills a VM process left behind; with `directory`, only if it runs that VM."""
+        ...
+
+    def cpu_seconds(self, vm: VM) -> float | None: ...
+
+    def host_memory_mib(self, vm: VM) -> float | None:
+        """The VM's proportional share of host memory (PSS)."""
+        ...
+
+    async def destroy(self, vm: VM) -> None: ...
+
+    def remove_directory(self, directory: Path) -> None: ...
+
+    def clear_sockets(self, directory: Path) -> None: ...

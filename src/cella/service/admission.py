@@ -1,0 +1,71 @@
+"""Admission: whether a sandbox may start at all.
+
+Owns the host's per-sandbox maxima (a request's own ranges are checked by its model), the
+tenant quota of live sandboxes and the host's RAM/vCPU commitment, with pooled VMs counted.
+`admit()` holds one lock from the check until the caller has written its rows, so
+concurrent creates cannot both slip under a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.service.registry import Registry
+
+
+class Admission:
+    def __init__(
+        self, settings: DaemonSettings, registry: Registry, pooled: Callable[[], tuple[int, int]]
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.pooled = pooled  # (vCPUs, MiB) held by the warm pool
+        self._lock = asyncio.Lock()
+
+    def check_shape(self, vcpus: int, memory_mib: int, disk_mib: int | None) -> None:
+        """Against this host's maxima for one sandbox."""
+        s = self.settings
+        if vcpus > s.max_vcpus:
+            raise errors.InvalidArgument(f"vcpus must be at most {s.max_vcpus} on this host")
+        if memory_mib > s.max_memory_mib:
+            raise errors.InvalidArgument(
+                f"memory_mib must be at most {s.max_memory_mib} on this host"
+            )
+        if disk_mib is not None and disk_mib > s.max_disk_mib:
+            raise errors.InvalidArgument(f"disk_mib must be at most {s.max_disk_mib}")
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, tenant: str, vcpus: int, memory_mib: int, count: int = 1
+    ) -> AsyncIterator[None]:
+        """Refuses what would exceed the tenant's quota or over-commit the host; the
+        block runs under the admission lock (write the rows there)."""
+        async with self._lock:
+            self._check(tenant, vcpus, memory_mib, count)
+            yield
+
+    def _check(self, tenant: str, vcpus: int, memory_mib: int, count: int) -> None:
+        s = self.settings
+        live = self.registry.live_rows()
+        mine = sum(1 for r in live if r.tenant == tenant)
+        if mine + count > s.max_sandboxes_per_tenant:
+            raise errors.QuotaExceeded(
+                f"tenant {tenant!r} has {mine} live sandboxes; the limit is "
+                f"{s.max_sandboxes_per_tenant}"
+            )
+        pooled_cpus, pooled_memory = self.pooled()
+        memory = sum(r.memory_mib for r in live) + pooled_memory + count * memory_mib
+        cpus = sum(r.vcpus for r in live) + pooled_cpus + count * vcpus
+        if memory > s.max_host_memory_mib:
+            raise errors.CapacityExceeded(
+                f"{count * memory_mib} MiB more would commit {memory} of the host's "
+                f"{s.max_host_memory_mib} MiB"
+            )
+        if cpus > s.max_host_vcpus:
+            raise errors.CapacityExceeded(
+                f"{count * vcpus} more vCPUs would commit {cpus} of the host's {s.max_host_vcpus}"
+            )

@@ -1,0 +1,123 @@
+"""The daemon: one of each room of the service, wired together, started and stopped.
+
+Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
+`admission`, `lifecycle`, `snapshots` (and forks), `exec`, `files`, `trace` (events and
+lineage), `usage`, `reaper`, `recovery`, `egress` (policy, decision log, secrets) and `warm`
+(warm snapshots and the pool). API surfaces (the REST routes, compatible APIs) call these
+rooms and nothing below them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from cella.config import DAEMON_FILE, DaemonSettings
+from cella.paths import Paths
+from cella.runtime.contract import Driver
+from cella.service.admission import Admission
+from cella.service.egress import SandboxEgress
+from cella.service.exec import Exec
+from cella.service.files import Files
+from cella.service.keys import Keys
+from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
+from cella.service.reaper import Reaper
+from cella.service.recovery import Recovery
+from cella.service.registry import Registry
+from cella.service.snapshots import Snapshots
+from cella.service.trace import Trace
+from cella.service.usage import Usage
+from cella.service.warm import Shape, WarmPool, WarmSnapshots
+from cella.store import Store
+from cella.telemetry.events import EventLog
+
+log = logging.getLogger("cella.daemon")
+
+
+class Daemon:
+    def __init__(self, settings: DaemonSettings, store: Store, driver: Driver) -> None:
+        self.settings = settings
+        self.store = store
+        self.driver = driver
+        self.keys = Keys(store)
+        self.events = EventLog(store)
+        self._spans: Any = None
+        if settings.otlp_endpoint:
+            from cella.telemetry.otel import SpanSink, otlp_http
+
+            self._spans = SpanSink(otlp_http(settings.otlp_endpoint))
+            self.events.sinks.append(self._spans)
+        self.registry = Registry(store, driver, self.events)
+        self.egress = SandboxEgress(settings, self.registry)
+        self.warm = WarmSnapshots(driver, settings.boot_timeout)
+        self.pool = WarmPool(
+            driver,
+            self.warm,
+            settings.pool_size,
+            egress=self.egress.new_egress,
+            prepare=self._prepare_pooled,
+        )
+        self.admission = Admission(settings, self.registry, self.pool.committed)
+        self.lifecycle = Lifecycle(
+            settings, self.registry, self.admission, self.egress, self.warm, self.pool
+        )
+        self.snapshots = Snapshots(self.registry, self.admission, self.lifecycle)
+        self.exec = Exec(self.registry, self.egress)
+        self.files = Files(self.registry, settings.max_upload_mib << 20)
+        self.trace = Trace(self.registry)
+        self.usage = Usage(self.registry)
+        self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
+
+    @classmethod
+    def open(cls, settings: DaemonSettings) -> Daemon:
+        """The daemon of a data directory: its store, its local admin key and a QEMU driver
+        whose VMs outlive the daemon (a restart, or a crash, re-adopts them)."""
+        from cella.runtime.qemu.driver import QemuDriver
+
+        paths = Paths(settings.data_dir, settings.image_dir)
+        paths.ensure()
+        store = Store(paths.root / "cella.db")
+        daemon = cls(settings, store, QemuDriver(paths, settings.accel, die_with_parent=False))
+        daemon.keys.ensure_admin_key(paths.root)
+        return daemon
+
+    async def _prepare_pooled(self, vm: Any) -> None:
+        self.egress.release_on_exit(vm)
+
+    async def start(self) -> None:
+        """Recovers what the last daemon left, starts the egress proxy, makes sure the
+        default warm snapshot exists, fills the pool and starts the reaper."""
+        await self.driver.prepare()
+        await self.recovery.recover()
+        await self.egress.start()
+        shape = Shape(self.settings.pool_template, *POOLED_SHAPE)
+        await self.warm.ensure(shape)
+        self.pool.watch(shape)
+        self.reaper.start()
+        host, port = self.settings.host_port
+        (self.driver.paths.root / DAEMON_FILE).write_text(
+            json.dumps({"url": f"http://{host}:{port}"})
+        )
+
+    async def shutdown(self) -> None:
+        """Sandbox VMs keep running and are adopted by the next daemon; pooled VMs (nobody's
+        yet) are destroyed."""
+        await self.reaper.close()
+        await self.pool.close()
+        await self.registry.detach_all()
+        await self.egress.close()
+        if self._spans is not None:
+            self._spans.close()  # flushes what is batched
+        self.store.close()
+
+    def health(self) -> dict[str, Any]:
+        accel = self.driver.accel
+        return {
+            "ok": True,
+            "accel": accel.accel,
+            "accel_reason": accel.reason,
+            "pool": self.pool.status(),
+            "pool_size": self.pool.size,
+        }

@@ -1,0 +1,80 @@
+"""Commands in a sandbox: streamed or run to completion, each one traced.
+
+Owns the environment every exec gets (egress proxy variables, secret placeholders), the
+activity an exec counts as (a sandbox with an exec under way is never idle) and the `exec`
+trace event: command, cwd, times, exit status, output sizes, digest and tail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from cella.guest.client import ExecEvent, Output
+from cella.guest.protocol import ExitStatus
+from cella.models import ExecRequest, ExecResult, OutputCollector
+from cella.service.egress import SandboxEgress
+from cella.service.registry import Registry, iso
+
+
+class Exec:
+    def __init__(self, registry: Registry, egress: SandboxEgress) -> None:
+        self.registry = registry
+        self.egress = egress
+
+    def check(self, tenant: str, sandbox_id: str) -> None:
+        """Fails now (not found, not running) rather than in the middle of a stream."""
+        self.registry.live(tenant, sandbox_id)
+
+    async def stream(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        req: ExecRequest,
+        output: OutputCollector | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Started, then output as produced, then the exit status."""
+        row, vm = self.registry.live(tenant, sandbox_id)  # one store read on the exec path
+        output = output or OutputCollector(keep=0)
+        kwargs = req.agent_kwargs()
+        kwargs["env"] = {**self.egress.guest_env(row), **kwargs["env"]}
+        started_at = time.time()
+        start = time.monotonic()
+        status: ExitStatus | None = None
+        with self.registry.busy(sandbox_id):
+            try:
+                async for event in vm.agent.exec_stream(req.command, **kwargs):
+                    if isinstance(event, Output):
+                        output.add(event.stream, event.data)
+                    elif isinstance(event, ExitStatus):
+                        status = event
+                    yield event
+            finally:
+                self.registry.events.emit(
+                    sandbox_id,
+                    "exec",
+                    {
+                        "command": req.command,
+                        "cwd": req.cwd,
+                        "started_at": iso(started_at),
+                        "ended_at": iso(time.time()),
+                        "exit_code": status.exit_code if status else None,
+                        "timed_out": status.timed_out if status else None,
+                        "duration_ms": round((time.monotonic() - start) * 1000, 1),
+                        **output.trace(),
+                    },
+                )
+
+    async def run(
+        self, tenant: str, sandbox_id: str, req: ExecRequest, keep: int | None = None
+    ) -> ExecResult:
+        """Runs to completion; up to `keep` bytes of each stream are kept in the result."""
+        output = OutputCollector(keep=keep)
+        start = time.monotonic()
+        status: ExitStatus | None = None
+        async for event in self.stream(tenant, sandbox_id, req, output):
+            if isinstance(event, ExitStatus):
+                status = event
+        assert status is not None
+        duration_ms = (time.monotonic() - start) * 1000
+        return output.result(status.exit_code, status.signal, status.timed_out, duration_ms)

@@ -1,0 +1,72 @@
+"""API keys and who they belong to: `ck_<random>`, only their SHA-256 is stored. A key
+belongs to one tenant; admin keys manage keys. The local admin key is written on first
+start to `DATA_DIR/admin.key` (0600), where the SDK and CLI on the same host find it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cella import errors
+from cella.config import ADMIN_KEY_FILE
+from cella.store import KeyRecord, Store
+
+ADMIN_TENANT = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    tenant: str
+    admin: bool
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Keys:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def create(self, tenant: str, admin: bool = False) -> tuple[str, str]:
+        """Creates a key; returns (key id, the key itself - never stored)."""
+        key = f"ck_{secrets.token_urlsafe(32)}"
+        key_id = f"key-{secrets.token_hex(6)}"
+        self.store.add_key(key_id, tenant, hash_key(key), admin)
+        return key_id, key
+
+    def ensure_admin_key(self, data_dir: Path) -> Path:
+        """On first start (or if the file's key was revoked), writes a local admin key."""
+        path = data_dir / ADMIN_KEY_FILE
+        if path.exists() and self.store.key_by_hash(hash_key(path.read_text().strip())):
+            return path
+        _, key = self.create(ADMIN_TENANT, admin=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        tmp.rename(path)
+        return path
+
+    def authenticate(self, key: str) -> Principal:
+        row = self.store.key_by_hash(hash_key(key))
+        if row is None:
+            raise errors.Unauthenticated("unknown or revoked API key")
+        return Principal(tenant=row.tenant, admin=row.admin)
+
+    def list(self, who: Principal) -> list[KeyRecord]:
+        require_admin(who)
+        return self.store.list_keys()
+
+    def revoke(self, who: Principal, key_id: str) -> None:
+        require_admin(who)
+        if not self.store.revoke_key(key_id):
+            raise errors.NotFound(f"no key {key_id!r}")
+
+
+def require_admin(who: Principal) -> None:
+    if not who.admin:
+        raise errors.PermissionDenied("only an admin key can manage keys")

@@ -1,0 +1,256 @@
+"""The lifecycle state machine: create, stop, pause, resume, delete.
+
+States: creating -> running <-> paused, running -> stopping -> stopped -> starting ->
+running, any -> deleting -> deleted, and error. Each state is written before it is acted
+on, so recovery after a crash knows what was interrupted. This room also owns the one place
+a sandbox row is built (`new_record`, shared with forks), how a VM is readied for a sandbox
+(egress attached, fresh identity) and how one is taken apart.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.models import SandboxCreate, SandboxState
+from cella.runtime.contract import VM
+from cella.service.admission import Admission
+from cella.service.egress import SandboxEgress
+from cella.service.registry import Registry
+from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
+from cella.storage.snapshots import SnapshotDir
+from cella.store import SandboxRecord, SecretRef
+
+S = SandboxState
+POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
+
+
+def new_record(
+    tenant: str,
+    sandbox_id: str,
+    spec: SandboxCreate,
+    secrets: dict[str, SecretRef],
+    created_from: str,
+    **lineage: Any,
+) -> SandboxRecord:
+    """The row of a sandbox about to be made (`creating`): by create or by fork."""
+    return SandboxRecord(
+        id=sandbox_id,
+        tenant=tenant,
+        state=S.creating,
+        template=spec.template,
+        vcpus=spec.vcpus,
+        memory_mib=spec.memory_mib,
+        disk_mib=spec.disk_mib,
+        ttl_seconds=spec.ttl_seconds,
+        idle_timeout_seconds=spec.idle_timeout_seconds,
+        ttl_action=spec.ttl_action,
+        idle_action=spec.idle_action,
+        max_pids=spec.max_pids,
+        labels=dict(spec.labels),
+        network=spec.network,
+        secrets=secrets,
+        created_from=created_from,
+        **lineage,
+    )
+
+
+def spec_of(row: SandboxRecord) -> SandboxCreate:
+    """What a sandbox was made with, so a fork of it is made the same way."""
+    return SandboxCreate.model_construct(
+        template=row.template,
+        vcpus=row.vcpus,
+        memory_mib=row.memory_mib,
+        disk_mib=row.disk_mib,
+        ttl_seconds=row.ttl_seconds,
+        idle_timeout_seconds=row.idle_timeout_seconds,
+        ttl_action=row.ttl_action,
+        idle_action=row.idle_action,
+        max_pids=row.max_pids,
+        labels=row.labels,
+        network=row.network,
+        secrets={k: v.secret for k, v in row.secrets.items()},
+    )
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        registry: Registry,
+        admission: Admission,
+        egress: SandboxEgress,
+        warm: WarmSnapshots,
+        pool: WarmPool,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.driver = registry.driver
+        self.events = registry.events
+        self.admission = admission
+        self.egress = egress
+        self.warm = warm
+        self.pool = pool
+
+    # -- create --------------------------------------------------------------------------
+
+    async def create(self, tenant: str, req: SandboxCreate) -> SandboxRecord:
+        self.admission.check_shape(req.vcpus, req.memory_mib, req.disk_mib)
+        try:
+            base_mib = self.driver.template_disk_mib(req.template)
+        except errors.NotFound:
+            raise errors.InvalidArgument(f"unknown template {req.template!r}") from None
+        if req.disk_mib is not None and req.disk_mib < base_mib:
+            raise errors.InvalidArgument(f"disk_mib must be at least the template's {base_mib} MiB")
+        shape = Shape(req.template, req.vcpus, req.memory_mib)
+        secret_refs = self.egress.bind_secrets(tenant, req.secrets)
+        async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
+            vm = self.pool.claim(shape) if req.disk_mib is None else None
+            sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
+            origin = "pool" if vm is not None else "restore"
+            row = self.registry.insert(new_record(tenant, sandbox_id, req, secret_refs, origin))
+        async with self.registry.lock(sandbox_id):
+            try:
+                if vm is None:  # the pool is empty: restore, never cold-boot
+                    vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
+                if secret_refs:  # only then is any of its TLS intercepted
+                    await self.egress.trust_ca(vm)
+                await self.ready(vm, row)
+                if req.disk_mib is not None:
+                    await vm.grow_disk(req.disk_mib)
+            except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
+                self.registry.fail(sandbox_id, exc, event="create_failed")
+                raise
+            self.running(sandbox_id, vm)
+            self.events.emit(
+                sandbox_id,
+                "created",
+                {
+                    "template": req.template,
+                    "from": origin,
+                    "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                },
+            )
+        if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
+            self.pool.watch(shape)  # a template in use gets a pool of the default shape
+        return self.registry.get(tenant, sandbox_id)
+
+    async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
+        """A VM restored for a sandbox, with its egress forwards (freed when it exits)."""
+        vm = await self.driver.restore(
+            snap, self.registry.directory(sandbox_id), egress=self.egress.new_egress()
+        )
+        return self.egress.release_on_exit(vm)
+
+    async def ready(self, vm: VM, row: SandboxRecord) -> None:
+        """A restored guest is a copy: it gets the sandbox's egress, and its own name,
+        clock, entropy and process limit."""
+        self.egress.attach(vm, row)
+        await vm.agent.set_identity(
+            hostname=row.id,
+            time_ns=time.time_ns(),
+            seed=os.urandom(64),
+            sandbox_id=row.id,
+            pids_max=row.max_pids or self.settings.default_max_pids,
+        )
+
+    def running(self, sandbox_id: str, vm: VM) -> None:
+        self.registry.track(sandbox_id, vm)
+        self.registry.update(
+            sandbox_id, state=S.running, pid=vm.pid, accel=vm.accel, accel_reason=vm.accel_reason
+        )
+
+    # -- transitions ---------------------------------------------------------------------
+
+    async def stop(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """Ends every process; the disk (files, installed packages) stays."""
+        async with self.registry.lock(sandbox_id):
+            row = self.registry.get(tenant, sandbox_id)
+            if row.state == S.stopped:
+                return row
+            if row.state not in (S.running, S.paused):
+                raise errors.InvalidState(f"cannot stop a sandbox that is {row.state}")
+            self.registry.update(sandbox_id, state=S.stopping)
+            vm = self.registry.untrack(sandbox_id)
+            if vm is not None:
+                await vm.stop()
+            self.registry.update(sandbox_id, state=S.stopped, pid=None)
+            self.events.emit(sandbox_id, "stopped")
+        return self.registry.get(tenant, sandbox_id)
+
+    async def pause(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """Freezes the VM: no CPU, memory kept; processes go on after `resume`."""
+        async with self.registry.lock(sandbox_id):
+            row = self.registry.get(tenant, sandbox_id)
+            if row.state == S.paused:
+                return row
+            _, vm = self.registry.live(tenant, sandbox_id)
+            self.registry.update(sandbox_id, state=S.paused)
+            try:
+                await vm.pause()
+            except BaseException:
+                self.registry.update(sandbox_id, state=S.running)
+                raise
+            self.events.emit(sandbox_id, "paused")
+        return self.registry.get(tenant, sandbox_id)
+
+    async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """Paused: the VM runs on. Stopped: boots the same overlay again (files and
+        installed packages are still there; processes are not)."""
+        async with self.registry.lock(sandbox_id):
+            row = self.registry.get(tenant, sandbox_id)
+            if row.state == S.running:
+                return row
+            if row.state == S.paused:
+                vm = self.registry.vm(sandbox_id)
+                if vm is None:
+                    raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
+                await vm.resume()
+                self.registry.update(sandbox_id, state=S.running)
+                self.events.emit(sandbox_id, "resumed", {"from": "paused"})
+                return self.registry.get(tenant, sandbox_id)
+            if row.state != S.stopped:
+                raise errors.InvalidState(f"cannot resume a sandbox that is {row.state}")
+            self.registry.update(sandbox_id, state=S.starting)
+            try:
+                vm = await self.driver.start(
+                    self.registry.directory(sandbox_id),
+                    vcpus=row.vcpus,
+                    memory_mib=row.memory_mib,
+                    boot_timeout=self.settings.boot_timeout,
+                    disk=row.disk,
+                    egress=self.egress.new_egress(),
+                )
+            except BaseException:
+                self.registry.update(sandbox_id, state=S.stopped, pid=None)
+                raise
+            self.egress.release_on_exit(vm)
+            self.egress.attach(vm, row)
+            self.registry.track(sandbox_id, vm)
+            self.registry.update(sandbox_id, state=S.running, pid=vm.pid, error=None)
+            self.events.emit(sandbox_id, "resumed", {"from": "stopped"})
+        return self.registry.get(tenant, sandbox_id)
+
+    async def delete(self, tenant: str, sandbox_id: str) -> None:
+        async with self.registry.lock(sandbox_id):
+            self.registry.get(tenant, sandbox_id)
+            self.registry.update(sandbox_id, state=S.deleting)
+            await self.teardown(sandbox_id)
+            self.registry.update(sandbox_id, state=S.deleted, pid=None)
+            self.events.emit(sandbox_id, "deleted")
+        self.registry.forget(sandbox_id)
+
+    async def teardown(self, sandbox_id: str) -> None:
+        """Kills the sandbox's VM (also one nobody tracks) and removes its files."""
+        vm = self.registry.untrack(sandbox_id)
+        if vm is not None:
+            await vm.kill()
+        directory = self.registry.directory(sandbox_id)
+        for stray in self.driver.stray_pids(self.registry.live_pids(), directory):
+            await self.driver.kill_pid(stray)
+        self.driver.remove_directory(directory)

@@ -1,0 +1,189 @@
+"""The registry: what every other room of the service shares about sandboxes.
+
+It owns the sandbox rows as the service reads and writes them (tenant-checked), one lock
+per sandbox, the live VMs, activity (last touch, execs under way) and the crash watch: a VM
+that ends without being asked to turns its sandbox `stopped`, with the reason, disk kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cella import errors
+from cella.models import SandboxState
+from cella.runtime.contract import VM, Driver
+from cella.store import SandboxRecord, Store
+from cella.store.records import LIVE_STATES
+from cella.telemetry.events import EventLog
+
+log = logging.getLogger("cella.service")
+S = SandboxState
+MAX_ERROR = 2000
+
+
+def iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat()
+
+
+def error_text(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, errors.CellaError) else repr(exc)
+    return text[:MAX_ERROR]
+
+
+class Registry:
+    def __init__(self, store: Store, driver: Driver, events: EventLog) -> None:
+        self.store = store
+        self.driver = driver
+        self.events = events
+        self._vms: dict[str, VM] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._touched: dict[str, float] = {}
+        self._busy: dict[str, int] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    # -- rows ----------------------------------------------------------------------------
+
+    def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """The tenant's sandbox; deleted ones and other tenants' are `NotFound` alike."""
+        row = self.owned(tenant, sandbox_id)
+        if row.state == S.deleted:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return row
+
+    def owned(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """The tenant's sandbox row, deleted ones included (their traces stay readable)."""
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None or row.tenant != tenant:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return row
+
+    def row(self, sandbox_id: str) -> SandboxRecord:
+        """A row the service itself holds an id of (no tenant check)."""
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return row
+
+    def find(
+        self, tenant: str | None, state: str | None = None, labels: dict[str, str] | None = None
+    ) -> list[SandboxRecord]:
+        states = [state] if state else [s.value for s in S if s != S.deleted]
+        rows = self.store.list_sandboxes(tenant, states)
+        if labels:
+            rows = [r for r in rows if all(r.labels.get(k) == v for k, v in labels.items())]
+        return rows
+
+    def live_rows(self) -> list[SandboxRecord]:
+        return self.store.list_sandboxes(None, [s.value for s in LIVE_STATES])
+
+    def insert(self, record: SandboxRecord) -> SandboxRecord:
+        return self.store.insert_sandbox(record)
+
+    def update(self, sandbox_id: str, **fields: Any) -> None:
+        """Writes fields of a row (a state is written before it is acted on)."""
+        self.store.update_sandbox(sandbox_id, **fields)
+
+    def fail(self, sandbox_id: str, exc: BaseException, event: str | None = None) -> None:
+        """Marks a sandbox as failed (`error`, with the reason), optionally with an event."""
+        message = error_text(exc)
+        self.store.update_sandbox(sandbox_id, state=S.error, pid=None, error=message)
+        if event:
+            self.events.emit(sandbox_id, event, {"error": message})
+
+    def directory(self, sandbox_id: str) -> Path:
+        return self.driver.paths.vms / sandbox_id
+
+    # -- locks ---------------------------------------------------------------------------
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def forget(self, sandbox_id: str) -> None:
+        """A deleted sandbox: nothing more is kept for it."""
+        self._locks.pop(sandbox_id, None)
+        self._touched.pop(sandbox_id, None)
+        self._busy.pop(sandbox_id, None)
+
+    # -- VMs -----------------------------------------------------------------------------
+
+    def vm(self, sandbox_id: str) -> VM | None:
+        return self._vms.get(sandbox_id)
+
+    def vms(self) -> dict[str, VM]:
+        return dict(self._vms)
+
+    def live(self, tenant: str, sandbox_id: str) -> tuple[SandboxRecord, VM]:
+        """A running sandbox and its VM; the call counts as activity."""
+        row = self.get(tenant, sandbox_id)
+        vm = self._vms.get(sandbox_id)
+        if row.state != S.running or vm is None:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running")
+        self.touch(sandbox_id)
+        return row, vm
+
+    def live_pids(self) -> set[int]:
+        return {vm.pid for vm in self._vms.values() if vm.pid is not None}
+
+    def track(self, sandbox_id: str, vm: VM) -> None:
+        """Owns the VM from now on, and watches for it to end unasked."""
+        self._vms[sandbox_id] = vm
+        task = asyncio.create_task(self._watch(sandbox_id, vm), name=f"watch-{sandbox_id}")
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    def untrack(self, sandbox_id: str) -> VM | None:
+        """Takes the VM out of the registry: its end is expected from now on."""
+        return self._vms.pop(sandbox_id, None)
+
+    async def _watch(self, sandbox_id: str, vm: VM) -> None:
+        await vm.wait()
+        if self._vms.get(sandbox_id) is not vm:
+            return  # stopped, deleted or replaced by us: an expected end
+        async with self.lock(sandbox_id):
+            if self._vms.get(sandbox_id) is not vm:
+                return
+            self._vms.pop(sandbox_id)
+            reason = await vm.exit_reason()
+            await vm.kill()  # releases sockets, egress address, CPU cgroup
+            self.driver.clear_sockets(self.directory(sandbox_id))
+            message = f"the VM exited unexpectedly ({reason}); its disk is kept: resume it"
+            log.warning("%s: %s", sandbox_id, message)
+            self.update(sandbox_id, state=S.stopped, pid=None, error=message)
+            self.events.emit(sandbox_id, "crashed", {"reason": reason})
+
+    async def detach_all(self) -> None:
+        """Daemon exit: let go of every VM without stopping it (the next daemon adopts)."""
+        left = list(self._vms.values())
+        self._vms.clear()  # watchers now see an expected end
+        for task in list(self._watchers):
+            task.cancel()
+        for vm in left:
+            await vm.detach()
+
+    # -- activity ------------------------------------------------------------------------
+
+    def touch(self, sandbox_id: str, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self._touched.get(sandbox_id, 0.0) >= 1.0:  # one write a second
+            self._touched[sandbox_id] = now
+            self.update(sandbox_id, last_active_at=iso(now))
+
+    @contextlib.contextmanager
+    def busy(self, sandbox_id: str) -> Iterator[None]:
+        """An exec under way: the sandbox is not idle, whatever the clock says."""
+        self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._busy[sandbox_id] -= 1
+            self.touch(sandbox_id, force=True)
+
+    def is_busy(self, sandbox_id: str) -> bool:
+        return bool(self._busy.get(sandbox_id))

@@ -1,0 +1,192 @@
+"""Snapshots and forks: a running sandbox's disk and memory saved at one instant, and new
+sandboxes restored from such a snapshot.
+
+Owns snapshot rows and directories (`DATA_DIR/snapshots/<id>`), the free-space check before
+a snapshot and the `no_space` answer when the disk fills during one, fork admission, and the
+refcount that keeps a snapshot while sandboxes or snapshots are built on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from cella import errors
+from cella.models import SandboxState, SnapshotState
+from cella.service.admission import Admission
+from cella.service.lifecycle import Lifecycle, new_record, spec_of
+from cella.service.registry import Registry, error_text
+from cella.service.warm import new_sandbox_id
+from cella.storage.snapshots import SnapshotDir
+from cella.store import SandboxRecord, SnapshotRecord
+
+S = SandboxState
+FORK_PARALLEL = 4  # restores at once: more only queue for the same cores
+
+
+class Snapshots:
+    def __init__(self, registry: Registry, admission: Admission, lifecycle: Lifecycle) -> None:
+        self.registry = registry
+        self.store = registry.store
+        self.driver = registry.driver
+        self.events = registry.events
+        self.admission = admission
+        self.lifecycle = lifecycle
+
+    @property
+    def root(self) -> Path:
+        return self.driver.paths.root / "snapshots"
+
+    def get(self, tenant: str, snapshot_id: str) -> SnapshotRecord:
+        row = self.store.get_snapshot(snapshot_id)
+        if row is None or row.tenant != tenant or row.state == SnapshotState.deleted:
+            raise errors.NotFound(f"no snapshot {snapshot_id!r}")
+        return row
+
+    def find(self, tenant: str) -> list[SnapshotRecord]:
+        return self.store.list_snapshots(tenant, ["creating", "ready", "error"])
+
+    async def snapshot(self, tenant: str, sandbox_id: str, name: str) -> SnapshotRecord:
+        """Disk and memory of a running sandbox at one instant; it runs on afterwards."""
+        async with self.registry.lock(sandbox_id):
+            row, vm = self.registry.live(tenant, sandbox_id)
+            record = self.store.insert_snapshot(
+                SnapshotRecord(
+                    id=f"snap-{os.urandom(8).hex()}",
+                    tenant=tenant,
+                    name=name,
+                    sandbox_id=sandbox_id,
+                    parent_snapshot_id=row.base_snapshot_id,
+                    state=SnapshotState.creating,
+                    template=row.template,
+                    vcpus=row.vcpus,
+                    memory_mib=row.memory_mib,
+                )
+            )
+            self.root.mkdir(parents=True, exist_ok=True)
+            dest = SnapshotDir(self.root / record.id)
+            try:
+                self._check_space(row)
+                manifest, paused = await self.driver.snapshot_vm(
+                    vm, dest, template=row.template, sandbox_id=sandbox_id
+                )
+            except BaseException as exc:
+                if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
+                    exc = errors.NoSpace(f"the data directory ran out of space: {exc}")
+                self.store.update_snapshot(record.id, state="error", error=error_text(exc))
+                raise exc from None
+            paused_ms = round(paused * 1000, 1)
+            self.store.update_snapshot(
+                record.id,
+                state="ready",
+                size_bytes=sum(manifest["bytes"].values()),
+                paused_ms=paused_ms,
+            )
+            self.events.emit(
+                sandbox_id,
+                "snapshot",
+                {"snapshot_id": record.id, "name": name, "paused_ms": paused_ms},
+            )
+        return self.get(tenant, record.id)
+
+    def _needs(self, row: SandboxRecord) -> int:
+        """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""
+        directory = self.registry.directory(row.id)
+        overlay = sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
+        return row.memory_mib * (1 << 20) + overlay
+
+    def _short_of_space(self, row: SandboxRecord) -> bool:
+        """A failed snapshot that could not have fit (what it wrote is already removed)."""
+        return shutil.disk_usage(self.root).free < self._needs(row)
+
+    def _check_space(self, row: SandboxRecord) -> None:
+        free = shutil.disk_usage(self.root).free
+        if free < self._needs(row):
+            raise errors.NoSpace(
+                f"a snapshot of {row.id} may need {self._needs(row) >> 20} MiB; "
+                f"{self.root} has {free >> 20} MiB free"
+            )
+
+    async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[SandboxRecord]:
+        """Snapshots a running sandbox once, then restores `count` branches from it."""
+        snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
+        return await self.fork_snapshot(tenant, snap.id, count)
+
+    async def fork_snapshot(self, tenant: str, snapshot_id: str, count: int) -> list[SandboxRecord]:
+        """`count` new sandboxes restored from the snapshot, each on its own overlay."""
+        snap_row = self.get(tenant, snapshot_id)
+        if snap_row.state != SnapshotState.ready:
+            raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
+        snap = SnapshotDir(self.root / snapshot_id)
+        snap.verify()  # refuse a corrupted snapshot before creating anything
+        source = self.store.get_sandbox(snap_row.sandbox_id)
+        if source is None:
+            raise errors.NotFound(f"the source of snapshot {snapshot_id} is gone")
+        async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
+            rows = [
+                self.registry.insert(
+                    new_record(
+                        tenant,
+                        new_sandbox_id(),
+                        spec_of(source),
+                        source.secrets,  # the same placeholders: the parent's env is copied
+                        "fork",
+                        parent_id=snap_row.sandbox_id,
+                        snapshot_id=snap_row.id,
+                        base_snapshot_id=snap_row.id,
+                    )
+                )
+                for _ in range(count)
+            ]
+        gate = asyncio.Semaphore(FORK_PARALLEL)
+
+        async def one(row: SandboxRecord) -> str:
+            async with gate:
+                return await self._restore_fork(snap_row, snap, row)
+
+        results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for result in results:
+                if isinstance(result, str):
+                    await self.lifecycle.delete(tenant, result)
+            raise failed[0]
+        return [self.registry.get(tenant, r.id) for r in rows]
+
+    async def _restore_fork(
+        self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord
+    ) -> str:
+        async with self.registry.lock(row.id):
+            vm = None
+            try:
+                vm = await self.lifecycle.restore_vm(snap, row.id)
+                await self.lifecycle.ready(vm, row)  # the parent's policy and placeholders
+            except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
+                self.driver.remove_directory(self.registry.directory(row.id))
+                self.registry.fail(row.id, exc)
+                raise
+            self.lifecycle.running(row.id, vm)
+            self.events.emit(
+                row.id,
+                "forked",
+                {
+                    "parent_id": snap_row.sandbox_id,
+                    "snapshot_id": snap_row.id,
+                    "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                },
+            )
+        return row.id
+
+    async def delete(self, tenant: str, snapshot_id: str) -> None:
+        """Refused (`in_use`) while a sandbox or another snapshot is built on it."""
+        self.get(tenant, snapshot_id)
+        sandboxes, snapshots = self.store.snapshot_users(snapshot_id)
+        if sandboxes or snapshots:
+            users = ", ".join([*sandboxes, *snapshots][:10])
+            raise errors.InUse(f"snapshot {snapshot_id} is still used by {users}")
+        shutil.rmtree(self.root / snapshot_id, ignore_errors=True)
+        self.store.update_snapshot(snapshot_id, state="deleted")

@@ -1,0 +1,98 @@
+"""A sandbox's trace and family: its events in order (kept after it is deleted), followed
+live, and the lineage tree of snapshots and forks it belongs to."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cella.models import SandboxState
+from cella.service.registry import Registry
+from cella.store import EventRecord, SandboxRecord
+
+S = SandboxState
+
+
+class Trace:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.store = registry.store
+
+    def events(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        after: int = 0,
+        types: list[str] | None = None,
+        limit: int = 1000,
+    ) -> list[EventRecord]:
+        self.registry.owned(tenant, sandbox_id)
+        return self.store.events(sandbox_id, after, limit, types)
+
+    async def stream(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        after: int = 0,
+        types: list[str] | None = None,
+        follow: bool = False,
+    ) -> AsyncIterator[EventRecord]:
+        """Every event after `after`; with `follow`, then new ones as they happen, until the
+        sandbox is deleted (or the reader leaves)."""
+        while True:
+            batch = self.events(tenant, sandbox_id, after, types)
+            for event in batch:
+                after = event.id
+                yield event
+            if batch:
+                continue
+            if not follow:
+                return
+            row = self.store.get_sandbox(sandbox_id)
+            if row is None or row.state in (S.deleted, S.error):
+                return
+            await self.registry.events.wait(sandbox_id, 5.0)
+
+    def lineage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+        """The family tree the sandbox belongs to: from its first ancestor, every snapshot
+        and fork made since (sandbox -> snapshot -> sandbox ...)."""
+        root = self.registry.owned(tenant, sandbox_id)
+        seen = {root.id}
+        while root.parent_id and root.parent_id not in seen:
+            parent = self.store.get_sandbox(root.parent_id)
+            if parent is None or parent.tenant != tenant:
+                break
+            seen.add(parent.id)
+            root = parent
+        sandboxes = self.store.list_sandboxes(tenant)
+        snapshots = self.store.list_snapshots(tenant)
+
+        def family(row: SandboxRecord) -> dict[str, Any]:
+            children = []
+            for snap in snapshots:
+                if snap.sandbox_id != row.id:
+                    continue
+                forks = [
+                    family(child)
+                    for child in sandboxes
+                    if child.snapshot_id == snap.id and child.parent_id == row.id
+                ]
+                children.append(
+                    {
+                        "kind": "snapshot",
+                        "id": snap.id,
+                        "name": snap.name,
+                        "state": snap.state,
+                        "created_at": snap.created_at,
+                        "children": forks,
+                    }
+                )
+            return {
+                "kind": "sandbox",
+                "id": row.id,
+                "state": row.state,
+                "created_at": row.created_at,
+                "children": children,
+            }
+
+        return family(root)

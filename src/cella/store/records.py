@@ -1,0 +1,128 @@
+"""Typed rows: what the store hands the service, and takes back.
+
+Timestamps are ISO 8601 strings in UTC, as stored. JSON columns (labels, network, secrets,
+event data) are decoded here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from cella.models.network import NetworkPolicy
+from cella.models.sandbox import ExpiryAction, SandboxState, SnapshotState
+
+
+def epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRef:
+    """A sandbox's use of a secret: the guest sees `placeholder`, the proxy swaps it."""
+
+    secret: str
+    placeholder: str
+
+
+@dataclass(slots=True)
+class SandboxRecord:
+    id: str
+    tenant: str
+    state: SandboxState
+    template: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int | None = None
+    ttl_seconds: int | None = None
+    idle_timeout_seconds: int | None = None
+    ttl_action: ExpiryAction = "delete"
+    idle_action: ExpiryAction = "stop"
+    max_pids: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)
+    secrets: dict[str, SecretRef] = field(default_factory=dict)
+    accel: str | None = None
+    accel_reason: str | None = None
+    error: str | None = None
+    pid: int | None = None
+    disk: str = "disk.qcow2"
+    parent_id: str | None = None
+    snapshot_id: str | None = None
+    base_snapshot_id: str | None = None  # the snapshot its disk sits on (keeps it alive)
+    created_from: str | None = None
+    last_active_at: str | None = None
+    created_at: str = ""
+    updated_at: str = ""
+
+    @property
+    def live(self) -> bool:
+        """Holds (or is about to hold) a VM: counts against quotas and host capacity."""
+        return self.state in LIVE_STATES
+
+    def age_seconds(self, now: float) -> float:
+        return now - epoch(self.created_at)
+
+    def idle_seconds(self, now: float) -> float:
+        return now - epoch(self.last_active_at or self.created_at)
+
+
+LIVE_STATES = frozenset(
+    {
+        SandboxState.creating,
+        SandboxState.running,
+        SandboxState.paused,
+        SandboxState.starting,
+        SandboxState.stopping,
+    }
+)
+
+
+@dataclass(slots=True)
+class SnapshotRecord:
+    id: str
+    tenant: str
+    name: str
+    sandbox_id: str
+    state: SnapshotState
+    template: str
+    vcpus: int
+    memory_mib: int
+    parent_snapshot_id: str | None = None
+    size_bytes: int | None = None
+    paused_ms: float | None = None
+    error: str | None = None
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class SecretRecord:
+    tenant: str
+    name: str
+    value: str
+    hosts: list[str]
+    auth: str | None = None
+    username: str | None = None
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class KeyRecord:
+    id: str
+    tenant: str
+    hash: str
+    admin: bool
+    created_at: str
+    revoked_at: str | None = None
+
+
+@dataclass(slots=True)
+class EventRecord:
+    id: int
+    sandbox_id: str
+    type: str
+    at: str
+    data: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,280 @@
+"""The service's decisions, in process, against the fake runtime: the lifecycle state
+machine, crash handling, admission, the reaper and recovery. (The same paths run on real
+microVMs in tests/integration.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.models import ExecRequest, SandboxCreate, SandboxState
+from cella.service.daemon import Daemon
+from cella.service.reaper import due
+from cella.service.recovery import plan
+from cella.store import SandboxRecord, Store
+from tests.unit.fake_runtime import FakeDriver, FakeVM
+
+S = SandboxState
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    settings = DaemonSettings(
+        data_dir=tmp_path,
+        image_dir=tmp_path / "images",
+        pool_size=0,
+        max_sandboxes_per_tenant=3,
+        max_host_memory_mib=4096,
+        max_host_vcpus=8,
+    )
+    d = Daemon(settings, Store(tmp_path / "cella.db"), FakeDriver(tmp_path))
+    yield d
+    await d.registry.detach_all()
+    d.store.close()
+
+
+def fake_vm(d: Daemon, sandbox_id: str) -> FakeVM:
+    vm = d.registry.vm(sandbox_id)
+    assert isinstance(vm, FakeVM)
+    return vm
+
+
+def types(d: Daemon, sandbox_id: str) -> list[str]:
+    return [e.type for e in d.store.events(sandbox_id)]
+
+
+async def test_create_stop_resume_pause_delete(daemon: Daemon) -> None:
+    life = daemon.lifecycle
+    row = await life.create("t", SandboxCreate(labels={"k": "v"}, max_pids=64))
+    assert (row.state, row.accel, row.created_from) == (S.running, "tcg", "restore")
+    vm = fake_vm(daemon, row.id)
+    assert row.pid == vm.pid and vm.agent.identity["hostname"] == row.id
+    assert vm.agent.identity["pids_max"] == 64
+
+    stopped = await life.stop("t", row.id)
+    assert (stopped.state, stopped.pid) == (S.stopped, None) and vm.stopped_cleanly
+    assert daemon.registry.vm(row.id) is None
+    assert (await life.stop("t", row.id)).state == S.stopped  # idempotent
+
+    with pytest.raises(errors.InvalidState):
+        await life.pause("t", row.id)  # only a running sandbox pauses
+
+    resumed = await life.resume("t", row.id)
+    assert resumed.state == S.running and fake_vm(daemon, row.id) is not vm
+    paused = await life.pause("t", row.id)
+    assert paused.state == S.paused and fake_vm(daemon, row.id).paused
+    assert (await life.resume("t", row.id)).state == S.running
+
+    await life.delete("t", row.id)
+    assert daemon.store.get_sandbox(row.id).state == S.deleted  # type: ignore[union-attr]
+    assert not daemon.registry.directory(row.id).exists()
+    with pytest.raises(errors.NotFound):
+        await life.resume("t", row.id)
+    assert types(daemon, row.id) == [
+        "created",
+        "stopped",
+        "resumed",
+        "paused",
+        "resumed",
+        "deleted",
+    ]
+
+
+async def test_another_tenant_sees_nothing(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    for call in (daemon.lifecycle.stop, daemon.lifecycle.delete, daemon.usage.usage):
+        with pytest.raises(errors.NotFound):
+            await call("other", row.id)
+    with pytest.raises(errors.NotFound):
+        daemon.trace.events("other", row.id)
+    assert daemon.registry.find("other") == []
+
+
+async def test_unknown_template_and_small_disk_are_refused(daemon: Daemon) -> None:
+    with pytest.raises(errors.InvalidArgument, match="unknown template"):
+        await daemon.lifecycle.create("t", SandboxCreate(template="nope"))
+    with pytest.raises(errors.InvalidArgument, match="at least"):
+        await daemon.lifecycle.create("t", SandboxCreate(disk_mib=1024))
+    row = await daemon.lifecycle.create("t", SandboxCreate(disk_mib=4096))
+    assert fake_vm(daemon, row.id).disk_mib == 4096
+
+
+async def test_a_crashed_vm_stops_its_sandbox_with_the_reason(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    fake_vm(daemon, row.id).crash()
+    for _ in range(100):
+        if daemon.registry.row(row.id).state == S.stopped:
+            break
+        await asyncio.sleep(0.01)
+    after = daemon.registry.row(row.id)
+    assert after.state == S.stopped and "killed by the test" in (after.error or "")
+    assert "crashed" in types(daemon, row.id)
+    assert (await daemon.lifecycle.resume("t", row.id)).state == S.running
+
+
+async def test_a_failed_create_marks_the_row_and_frees_the_vm(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver = daemon.driver
+    assert isinstance(driver, FakeDriver)
+    made = driver._vm
+
+    def broken(*args: object) -> FakeVM:
+        vm = made(*args)  # type: ignore[arg-type]
+        vm.agent.fail_identity = errors.AgentUnavailable("guest went silent")
+        return vm
+
+    monkeypatch.setattr(driver, "_vm", broken)
+    with pytest.raises(errors.AgentUnavailable):
+        await daemon.lifecycle.create("t", SandboxCreate())
+    [row] = daemon.store.list_sandboxes("t")
+    assert row.state == S.error and "guest went silent" in (row.error or "")
+    assert types(daemon, row.id) == ["create_failed"]
+    assert not driver.vms[-1].running and not daemon.registry.directory(row.id).exists()
+
+
+async def test_admission_quota_and_capacity(daemon: Daemon) -> None:
+    life = daemon.lifecycle
+    rows = await asyncio.gather(
+        *(life.create("t", SandboxCreate()) for _ in range(5)), return_exceptions=True
+    )
+    refused = [r for r in rows if isinstance(r, BaseException)]
+    assert len(refused) == 2 and all(isinstance(r, errors.QuotaExceeded) for r in refused)
+    # another tenant is not held by t's quota, but by the host's RAM (4096, 1536 committed)
+    await life.create("u", SandboxCreate(memory_mib=2048))
+    with pytest.raises(errors.CapacityExceeded, match="MiB"):
+        await life.create("u", SandboxCreate(memory_mib=1024))
+    with pytest.raises(errors.CapacityExceeded, match="vCPUs"):
+        await life.create("v", SandboxCreate(vcpus=8, memory_mib=128))
+    with pytest.raises(errors.InvalidArgument, match="at most"):
+        await life.create("v", SandboxCreate(memory_mib=20000))
+    # a stopped sandbox commits nothing
+    first = next(r for r in rows if not isinstance(r, BaseException))
+    assert isinstance(first, SandboxRecord)
+    await life.stop("t", first.id)
+    await life.create("t", SandboxCreate(memory_mib=128))
+
+
+async def test_fork_count_is_admitted_as_a_whole(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate(labels={"a": "b"}))
+    with pytest.raises(errors.QuotaExceeded):
+        await daemon.snapshots.fork("t", row.id, 3)  # 1 + 3 > 3
+    forks = await daemon.snapshots.fork("t", row.id, 2)
+    assert [f.state for f in forks] == [S.running, S.running]
+    assert all(f.parent_id == row.id and f.labels == {"a": "b"} for f in forks)
+    assert daemon.store.snapshot_users(forks[0].snapshot_id or "")[0] == [f.id for f in forks]
+
+
+async def test_exec_is_traced_and_its_kept_output_bounded(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    result = await daemon.exec.run("t", row.id, ExecRequest(command=["echo", "x" * 100]), keep=10)
+    assert result.stdout == b"echo xxxxx" and result.stdout_truncated == 95
+    [event] = daemon.store.events(row.id, types=["exec"])
+    assert event.data["stdout_bytes"] == 105 and event.data["exit_code"] == 0
+    assert event.data["output_tail"].endswith("x" * 100)
+    assert not daemon.registry.is_busy(row.id)
+
+
+def record(state: S, **fields: object) -> SandboxRecord:
+    now = datetime.now(UTC)
+    defaults: dict[str, object] = {
+        "created_at": (now - timedelta(seconds=100)).isoformat(),
+        "last_active_at": (now - timedelta(seconds=50)).isoformat(),
+    }
+    return SandboxRecord(
+        id=f"sb-{state}-{len(fields)}",
+        tenant="t",
+        state=state,
+        template="default",
+        vcpus=1,
+        memory_mib=512,
+        **{**defaults, **fields},  # type: ignore[arg-type]
+    )
+
+
+def test_reaper_decisions() -> None:
+    now = datetime.now(UTC).timestamp()
+    idle = lambda _: False  # noqa: E731
+    cases = [
+        (record(S.running, ttl_seconds=90), ("ttl", "delete")),
+        (record(S.running, ttl_seconds=200), None),
+        (record(S.stopped, ttl_seconds=90, ttl_action="stop"), None),  # already stopped
+        (record(S.stopped, ttl_seconds=90, ttl_action="delete"), ("ttl", "delete")),
+        (record(S.paused, ttl_seconds=90, ttl_action="pause"), None),
+        (record(S.running, idle_timeout_seconds=40, idle_action="pause"), ("idle", "pause")),
+        (record(S.running, idle_timeout_seconds=60), None),
+        (record(S.paused, idle_timeout_seconds=40), None),  # a paused sandbox is not idle
+    ]
+    for row, expected in cases:
+        got = [(e.limit, e.action) for e in due([row], now, idle)]
+        assert got == ([expected] if expected else []), row
+    busy_row = record(S.running, idle_timeout_seconds=40)
+    assert due([busy_row], now, lambda sid: sid == busy_row.id) == []  # an exec is running
+
+
+async def test_reaper_enforces_a_ttl(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate(ttl_seconds=60, ttl_action="stop"))
+    past = (datetime.now(UTC) - timedelta(seconds=61)).isoformat()
+    daemon.registry.update(row.id, created_at=past)
+    await daemon.reaper.once()
+    assert daemon.registry.row(row.id).state == S.stopped
+    assert types(daemon, row.id)[-2:] == ["limit_hit", "stopped"]
+
+
+def test_recovery_plans() -> None:
+    assert plan(record(S.creating)) == "free"
+    assert plan(record(S.deleting, pid=7)) == "free"
+    assert plan(record(S.running, pid=7)) == "adopt"
+    assert plan(record(S.paused, pid=7)) == "adopt"
+    assert plan(record(S.running)) == "stop"  # no pid: nothing to adopt
+    assert plan(record(S.stopping, pid=7)) == "stop"
+    assert plan(record(S.stopped)) == "keep"
+    assert plan(record(S.error)) == "keep"
+
+
+async def test_recovery_acts_on_what_a_crashed_daemon_left(daemon: Daemon) -> None:
+    driver = daemon.driver
+    assert isinstance(driver, FakeDriver)
+    vms = daemon.driver.paths.vms
+
+    def left(sandbox_id: str, state: S, pid: int | None = None) -> None:
+        (vms / sandbox_id).mkdir(parents=True)
+        rec = record(state, pid=pid)
+        rec.id = sandbox_id
+        daemon.store.insert_sandbox(rec)
+        daemon.store.update_sandbox(sandbox_id, state=state, pid=pid)
+
+    left("sb-alive", S.running, 901)
+    driver.orphans[901] = vms / "sb-alive"
+    left("sb-frozen", S.paused, 902)
+    driver.orphans[902] = vms / "sb-frozen"
+    left("sb-gone", S.running, 903)  # its process died with the daemon
+    left("sb-half", S.creating, 904)
+    driver.orphans[904] = vms / "sb-half"
+    left("sb-stopping", S.stopping, 905)
+    driver.orphans[905] = vms / "sb-stopping"
+    left("sb-off", S.stopped)
+    driver.orphans[999] = vms / "sb-unknown"  # a QEMU nobody owns
+    (vms / "sb-unknown").mkdir()
+
+    counts = await daemon.recovery.recover()
+    assert counts == {"adopted": 2, "stopped": 2, "cleaned": 1, "strays_killed": 1}
+    state = {r.id: r.state for r in daemon.store.list_sandboxes()}
+    assert state == {
+        "sb-alive": S.running,
+        "sb-frozen": S.paused,
+        "sb-gone": S.stopped,
+        "sb-half": S.error,
+        "sb-stopping": S.stopped,
+        "sb-off": S.stopped,
+    }
+    assert sorted(driver.killed) == [904, 905, 999]
+    assert fake_vm(daemon, "sb-frozen").paused
+    kept = {p.name for p in vms.iterdir()}
+    assert kept == {"sb-alive", "sb-frozen", "sb-gone", "sb-stopping", "sb-off"}
