@@ -19,7 +19,6 @@ from cella.guest.client import ExecEvent, Output, Started
 from cella.guest.protocol import Entry, ExitStatus
 from cella.models.exec import ExecResult, OutputCollector
 from cella.paths import Paths
-from cella.runtime.contract import Egress
 from cella.runtime.qemu.accel import AccelChoice
 from cella.storage.snapshots import FILES, SnapshotDir
 
@@ -40,10 +39,24 @@ class FakeAgent:
         self.fail_identity: BaseException | None = None
         self._closed = False
         self.execs: list[Sequence[str] | str] = []
+        self.on_stream: Any = None
+        self.failure: Exception | None = None
+        self._failed = asyncio.Event()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def break_protocol(self) -> None:
+        """The guest wrote garbage to its channel: the agent is unusable, the VM runs on."""
+        self._closed = True
+        self.failure = errors.AgentUnavailable("guest broke the protocol: garbage")
+        self._failed.set()
+
+    async def wait_closed(self) -> Exception:
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     async def exec_stream(
         self,
@@ -132,9 +145,7 @@ class FakeAgent:
 class FakeVM:
     _pids = itertools.count(50000)
 
-    def __init__(
-        self, directory: Path, vcpus: int, memory_mib: int, egress: Egress | None = None
-    ) -> None:
+    def __init__(self, directory: Path, vcpus: int, memory_mib: int) -> None:
         self.directory: Path | None = directory
         self.boot_seconds: float | None = 0.01
         self.accel_reason = "fake"
@@ -142,7 +153,6 @@ class FakeVM:
         self._pid = next(self._pids)
         self._vcpus = vcpus
         self._memory_mib = memory_mib
-        self._egress = egress
         self._agent = FakeAgent()
         self._ended = asyncio.Event()
         self.paused = False
@@ -154,7 +164,6 @@ class FakeVM:
     accel = property(lambda self: "tcg")
     vcpus = property(lambda self: self._vcpus)
     memory_mib = property(lambda self: self._memory_mib)
-    egress = property(lambda self: self._egress)
     agent = property(lambda self: self._agent)
     running = property(lambda self: not self._ended.is_set())
     usable = property(lambda self: self.running and not self._agent.closed)
@@ -194,6 +203,9 @@ class FakeVM:
     async def detach(self) -> None:
         return None
 
+    def trim_console(self, limit: int) -> None:
+        self.console_limit = limit
+
 
 class FakeDriver:
     def __init__(self, root: Path, templates: dict[str, int] | None = None) -> None:
@@ -220,10 +232,10 @@ class FakeDriver:
     def warm_key(self, template: str, vcpus: int, memory_mib: int) -> str:
         return f"{vcpus}-{memory_mib}"
 
-    def _vm(self, directory: Path, vcpus: int, memory_mib: int, egress: Egress | None) -> FakeVM:
+    def _vm(self, directory: Path, vcpus: int, memory_mib: int) -> FakeVM:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "disk.qcow2").write_bytes(b"disk")
-        vm = FakeVM(directory, vcpus, memory_mib, egress)
+        vm = FakeVM(directory, vcpus, memory_mib)
         self.vms.append(vm)
         return vm
 
@@ -235,19 +247,17 @@ class FakeDriver:
         memory_mib: int,
         boot_timeout: float = 60.0,
         disk: str = "disk.qcow2",
-        egress: Egress | None = None,
     ) -> FakeVM:
-        return self._vm(directory, vcpus, memory_mib, egress)
+        return self._vm(directory, vcpus, memory_mib)
 
     async def restore(
         self,
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
-        egress: Egress | None = None,
     ) -> FakeVM:
         manifest = snap.verify()
-        return self._vm(directory, manifest["vcpus"], manifest["memory_mib"], egress)
+        return self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
 
     async def adopt(self, directory: Path, pid: int, paused: bool = False) -> FakeVM:
         if self.orphans.get(pid) != directory:

@@ -22,6 +22,8 @@ from typing import Literal
 from cella import errors
 from cella.guest.protocol import (
     CHUNK,
+    STREAM_BIT,
+    WINDOW,
     Entry,
     ExitStatus,
     Field,
@@ -59,6 +61,79 @@ ExecEvent = Started | Output | ExitStatus
 @dataclass(slots=True)
 class _Channel:
     queue: asyncio.Queue[tuple[int, bytes] | object] = field(default_factory=asyncio.Queue)
+    pending: int = 0  # output bytes received and not yet acknowledged
+
+
+# Replies that carry output the guest must hold back until acknowledged.
+_FLOWING = frozenset({Msg.STDOUT, Msg.STDERR, Msg.DATA})
+StreamHandler = Callable[["GuestStream"], Awaitable[None]]
+
+
+class GuestStream:
+    """A TCP connection the guest opened to one of the egress ports, carried over the agent
+    channel. Reads and writes are flow-controlled by acknowledgements in both directions."""
+
+    def __init__(self, client: AgentClient, channel: int, port: int) -> None:
+        self.client = client
+        self.channel = channel
+        self.port = port
+        self._incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._unacked_in = 0  # bytes received from the guest, not yet acknowledged
+        self._inflight = 0  # bytes sent to the guest, not yet acknowledged
+        self._room = asyncio.Event()
+        self._room.set()
+        self.closed = False
+
+    def _feed(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self._unacked_in += len(data)
+        if self._unacked_in > WINDOW:
+            raise ProtocolError(f"stream {self.channel:#x}: the guest ignored flow control")
+        self._incoming.put_nowait(data)
+
+    def _acked(self, count: int) -> None:
+        self._inflight = max(0, self._inflight - count)
+        if self._inflight < WINDOW:
+            self._room.set()
+
+    def _gone(self) -> None:
+        self.closed = True
+        self._incoming.put_nowait(None)
+        self._room.set()
+
+    async def read(self) -> bytes:
+        """The next bytes the guest sent; b"" once it sent no more (or the stream closed)."""
+        data = await self._incoming.get()
+        if data is None:
+            self._incoming.put_nowait(None)
+            return b""
+        if data:
+            self._unacked_in -= len(data)
+            await self.client._send_quiet(self.channel, Msg.ACK, len(data).to_bytes(4, "big"))
+        return data
+
+    async def write(self, data: bytes) -> None:
+        """Sends to the guest, waiting while it has a window's worth not yet taken."""
+        for off in range(0, len(data), CHUNK):
+            piece = data[off : off + CHUNK]
+            while self._inflight >= WINDOW and not self.closed:
+                self._room.clear()
+                await self._room.wait()
+            if self.closed:
+                raise ConnectionResetError("the guest closed the stream")
+            self._inflight += len(piece)
+            await self.client._send_quiet(self.channel, Msg.SDATA, piece)
+
+    async def write_eof(self) -> None:
+        if not self.closed:
+            await self.client._send_quiet(self.channel, Msg.SDATA, b"")
+
+    async def close(self) -> None:
+        if not self.closed:
+            self._gone()
+            self.client._streams.pop(self.channel, None)
+            await self.client._send_quiet(self.channel, Msg.SCLOSE)
 
 
 class AgentClient:
@@ -79,8 +154,13 @@ class AgentClient:
         self._on_lost = on_lost
         self._writer = writer
         self._channels: dict[int, _Channel] = {}
+        self._streams: dict[int, GuestStream] = {}
+        self._stream_tasks: set[asyncio.Task[None]] = set()
+        self.on_stream: StreamHandler | None = None  # none: the guest's connections fail
+        self.flow_control = True  # agents before version 2 send output unacknowledged
         self._ids = itertools.count(1)
         self._closed: errors.CellaError | None = None
+        self._failed = asyncio.Event()
         self._task = asyncio.create_task(self._pump(), name="cella-agent-reader")
 
     @classmethod
@@ -96,6 +176,16 @@ class AgentClient:
     @property
     def closed(self) -> bool:
         return self._closed is not None
+
+    @property
+    def failure(self) -> errors.CellaError | None:
+        """Why the channel closed, once it has."""
+        return self._closed
+
+    async def wait_closed(self) -> errors.CellaError:
+        await self._failed.wait()
+        assert self._closed is not None
+        return self._closed
 
     async def close(self) -> None:
         self._fail(errors.AgentUnavailable("agent connection closed"))
@@ -119,11 +209,19 @@ class AgentClient:
                         reason = await self._on_lost()
                     raise errors.SandboxCrashed(reason)
                 for channel, msg, payload in decoder.feed(data):
+                    if channel & STREAM_BIT:
+                        self._stream_frame(channel, msg, payload)
+                        continue
                     ch = self._channels.get(channel)
-                    if ch is not None:  # replies to finished requests are dropped
-                        ch.queue.put_nowait((msg, payload))
+                    if ch is None:
+                        continue  # replies to finished requests are dropped
+                    if msg in _FLOWING and self.flow_control:
+                        ch.pending += len(payload)
+                        if ch.pending > WINDOW:
+                            raise ProtocolError(f"the guest ignored flow control on {channel}")
+                    ch.queue.put_nowait((msg, payload))
         except ProtocolError as exc:
-            self._fail(errors.AgentUnavailable(f"guest broke the protocol: {exc}"))
+            self._fail(errors.AgentUnavailable(f"guest broke the protocol: {exc.message}"))
         except errors.CellaError as exc:
             self._fail(exc)
         except (ConnectionError, OSError) as exc:
@@ -132,8 +230,62 @@ class AgentClient:
     def _fail(self, exc: errors.CellaError) -> None:
         if self._closed is None:
             self._closed = exc
+            self._failed.set()
         for ch in self._channels.values():
             ch.queue.put_nowait(_CLOSED)
+        for stream in list(self._streams.values()):
+            stream._gone()
+        self._streams.clear()
+
+    # -- streams the guest opens ----------------------------------------------------------
+
+    def _stream_frame(self, channel: int, msg: int, payload: bytes) -> None:
+        stream = self._streams.get(channel)
+        if msg == Msg.SOPEN:
+            if stream is not None or len(payload) != 4:
+                raise ProtocolError(f"bad stream open on {channel:#x}")
+            stream = GuestStream(self, channel, int.from_bytes(payload, "big"))
+            if self.on_stream is None:
+                self._spawn(stream.close())
+                return
+            self._streams[channel] = stream
+            self._spawn(self._serve(stream, self.on_stream))
+        elif stream is None:
+            if msg != Msg.GSCLOSE:  # the host forgot it (or never knew): tell the guest
+                self._spawn(self._send_quiet(channel, Msg.SCLOSE))
+        elif msg == Msg.GSDATA:
+            stream._feed(payload)
+        elif msg == Msg.GACK and len(payload) == 4:
+            stream._acked(int.from_bytes(payload, "big"))
+        elif msg == Msg.GSCLOSE:
+            self._streams.pop(channel, None)
+            stream._gone()
+        else:
+            raise ProtocolError(f"unexpected message {msg:#x} on stream {channel:#x}")
+
+    async def _serve(self, stream: GuestStream, handler: StreamHandler) -> None:
+        try:
+            await handler(stream)
+        except Exception:  # the handler's own failure ends only this stream
+            pass
+        finally:
+            await stream.close()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._stream_tasks.add(task)
+        task.add_done_callback(self._stream_tasks.discard)
+
+    async def _send_quiet(self, cid: int, msg: Msg, payload: bytes = b"") -> None:
+        """Sends unless the channel is gone (then there is no one to tell)."""
+        with contextlib.suppress(errors.CellaError, ConnectionError, OSError):
+            await self._send(cid, msg, payload)
+
+    async def _ack(self, cid: int, ch: _Channel, count: int) -> None:
+        """The caller has taken `count` bytes of output: the guest may send that much more."""
+        if self.flow_control and count:
+            ch.pending -= count
+            await self._send_quiet(cid, Msg.ACK, count.to_bytes(4, "big"))
 
     def _open(self) -> tuple[int, _Channel]:
         if self._closed is not None:
@@ -178,10 +330,13 @@ class AgentClient:
     # -- basic ---------------------------------------------------------------------------
 
     async def ping(self, timeout: float | None = 30.0) -> str:
+        """The agent's version string; it also tells whether the agent speaks flow control."""
         reply, body = await self._request(Msg.PING, b"", timeout)
         if reply != Msg.PONG:
             raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to ping")
-        return body.decode("utf-8", "replace")
+        version = body.decode("utf-8", "replace")
+        self.flow_control = version != "cella-agent/1"
+        return version
 
     async def set_identity(
         self,
@@ -262,10 +417,9 @@ class AgentClient:
             wait = None if timeout is None else timeout + _TIMEOUT_GRACE
             while True:
                 reply, body = await self._next(ch, wait)
-                if reply == Msg.STDOUT:
-                    yield Output("stdout", body)
-                elif reply == Msg.STDERR:
-                    yield Output("stderr", body)
+                if reply in (Msg.STDOUT, Msg.STDERR):
+                    yield Output("stdout" if reply == Msg.STDOUT else "stderr", body)
+                    await self._ack(cid, ch, len(body))  # taken: the guest may send more
                 elif reply == Msg.EXIT:
                     running = False
                     yield decode_exit(body)
@@ -322,6 +476,7 @@ class AgentClient:
                 reply, body = await self._next(ch, 60.0)
                 if reply == Msg.DATA:
                     yield body
+                    await self._ack(cid, ch, len(body))
                 elif reply == Msg.END:
                     return
                 elif reply == Msg.ERROR:
@@ -378,6 +533,7 @@ class AgentClient:
                 reply, body = await self._next(ch, 60.0)
                 if reply == Msg.DATA:
                     entries.extend(decode_entries(body))
+                    await self._ack(cid, ch, len(body))
                 elif reply == Msg.END:
                     return sorted(entries, key=lambda e: e.name)
                 elif reply == Msg.ERROR:

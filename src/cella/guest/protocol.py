@@ -14,9 +14,23 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
+from cella import errors
+
 HEADER = struct.Struct(">IIB")
 MAX_FRAME = 1 << 20
 CHUNK = 256 << 10
+# Output (exec, file read, stream data) a side may have sent and not yet had acknowledged
+# (ACK frames): a slow consumer slows the producer instead of filling memory.
+WINDOW = 1 << 20
+# The guest's network, as the agent sets it up (the VM has no NIC): every name resolves to
+# EGRESS_ADDR, a loopback address where the agent listens on EGRESS_PORTS and carries each
+# connection to the host as a stream.
+EGRESS_ADDR = "10.0.2.100"
+EGRESS_PORTS = (80, 443, 3128)  # transparent HTTP, transparent TLS, explicit proxy
+PROXY_PORT = 3128
+# Channels of streams the guest opens (connections to the egress ports) have this bit set;
+# the host's requests use channels below it.
+STREAM_BIT = 0x80000000
 
 
 class Msg(IntEnum):
@@ -36,6 +50,9 @@ class Msg(IntEnum):
     CHMOD = 0x18
     IDENTITY = 0x19
     SHUTDOWN = 0x1A
+    ACK = 0x1B  # u32: bytes of the channel's output taken (also guest -> host: 0x8C)
+    SDATA = 0x1C  # stream data; empty: no more from this side
+    SCLOSE = 0x1D  # stream closed (also guest -> host: 0x8B)
     # guest -> host
     PONG = 0x81
     STARTED = 0x82
@@ -45,6 +62,10 @@ class Msg(IntEnum):
     DATA = 0x86
     END = 0x87
     OK = 0x88
+    SOPEN = 0x89  # the guest opened a stream: u32 destination port
+    GSDATA = 0x8A
+    GSCLOSE = 0x8B
+    GACK = 0x8C
     ERROR = 0x8F
 
 
@@ -66,7 +87,7 @@ class Field(IntEnum):
     PIDS_MAX = 16
 
 
-class ProtocolError(Exception):
+class ProtocolError(errors.AgentUnavailable):
     """The guest sent something that does not follow the protocol."""
 
 

@@ -26,7 +26,6 @@ import cella
 from cella import errors
 from cella.network.install import mitmdump
 from cella.paths import Paths
-from cella.runtime.contract import Egress
 
 log = logging.getLogger("cella.egress")
 ADDON = Path(__file__).with_name("addon.py")
@@ -104,9 +103,6 @@ class EgressProxy:
     def ca_cert(self) -> Path:
         """The deployment's CA (made by mitmproxy on first start); guests trust it."""
         return self.dir / CA_CERT
-
-    def egress_for(self, addr: str | None = None) -> Egress:
-        return Egress(self.port, addr or self.addresses.allocate())
 
     # -- process ------------------------------------------------------------------------
 

@@ -5,13 +5,20 @@ an in-process fake. Everything here is public: no caller reaches into a VM's int
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from cella.guest.client import ExecEvent
+    from cella.guest.client import ExecEvent, GuestStream
     from cella.guest.protocol import Entry
     from cella.models.exec import ExecResult
     from cella.paths import Paths
@@ -19,20 +26,22 @@ if TYPE_CHECKING:
     from cella.storage.snapshots import SnapshotDir
 
 
-@dataclass(frozen=True, slots=True)
-class Egress:
-    """Where a VM's forwarded connections go: the proxy's port on the host, from a loopback
-    source address that is this VM's alone (it tells the proxy who is asking)."""
-
-    proxy_port: int
-    source_addr: str
-
-
 class GuestAgent(Protocol):
-    """The agent inside a VM: commands and files. Guest errors arrive as `cella.errors`."""
+    """The agent inside a VM: commands, files, and the connections the guest opens (each a
+    `GuestStream` handed to `on_stream`; with none set they are refused). Guest errors
+    arrive as `cella.errors`."""
+
+    on_stream: Callable[[GuestStream], Awaitable[None]] | None
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why the channel closed (a crash, or a guest that broke the protocol)."""
+        ...
+
+    async def wait_closed(self) -> Exception: ...
 
     def exec_stream(
         self,
@@ -120,9 +129,6 @@ class VM(Protocol):
     def memory_mib(self) -> int: ...
 
     @property
-    def egress(self) -> Egress | None: ...
-
-    @property
     def agent(self) -> GuestAgent: ...
 
     @property
@@ -153,6 +159,10 @@ class VM(Protocol):
         """Lets go of the VM without stopping it (the next daemon adopts it)."""
         ...
 
+    def trim_console(self, limit: int) -> None:
+        """Keeps what the guest wrote to its console under `limit` bytes on the host."""
+        ...
+
 
 class Driver(Protocol):
     """Makes, adopts, snapshots and removes VMs under one data directory."""
@@ -180,7 +190,6 @@ class Driver(Protocol):
         memory_mib: int,
         boot_timeout: float = 60.0,
         disk: str = ...,
-        egress: Egress | None = None,
     ) -> VM: ...
 
     async def restore(
@@ -188,7 +197,6 @@ class Driver(Protocol):
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
-        egress: Egress | None = None,
     ) -> VM: ...
 
     async def adopt(self, directory: Path, pid: int, paused: bool = False) -> VM: ...

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from cella.config import DAEMON_FILE, DaemonSettings
-from cella.paths import Paths
+from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress
@@ -48,22 +49,16 @@ class Daemon:
 
             self._spans = SpanSink(otlp_http(settings.otlp_endpoint))
             self.events.sinks.append(self._spans)
-        self.registry = Registry(store, driver, self.events)
+        self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.egress = SandboxEgress(settings, self.registry)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.pool = WarmPool(
-            driver,
-            self.warm,
-            settings.pool_size,
-            egress=self.egress.new_egress,
-            prepare=self._prepare_pooled,
-        )
+        self.pool = WarmPool(driver, self.warm, settings.pool_size)
         self.admission = Admission(settings, self.registry, self.pool.committed)
         self.lifecycle = Lifecycle(
             settings, self.registry, self.admission, self.egress, self.warm, self.pool
         )
         self.snapshots = Snapshots(self.registry, self.admission, self.lifecycle)
-        self.exec = Exec(self.registry, self.egress)
+        self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
@@ -76,15 +71,16 @@ class Daemon:
         whose VMs outlive the daemon (a restart, or a crash, re-adopts them)."""
         from cella.runtime.qemu.driver import QemuDriver
 
+        os.umask(0o077)  # everything the daemon (and QEMU, the proxy) makes is its own
         paths = Paths(settings.data_dir, settings.image_dir)
         paths.ensure()
+        for tree in {paths.root, paths.images}:  # made before, by setup or an older daemon
+            if fixed := owner_only(tree):
+                log.info("%s: took group/other access off %d entries", tree, fixed)
         store = Store(paths.root / "cella.db")
         daemon = cls(settings, store, QemuDriver(paths, settings.accel, die_with_parent=False))
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
-
-    async def _prepare_pooled(self, vm: Any) -> None:
-        self.egress.release_on_exit(vm)
 
     async def start(self) -> None:
         """Recovers what the last daemon left, starts the egress proxy, makes sure the

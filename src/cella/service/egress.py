@@ -4,29 +4,34 @@ changes, the egress decision log and the tenant's secret store."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import secrets as tokens
+import time
 from typing import Any
 
 from cella import errors
 from cella.config import DaemonSettings
+from cella.guest.client import GuestStream
+from cella.guest.protocol import EGRESS_ADDR, PROXY_PORT
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.proxy import EgressProxy
-from cella.runtime.contract import VM, Egress
-from cella.runtime.qemu.args import EGRESS_ADDR, PROXY_PORT
+from cella.runtime.contract import VM
 from cella.service.registry import Registry
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
 GUEST_CA = "/usr/local/share/ca-certificates/cella-egress.crt"
 GUEST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+REFUSAL_EVENT_SECONDS = 10.0
 
 
 def proxy_env() -> dict[str, str]:
     """What every exec sees: the explicit proxy (tools that ignore it are caught by the
-    DNS stub and the transparent ports)."""
+    DNS stub and the transparent ports, which lead to the same proxy)."""
     url = f"http://{EGRESS_ADDR}:{PROXY_PORT}"
     no_proxy = "localhost,127.0.0.1,::1"
     return {
@@ -61,6 +66,10 @@ class SandboxEgress:
             on_decision=self._record,
         )
         self._ca: bytes | None = None
+        self.max_connections = settings.max_connections_per_sandbox
+        self._addresses: dict[VM, str] = {}
+        self._held: dict[str, int] = {}  # sandbox id -> connections open now
+        self._last_refusal: dict[str, float] = {}
 
     async def start(self) -> None:
         await self.proxy.start()
@@ -77,36 +86,72 @@ class SandboxEgress:
 
     # -- VMs ----------------------------------------------------------------------------
 
-    def new_egress(self) -> Egress:
-        """Forwards for a VM about to start; its address reaches nothing until `attach`."""
-        return self.proxy.egress_for()
-
-    def release_on_exit(self, vm: VM) -> VM:
-        """The VM's source address is taken until it ends."""
-        if vm.egress is not None:
-            addr = vm.egress.source_addr
-            self.proxy.addresses.claim(addr)
-            vm.exit_hooks.append(lambda: self.proxy.drop(addr))
-        return vm
-
     def attach(self, vm: VM, row: SandboxRecord) -> None:
-        """Gives the VM's address the sandbox's policy and secrets (again, after changes)."""
-        if vm.egress is None:
-            return
-        if vm.egress.proxy_port != self.proxy.port:
-            log.warning(
-                "%s forwards to port %d, the proxy is on %d: it has no network",
-                row.id,
-                vm.egress.proxy_port,
-                self.proxy.port,
-            )
+        """Gives the VM the sandbox's policy and secrets (again, after changes), and carries
+        the connections its guest opens to the proxy, from a loopback address that is this
+        VM's alone: that is how the proxy knows who is asking."""
+        addr = self._addresses.get(vm)
+        if addr is None:
+            addr = self._addresses[vm] = self.proxy.addresses.allocate()
+            vm.exit_hooks.append(lambda: self._release(vm))
         self.proxy.set(
-            vm.egress.source_addr,
-            row.id,
-            list(row.network.allow),
-            list(row.network.deny),
-            self._bindings(row),
+            addr, row.id, list(row.network.allow), list(row.network.deny), self._bindings(row)
         )
+        vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
+
+    def _release(self, vm: VM) -> None:
+        addr = self._addresses.pop(vm, None)
+        if addr is not None:
+            self.proxy.drop(addr)
+
+    async def _carry(self, sandbox_id: str, addr: str, stream: GuestStream) -> None:
+        """One guest connection to the proxy and back, both ways until both ends close."""
+        held = self._held.get(sandbox_id, 0)
+        if held >= self.max_connections:
+            self._refused(sandbox_id)
+            return  # the stream is closed: the guest sees its connection reset
+        self._held[sandbox_id] = held + 1
+        writer: asyncio.StreamWriter | None = None
+        try:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", self.proxy.port, local_addr=(addr, 0)
+            )
+
+            async def up() -> None:
+                assert writer is not None
+                while data := await stream.read():
+                    writer.write(data)
+                    await writer.drain()
+                if writer.can_write_eof():
+                    writer.write_eof()
+
+            async def down() -> None:
+                while data := await reader.read(64 << 10):
+                    await stream.write(data)
+                await stream.write_eof()
+
+            await asyncio.gather(up(), down())
+        except (OSError, ConnectionError):
+            pass  # either end went away: the stream is closed below
+        finally:
+            self._held[sandbox_id] -= 1
+            if writer is not None:
+                writer.close()
+
+    def _refused(self, sandbox_id: str) -> None:
+        """At most one event a sandbox per REFUSAL_EVENT_SECONDS: a guest hammering the
+        limit should not flood its own trace."""
+        now = time.monotonic()
+        if (
+            now - self._last_refusal.get(sandbox_id, -REFUSAL_EVENT_SECONDS)
+            >= REFUSAL_EVENT_SECONDS
+        ):
+            self._last_refusal[sandbox_id] = now
+            self.events.emit(
+                sandbox_id,
+                "limit_hit",
+                {"limit": "connections", "max": self.max_connections, "action": "refused"},
+            )
 
     def _bindings(self, row: SandboxRecord) -> list[dict[str, Any]]:
         out = []
@@ -121,6 +166,8 @@ class SandboxEgress:
                     "value": secret.value,
                     "hosts": secret.hosts,
                     "header": _auth_header(secret),
+                    "inject": secret.inject,
+                    "username": secret.username,
                 }
             )
         return out
@@ -172,7 +219,11 @@ class SandboxEgress:
 
     def put_secret(self, tenant: str, name: str, body: SecretPut) -> SecretRecord:
         """Stores a secret; running sandboxes that use it get the new value at once."""
-        self.store.put_secret(tenant, name, body.value, body.hosts, body.auth, body.username)
+        self.store.put_secret(
+            SecretRecord(
+                tenant, name, body.value, body.hosts, body.auth, body.username, body.inject
+            )
+        )
         self.events.secrets_changed(tenant)
         for sandbox_id, vm in self.registry.vms().items():
             row = self.store.get_sandbox(sandbox_id)

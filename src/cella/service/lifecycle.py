@@ -141,11 +141,8 @@ class Lifecycle:
         return self.registry.get(tenant, sandbox_id)
 
     async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
-        """A VM restored for a sandbox, with its egress forwards (freed when it exits)."""
-        vm = await self.driver.restore(
-            snap, self.registry.directory(sandbox_id), egress=self.egress.new_egress()
-        )
-        return self.egress.release_on_exit(vm)
+        """A VM restored for a sandbox (readied by `ready`)."""
+        return await self.driver.restore(snap, self.registry.directory(sandbox_id))
 
     async def ready(self, vm: VM, row: SandboxRecord) -> None:
         """A restored guest is a copy: it gets the sandbox's egress, and its own name,
@@ -216,7 +213,8 @@ class Lifecycle:
                 return self.registry.get(tenant, sandbox_id)
             if row.state != S.stopped:
                 raise errors.InvalidState(f"cannot resume a sandbox that is {row.state}")
-            self.registry.update(sandbox_id, state=S.starting)
+            async with self.admission.admit(tenant, row.vcpus, row.memory_mib):
+                self.registry.update(sandbox_id, state=S.starting)
             try:
                 vm = await self.driver.start(
                     self.registry.directory(sandbox_id),
@@ -224,12 +222,10 @@ class Lifecycle:
                     memory_mib=row.memory_mib,
                     boot_timeout=self.settings.boot_timeout,
                     disk=row.disk,
-                    egress=self.egress.new_egress(),
                 )
             except BaseException:
                 self.registry.update(sandbox_id, state=S.stopped, pid=None)
                 raise
-            self.egress.release_on_exit(vm)
             self.egress.attach(vm, row)
             self.registry.track(sandbox_id, vm)
             self.registry.update(sandbox_id, state=S.running, pid=vm.pid, error=None)

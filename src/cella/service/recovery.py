@@ -79,7 +79,6 @@ class Recovery:
         except (errors.CellaError, OSError, TimeoutError):
             return False
         self.registry.track(row.id, vm)
-        self.egress.release_on_exit(vm)
         self.egress.attach(vm, row)
         self.registry.update(row.id, state=S.paused if paused else S.running)
         self.events.emit(row.id, "adopted", {"pid": row.pid})

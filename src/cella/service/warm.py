@@ -12,12 +12,11 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
-from cella.runtime.contract import VM, Driver, Egress
+from cella.runtime.contract import VM, Driver
 from cella.storage.snapshots import SnapshotDir
 
 log = logging.getLogger("cella.warm")
@@ -100,8 +99,7 @@ class _Pool:
 class WarmPool:
     """Restored VMs waiting to be claimed, one pool per shape.
 
-    `egress` gives each VM its forwards at restore; `prepare` readies it before it waits
-    (both come from the service, so pooled VMs are like ones restored on demand).
+    A pooled VM belongs to no sandbox: it has no egress until a create claims it.
     """
 
     def __init__(
@@ -109,15 +107,10 @@ class WarmPool:
         driver: Driver,
         snapshots: WarmSnapshots,
         size: int,
-        *,
-        egress: Callable[[], Egress] | None = None,
-        prepare: Callable[[VM], Awaitable[None]] | None = None,
     ) -> None:
         self.driver = driver
         self.snapshots = snapshots
         self.size = size
-        self.egress = egress
-        self.prepare = prepare
         self._pools: dict[Shape, _Pool] = {}
         self._reaping: set[asyncio.Task[None]] = set()
 
@@ -159,20 +152,17 @@ class WarmPool:
             try:
                 snap = await self.snapshots.ensure(pool.shape)
                 directory = self.driver.paths.vms / new_sandbox_id()
-                egress = self.egress() if self.egress else None
-                vm = await self.driver.restore(snap, directory, egress=egress)
-                if self.prepare is not None:
-                    try:
-                        await self.prepare(vm)
-                    except BaseException:
-                        await self.driver.destroy(vm)
-                        raise
-                # run the usual first commands once, so the translation cache of this VM is
-                # warm before anyone claims it (a first exec is otherwise several times slower)
-                await vm.agent.exec(WARM_UP, timeout=60)
-                await vm.agent.set_identity(
-                    hostname="pool", time_ns=time.time_ns(), seed=os.urandom(64), sandbox_id="pool"
-                )
+                vm = await self.driver.restore(snap, directory)
+                try:
+                    # run the usual first commands once, so this VM's translation cache is
+                    # warm before anyone claims it (a first exec is otherwise much slower)
+                    await vm.agent.exec(WARM_UP, timeout=60)
+                    await vm.agent.set_identity(
+                        hostname="pool", time_ns=time.time_ns(), seed=os.urandom(64)
+                    )
+                except BaseException:
+                    await self.driver.destroy(vm)
+                    raise
                 pool.ready.append(vm)
                 failures = 0
             except asyncio.CancelledError:

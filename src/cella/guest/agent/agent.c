@@ -42,15 +42,20 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "cella-agent/1"
+#define AGENT_VERSION "cella-agent/2"
 #define PORT_NAME "cella.agent"
 #define MAX_FRAME (1u << 20)
 #define HDR 9
 #define CHUNK (256u << 10)
+/* Output the host has not acknowledged yet, per exec, file read or stream: past it the agent
+   stops reading, so a slow consumer slows the producer instead of filling the host. */
+#define WINDOW (1u << 20)
+#define STREAM_BIT 0x80000000u /* channels of streams the guest opened */
+#define MAX_STREAMS 1024
 #define CGROUP_ROOT "/sys/fs/cgroup/cella"
-/* The guest's only way out: QEMU user networking (restrict=on) forwards these ports of
-   EGRESS_ADDR to cella's egress proxy on the host. Every name resolves to it. */
-#define GUEST_ADDR "10.0.2.15"
+/* The guest's only way out: the agent listens on these ports of EGRESS_ADDR (on loopback;
+   the VM has no NIC) and carries each connection to the host as a stream, where the daemon
+   hands it to cella's egress proxy. Every name resolves to EGRESS_ADDR. */
 #define EGRESS_ADDR "10.0.2.100"
 #define DNS_ADDR "127.0.0.53"
 
@@ -59,12 +64,13 @@ enum {
     T_PING = 0x01, T_EXEC = 0x02, T_STDIN = 0x03, T_KILL = 0x04,
     T_READ = 0x10, T_WRITE = 0x11, T_WDATA = 0x12, T_WEND = 0x13, T_LIST = 0x14,
     T_STAT = 0x15, T_MKDIR = 0x16, T_REMOVE = 0x17, T_CHMOD = 0x18, T_IDENTITY = 0x19,
-    T_SHUTDOWN = 0x1A,
+    T_SHUTDOWN = 0x1A, T_ACK = 0x1B, T_SDATA = 0x1C, T_SCLOSE = 0x1D,
 };
 /* guest -> host */
 enum {
     M_PONG = 0x81, M_STARTED = 0x82, M_STDOUT = 0x83, M_STDERR = 0x84, M_EXIT = 0x85,
-    M_DATA = 0x86, M_END = 0x87, M_OK = 0x88, M_ERROR = 0x8F,
+    M_DATA = 0x86, M_END = 0x87, M_OK = 0x88, M_SOPEN = 0x89, M_SDATA = 0x8A,
+    M_SCLOSE = 0x8B, M_ACK = 0x8C, M_ERROR = 0x8F,
 };
 /* request fields (tag, u32 length, value) */
 enum {
@@ -218,12 +224,15 @@ struct exec {
     int stdin_eof;
     int64_t deadline;
     int timed_out;
+    int exited, status; /* reaped; the exit frame follows the rest of its output */
+    size_t tail;        /* output still forwarded after the exit (background writers) */
+    uint32_t inflight;  /* output sent, not yet acknowledged */
     char cgroup[64];
     struct exec *next;
 };
 static struct exec *execs;
 
-struct reader { uint32_t chan; int fd; struct reader *next; };
+struct reader { uint32_t chan; int fd; uint32_t inflight; struct reader *next; };
 static struct reader *readers;
 
 struct writer {
@@ -538,24 +547,31 @@ static void kill_tree(struct exec *e, int sig) {
     kill(e->pid, sig);
 }
 
-/* Forwards whatever a pipe holds now; returns 0 at EOF. */
-static int pump(struct exec *e, int *fd, uint8_t type, size_t budget) {
+/* Forwards what a pipe holds now, as far as the window allows: PUMP_EOF once the pipe is
+   closed, PUMP_DRAINED when it is empty for now, PUMP_MORE when it stopped early. */
+enum { PUMP_EOF, PUMP_DRAINED, PUMP_MORE };
+
+static int pump(struct exec *e, int *fd, uint8_t type, size_t *budget) {
     static uint8_t buf[64 << 10];
     while (*fd >= 0) {
-        ssize_t n = read(*fd, buf, sizeof buf);
+        if (e->inflight >= WINDOW || *budget == 0) return PUMP_MORE;
+        size_t want = WINDOW - e->inflight;
+        if (want > sizeof buf) want = sizeof buf;
+        if (want > *budget) want = *budget;
+        ssize_t n = read(*fd, buf, want);
         if (n > 0) {
             send_frame(e->chan, type, buf, (size_t)n, NULL, 0);
-            if ((size_t)n >= budget) return 1;
-            budget -= (size_t)n;
+            e->inflight += (uint32_t)n;
+            *budget -= (size_t)n;
             continue;
         }
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && errno == EAGAIN) return 1;
+        if (n < 0 && errno == EAGAIN) return PUMP_DRAINED;
         close(*fd);
         *fd = -1;
-        return 0;
+        return PUMP_EOF;
     }
-    return 0;
+    return PUMP_EOF;
 }
 
 static int cgroup_empty(const char *path) {
@@ -582,10 +598,8 @@ static void remove_cgroup(const char *path) {
     pending_cgroups = p;
 }
 
-static void finish_exec(struct exec *e, int status) {
-    /* what the process wrote before exiting is already in the pipes */
-    pump(e, &e->out_fd, M_STDOUT, 4u << 20);
-    pump(e, &e->err_fd, M_STDERR, 4u << 20);
+static void finish_exec(struct exec *e) {
+    int status = e->status;
     if (e->out_fd >= 0) close(e->out_fd);
     if (e->err_fd >= 0) close(e->err_fd);
     if (e->in_fd >= 0) close(e->in_fd);
@@ -611,9 +625,26 @@ static void reap(void) {
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (struct exec *e = execs; e; e = e->next)
             if (e->pid == pid) {
-                finish_exec(e, status);
+                e->exited = 1;
+                e->status = status;
+                e->tail = 4u << 20;
                 break;
             }
+    }
+}
+
+/* An exited command ends once what it wrote before exiting is sent: its pipes are empty
+   (or closed; background processes may keep them open) and the host has taken it all. */
+static void settle_execs(void) {
+    struct exec *e = execs;
+    while (e) {
+        struct exec *next = e->next;
+        if (e->exited) {
+            int out = pump(e, &e->out_fd, M_STDOUT, &e->tail);
+            int err = out == PUMP_MORE ? PUMP_MORE : pump(e, &e->err_fd, M_STDERR, &e->tail);
+            if ((out != PUMP_MORE && err != PUMP_MORE) || e->tail == 0) finish_exec(e);
+        }
+        e = next;
     }
 }
 
@@ -687,15 +718,27 @@ static void handle_read(uint32_t chan, const uint8_t *p, uint32_t len) {
     free(path);
 }
 
+static int readers_ready(void) {
+    for (struct reader *r = readers; r; r = r->next)
+        if (r->inflight < WINDOW) return 1;
+    return 0;
+}
+
 /* One chunk per active read per loop turn, so a large download never stalls execs. */
 static void pump_readers(void) {
     static uint8_t buf[CHUNK];
     struct reader **pp = &readers;
     while (*pp) {
         struct reader *r = *pp;
-        ssize_t n = read(r->fd, buf, sizeof buf);
+        if (r->inflight >= WINDOW) { /* waits for the host to take what it has */
+            pp = &r->next;
+            continue;
+        }
+        size_t want = WINDOW - r->inflight < sizeof buf ? WINDOW - r->inflight : sizeof buf;
+        ssize_t n = read(r->fd, buf, want);
         if (n > 0) {
             send_frame(r->chan, M_DATA, buf, (size_t)n, NULL, 0);
+            r->inflight += (uint32_t)n;
             pp = &r->next;
             continue;
         }
@@ -962,6 +1005,174 @@ static void handle_identity(uint32_t chan, const uint8_t *p, uint32_t len) {
     send_ok(chan);
 }
 
+static void set_addr(int s, unsigned long req, const char *ifname, const char *addr);
+
+/* ---- streams: guest connections carried to the host ------------------------------------ */
+
+struct stream {
+    uint32_t chan;
+    int fd;
+    uint8_t *out;      /* host data not yet written to the socket */
+    size_t outlen;
+    uint32_t inflight; /* socket data sent to the host, not yet acknowledged */
+    int rd_eof;        /* the guest side closed its writing half (sent as an empty frame) */
+    int wr_eof;        /* the host closed its writing half: shut ours once `out` is empty */
+    struct stream *next;
+};
+static struct stream *streams;
+static int n_streams;
+static uint32_t next_stream = 1;
+static const int egress_ports[] = {80, 443, 3128};
+#define N_LISTEN (sizeof egress_ports / sizeof egress_ports[0])
+static int listen_fds[N_LISTEN] = {-1, -1, -1};
+
+static struct stream *stream_by_fd(int fd) {
+    for (struct stream *t = streams; t; t = t->next)
+        if (t->fd == fd) return t;
+    return NULL;
+}
+
+static struct stream *find_stream(uint32_t chan) {
+    for (struct stream *t = streams; t; t = t->next)
+        if (t->chan == chan) return t;
+    return NULL;
+}
+
+static void drop_stream(struct stream *t, int tell_host) {
+    if (tell_host) send_frame(t->chan, M_SCLOSE, NULL, 0, NULL, 0);
+    close(t->fd);
+    struct stream **pp = &streams;
+    while (*pp != t) pp = &(*pp)->next;
+    *pp = t->next;
+    free(t->out);
+    free(t);
+    n_streams--;
+}
+
+/* The egress address on loopback (the VM has no NIC), and a listener per egress port. */
+static void open_listeners(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s >= 0) {
+        struct ifreq ifr = {0};
+        set_addr(s, SIOCSIFADDR, "lo:1", EGRESS_ADDR);
+        set_addr(s, SIOCSIFNETMASK, "lo:1", "255.255.255.255");
+        strcpy(ifr.ifr_name, "lo:1");
+        if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+            ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+            ioctl(s, SIOCSIFFLAGS, &ifr);
+        }
+        close(s);
+    }
+    for (size_t i = 0; i < N_LISTEN; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        int one = 1;
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(egress_ports[i])};
+        inet_pton(AF_INET, EGRESS_ADDR, &sa.sin_addr);
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) || listen(fd, 128)) {
+            logf_("egress listener :%d: %s", egress_ports[i], strerror(errno));
+            if (fd >= 0) close(fd);
+            fd = -1;
+        }
+        listen_fds[i] = fd;
+    }
+}
+
+static void accept_streams(int lfd, int dport) {
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) return;
+        if (n_streams >= MAX_STREAMS || port_hup) { /* no host to carry it, or too many */
+            close(fd);
+            continue;
+        }
+        struct stream *t = calloc(1, sizeof *t);
+        t->chan = STREAM_BIT | next_stream++;
+        if (next_stream >= STREAM_BIT) next_stream = 1;
+        t->fd = fd;
+        t->next = streams;
+        streams = t;
+        n_streams++;
+        uint8_t p[4];
+        put32(p, (uint32_t)dport);
+        send_frame(t->chan, M_SOPEN, p, 4, NULL, 0);
+    }
+}
+
+static void stream_read(struct stream *t) {
+    static uint8_t buf[64 << 10];
+    if (t->rd_eof) return; /* a hang-up after our EOF: the write side will notice */
+    size_t want = WINDOW - t->inflight < sizeof buf ? WINDOW - t->inflight : sizeof buf;
+    ssize_t n = read(t->fd, buf, want);
+    if (n > 0) {
+        send_frame(t->chan, M_SDATA, buf, (size_t)n, NULL, 0);
+        t->inflight += (uint32_t)n;
+    } else if (n == 0) {
+        t->rd_eof = 1;
+        send_frame(t->chan, M_SDATA, NULL, 0, NULL, 0);
+    } else if (errno != EAGAIN && errno != EINTR) {
+        drop_stream(t, 1);
+        return;
+    }
+    if (t->rd_eof && t->wr_eof && t->outlen == 0) drop_stream(t, 1);
+}
+
+static void stream_write(struct stream *t) {
+    size_t done = 0;
+    while (done < t->outlen) {
+        ssize_t n = write(t->fd, t->out + done, t->outlen - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) break;
+        if (n < 0) {
+            drop_stream(t, 1);
+            return;
+        }
+        done += (size_t)n;
+    }
+    if (done) {
+        memmove(t->out, t->out + done, t->outlen - done);
+        t->outlen -= done;
+        uint8_t p[4];
+        put32(p, (uint32_t)done);
+        send_frame(t->chan, M_ACK, p, 4, NULL, 0);
+    }
+    if (t->outlen == 0 && t->wr_eof) {
+        shutdown(t->fd, SHUT_WR);
+        if (t->rd_eof) drop_stream(t, 1);
+    }
+}
+
+static void handle_sdata(uint32_t chan, const uint8_t *p, uint32_t len) {
+    struct stream *t = find_stream(chan);
+    if (!t) { /* a stream this agent does not know (e.g. from before a snapshot) */
+        send_frame(chan, M_SCLOSE, NULL, 0, NULL, 0);
+        return;
+    }
+    if (len == 0) {
+        t->wr_eof = 1;
+    } else {
+        t->out = realloc(t->out, t->outlen + len);
+        memcpy(t->out + t->outlen, p, len);
+        t->outlen += len;
+    }
+    stream_write(t);
+}
+
+static void handle_ack(uint32_t chan, const uint8_t *p, uint32_t len) {
+    if (len < 4) return;
+    uint32_t n = get32(p);
+    struct exec *e;
+    struct stream *t;
+    if ((t = find_stream(chan))) {
+        t->inflight = n > t->inflight ? 0 : t->inflight - n;
+    } else if ((e = find_exec(chan))) {
+        e->inflight = n > e->inflight ? 0 : e->inflight - n;
+    } else {
+        for (struct reader *r = readers; r; r = r->next)
+            if (r->chan == chan) r->inflight = n > r->inflight ? 0 : r->inflight - n;
+    }
+}
+
 /* ---- dispatch ---------------------------------------------------------------------------- */
 
 static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len) {
@@ -985,6 +1196,13 @@ static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len
     case T_REMOVE: handle_remove(chan, p, len); break;
     case T_CHMOD: handle_chmod(chan, p, len); break;
     case T_IDENTITY: handle_identity(chan, p, len); break;
+    case T_ACK: handle_ack(chan, p, len); break;
+    case T_SDATA: handle_sdata(chan, p, len); break;
+    case T_SCLOSE: {
+        struct stream *t = find_stream(chan);
+        if (t) drop_stream(t, 0);
+        break;
+    }
     case T_SHUTDOWN:
         send_ok(chan);
         halt_with("shutdown requested");
@@ -1079,22 +1297,11 @@ static void set_addr(int s, unsigned long req, const char *ifname, const char *a
 }
 
 /*
- * eth0 gets an address on QEMU's user network but no default route: the only host it may
- * talk to is the egress proxy's address on that link, and anything else fails at once
- * (ENETUNREACH) instead of timing out against a NIC that drops it.
+ * The VM has no NIC: loopback is its only interface. Names are answered by the DNS stub
+ * below; the egress address lives on loopback too (see `open_listeners`), so anything else
+ * fails at once with ENETUNREACH.
  */
 static void bring_up_network(void) {
-    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (s < 0) return;
-    struct ifreq ifr = {0};
-    strcpy(ifr.ifr_name, "eth0");
-    if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
-        set_addr(s, SIOCSIFADDR, "eth0", GUEST_ADDR);
-        set_addr(s, SIOCSIFNETMASK, "eth0", "255.255.255.0");
-        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
-        if (ioctl(s, SIOCSIFFLAGS, &ifr)) logf_("eth0 up: %s", strerror(errno));
-    }
-    close(s);
     /* resolv.conf may be a dangling symlink in the template (systemd-resolved) */
     unlink("/etc/resolv.conf");
     int fd = open("/etc/resolv.conf", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -1286,6 +1493,7 @@ int main(void) {
         return 1;
     }
     open_dns();
+    open_listeners();
     rbuf = malloc(HDR + MAX_FRAME);
     logf_("ready (%s)", have_cgroups ? "cgroup kill" : "process-group kill");
 
@@ -1293,8 +1501,9 @@ int main(void) {
     size_t pcap = 0;
     int64_t last_cg_sweep = now_ms();
     for (;;) {
-        size_t need = 3;
+        size_t need = 3 + N_LISTEN;
         for (struct exec *e = execs; e; e = e->next) need += 3;
+        for (struct stream *t = streams; t; t = t->next) need += 1;
         if (need > pcap) {
             pcap = need * 2;
             pfds = realloc(pfds, pcap * sizeof *pfds);
@@ -1306,8 +1515,9 @@ int main(void) {
         int64_t now = now_ms();
         int timeout = -1;
         for (struct exec *e = execs; e; e = e->next) {
-            pfds[np++] = (struct pollfd){.fd = e->out_fd, .events = POLLIN};
-            pfds[np++] = (struct pollfd){.fd = e->err_fd, .events = POLLIN};
+            int room = e->inflight < WINDOW; /* else wait for the host's acknowledgement */
+            pfds[np++] = (struct pollfd){.fd = room ? e->out_fd : -1, .events = POLLIN};
+            pfds[np++] = (struct pollfd){.fd = room ? e->err_fd : -1, .events = POLLIN};
             pfds[np++] = (struct pollfd){.fd = e->inlen || e->stdin_eof ? e->in_fd : -1,
                                          .events = POLLOUT};
             if (e->deadline && !e->timed_out) {
@@ -1316,7 +1526,19 @@ int main(void) {
                 if (timeout < 0 || left < timeout) timeout = (int)left;
             }
         }
-        if (readers) timeout = 0;
+        size_t first_listener = np;
+        for (size_t l = 0; l < N_LISTEN; l++)
+            pfds[np++] = (struct pollfd){.fd = listen_fds[l], .events = POLLIN};
+        size_t first_stream = np;
+        for (struct stream *t = streams; t; t = t->next) {
+            short ev = 0;
+            if (!t->rd_eof && t->inflight < WINDOW) ev |= POLLIN;
+            if (t->outlen) ev |= POLLOUT;
+            pfds[np++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
+        }
+        for (struct exec *e = execs; e; e = e->next)
+            if (e->exited && timeout != 0) timeout = 50; /* settle what it left behind */
+        if (readers_ready()) timeout = 0;
         if (port_hup && (timeout < 0 || timeout > 20)) timeout = 20;
         if (pending_cgroups && (timeout < 0 || timeout > 1000)) timeout = 1000;
         int rc = poll(pfds, np, timeout);
@@ -1342,9 +1564,24 @@ int main(void) {
         size_t i = 3;
         for (struct exec *e = execs; e; e = e->next, i += 3) {
             if (i + 2 >= np) break;
-            if (pfds[i].revents) pump(e, &e->out_fd, M_STDOUT, 256u << 10);
-            if (pfds[i + 1].revents) pump(e, &e->err_fd, M_STDERR, 256u << 10);
+            size_t budget = 256u << 10;
+            if (pfds[i].revents) pump(e, &e->out_fd, M_STDOUT, &budget);
+            budget = 256u << 10;
+            if (pfds[i + 1].revents) pump(e, &e->err_fd, M_STDERR, &budget);
             if (pfds[i + 2].revents && e->in_fd >= 0) flush_stdin(e);
+        }
+        for (size_t l = 0; l < N_LISTEN; l++)
+            if (pfds[first_listener + l].revents & POLLIN)
+                accept_streams(listen_fds[l], egress_ports[l]);
+        /* streams may have been dropped since the poll: find each by its descriptor */
+        for (size_t k = first_stream; k < np; k++) {
+            short rev = pfds[k].revents;
+            struct stream *t = rev ? stream_by_fd(pfds[k].fd) : NULL;
+            if (t && (rev & (POLLIN | POLLHUP | POLLERR))) {
+                stream_read(t);
+                t = stream_by_fd(pfds[k].fd);
+            }
+            if (t && (rev & POLLOUT)) stream_write(t);
         }
         if (pfds[2].revents & POLLIN) answer_dns();
         if (pfds[1].revents & POLLIN) {
@@ -1352,6 +1589,7 @@ int main(void) {
             while (read(sfd, &si, sizeof si) > 0) {}
         }
         reap();
+        settle_execs();
         now = now_ms();
         for (struct exec *e = execs; e; e = e->next)
             if (e->deadline && !e->timed_out && now >= e->deadline) {

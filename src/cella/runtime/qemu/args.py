@@ -7,17 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cella.runtime.contract import Egress
-
 Accel = Literal["kvm", "tcg"]
 QEMU = "qemu-system-x86_64"
 AGENT_PORT = "cella.agent"
-# The guest side of egress (the agent configures the same addresses): every name resolves to
-# EGRESS_ADDR, whose forwarded ports lead to the host's egress proxy.
-GUEST_NET = "10.0.2.0/24"
-EGRESS_ADDR = "10.0.2.100"
-EGRESS_PORTS = (80, 443, 3128)  # transparent HTTP, transparent TLS, explicit proxy
-PROXY_PORT = 3128
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +32,6 @@ class VMConfig:
     incoming: str | None = None
     # do not start the vCPUs (a snapshot helper that only loads and saves state)
     paused: bool = False
-    # None: the NIC leads nowhere (templates, snapshot helpers)
-    egress: Egress | None = None
 
 
 def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
@@ -78,26 +68,6 @@ def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = (
     return " ".join([*args, *extra])
 
 
-def netdev(egress: Egress | None) -> str:
-    """QEMU user networking that reaches nothing (restrict=on) but the forwards to the proxy.
-
-    `cmd:` forwards start one process per guest connection (the chardev form carries one
-    connection only); socat's -t0 closes at once after the last byte instead of lingering.
-    """
-    spec = f"user,id=net,restrict=on,ipv6=off,net={GUEST_NET},host=10.0.2.2,dns=10.0.2.3"
-    if egress is not None:
-        target = f"TCP:127.0.0.1:{egress.proxy_port},,bind={egress.source_addr}"
-        for port in EGRESS_PORTS:
-            spec += f",guestfwd=tcp:{EGRESS_ADDR}:{port}-cmd:socat -t0 STDIO {target}"
-    return spec
-
-
-def egress_of(argv: list[str]) -> Egress | None:
-    """The egress forwards a running QEMU was started with (for adopting it later)."""
-    match = re.search(r"TCP:127\.0\.0\.1:(\d+),,bind=([\d.]+)", " ".join(argv))
-    return Egress(int(match.group(1)), match.group(2)) if match else None
-
-
 def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
     cpu = "host" if cfg.accel == "kvm" else "qemu64,+arat"
     machine = "microvm,acpi=on"
@@ -128,7 +98,8 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         "-append",
         kernel_cmdline(cfg.accel, tsc_khz, cfg.extra_cmdline),
         "-chardev",
-        f"file,id=console,path={cfg.console_log}",
+        # appended to, so the daemon can cut it down (`QemuVM.trim_console`) under QEMU
+        f"file,id=console,path={cfg.console_log},append=on",
         "-serial",
         "chardev:console",
         "-qmp",
@@ -143,10 +114,7 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
         "-device",
         f"virtserialport,chardev=agent,name={AGENT_PORT}",
-        "-netdev",
-        netdev(cfg.egress),
-        "-device",
-        "virtio-net-device,netdev=net",
+        # no NIC: the guest's connections travel as streams over the agent channel
     ]
     if cfg.ram_file is not None:
         share = "on" if cfg.ram_shared else "off"

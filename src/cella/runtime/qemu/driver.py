@@ -19,9 +19,9 @@ from cella.images.boot import BootImage, ensure_boot
 from cella.images.templates import find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
-from cella.runtime.contract import VM, Egress
+from cella.runtime.contract import VM
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
-from cella.runtime.qemu.args import QEMU, VMConfig, egress_of
+from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay, image_info
@@ -91,7 +91,6 @@ class QemuDriver:
         disk_mib: int | None = None,
         name: str | None = None,
         boot_timeout: float = 60.0,
-        egress: Egress | None = None,
     ) -> QemuVM:
         """A new VM on a fresh overlay of the template (removed again if the boot fails)."""
         base = find_template(self.paths, template)
@@ -105,7 +104,6 @@ class QemuDriver:
                 vcpus=vcpus,
                 memory_mib=memory_mib,
                 boot_timeout=boot_timeout,
-                egress=egress,
             )
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
@@ -119,14 +117,13 @@ class QemuDriver:
         memory_mib: int,
         boot_timeout: float = 60.0,
         disk: str = DISK,
-        egress: Egress | None = None,
     ) -> QemuVM:
         """Boots a VM on the overlay already in `directory` (create, or resume after stop)."""
         if self._boot is None or self._accel is None:
             await self.prepare()
         assert self._boot is not None and self._accel is not None
         config = self._config(directory, vcpus, memory_mib)
-        config = dataclasses.replace(config, disk=directory / disk, egress=egress)
+        config = dataclasses.replace(config, disk=directory / disk)
         vm = QemuVM(config, die_with_parent=self.die_with_parent)
         vm.directory = directory
         vm.accel_reason = self._accel.reason
@@ -145,7 +142,6 @@ class QemuDriver:
                 _arg(argv, "-kernel", str(self._boot.kernel.vmlinux if self._boot else "/"))
             ),
             initrd=Path(_arg(argv, "-initrd", str(self._boot.initrd if self._boot else "/"))),
-            egress=egress_of(argv),
         )
         vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory
@@ -233,7 +229,6 @@ class QemuDriver:
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
-        egress: Egress | None = None,
     ) -> QemuVM:
         """A new VM from a snapshot (checked against its manifest first), on a new overlay."""
         await self._ensure_prepared()
@@ -248,7 +243,6 @@ class QemuDriver:
                 kernel=Path(manifest["kernel"]),
                 initrd=Path(manifest["initrd"]),
                 accel=manifest["accel"],
-                egress=egress,
             )
             vm = QemuVM(config, die_with_parent=self.die_with_parent)
             vm.directory = directory

@@ -18,7 +18,6 @@ from qemu.qmp import QMPClient
 
 from cella import errors
 from cella.guest.client import AgentClient
-from cella.runtime.contract import Egress
 from cella.runtime.qemu.args import VMConfig, host_tsc_khz, qemu_argv
 
 _PR_SET_PDEATHSIG = 1
@@ -70,10 +69,6 @@ class QemuVM:
     @property
     def memory_mib(self) -> int:
         return self.config.memory_mib
-
-    @property
-    def egress(self) -> Egress | None:
-        return self.config.egress
 
     @property
     def pid(self) -> int | None:
@@ -362,13 +357,35 @@ class QemuVM:
         return "the VM closed its agent channel"
 
     def console_tail(self, limit: int = 4000) -> str:
+        """The last `limit` bytes the guest wrote to its console (across a trim)."""
+        data = b""
+        for path in (self.config.console_log, _rotated(self.config.console_log)):
+            try:
+                with path.open("rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - (limit - len(data))))
+                    data = f.read() + data
+            except OSError:
+                continue
+            if len(data) >= limit:
+                break
+        return data.decode(errors="replace")
+
+    def trim_console(self, limit: int) -> None:
+        """Keeps the console log under `limit` bytes: past it, its last half moves to
+        `console.log.1` and the log starts over (QEMU appends, so it writes on at the new
+        end). A guest writing to its console cannot fill the host's disk."""
+        log = self.config.console_log
         try:
-            with self.config.console_log.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - limit))
-                return f.read().decode(errors="replace")
+            size = log.stat().st_size
+            if size <= limit:
+                return
+            with log.open("rb") as f:
+                f.seek(size - limit // 2)
+                _rotated(log).write_bytes(f.read(limit // 2))
+            os.truncate(log, 0)
         except OSError:
-            return ""
+            return
 
     async def stop(self, timeout: float = 15.0) -> None:
         """Clean shutdown: the guest syncs its disks and powers off; force if it will not."""
@@ -420,6 +437,10 @@ class QemuVM:
 
 
 UNTHROTTLED = 1 << 40  # bytes per second
+
+
+def _rotated(log: Path) -> Path:
+    return log.with_name(log.name + ".1")
 
 
 def _quote(path: Path) -> str:
