@@ -100,7 +100,13 @@ def test_lookups_only_when_they_matter() -> None:
     assert not p.needs_addresses("other.org", 80)  # refused by name alone
     assert not p.needs_addresses("bad.example.com", 80)
     assert not p.needs_addresses("1.2.3.4", 80)
-    assert Policy.parse(["10.0.0.0/8"]).needs_addresses("db.internal", 5432)
+    # an address rule allows no name: names the guest makes up are never looked up
+    by_address = Policy.parse(["10.0.0.0/8", "0.0.0.0/0"])
+    assert not by_address.needs_addresses("db.internal", 5432)
+    assert not by_address.needs_addresses("c2VjcmV0.attacker.example", 443)
+    assert not by_address.decide("db.internal", 5432, [ip("10.1.2.3")]).allowed
+    # unless the name is the operator's (its addresses come from the table, not DNS)
+    assert by_address.decide("db.internal", 5432, [ip("10.1.2.3")], trusted=True).allowed
 
 
 def test_secret_host_binding_ignores_ports() -> None:

@@ -27,6 +27,10 @@ def set_(
         str | None, typer.Option(help="also send it as an Authorization header: bearer or basic")
     ] = None,
     username: Annotated[str | None, typer.Option(help="user name for basic auth")] = None,
+    inject: Annotated[
+        str | None,
+        typer.Option(help="anywhere (URL, headers, body) or header (only the auth header)"),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Store a secret; its value is read from standard input (not from the command line,
@@ -35,7 +39,7 @@ def set_(
     if not value:
         raise typer.BadParameter("pipe the secret's value into standard input")
     with Client() as client:
-        secret = client.put_secret(name, value, host, auth=auth, username=username)
+        secret = client.put_secret(name, value, host, auth=auth, username=username, inject=inject)
     if json_:
         emit_json(secret.model_dump(mode="json"))
     else:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cella.policy.egress import MAX_RULES, parse_rule
 
+Inject = Literal["anywhere", "header"]
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 SECRET_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -53,6 +54,18 @@ class SecretPut(BaseModel):
     username: str = Field(
         default="x-access-token", max_length=256, description="user name for basic auth"
     )
+    inject: Inject = Field(
+        default="anywhere",
+        description="anywhere: the placeholder is swapped in URL, headers and body; header: "
+        "only the Authorization header (from `auth`) carries it, nothing is swapped. Use "
+        "header for hosts that store what they are sent, or the guest can read it back",
+    )
+
+    @model_validator(mode="after")
+    def _inject(self) -> SecretPut:
+        if self.inject == "header" and self.auth is None:
+            raise ValueError("inject=header needs auth (bearer or basic)")
+        return self
 
     @field_validator("hosts")
     @classmethod
@@ -73,6 +86,7 @@ class SecretPut(BaseModel):
 class Secret(BaseModel):
     model_config = {"from_attributes": True}
 
+    inject: Inject = "anywhere"
     name: str
     hosts: list[str]
     auth: Literal["bearer", "basic"] | None = None

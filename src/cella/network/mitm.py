@@ -35,6 +35,7 @@ from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from cella.policy.egress import Decision, IPAddress, Policy, Rule, host_matches, parse_rule
+from cella.policy.secrets import Redactor, secret_forms
 
 log = logging.getLogger("cella.egress")
 RESOLVE_TTL = 30.0
@@ -43,13 +44,21 @@ DENIED_STATUS = 403
 
 @dataclass(frozen=True)
 class Binding:
-    """A secret as the proxy uses it: its placeholder, real value and where it may go."""
+    """A secret as the proxy uses it: its placeholder, real value and where it may go.
+
+    `inject`: "anywhere" swaps the placeholder in URL, headers and body; "header" only sets
+    the Authorization header (for hosts that store what they are sent)."""
 
     name: str
     placeholder: str
     value: str
     hosts: tuple[Rule, ...]
     header: tuple[str, str] | None = None  # added when the request does not carry it
+    inject: str = "anywhere"
+    user: str = "x-access-token"
+
+    def needles(self) -> list[tuple[bytes, bytes]]:
+        return secret_forms(self.value, self.placeholder, self.user)
 
 
 @dataclass
@@ -57,9 +66,22 @@ class Net:
     sandbox: str
     policy: Policy
     secrets: tuple[Binding, ...] = ()
+    needles: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        found = {n: m for b in self.secrets for n, m in b.needles()}
+        self.needles = sorted(found.items(), key=lambda p: -len(p[0]))
 
     def bound(self, host: str) -> list[Binding]:
         return [b for b in self.secrets if host_matches(b.hosts, host)]
+
+    def scrub(self, text: str) -> str:
+        for needle, mark in self.needles:
+            text = text.replace(needle.decode(), mark.decode())
+        return text
+
+    def leaks(self, text: str) -> bool:
+        return any(needle.decode() in text for needle, _ in self.needles)
 
 
 @dataclass
@@ -85,6 +107,8 @@ def _net_from(msg: dict[str, Any]) -> Net:
             value=s["value"],
             hosts=tuple(parse_rule(h) for h in s["hosts"]),
             header=tuple(s["header"]) if s.get("header") else None,
+            inject=s.get("inject") or "anywhere",
+            user=s.get("username") or "x-access-token",
         )
         for s in msg.get("secrets", [])
     )
@@ -193,9 +217,9 @@ class Egress:
         if net is None:
             return Decision(False, "the connection belongs to no sandbox"), []
         addresses: list[IPAddress] = []
-        if net.policy.needs_addresses(host, port):
+        trusted = host.lower().rstrip(".") in self.overrides  # from the table: no lookup
+        if trusted or net.policy.needs_addresses(host, port):
             addresses = await self._resolve(host)
-        trusted = host.lower().rstrip(".") in self.overrides
         return net.policy.decide(host, port, addresses, trusted=trusted), addresses
 
     # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
@@ -221,6 +245,9 @@ class Egress:
         for b in net.bound(req.host):
             if _substitute_head(req, b):
                 tally.credentials.append(b.name)
+        if net.needles:
+            # responses are searched for secrets as they stream: they must come uncompressed
+            req.headers["accept-encoding"] = "identity"
 
     def request(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.get("cella")
@@ -228,7 +255,7 @@ class Egress:
             return
         body = flow.request.raw_content or b""
         for b in tally.net.bound(flow.request.host):
-            if b.placeholder.encode() in body:
+            if b.inject == "anywhere" and b.placeholder.encode() in body:
                 body = body.replace(b.placeholder.encode(), b.value.encode())
                 flow.request.raw_content = body
                 if "content-length" in flow.request.headers:  # raw_content leaves it as it was
@@ -238,32 +265,53 @@ class Egress:
         tally.bytes_out = len(body)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Every response streams through (big downloads stay off the heap). For a sandbox
+        with secrets, every form of their values is taken out of it first: status line,
+        headers and body, whatever its size or framing."""
         tally: Tally | None = flow.metadata.get("cella")
-        if tally is None or flow.response is None:
+        resp = flow.response
+        if tally is None or resp is None:
             return
-        if tally.net.bound(flow.request.host):
-            return  # buffered, so `response` can take secrets that come back out of it
 
         def count(chunk: bytes) -> bytes:
             tally.bytes_in += len(chunk)
             return chunk
 
-        flow.response.stream = count  # stream bodies through: big downloads stay off the heap
+        net = tally.net
+        if not net.needles:
+            resp.stream = count
+            return
+        resp.reason = net.scrub(resp.reason)
+        for name, value in list(resp.headers.items(multi=True)):
+            if net.leaks(value):
+                resp.headers.set_all(name, [net.scrub(v) for v in resp.headers.get_all(name)])
+        encoding = resp.headers.get("content-encoding", "identity").lower()
+        if encoding not in ("", "identity"):
+            _refuse(resp, f"a {encoding}-encoded response cannot be checked for secrets")
+            return
+        # the redacted body may differ in length: it goes out chunked (HTTP/2 frames itself)
+        if resp.http_version.startswith("HTTP/1") and "content-length" in resp.headers:
+            del resp.headers["content-length"]
+            resp.headers["transfer-encoding"] = "chunked"
+        resp.stream = Redactor(net.needles, count)
 
     def response(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.pop("cella", None)
         if tally is None or flow.response is None:
             return
-        bound = tally.net.bound(flow.request.host)
-        if bound and not flow.response.stream:
-            _redact_response(flow.response, bound)
-            tally.bytes_in = len(flow.response.raw_content or b"")
         self._finish(tally, method=flow.request.method, status=flow.response.status_code)
 
     def error(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.pop("cella", None)
+        message = str(flow.error)
+        net = tally.net if tally is not None else self._net(flow.client_conn)
+        if net is not None and net.leaks(message):
+            # mitmproxy's error page would quote it (a request line, a reflected reason):
+            # drop the connection instead of answering
+            flow.kill()
+            message = net.scrub(message)
         if tally is not None:
-            self._finish(tally, method=flow.request.method, error=str(flow.error))
+            self._finish(tally, method=flow.request.method, error=message)
 
     # -- TLS: pass through unless a secret needs it opened --------------------------------
 
@@ -363,22 +411,27 @@ def _denied(host: str, port: int, decision: Decision) -> http.Response:
     )
 
 
-def _redact_response(resp: http.Response, bound: list[Binding]) -> None:
-    """A server that echoes a credential back must not hand it to the guest: its value
-    becomes the placeholder again (headers and, up to the buffering limit, the body)."""
-    for b in bound:
-        for name, value in list(resp.headers.items(multi=True)):
-            if b.value in value:
-                resp.headers.set_all(
-                    name, [v.replace(b.value, b.placeholder) for v in resp.headers.get_all(name)]
-                )
-        body = resp.get_content(strict=False) or b""
-        if b.value.encode() in body:
-            resp.content = body.replace(b.value.encode(), b.placeholder.encode())
+def _refuse(resp: http.Response, why: str) -> None:
+    """Turns a response whose head has arrived into a 502 of ours; the upstream body is
+    read and dropped (replacing the flow's response would send the upstream body anyway)."""
+    body = f"cella egress: {why}\n".encode()
+    resp.status_code, resp.reason = 502, "Bad Gateway"
+    resp.headers = http.Headers(
+        content_type="text/plain",
+        content_length=str(len(body)),
+        x_cella_egress="refused",
+    )
+    resp.stream = lambda chunk: [] if chunk else [body]
 
 
 def _substitute_head(req: http.Request, b: Binding) -> bool:
-    """Swaps the placeholder for the value in the URL and headers (Basic auth decoded)."""
+    """Swaps the placeholder for the value in the URL and headers (Basic auth decoded); a
+    header-only secret sets its Authorization header and is never substituted."""
+    if b.inject == "header":
+        if b.header is None:
+            return False
+        req.headers[b.header[0]] = b.header[1]
+        return True
     used = False
     if b.placeholder in req.url:
         req.url = req.url.replace(b.placeholder, b.value)

@@ -124,15 +124,15 @@ class Policy:
         return cls(allow_rules, deny_rules)
 
     def needs_addresses(self, host: str, port: int) -> bool:
-        """Whether `decide` needs the host's resolved addresses (avoids needless lookups)."""
+        """Whether `decide` needs the host's resolved addresses: only for a name a name rule
+        allows. A lookup is itself a message to the name's DNS servers, so names the guest
+        makes up (`<data>.attacker.example`) are never looked up."""
         name = host.lower().rstrip(".")
         if _address(name) is not None:
             return False
         if any(r.matches_name(name, port) for r in self.deny):
             return False
-        if any(r.matches_name(name, port) for r in self.allow):
-            return True
-        return any(r.network is not None and r._port_ok(port) for r in self.allow)
+        return any(r.matches_name(name, port) for r in self.allow)
 
     def decide(
         self,
@@ -143,7 +143,8 @@ class Policy:
         trusted: bool = False,
     ) -> Decision:
         """`addresses`: what the host resolves `host` to; `trusted`: the name comes from the
-        operator's override table (its non-public addresses are intended)."""
+        operator's override table (its non-public addresses are intended, and address rules
+        may allow it: its addresses come from the table, not from DNS)."""
         name = host.lower().rstrip(".")
         if not name:
             return Decision(False, "no destination name (TLS without SNI?)")
@@ -163,7 +164,7 @@ class Policy:
             return Decision(False, "an IP address is allowed only by an address rule")
         by_name = next((r for r in self.allow if r.matches_name(name, port)), None)
         if by_name is None:
-            if by_cidr is not None:
+            if by_cidr is not None and trusted:
                 return Decision(True, f"allowed by rule {by_cidr.text}")
             return Decision(False, "no rule allows it")
         if not addresses:

@@ -194,22 +194,25 @@ class Store:
 
     # -- secrets (values are read only to hand them to the egress proxy) ------------------
 
-    def put_secret(
-        self,
-        tenant: str,
-        name: str,
-        value: str,
-        hosts: list[str],
-        auth: str | None,
-        username: str | None,
-    ) -> None:
-        stamp = now()
+    def put_secret(self, record: SecretRecord) -> None:
+        record.created_at = record.updated_at = now()
         self._exec(
-            "INSERT INTO secrets (tenant, name, value, hosts, auth, username, created_at, "
-            "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE "
-            "SET value = excluded.value, hosts = excluded.hosts, auth = excluded.auth, "
-            "username = excluded.username, updated_at = excluded.updated_at",
-            (tenant, name, value, json.dumps(hosts), auth, username, stamp, stamp),
+            "INSERT INTO secrets (tenant, name, value, hosts, auth, username, inject, "
+            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (tenant, name) DO UPDATE SET value = excluded.value, "
+            "hosts = excluded.hosts, auth = excluded.auth, username = excluded.username, "
+            "inject = excluded.inject, updated_at = excluded.updated_at",
+            (
+                record.tenant,
+                record.name,
+                record.value,
+                json.dumps(record.hosts),
+                record.auth,
+                record.username,
+                record.inject,
+                record.created_at,
+                record.updated_at,
+            ),
         )
 
     def get_secret(self, tenant: str, name: str) -> SecretRecord | None:

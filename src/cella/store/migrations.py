@@ -84,4 +84,7 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX events_type ON events (sandbox_id, type, id);
     """,
+    """
+    ALTER TABLE secrets ADD COLUMN inject TEXT NOT NULL DEFAULT 'anywhere';
+    """,
 ]

@@ -105,6 +105,7 @@ class SecretRecord:
     hosts: list[str]
     auth: str | None = None
     username: str | None = None
+    inject: str = "anywhere"
     created_at: str = ""
     updated_at: str = ""
 

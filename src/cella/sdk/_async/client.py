@@ -204,10 +204,13 @@ class AsyncClient:
         *,
         auth: str | None = None,
         username: str | None = None,
+        inject: str | None = None,
     ) -> Secret:
         """Stores a secret bound to `hosts` (write-only: it is never returned). `auth`
-        ("bearer" or "basic") also adds it as an Authorization header toward those hosts."""
-        body = create_body(value=value, hosts=hosts, auth=auth, username=username)
+        ("bearer" or "basic") also adds it as an Authorization header toward those hosts.
+        `inject="header"`: only that header carries it; the placeholder is never swapped
+        into URLs or bodies (for hosts that store what they are sent)."""
+        body = create_body(value=value, hosts=hosts, auth=auth, username=username, inject=inject)
         response = await self.request("PUT", f"/v1/secrets/{name}", json=body)
         return Secret.model_validate(response.json())
 
