@@ -22,8 +22,9 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, data_dir: Path, **settings: str) -> None:
+    def __init__(self, data_dir: Path, wrap: list[str] | None = None, **settings: str) -> None:
         self.data_dir = data_dir
+        self.wrap = wrap or []  # a command the daemon runs under (e.g. in its own namespace)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.settings = settings
@@ -38,6 +39,7 @@ class Daemon:
         log = self.log.open("ab")
         self.proc = subprocess.Popen(
             [
+                *self.wrap,
                 sys.executable,
                 "-m",
                 "cella.cli",
@@ -96,9 +98,11 @@ def kill_vms_of(data_dir: object) -> None:
 
 
 @contextlib.contextmanager
-def running_daemon(data_dir: Path, **settings: str) -> Iterator[Daemon]:
+def running_daemon(
+    data_dir: Path, wrap: list[str] | None = None, **settings: str
+) -> Iterator[Daemon]:
     """A daemon for the duration of the block; stopped, and its VMs killed, afterwards."""
-    d = Daemon(data_dir, **settings).start()
+    d = Daemon(data_dir, wrap, **settings).start()
     try:
         yield d
     finally:

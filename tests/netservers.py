@@ -4,6 +4,7 @@ smart-HTTP server (git http-backend) behind HTTPS, with a throwaway test CA (ope
 from __future__ import annotations
 
 import base64
+import gzip
 import http.server
 import json
 import random
@@ -208,3 +209,104 @@ class Servers:
         for srv in self._servers:
             srv.shutdown()
             srv.server_close()
+
+
+class HostileHandler(http.server.BaseHTTPRequestHandler):
+    """A server that hands back what it was sent, in every way a proxy might miss:
+
+    /reflect         the request as JSON (headers, path, body)
+    /big             the same after 17 MiB of filler (past any buffering limit)
+    /chunked         the same, chunked in small pieces
+    /reason          the Authorization header as the reason phrase
+    /malformed       a broken status line quoting the request line
+    /gzip            the request as gzip-compressed JSON
+    /store (POST)    keeps the body; /notes serves everything kept (shared by every server
+                     started with the same `notes` list, as a CDN in front of it would)
+    """
+
+    recorder: Recorder
+    notes: list[str]
+    protocol_version = "HTTP/1.1"
+
+    def _seen(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        seen = {
+            "path": self.path,
+            "headers": {k.lower(): v for k, v in self.headers.items()},
+            "body": body.decode("utf-8", "replace"),
+        }
+        self.recorder.add(seen)
+        return json.dumps(seen).encode()
+
+    def _send(self, status: int, body: bytes, reason: str | None = None, **headers: str) -> None:
+        self.send_response(status, reason)
+        for key, value in headers.items():
+            self.send_header(key.replace("_", "-"), value)
+        if "Transfer_Encoding" not in headers:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _handle(self) -> None:
+        seen = self._seen()
+        path = self.path.split("?")[0]
+        if path == "/big":
+            filler = b"." * (17 << 20)
+            self._send(200, filler + seen, Content_Type="text/plain")
+        elif path == "/chunked":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(seen), 7):
+                piece = seen[i : i + 7]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+        elif path == "/reason":
+            self._send(200, b"ok\n", reason=self.headers.get("Authorization", "none"))
+        elif path == "/malformed":
+            self.wfile.write(f"HTTP/1.1 ??? {self.requestline}\r\n\r\n".encode())
+            self.close_connection = True
+        elif path == "/gzip":
+            self._send(200, gzip.compress(seen), Content_Encoding="gzip")
+        elif path == "/store":
+            self.notes.append(json.loads(seen)["body"])
+            self._send(200, b"stored\n")
+        elif path == "/notes":
+            self._send(200, "\n".join(self.notes).encode())
+        else:
+            self._send(200, seen, Content_Type="application/json")
+
+    do_GET = do_POST = _handle
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class DnsRecorder:
+    """A DNS server on a loopback address that records every name it is asked for and
+    answers NXDOMAIN: to see what a process whose resolver points here looks up."""
+
+    def __init__(self, addr: str) -> None:
+        self.names: list[str] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((addr, 53))
+        self.addr = addr
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                query, peer = self.sock.recvfrom(512)
+            except OSError:
+                return
+            labels, i = [], 12
+            while i < len(query) and query[i]:
+                labels.append(query[i + 1 : i + 1 + query[i]].decode(errors="replace"))
+                i += query[i] + 1
+            self.names.append(".".join(labels).lower())
+            flags = (query[2] | 0x80).to_bytes(1, "big") + b"\x83"  # response, NXDOMAIN
+            self.sock.sendto(query[:2] + flags + query[4:6] + b"\0\0\0\0\0\0" + query[12:], peer)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -64,6 +64,19 @@ class DaemonSettings(BaseSettings):
     max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")
     max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
     max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
+    max_exec_output_mib: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="output of a non-streamed exec kept per stream (the rest is counted, not "
+        "returned); streamed execs are not cut",
+    )
+    max_disk_mib_per_tenant: int | None = Field(
+        default=None,
+        ge=1,
+        description="host disk a tenant's sandboxes may hold, stopped ones included (none: "
+        "no limit); a create, fork or resume over it is refused",
+    )
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
     max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
     max_host_memory_mib: int = Field(
@@ -83,6 +96,18 @@ class DaemonSettings(BaseSettings):
         default=None,
         description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every "
         "sandbox event is also exported there as a span",
+    )
+    console_max_kib: int = Field(
+        default=1024,
+        ge=16,
+        description="guest console output kept on the host per sandbox (and as much again "
+        "in console.log.1); older output is dropped",
+    )
+    max_connections_per_sandbox: int = Field(
+        default=128,
+        ge=1,
+        le=65536,
+        description="egress connections one sandbox may hold open at once (more are refused)",
     )
     egress_port: int = Field(
         default=0,
@@ -109,7 +134,9 @@ class DaemonSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        data_dir = Path(os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
+        # the TOML file of the data directory in use: a flag (`cella serve --data-dir`) wins
+        given = getattr(init_settings, "init_kwargs", {}).get("data_dir")
+        data_dir = Path(given or os.environ.get("CELLA_DATA_DIR") or DEFAULT_DATA_DIR)
         toml = Path(os.environ.get("CELLA_CONFIG") or data_dir / "cella.toml")
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml))
 

@@ -7,12 +7,32 @@ directories share it: it defaults to the default data directory's `images/`.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from cella.config import DEFAULT_DATA_DIR, DaemonSettings
 
-__all__ = ["DEFAULT_DATA_DIR", "Paths", "default_data_dir", "default_image_dir"]
+__all__ = ["DEFAULT_DATA_DIR", "Paths", "default_data_dir", "default_image_dir", "owner_only"]
+
+
+def owner_only(root: Path) -> int:
+    """Takes every group and other permission off `root` and everything under it (tenants'
+    memory, disks, secrets and logs live there); returns how many entries it changed."""
+    changed = 0
+    if not root.exists():
+        return 0
+    for top, dirs, files in os.walk(root):
+        for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+            try:
+                st = os.lstat(name)
+                if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                    os.chmod(name, stat.S_IMODE(st.st_mode) & ~0o077)
+                    changed += 1
+            except FileNotFoundError:
+                continue  # gone meanwhile
+    return changed
 
 
 def default_data_dir() -> Path:

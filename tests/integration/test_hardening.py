@@ -160,9 +160,7 @@ def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, tmp_path: P
         print(json.dumps(outcome, indent=1))  # each attempt and what happened
         assert set(outcome) == set(targets)
         reached = {k: v for k, v in outcome.items() if not v.startswith("blocked")}
-        # QEMU's emulated gateway (slirp) answers echo requests to its own address itself:
-        # nothing leaves the QEMU process, which is what the public-address ping shows
-        assert set(reached) <= {"ping the gateway"}, reached
+        assert not reached, reached  # the VM has no NIC: nothing answers, not even a gateway
         assert outcome["ping a public address"].startswith("blocked")
         assert "EBUSY" in outcome["the agent's serial port, again"] or "Errno 16" in str(
             outcome["the agent's serial port, again"]

@@ -214,3 +214,16 @@ def test_listing_cells_are_not_markup() -> None:
 
     text = render(listing([sandbox_info(1, labels={"x": "[bold]y[/bold]"})]), 120)
     assert "x=[bold]y[/bold]" in text
+
+
+def test_the_daemon_reads_the_toml_of_the_data_directory_it_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cella.config import DaemonSettings
+
+    monkeypatch.delenv("CELLA_DATA_DIR", raising=False)
+    monkeypatch.delenv("CELLA_CONFIG", raising=False)
+    (tmp_path / "cella.toml").write_text("pool_size = 7\n")
+    assert DaemonSettings(data_dir=tmp_path).pool_size == 7
+    monkeypatch.setenv("CELLA_DATA_DIR", str(tmp_path))
+    assert DaemonSettings().pool_size == 7

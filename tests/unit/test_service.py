@@ -278,3 +278,49 @@ async def test_recovery_acts_on_what_a_crashed_daemon_left(daemon: Daemon) -> No
     assert fake_vm(daemon, "sb-frozen").paused
     kept = {p.name for p in vms.iterdir()}
     assert kept == {"sb-alive", "sb-frozen", "sb-gone", "sb-stopping", "sb-off"}
+
+
+async def test_a_guest_that_breaks_its_agent_is_marked_and_recovers(daemon: Daemon) -> None:
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    fake_vm(daemon, row.id).agent.break_protocol()
+    for _ in range(100):
+        if daemon.registry.row(row.id).error:
+            break
+        await asyncio.sleep(0.01)
+    broken = daemon.registry.row(row.id)
+    assert broken.state == S.running and "agent is unusable" in (broken.error or "")
+    assert types(daemon, row.id)[-1] == "agent_broken"
+    await daemon.lifecycle.stop("t", row.id)
+    again = await daemon.lifecycle.resume("t", row.id)
+    assert again.state == S.running and again.error is None
+    result = await daemon.exec.run("t", row.id, ExecRequest(command=["true"]))
+    assert result.exit_code == 0
+
+
+async def test_resume_is_admitted_like_a_create(daemon: Daemon) -> None:
+    life = daemon.lifecycle
+    first = await life.create("t", SandboxCreate())
+    for _ in range(2):
+        await life.create("t", SandboxCreate())
+    await life.stop("t", first.id)
+    await life.create("t", SandboxCreate())  # quota 3: three running, one stopped
+    with pytest.raises(errors.QuotaExceeded):
+        await life.resume("t", first.id)
+    assert daemon.registry.row(first.id).state == S.stopped  # refused, nothing changed
+
+
+async def test_a_tenant_disk_quota_counts_stopped_sandboxes(daemon: Daemon) -> None:
+    daemon.settings.max_disk_mib_per_tenant = 1
+    life = daemon.lifecycle
+    row = await life.create("t", SandboxCreate())
+    disk = daemon.registry.directory(row.id) / "disk.qcow2"
+    with disk.open("wb") as f:
+        f.write(b"x" * (2 << 20))  # the sandbox wrote 2 MiB
+    await life.stop("t", row.id)
+    with pytest.raises(errors.QuotaExceeded, match="disk"):
+        await life.create("t", SandboxCreate())
+    with pytest.raises(errors.QuotaExceeded, match="disk"):
+        await life.resume("t", row.id)
+    await life.create("u", SandboxCreate())  # another tenant's disk is its own
+    await life.delete("t", row.id)
+    await life.create("t", SandboxCreate())

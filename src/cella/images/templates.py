@@ -164,7 +164,7 @@ def build_template(
         progress("converting to a qcow2 base image")
         qcow = stage / "base.qcow2"
         run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
-        qcow.chmod(0o444)
+        qcow.chmod(0o400)
         (stage / "spec.json").write_text(spec.model_dump_json(indent=2))
         shutil.copy2(stage / "spec.json", image.with_suffix(".json"))
         qcow.rename(image)

@@ -1,9 +1,10 @@
 """Admission: whether a sandbox may start at all.
 
 Owns the host's per-sandbox maxima (a request's own ranges are checked by its model), the
-tenant quota of live sandboxes and the host's RAM/vCPU commitment, with pooled VMs counted.
-`admit()` holds one lock from the check until the caller has written its rows, so
-concurrent creates cannot both slip under a limit.
+tenant quotas (live sandboxes; host disk, stopped sandboxes and snapshots included) and the
+host's RAM/vCPU commitment, with pooled VMs counted. Every way into running is admitted:
+create, fork, and resume of a stopped sandbox. `admit()` holds one lock from the check until
+the caller has written its state, so concurrent requests cannot both slip under a limit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cella import errors
 from cella.config import DaemonSettings
+from cella.models import SandboxState
 from cella.service.registry import Registry
 
 
@@ -48,6 +50,17 @@ class Admission:
             self._check(tenant, vcpus, memory_mib, count)
             yield
 
+    def disk_mib(self, tenant: str) -> int:
+        """Host disk the tenant's sandboxes (running or stopped) and snapshots take."""
+        store = self.registry.store
+        total = sum(
+            self.registry.disk_bytes(r.id)
+            for r in store.list_sandboxes(tenant)
+            if r.state not in (SandboxState.deleted, SandboxState.error)
+        )
+        total += sum(s.size_bytes or 0 for s in store.list_snapshots(tenant, ["ready"]))
+        return total >> 20
+
     def _check(self, tenant: str, vcpus: int, memory_mib: int, count: int) -> None:
         s = self.settings
         live = self.registry.live_rows()
@@ -57,6 +70,13 @@ class Admission:
                 f"tenant {tenant!r} has {mine} live sandboxes; the limit is "
                 f"{s.max_sandboxes_per_tenant}"
             )
+        if s.max_disk_mib_per_tenant is not None:
+            used = self.disk_mib(tenant)
+            if used >= s.max_disk_mib_per_tenant:
+                raise errors.QuotaExceeded(
+                    f"tenant {tenant!r} holds {used} MiB of disk (sandboxes, stopped ones "
+                    f"included, and snapshots); the limit is {s.max_disk_mib_per_tenant} MiB"
+                )
         pooled_cpus, pooled_memory = self.pooled()
         memory = sum(r.memory_mib for r in live) + pooled_memory + count * memory_mib
         cpus = sum(r.vcpus for r in live) + pooled_cpus + count * vcpus

@@ -18,9 +18,10 @@ from cella.service.registry import Registry, iso
 
 
 class Exec:
-    def __init__(self, registry: Registry, egress: SandboxEgress) -> None:
+    def __init__(self, registry: Registry, egress: SandboxEgress, keep: int) -> None:
         self.registry = registry
         self.egress = egress
+        self.keep = keep  # output of a run kept per stream
 
     def check(self, tenant: str, sandbox_id: str) -> None:
         """Fails now (not found, not running) rather than in the middle of a stream."""
@@ -68,8 +69,9 @@ class Exec:
     async def run(
         self, tenant: str, sandbox_id: str, req: ExecRequest, keep: int | None = None
     ) -> ExecResult:
-        """Runs to completion; up to `keep` bytes of each stream are kept in the result."""
-        output = OutputCollector(keep=keep)
+        """Runs to completion; up to `keep` bytes of each stream (default: the daemon's
+        setting) are kept in the result, which says how much more there was."""
+        output = OutputCollector(keep=self.keep if keep is None else keep)
         start = time.monotonic()
         status: ExitStatus | None = None
         async for event in self.stream(tenant, sandbox_id, req, output):

@@ -38,7 +38,10 @@ def error_text(exc: BaseException) -> str:
 
 
 class Registry:
-    def __init__(self, store: Store, driver: Driver, events: EventLog) -> None:
+    def __init__(
+        self, store: Store, driver: Driver, events: EventLog, console_limit: int = 1 << 20
+    ) -> None:
+        self.console_limit = console_limit  # bytes of guest console kept on the host
         self.store = store
         self.driver = driver
         self.events = events
@@ -100,6 +103,10 @@ class Registry:
     def directory(self, sandbox_id: str) -> Path:
         return self.driver.paths.vms / sandbox_id
 
+    def disk_bytes(self, sandbox_id: str) -> int:
+        """Host disk the sandbox's overlays take (allocated blocks, not their size)."""
+        return sum(p.stat().st_blocks * 512 for p in self.directory(sandbox_id).glob("*.qcow2"))
+
     # -- locks ---------------------------------------------------------------------------
 
     def lock(self, sandbox_id: str) -> asyncio.Lock:
@@ -143,7 +150,23 @@ class Registry:
         return self._vms.pop(sandbox_id, None)
 
     async def _watch(self, sandbox_id: str, vm: VM) -> None:
-        await vm.wait()
+        ended = asyncio.ensure_future(vm.wait())
+        broken = asyncio.ensure_future(vm.agent.wait_closed())
+        try:
+            while not ended.done():
+                waiting = {ended} if broken.done() else {ended, broken}
+                await asyncio.wait(waiting, timeout=1.0, return_when="FIRST_COMPLETED")
+                vm.trim_console(self.console_limit)
+                if broken.done() and waiting != {ended}:
+                    # a VM that dies closes its channel as a crash; anything else while it
+                    # runs on means the guest broke the protocol
+                    why = broken.result()
+                    crashed = isinstance(why, errors.SandboxCrashed)
+                    if not crashed and not ended.done() and self.vm(sandbox_id) is vm:
+                        self._agent_broken(sandbox_id, why)
+        finally:
+            broken.cancel()
+            ended.cancel()
         if self._vms.get(sandbox_id) is not vm:
             return  # stopped, deleted or replaced by us: an expected end
         async with self.lock(sandbox_id):
@@ -157,6 +180,14 @@ class Registry:
             log.warning("%s: %s", sandbox_id, message)
             self.update(sandbox_id, state=S.stopped, pid=None, error=message)
             self.events.emit(sandbox_id, "crashed", {"reason": reason})
+
+    def _agent_broken(self, sandbox_id: str, why: Exception) -> None:
+        """The VM runs but its agent channel is unusable (the guest broke the protocol):
+        the sandbox says so; stopping and resuming it gives it a fresh agent."""
+        message = f"the guest agent is unusable ({why}); stop and resume the sandbox"
+        log.warning("%s: %s", sandbox_id, message)
+        self.update(sandbox_id, error=message[:MAX_ERROR])
+        self.events.emit(sandbox_id, "agent_broken", {"reason": str(why)[:MAX_ERROR]})
 
     async def detach_all(self) -> None:
         """Daemon exit: let go of every VM without stopping it (the next daemon adopts)."""

@@ -93,9 +93,7 @@ class Snapshots:
 
     def _needs(self, row: SandboxRecord) -> int:
         """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""
-        directory = self.registry.directory(row.id)
-        overlay = sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
-        return row.memory_mib * (1 << 20) + overlay
+        return row.memory_mib * (1 << 20) + self.registry.disk_bytes(row.id)
 
     def _short_of_space(self, row: SandboxRecord) -> bool:
         """A failed snapshot that could not have fit (what it wrote is already removed)."""

@@ -30,8 +30,7 @@ class Usage:
 
     async def usage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
         row = self.registry.get(tenant, sandbox_id)
-        directory = self.registry.directory(sandbox_id)
-        allocated = sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
+        allocated = self.registry.disk_bytes(sandbox_id)
         out: dict[str, Any] = {k: getattr(row, k) for k in LIMITS}
         out["ttl_remaining_seconds"] = (
             max(0.0, row.ttl_seconds - row.age_seconds(time.time())) if row.ttl_seconds else None

@@ -68,7 +68,7 @@ class SnapshotDir:
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         tmp.rename(self.manifest_path)
         for name in FILES:
-            (self.path / name).chmod(0o444)
+            (self.path / name).chmod(0o400)  # read-only, and nobody else's to read
         return manifest
 
     def verify(self) -> dict[str, Any]:
