@@ -56,6 +56,7 @@ class QemuDriver:
         self._boot: BootImage | None = None
         self._accel: AccelChoice | None = None
         self.cpu = CpuLimiter()
+        self._disk_mib: dict[Path, int] = {}
 
     def _limit(self, vm: QemuVM) -> QemuVM:
         """Puts a started VM in its own CPU cgroup, released when the VM is killed."""
@@ -293,8 +294,10 @@ class QemuDriver:
             await asyncio.sleep(0.02)
 
     def template_disk_mib(self, template: str) -> int:
-        size = image_info(find_template(self.paths, template))["virtual-size"]
-        return int(str(size)) >> 20
+        base = find_template(self.paths, template)
+        if base not in self._disk_mib:  # bases are content-addressed: asked once (qemu-img)
+            self._disk_mib[base] = int(str(image_info(base)["virtual-size"])) >> 20
+        return self._disk_mib[base]
 
     def warm_key(self, template: str, vcpus: int, memory_mib: int) -> str:
         meta = self._snapshot_meta(vcpus, memory_mib)
