@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
 from cella import errors
-from cella.guest.client import Output, Started
+from cella.guest.client import ExecControl, Output, Started
 from cella.guest.protocol import ExitStatus
 from cella.runtime.qemu.vm import QemuVM
 
@@ -139,3 +140,71 @@ async def test_abandoned_stream_kills_its_process(vm: QemuVM) -> None:
             break
         await asyncio.sleep(0.1)
     assert r.exit_code == 1
+
+
+async def test_a_terminal_exec_with_resize_and_eof(vm: QemuVM) -> None:
+    control = ExecControl()
+    stdin: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def typed() -> AsyncIterator[bytes]:
+        while (chunk := await stdin.get()) is not None:
+            yield chunk
+
+    script = "tty; stty size; read line; echo got:$line; stty size; cat; echo done"
+    out = b""
+    async for event in vm.agent.exec_stream(
+        ["sh", "-c", script], stdin=typed(), pty=(100, 30), control=control
+    ):
+        if isinstance(event, Output):
+            assert event.stream == "stdout"  # a terminal has one output
+            out += event.data
+            if b"30 100" in out and b"got:" not in out:
+                await control.resize(120, 40)
+                await stdin.put(b"hello\n")
+            if b"40 120" in out and b"done" not in out:
+                await stdin.put(None)  # the EOF character ends `cat`
+        elif isinstance(event, ExitStatus):
+            assert event.exit_code == 0, out
+    text = out.decode()
+    assert "/dev/pts/" in text and "got:hello" in text and "done" in text
+
+
+async def test_signals_reach_a_running_exec(vm: QemuVM) -> None:
+    control = ExecControl()
+    status = None
+    async for event in vm.agent.exec_stream(
+        "trap 'echo term; exit 3' TERM; echo ready; while true; do sleep 0.1; done",
+        control=control,
+    ):
+        if isinstance(event, Output) and b"ready" in event.data:
+            await control.kill(15)
+        elif isinstance(event, ExitStatus):
+            status = event
+    assert status is not None and status.exit_code == 3
+
+
+async def test_the_host_reaches_a_server_in_the_guest(vm: QemuVM) -> None:
+    server = await vm.agent.exec(
+        [
+            "bash",
+            "-c",
+            "nohup python3 -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 & "
+            "for i in $(seq 200); do (echo > /dev/tcp/127.0.0.1/8765) 2>/dev/null && exit 0; "
+            "sleep 0.1; done; exit 1",
+        ],
+        timeout=60,
+    )
+    try:
+        assert server.exit_code == 0
+        stream = await vm.agent.open_port(8765)
+        await stream.write(b"GET / HTTP/1.0\r\n\r\n")
+        await stream.write_eof()
+        reply = b""
+        while chunk := await stream.read():
+            reply += chunk
+        await stream.close()
+        assert reply.startswith(b"HTTP/1.0 200") and b"Directory listing" in reply
+        with pytest.raises(errors.CellaError, match="refused"):
+            await vm.agent.open_port(8766)  # nothing listens there
+    finally:
+        await vm.agent.exec("pkill -f 'http.server 8765'")

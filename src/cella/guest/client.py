@@ -69,14 +69,39 @@ _FLOWING = frozenset({Msg.STDOUT, Msg.STDERR, Msg.DATA})
 StreamHandler = Callable[["GuestStream"], Awaitable[None]]
 
 
+class ExecControl:
+    """Signals and terminal size for an exec while it runs (pass it to `exec_stream`)."""
+
+    def __init__(self) -> None:
+        self._target: tuple[AgentClient, int] | None = None
+
+    def _bind(self, client: AgentClient, channel: int | None) -> None:
+        self._target = (client, channel) if channel is not None else None
+
+    async def kill(self, signal: int = 9) -> None:
+        """Sends `signal` to the command's process group (SIGKILL: its whole tree)."""
+        if self._target is not None:
+            client, cid = self._target
+            await client._send_quiet(cid, Msg.KILL, signal.to_bytes(4, "big"))
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """A terminal exec's new size (ignored for one without a terminal)."""
+        if self._target is not None:
+            client, cid = self._target
+            size = cols.to_bytes(4, "big") + rows.to_bytes(4, "big")
+            await client._send_quiet(cid, Msg.RESIZE, size)
+
+
 class GuestStream:
-    """A TCP connection the guest opened to one of the egress ports, carried over the agent
-    channel. Reads and writes are flow-controlled by acknowledgements in both directions."""
+    """A TCP connection carried over the agent channel: one the guest opened to an egress
+    port, or one the host opened to a port in the guest (`AgentClient.connect`). Reads and
+    writes are flow-controlled by acknowledgements in both directions."""
 
     def __init__(self, client: AgentClient, channel: int, port: int) -> None:
         self.client = client
         self.channel = channel
         self.port = port
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._unacked_in = 0  # bytes received from the guest, not yet acknowledged
         self._inflight = 0  # bytes sent to the guest, not yet acknowledged
@@ -101,6 +126,8 @@ class GuestStream:
         self.closed = True
         self._incoming.put_nowait(None)
         self._room.set()
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionResetError("the stream closed"))
 
     async def read(self) -> bytes:
         """The next bytes the guest sent; b"" once it sent no more (or the stream closed)."""
@@ -209,7 +236,7 @@ class AgentClient:
                         reason = await self._on_lost()
                     raise errors.SandboxCrashed(reason)
                 for channel, msg, payload in decoder.feed(data):
-                    if channel & STREAM_BIT:
+                    if channel & STREAM_BIT or channel in self._streams:
                         self._stream_frame(channel, msg, payload)
                         continue
                     ch = self._channels.get(channel)
@@ -245,6 +272,7 @@ class AgentClient:
             if stream is not None or len(payload) != 4:
                 raise ProtocolError(f"bad stream open on {channel:#x}")
             stream = GuestStream(self, channel, int.from_bytes(payload, "big"))
+            stream.opened.set_result(None)
             if self.on_stream is None:
                 self._spawn(stream.close())
                 return
@@ -260,8 +288,35 @@ class AgentClient:
         elif msg == Msg.GSCLOSE:
             self._streams.pop(channel, None)
             stream._gone()
+        elif msg in (Msg.OK, Msg.ERROR) and not stream.opened.done():
+            if msg == Msg.OK:
+                stream.opened.set_result(None)
+            else:
+                self._streams.pop(channel, None)
+                stream.opened.set_exception(_guest_error(payload))
         else:
             raise ProtocolError(f"unexpected message {msg:#x} on stream {channel:#x}")
+
+    async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:
+        """A connection to `port` on the guest's loopback (a server the guest runs)."""
+        if self._closed is not None:
+            raise type(self._closed)(self._closed.message)
+        cid = next(self._ids)
+        stream = self._streams[cid] = GuestStream(self, cid, port)
+        try:
+            await self._send(cid, Msg.CONNECT, port.to_bytes(4, "big"))
+            await asyncio.wait_for(asyncio.shield(stream.opened), timeout)
+        except TimeoutError:
+            self._streams.pop(cid, None)
+            await self._send_quiet(cid, Msg.SCLOSE)
+            raise errors.Timeout(f"port {port} in the guest did not answer") from None
+        except BaseException:
+            self._streams.pop(cid, None)
+            if not stream.opened.done():
+                stream.opened.cancel()
+                await self._send_quiet(cid, Msg.SCLOSE)
+            raise
+        return stream
 
     async def _serve(self, stream: GuestStream, handler: StreamHandler) -> None:
         try:
@@ -383,11 +438,15 @@ class AgentClient:
         user: str | None = None,
         stdin: bytes | AsyncIterable[bytes] | None = None,
         timeout: float | None = None,
+        pty: tuple[int, int] | None = None,
+        control: ExecControl | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Runs a command; yields Started, then Output as produced, then the ExitStatus.
 
         A string is run by `/bin/sh -c`. With a timeout the guest kills the whole process
-        tree (its cgroup) when it expires and reports `timed_out`.
+        tree (its cgroup) when it expires and reports `timed_out`. `pty=(cols, rows)` runs
+        it in a terminal (its output is all "stdout"; stdin ending sends the EOF character).
+        `control` can signal it and resize its terminal while it runs.
         """
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
         items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
@@ -400,6 +459,8 @@ class AgentClient:
             items.append((Field.TIMEOUT_MS, max(1, int(timeout * 1000))))
         if stdin is not None:
             items.append((Field.STDIN, True))
+        if pty is not None:
+            items.append((Field.PTY, (pty[0] & 0xFFFF) << 16 | (pty[1] & 0xFFFF)))
         cid, ch = self._open()
         feeder: asyncio.Task[None] | None = None
         running = False
@@ -411,6 +472,8 @@ class AgentClient:
             if reply != Msg.STARTED or len(body) != 4:
                 raise errors.AgentUnavailable(f"unexpected reply {reply:#x} to exec")
             running = True
+            if control is not None:
+                control._bind(self, cid)
             yield Started(int.from_bytes(body, "big"))
             if stdin is not None:
                 feeder = asyncio.create_task(self._feed_stdin(cid, stdin))
@@ -427,6 +490,8 @@ class AgentClient:
                 else:
                     raise errors.AgentUnavailable(f"unexpected reply {reply:#x} during exec")
         finally:
+            if control is not None:
+                control._bind(self, None)
             if feeder is not None:
                 feeder.cancel()
             if running and self._closed is None:

@@ -53,6 +53,8 @@ class Msg(IntEnum):
     ACK = 0x1B  # u32: bytes of the channel's output taken (also guest -> host: 0x8C)
     SDATA = 0x1C  # stream data; empty: no more from this side
     SCLOSE = 0x1D  # stream closed (also guest -> host: 0x8B)
+    CONNECT = 0x1E  # open a stream to a guest port (u32), answered OK or ERROR
+    RESIZE = 0x1F  # a terminal exec's size: u32 columns, u32 rows
     # guest -> host
     PONG = 0x81
     STARTED = 0x82
@@ -85,6 +87,7 @@ class Field(IntEnum):
     SEED = 13
     SANDBOX_ID = 15
     PIDS_MAX = 16
+    PTY = 17  # columns << 16 | rows: run in a terminal of that size
 
 
 class ProtocolError(errors.AgentUnavailable):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from cella.guest.client import ExecEvent, GuestStream
+    from cella.guest.client import ExecControl, ExecEvent, GuestStream
     from cella.guest.protocol import Entry
     from cella.models.exec import ExecResult
     from cella.paths import Paths
@@ -52,7 +52,13 @@ class GuestAgent(Protocol):
         user: str | None = None,
         stdin: bytes | AsyncIterable[bytes] | None = None,
         timeout: float | None = None,
+        pty: tuple[int, int] | None = None,
+        control: ExecControl | None = None,
     ) -> AsyncIterator[ExecEvent]: ...
+
+    async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:
+        """A connection to a server listening on `port` of the guest's loopback."""
+        ...
 
     async def exec(
         self,

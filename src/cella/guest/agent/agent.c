@@ -29,6 +29,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/ioctl.h>
+#include <termios.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/resource.h>
@@ -64,7 +65,8 @@ enum {
     T_PING = 0x01, T_EXEC = 0x02, T_STDIN = 0x03, T_KILL = 0x04,
     T_READ = 0x10, T_WRITE = 0x11, T_WDATA = 0x12, T_WEND = 0x13, T_LIST = 0x14,
     T_STAT = 0x15, T_MKDIR = 0x16, T_REMOVE = 0x17, T_CHMOD = 0x18, T_IDENTITY = 0x19,
-    T_SHUTDOWN = 0x1A, T_ACK = 0x1B, T_SDATA = 0x1C, T_SCLOSE = 0x1D,
+    T_SHUTDOWN = 0x1A, T_ACK = 0x1B, T_SDATA = 0x1C, T_SCLOSE = 0x1D, T_CONNECT = 0x1E,
+    T_RESIZE = 0x1F,
 };
 /* guest -> host */
 enum {
@@ -76,7 +78,7 @@ enum {
 enum {
     F_ARG = 1, F_ENV = 2, F_CWD = 3, F_USER = 4, F_TIMEOUT_MS = 5, F_STDIN = 6, F_PATH = 7,
     F_MODE = 8, F_PARENTS = 9, F_RECURSIVE = 10, F_HOSTNAME = 11, F_TIME_NS = 12, F_SEED = 13,
-    F_SIGNAL = 14, F_SANDBOX_ID = 15, F_PIDS_MAX = 16,
+    F_SIGNAL = 14, F_SANDBOX_ID = 15, F_PIDS_MAX = 16, F_PTY = 17,
 };
 
 static int port = -1;
@@ -226,6 +228,7 @@ struct exec {
     int timed_out;
     int exited, status; /* reaped; the exit frame follows the rest of its output */
     size_t tail;        /* output still forwarded after the exit (background writers) */
+    int pty;            /* a terminal: out_fd is its master, stdin is written to it too */
     uint32_t inflight;  /* output sent, not yet acknowledged */
     char cgroup[64];
     struct exec *next;
@@ -325,12 +328,17 @@ static int user_groups(const char *name, gid_t primary, gid_t *out, int max) {
 
 /* Runs in the forked child; never returns. Reports exec failure as an errno on errpipe. */
 static void exec_child(char **argv, char **env, const char *cwd, const struct user *u,
-                       int in_fd, int out_fd, int err_fd, int errpipe) {
+                       int in_fd, int out_fd, int err_fd, int errpipe, const char *tty) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
     setsid();
+    if (tty) { /* a terminal of its own: the session's controlling tty on 0, 1 and 2 */
+        int t = open(tty, O_RDWR);
+        if (t >= 0) ioctl(t, TIOCSCTTY, 0);
+        in_fd = out_fd = err_fd = t;
+    }
     dup2(in_fd, 0);
     dup2(out_fd, 1);
     dup2(err_fd, 2);
@@ -473,6 +481,9 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
     const struct field *ft = find_field(fs, n, F_TIMEOUT_MS);
     uint64_t timeout_ms = ft ? field_u64(ft) : 0;
     int want_stdin = find_field(fs, n, F_STDIN) != NULL;
+    const struct field *fp = find_field(fs, n, F_PTY);
+    int master = -1;
+    char *tty = NULL;
 
     int outp[2], errp[2], inp[2] = {-1, -1}, ep[2];
     if (pipe2(outp, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) || pipe2(ep, O_CLOEXEC) ||
@@ -483,12 +494,29 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
     if (!want_stdin) {
         inp[0] = open("/dev/null", O_RDONLY | O_CLOEXEC);
     }
+    if (fp) { /* cols << 16 | rows */
+        uint64_t size = field_u64(fp);
+        struct winsize ws = {.ws_row = (unsigned short)(size & 0xffff),
+                             .ws_col = (unsigned short)((size >> 16) & 0xffff)};
+        master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (master < 0 || grantpt(master) || unlockpt(master) || !(tty = ptsname(master))) {
+            send_error(chan, errno, "pty: %s", strerror(errno));
+            if (master >= 0) close(master);
+            close(outp[0]); close(outp[1]); close(errp[0]); close(errp[1]);
+            close(ep[0]); close(ep[1]);
+            if (inp[0] >= 0) close(inp[0]);
+            if (inp[1] >= 0) close(inp[1]);
+            goto out;
+        }
+        ioctl(master, TIOCSWINSZ, &ws);
+        tty = strdup(tty);
+    }
 
     struct exec *e = calloc(1, sizeof *e);
     e->chan = chan;
     pid_t pid = spawn_in_cgroup(e);
     if (pid == 0)
-        exec_child(argv, env, cwd, &u, inp[0], outp[1], errp[1], ep[1]);
+        exec_child(argv, env, cwd, &u, inp[0], outp[1], errp[1], ep[1], tty);
     close(outp[1]);
     close(errp[1]);
     close(ep[1]);
@@ -497,6 +525,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         send_error(chan, errno, "fork: %s", strerror(errno));
         close(outp[0]); close(errp[0]); close(ep[0]);
         if (inp[1] >= 0) close(inp[1]);
+        if (master >= 0) close(master);
         remove_cgroup(e->cgroup);
         free(e);
         goto out;
@@ -514,6 +543,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         else send_error(chan, err, "cannot run %s: %s", argv[0], strerror(err));
         close(outp[0]); close(errp[0]);
         if (inp[1] >= 0) close(inp[1]);
+        if (master >= 0) close(master);
         remove_cgroup(e->cgroup);
         free(e);
         goto out;
@@ -522,6 +552,15 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
     e->out_fd = outp[0];
     e->err_fd = errp[0];
     e->in_fd = inp[1];
+    if (master >= 0) { /* the terminal carries both directions; the pipes stay unused */
+        close(outp[0]);
+        close(errp[0]);
+        if (inp[1] >= 0) close(inp[1]);
+        e->pty = 1;
+        e->out_fd = master;
+        e->err_fd = -1;
+        e->in_fd = dup(master);
+    }
     set_nonblock(e->out_fd);
     set_nonblock(e->err_fd);
     if (e->in_fd >= 0) set_nonblock(e->in_fd);
@@ -535,6 +574,14 @@ out:
     free_strv(argv);
     free_strv(env);
     free(cwd);
+    free(tty);
+}
+
+static void handle_resize(uint32_t chan, const uint8_t *p, uint32_t len) {
+    struct exec *e = find_exec(chan);
+    if (!e || !e->pty || e->out_fd < 0 || len < 8) return;
+    struct winsize ws = {.ws_col = (unsigned short)get32(p), .ws_row = (unsigned short)get32(p + 4)};
+    ioctl(e->out_fd, TIOCSWINSZ, &ws);
 }
 
 static void kill_tree(struct exec *e, int sig) {
@@ -674,6 +721,10 @@ static void flush_stdin(struct exec *e) {
         e->inlen -= (size_t)n;
     }
     if (e->stdin_eof && e->inlen == 0) {
+        if (e->pty) { /* a terminal has no end of input but the EOF character */
+            char eot = 4;
+            if (write(e->in_fd, &eot, 1) < 0) { /* the program is gone */ }
+        }
         close(e->in_fd);
         e->in_fd = -1;
     }
@@ -1017,6 +1068,7 @@ struct stream {
     uint32_t inflight; /* socket data sent to the host, not yet acknowledged */
     int rd_eof;        /* the guest side closed its writing half (sent as an empty frame) */
     int wr_eof;        /* the host closed its writing half: shut ours once `out` is empty */
+    int connecting;    /* opened by the host: OK (or the error) once the connect completes */
     struct stream *next;
 };
 static struct stream *streams;
@@ -1097,6 +1149,44 @@ static void accept_streams(int lfd, int dport) {
         put32(p, (uint32_t)dport);
         send_frame(t->chan, M_SOPEN, p, 4, NULL, 0);
     }
+}
+
+/* The host opens a connection to a port inside the guest (port forwarding): the stream is
+   the host's channel; it is answered with OK, or the errno of the failed connect. */
+static void handle_connect(uint32_t chan, const uint8_t *p, uint32_t len) {
+    if (len < 4) return send_error(chan, EINVAL, "connect: no port");
+    if (find_stream(chan)) return send_error(chan, EINVAL, "channel %u already in use", chan);
+    if (n_streams >= MAX_STREAMS) return send_error(chan, EMFILE, "too many streams");
+    uint32_t port_no = get32(p);
+    if (port_no == 0 || port_no > 65535) return send_error(chan, EINVAL, "bad port %u", port_no);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port_no)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || (connect(fd, (struct sockaddr *)&sa, sizeof sa) && errno != EINPROGRESS)) {
+        int err = errno;
+        if (fd >= 0) close(fd);
+        return send_error(chan, err, "connect to port %u: %s", port_no, strerror(err));
+    }
+    struct stream *t = calloc(1, sizeof *t);
+    t->chan = chan;
+    t->fd = fd;
+    t->connecting = 1;
+    t->next = streams;
+    streams = t;
+    n_streams++;
+}
+
+static void stream_connected(struct stream *t) {
+    int err = 0;
+    socklen_t el = sizeof err;
+    getsockopt(t->fd, SOL_SOCKET, SO_ERROR, &err, &el);
+    if (err) {
+        send_error(t->chan, err, "connect: %s", strerror(err));
+        drop_stream(t, 0);
+        return;
+    }
+    t->connecting = 0;
+    send_ok(t->chan);
 }
 
 static void stream_read(struct stream *t) {
@@ -1196,6 +1286,8 @@ static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len
     case T_REMOVE: handle_remove(chan, p, len); break;
     case T_CHMOD: handle_chmod(chan, p, len); break;
     case T_IDENTITY: handle_identity(chan, p, len); break;
+    case T_CONNECT: handle_connect(chan, p, len); break;
+    case T_RESIZE: handle_resize(chan, p, len); break;
     case T_ACK: handle_ack(chan, p, len); break;
     case T_SDATA: handle_sdata(chan, p, len); break;
     case T_SCLOSE: {
@@ -1532,7 +1624,8 @@ int main(void) {
         size_t first_stream = np;
         for (struct stream *t = streams; t; t = t->next) {
             short ev = 0;
-            if (!t->rd_eof && t->inflight < WINDOW) ev |= POLLIN;
+            if (t->connecting) ev = POLLOUT;
+            else if (!t->rd_eof && t->inflight < WINDOW) ev |= POLLIN;
             if (t->outlen) ev |= POLLOUT;
             pfds[np++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
         }
@@ -1577,6 +1670,10 @@ int main(void) {
         for (size_t k = first_stream; k < np; k++) {
             short rev = pfds[k].revents;
             struct stream *t = rev ? stream_by_fd(pfds[k].fd) : NULL;
+            if (t && t->connecting) {
+                stream_connected(t);
+                continue;
+            }
             if (t && (rev & (POLLIN | POLLHUP | POLLERR))) {
                 stream_read(t);
                 t = stream_by_fd(pfds[k].fd);
