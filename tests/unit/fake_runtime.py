@@ -67,6 +67,8 @@ class FakeAgent:
         user: str | None = None,
         stdin: bytes | AsyncIterable[bytes] | None = None,
         timeout: float | None = None,
+        pty: tuple[int, int] | None = None,
+        control: Any = None,
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise errors.SandboxCrashed("the VM is gone")
@@ -93,6 +95,9 @@ class FakeAgent:
         if self.fail_identity is not None:
             raise self.fail_identity
         self.identity = identity
+
+    async def open_port(self, port: int, timeout: float = 10.0) -> Any:
+        raise errors.GuestError(f"connect to port {port}: Connection refused")
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
         yield await self.read_file(path)

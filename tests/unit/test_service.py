@@ -324,3 +324,52 @@ async def test_a_tenant_disk_quota_counts_stopped_sandboxes(daemon: Daemon) -> N
     await life.create("u", SandboxCreate())  # another tenant's disk is its own
     await life.delete("t", row.id)
     await life.create("t", SandboxCreate())
+
+
+def test_a_stopped_sandbox_is_deleted_after_its_retention() -> None:
+    now = datetime.now(UTC)
+    stopped = record(
+        S.stopped,
+        delete_after_stop_seconds=60,
+        stopped_at=(now - timedelta(seconds=61)).isoformat(),
+    )
+    fresh = record(
+        S.stopped,
+        delete_after_stop_seconds=600,
+        stopped_at=(now - timedelta(seconds=61)).isoformat(),
+    )
+    got = [
+        (e.sandbox.delete_after_stop_seconds, e.limit, e.action)
+        for e in due([stopped, fresh], now.timestamp(), lambda _: False)
+    ]
+    assert got == [(60, "stopped", "delete")]
+
+
+async def test_names_are_unique_and_exec_defaults_apply(daemon: Daemon) -> None:
+    from cella.models import ExecDefaults
+
+    spec = SandboxCreate(name="box", exec_defaults=ExecDefaults(user="nobody", env={"A": "1"}))
+    row = await daemon.lifecycle.create("t", spec)
+    assert daemon.registry.named("t", "box").id == row.id
+    with pytest.raises(errors.AlreadyExists):
+        await daemon.lifecycle.create("t", SandboxCreate(name="box"))
+    await daemon.lifecycle.create("u", SandboxCreate(name="box"))  # another tenant's name
+    seen: list[dict[str, object]] = []
+    agent = fake_vm(daemon, row.id).agent
+    orig = agent.exec_stream
+
+    async def spy(argv, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs)
+        async for e in orig(argv, **kwargs):
+            yield e
+
+    agent.exec_stream = spy  # type: ignore[method-assign]
+    await daemon.exec.run("t", row.id, ExecRequest(command="true", env={"B": "2"}))
+    await daemon.exec.run("t", row.id, ExecRequest(command="true", user="root"))
+    assert seen[0]["user"] == "nobody" and seen[0]["env"]["A"] == "1" and seen[0]["env"]["B"] == "2"
+    assert seen[1]["user"] == "root"
+    renamed = await daemon.lifecycle.update("t", row.id, name="box2", idle_timeout_seconds=60)
+    assert renamed.name == "box2" and renamed.idle_timeout_seconds == 60
+    stopped = await daemon.lifecycle.stop("t", row.id)
+    assert stopped.stopped_at is not None
+    assert (await daemon.lifecycle.resume("t", row.id)).stopped_at is None

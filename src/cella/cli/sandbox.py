@@ -337,3 +337,48 @@ def rm(sandbox_id: str, json_: JsonOpt = False) -> None:
 
 
 __all__ = ["app", "errors"]
+
+
+@app.command()
+def expose(
+    sandbox_id: str,
+    port: int,
+    expires_in: Annotated[int, typer.Option(help="seconds the URL stays valid")] = 600,
+    json_: JsonOpt = False,
+) -> None:
+    """Give a server listening on PORT inside the sandbox a URL (with a token that expires).
+    Open `browser_url` in a browser; programs send the token as X-Cella-Service-Token."""
+    with Client() as client:
+        exposed = client.get(sandbox_id).expose(port, expires_in_seconds=expires_in)
+    if json_:
+        emit_json(exposed.model_dump(mode="json"))
+        return
+    out.print(f"url          {exposed.url}", markup=False)
+    out.print(f"browser_url  {exposed.browser_url}", markup=False)
+    out.print(f"token        {exposed.token}", markup=False)
+    out.print(f"expires_at   {exposed.expires_at.isoformat()}", markup=False)
+
+
+@app.command("port-forward")
+def port_forward(
+    sandbox_id: str,
+    ports: Annotated[str, typer.Argument(help="LOCAL:REMOTE, or PORT for the same on both")],
+    address: Annotated[str, typer.Option(help="local address to listen on")] = "127.0.0.1",
+) -> None:
+    """Forward a local port to a port inside the sandbox until interrupted (Ctrl-C). Each
+    local connection is carried to the guest port through the daemon."""
+    import asyncio
+    import contextlib
+
+    from cella.cli.forward import forward
+
+    local, _, remote = ports.partition(":")
+    try:
+        local_port, remote_port = int(local), int(remote or local)
+    except ValueError:
+        raise typer.BadParameter("ports are LOCAL:REMOTE or PORT") from None
+    with Client() as client:
+        client.get(sandbox_id)  # an unknown sandbox fails here, not per connection
+        url, key = client.url, client.api_key
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(forward(url, key, sandbox_id, address, local_port, remote_port))

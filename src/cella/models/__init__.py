@@ -19,9 +19,11 @@ from cella.models.network import (
     SecretPut,
 )
 from cella.models.pairs import parse_pairs
+from cella.models.ports import ExposedPort, ExposeRequest
 from cella.models.sandbox import (
     Event,
     EventList,
+    ExecDefaults,
     ForkRequest,
     LineageNode,
     Sandbox,
@@ -41,9 +43,12 @@ __all__ = [
     "EgressLog",
     "Event",
     "EventList",
+    "ExecDefaults",
     "ExecEvent",
     "ExecRequest",
     "ExecResult",
+    "ExposeRequest",
+    "ExposedPort",
     "FileEntry",
     "ForkRequest",
     "GuestPath",

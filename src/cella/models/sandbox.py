@@ -26,6 +26,26 @@ class SandboxState(StrEnum):
 
 ExpiryAction = Literal["stop", "pause", "delete"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class ExecDefaults(BaseModel):
+    """What every command in the sandbox runs with unless it says otherwise (a command's
+    own `user` and `cwd` win; its `env` is laid over these)."""
+
+    model_config = {"extra": "forbid", "from_attributes": True}
+
+    user: str | None = Field(default=None, min_length=1, max_length=64)
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict, max_length=1024)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not key or "=" in key or "\x00" in key or "\x00" in item:
+                raise ValueError(f"invalid environment variable {key!r}")
+        return value
 
 
 class SandboxCreate(BaseModel):
@@ -33,7 +53,16 @@ class SandboxCreate(BaseModel):
 
     model_config = {"extra": "forbid"}
 
+    name: str | None = Field(
+        default=None, pattern=NAME, description="unique among the tenant's sandboxes"
+    )
     template: str = Field(default="default", min_length=1, max_length=63)
+    snapshot: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="start from this snapshot (id, name:tag or name) instead of the template",
+    )
     vcpus: int = Field(default=1, ge=1, le=64)
     memory_mib: int = Field(default=512, ge=128, le=262144)
     disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
@@ -41,7 +70,11 @@ class SandboxCreate(BaseModel):
     idle_timeout_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
     ttl_action: ExpiryAction = Field(default="delete", description="what the TTL does")
     idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
+    delete_after_stop_seconds: int | None = Field(
+        default=None, ge=1, le=365 * 86400, description="a stopped sandbox is deleted after this"
+    )
     max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
+    exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     network: NetworkPolicy = Field(
         default_factory=NetworkPolicy, description="egress rules (default: reach nothing)"
@@ -77,6 +110,7 @@ class Sandbox(BaseModel):
     model_config = {"from_attributes": True}
 
     id: str
+    name: str | None = None
     state: SandboxState
     template: str
     vcpus: int
@@ -87,7 +121,10 @@ class Sandbox(BaseModel):
     ttl_action: ExpiryAction = "delete"
     idle_action: ExpiryAction = "stop"
     max_pids: int | None = None
+    delete_after_stop_seconds: int | None = None
+    exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     last_active_at: datetime | None = None
+    stopped_at: datetime | None = None
     labels: dict[str, str]
     network: NetworkPolicy = Field(default_factory=NetworkPolicy)
     secrets: dict[str, str] = Field(

@@ -42,9 +42,10 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.state.settings = settings
     _install_error_handlers(app)
 
-    from cella.server.routes import egress, files, keys, sandboxes, snapshots
+    from cella.server.routes import egress, files, keys, ports, sandboxes, snapshots
 
     app.include_router(sandboxes.router)
+    app.include_router(ports.router)
     app.include_router(snapshots.router)
     app.include_router(files.router)
     app.include_router(keys.router)

@@ -5,19 +5,22 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header
+from starlette.requests import HTTPConnection
 
 from cella import errors
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
 
 
-def daemon(request: Request) -> Daemon:
+def daemon(request: HTTPConnection) -> Daemon:
     found: Daemon = request.app.state.daemon
     return found
 
 
-def principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+def principal(
+    request: HTTPConnection, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
     if not authorization:
         raise errors.Unauthenticated("an API key is required (Authorization: Bearer <key>)")
     scheme, _, key = authorization.partition(" ")

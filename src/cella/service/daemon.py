@@ -1,9 +1,10 @@
 """The daemon: one of each room of the service, wired together, started and stopped.
 
 Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
-`admission`, `lifecycle`, `snapshots` (and forks), `exec`, `files`, `trace` (events and
-lineage), `usage`, `reaper`, `recovery`, `egress` (policy, decision log, secrets) and `warm`
-(warm snapshots and the pool). API surfaces (the REST routes, compatible APIs) call these
+`admission`, `lifecycle`, `snapshots` (and forks), `exec`, `processes` (commands that
+outlive a connection), `files`, `ports` (guest servers, service URLs), `trace` (events and
+lineage), `usage`, `reaper`, `recovery`, `egress` (policy, decision log, secrets), `keys` and
+`warm` (warm snapshots and the pool). API surfaces (the REST routes, compatible APIs) call these
 rooms and nothing below them.
 """
 
@@ -15,6 +16,7 @@ import os
 from typing import Any
 
 from cella.config import DAEMON_FILE, DaemonSettings
+from cella.models import SandboxCreate
 from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
 from cella.service.admission import Admission
@@ -23,6 +25,8 @@ from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.keys import Keys
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
+from cella.service.ports import Ports
+from cella.service.processes import Processes
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
@@ -30,7 +34,7 @@ from cella.service.snapshots import Snapshots
 from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
-from cella.store import Store
+from cella.store import SandboxRecord, Store
 from cella.telemetry.events import EventLog
 
 log = logging.getLogger("cella.daemon")
@@ -59,7 +63,10 @@ class Daemon:
         )
         self.snapshots = Snapshots(self.registry, self.admission, self.lifecycle)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
+        self.processes = Processes(self.exec)
+        self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
+        self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
@@ -92,6 +99,7 @@ class Daemon:
         await self.warm.ensure(shape)
         self.pool.watch(shape)
         self.reaper.start()
+        self.processes.start_sweeper()
         host, port = self.settings.host_port
         (self.driver.paths.root / DAEMON_FILE).write_text(
             json.dumps({"url": f"http://{host}:{port}"})
@@ -101,12 +109,19 @@ class Daemon:
         """Sandbox VMs keep running and are adopted by the next daemon; pooled VMs (nobody's
         yet) are destroyed."""
         await self.reaper.close()
+        await self.processes.close()
         await self.pool.close()
         await self.registry.detach_all()
         await self.egress.close()
         if self._spans is not None:
             self._spans.close()  # flushes what is batched
         self.store.close()
+
+    async def create(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
+        """A new sandbox: from its template, or booted from `spec.snapshot`."""
+        if spec.snapshot is not None:
+            return await self.snapshots.boot(tenant, spec)
+        return await self.lifecycle.create(tenant, spec)
 
     def health(self) -> dict[str, Any]:
         accel = self.driver.accel

@@ -1,6 +1,7 @@
 """Commands in a sandbox: streamed or run to completion, each one traced.
 
-Owns the environment every exec gets (egress proxy variables, secret placeholders), the
+Owns the environment every exec gets (egress proxy variables, secret placeholders, the
+sandbox's exec defaults under the command's own user, cwd and env), the
 activity an exec counts as (a sandbox with an exec under way is never idle) and the `exec`
 trace event: command, cwd, times, exit status, output sizes, digest and tail.
 """
@@ -8,9 +9,9 @@ trace event: command, cwd, times, exit status, output sizes, digest and tail.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 
-from cella.guest.client import ExecEvent, Output
+from cella.guest.client import ExecControl, ExecEvent, Output
 from cella.guest.protocol import ExitStatus
 from cella.models import ExecRequest, ExecResult, OutputCollector
 from cella.service.egress import SandboxEgress
@@ -33,12 +34,24 @@ class Exec:
         sandbox_id: str,
         req: ExecRequest,
         output: OutputCollector | None = None,
+        *,
+        stdin: AsyncIterable[bytes] | None = None,
+        pty: tuple[int, int] | None = None,
+        control: ExecControl | None = None,
     ) -> AsyncIterator[ExecEvent]:
-        """Started, then output as produced, then the exit status."""
+        """Started, then output as produced, then the exit status. `stdin` (an open-ended
+        source, instead of the request's fixed bytes), `pty` and `control` are for callers
+        that keep a command interactive (processes, terminals)."""
         row, vm = self.registry.live(tenant, sandbox_id)  # one store read on the exec path
         output = output or OutputCollector(keep=0)
         kwargs = req.agent_kwargs()
-        kwargs["env"] = {**self.egress.guest_env(row), **kwargs["env"]}
+        defaults = row.exec_defaults
+        kwargs["env"] = {**self.egress.guest_env(row), **defaults.env, **kwargs["env"]}
+        kwargs["user"] = kwargs["user"] or defaults.user
+        kwargs["cwd"] = kwargs["cwd"] or defaults.cwd
+        if stdin is not None:
+            kwargs["stdin"] = stdin
+        kwargs["pty"], kwargs["control"] = pty, control
         started_at = time.time()
         start = time.monotonic()
         status: ExitStatus | None = None

@@ -15,16 +15,23 @@ from typing import Any
 
 from cella import errors
 from cella.config import DaemonSettings
-from cella.models import SandboxCreate, SandboxState
+from cella.models import ExecDefaults, SandboxCreate, SandboxState
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress
-from cella.service.registry import Registry
+from cella.service.registry import Registry, iso
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SecretRef
 
 S = SandboxState
+
+
+class Unset:
+    """An argument left out (None means "no limit")."""
+
+
+UNSET = Unset()
 POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
 
 
@@ -41,6 +48,7 @@ def new_record(
         id=sandbox_id,
         tenant=tenant,
         state=S.creating,
+        name=spec.name,
         template=spec.template,
         vcpus=spec.vcpus,
         memory_mib=spec.memory_mib,
@@ -50,6 +58,8 @@ def new_record(
         ttl_action=spec.ttl_action,
         idle_action=spec.idle_action,
         max_pids=spec.max_pids,
+        delete_after_stop_seconds=spec.delete_after_stop_seconds,
+        exec_defaults=spec.exec_defaults,
         labels=dict(spec.labels),
         network=spec.network,
         secrets=secrets,
@@ -70,6 +80,8 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         ttl_action=row.ttl_action,
         idle_action=row.idle_action,
         max_pids=row.max_pids,
+        delete_after_stop_seconds=row.delete_after_stop_seconds,
+        exec_defaults=row.exec_defaults,
         labels=row.labels,
         network=row.network,
         secrets={k: v.secret for k, v in row.secrets.items()},
@@ -108,6 +120,7 @@ class Lifecycle:
         shape = Shape(req.template, req.vcpus, req.memory_mib)
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
+            self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
             sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
             origin = "pool" if vm is not None else "restore"
@@ -176,7 +189,7 @@ class Lifecycle:
             vm = self.registry.untrack(sandbox_id)
             if vm is not None:
                 await vm.stop()
-            self.registry.update(sandbox_id, state=S.stopped, pid=None)
+            self.registry.update(sandbox_id, state=S.stopped, pid=None, stopped_at=iso(time.time()))
             self.events.emit(sandbox_id, "stopped")
         return self.registry.get(tenant, sandbox_id)
 
@@ -228,8 +241,39 @@ class Lifecycle:
                 raise
             self.egress.attach(vm, row)
             self.registry.track(sandbox_id, vm)
-            self.registry.update(sandbox_id, state=S.running, pid=vm.pid, error=None)
+            self.registry.update(
+                sandbox_id, state=S.running, pid=vm.pid, error=None, stopped_at=None
+            )
             self.events.emit(sandbox_id, "resumed", {"from": "stopped"})
+        return self.registry.get(tenant, sandbox_id)
+
+    async def update(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        *,
+        name: str | None = None,
+        idle_timeout_seconds: int | Unset | None = UNSET,
+        delete_after_stop_seconds: int | Unset | None = UNSET,
+        exec_defaults: ExecDefaults | None = None,
+    ) -> SandboxRecord:
+        """Renames a sandbox or changes its retention and exec defaults (None clears a
+        limit; leaving an argument out keeps it)."""
+        async with self.registry.lock(sandbox_id):
+            row = self.registry.get(tenant, sandbox_id)
+            fields: dict[str, object] = {}
+            if name is not None and name != row.name:
+                self.registry.check_name(tenant, name)
+                fields["name"] = name
+            if not isinstance(idle_timeout_seconds, Unset):
+                fields["idle_timeout_seconds"] = idle_timeout_seconds
+            if not isinstance(delete_after_stop_seconds, Unset):
+                fields["delete_after_stop_seconds"] = delete_after_stop_seconds
+            if exec_defaults is not None:
+                fields["exec_defaults"] = exec_defaults
+            if fields:
+                self.registry.update(sandbox_id, **fields)
+                self.events.emit(sandbox_id, "updated", {k: str(v) for k, v in fields.items()})
         return self.registry.get(tenant, sandbox_id)
 
     async def delete(self, tenant: str, sandbox_id: str) -> None:

@@ -15,6 +15,7 @@ from cella.models import SandboxState
 from cella.service.lifecycle import Lifecycle
 from cella.service.registry import Registry
 from cella.store import SandboxRecord
+from cella.store.records import epoch
 
 log = logging.getLogger("cella.reaper")
 S = SandboxState
@@ -31,9 +32,17 @@ class Expiry:
 def due(rows: Iterable[SandboxRecord], now: float, busy: Callable[[str], bool]) -> list[Expiry]:
     """The limits that have run out, and what each one does. A TTL that would leave the
     sandbox as it is (stop a stopped one, pause a paused one) is not due; an exec under way
-    keeps a sandbox from being idle."""
+    keeps a sandbox from being idle; a stopped sandbox may be deleted some time after."""
     out = []
     for row in rows:
+        if (
+            row.state == S.stopped
+            and row.delete_after_stop_seconds
+            and row.stopped_at
+            and now - epoch(row.stopped_at) >= row.delete_after_stop_seconds
+        ):
+            out.append(Expiry(row, "stopped", "delete"))
+            continue
         if row.ttl_seconds and row.age_seconds(now) >= row.ttl_seconds:
             action = row.ttl_action
             if row.state == S.stopped and action != "delete":

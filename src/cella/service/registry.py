@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ class Registry:
         self._touched: dict[str, float] = {}
         self._busy: dict[str, int] = {}
         self._watchers: set[asyncio.Task[None]] = set()
+        self.forget_hooks: list[Callable[[str], None]] = []  # a sandbox was deleted
 
     # -- rows ----------------------------------------------------------------------------
 
@@ -83,6 +84,23 @@ class Registry:
             rows = [r for r in rows if all(r.labels.get(k) == v for k, v in labels.items())]
         return rows
 
+    def named(self, tenant: str, name: str) -> SandboxRecord:
+        """The tenant's sandbox called `name` (names are unique among those not deleted)."""
+        row = self.store.sandbox_named(tenant, name)
+        if row is None:
+            raise errors.NotFound(f"no sandbox named {name!r}")
+        return row
+
+    def check_name(self, tenant: str, name: str | None) -> None:
+        """Refuses a name another of the tenant's sandboxes has (call under a lock)."""
+        if name is None:
+            return
+        try:
+            taken = self.named(tenant, name)
+        except errors.NotFound:
+            return
+        raise errors.AlreadyExists(f"sandbox name {name!r} is in use by {taken.id}")
+
     def live_rows(self) -> list[SandboxRecord]:
         return self.store.list_sandboxes(None, [s.value for s in LIVE_STATES])
 
@@ -114,6 +132,8 @@ class Registry:
 
     def forget(self, sandbox_id: str) -> None:
         """A deleted sandbox: nothing more is kept for it."""
+        for hook in self.forget_hooks:
+            hook(sandbox_id)
         self._locks.pop(sandbox_id, None)
         self._touched.pop(sandbox_id, None)
         self._busy.pop(sandbox_id, None)

@@ -1,20 +1,23 @@
 """Snapshots and forks: a running sandbox's disk and memory saved at one instant, and new
 sandboxes restored from such a snapshot.
 
-Owns snapshot rows and directories (`DATA_DIR/snapshots/<id>`), the free-space check before
-a snapshot and the `no_space` answer when the disk fills during one, fork admission, and the
-refcount that keeps a snapshot while sandboxes or snapshots are built on it.
+Owns snapshot rows and directories (`DATA_DIR/snapshots/<id>`), their names and tags (a
+tag points at one snapshot of a name and moves, as Docker's do; `name:tag`, a bare name or
+an id resolve to a snapshot), the free-space check before a snapshot and the `no_space`
+answer when the disk fills during one, fork admission, sandboxes booted from a snapshot, and
+the refcount that keeps a snapshot while sandboxes or snapshots are built on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
 from cella import errors
-from cella.models import SandboxState, SnapshotState
+from cella.models import SandboxCreate, SandboxState, SnapshotState
 from cella.service.admission import Admission
 from cella.service.lifecycle import Lifecycle, new_record, spec_of
 from cella.service.registry import Registry, error_text
@@ -48,8 +51,41 @@ class Snapshots:
     def find(self, tenant: str) -> list[SnapshotRecord]:
         return self.store.list_snapshots(tenant, ["creating", "ready", "error"])
 
-    async def snapshot(self, tenant: str, sandbox_id: str, name: str) -> SnapshotRecord:
-        """Disk and memory of a running sandbox at one instant; it runs on afterwards."""
+    def resolve(self, tenant: str, ref: str) -> SnapshotRecord:
+        """A snapshot by id, `name:tag`, or bare name (its `latest` tag, else the newest
+        ready snapshot of that name)."""
+        with contextlib.suppress(errors.NotFound):
+            return self.get(tenant, ref)
+        name, _, tag = ref.partition(":")
+        for tagged_name, tagged, snapshot_id in self.store.tags(tenant, name):
+            if tagged_name == name and tagged == (tag or "latest"):
+                return self.get(tenant, snapshot_id)
+        if not tag:
+            ready = [s for s in self.find(tenant) if s.name == name and s.state == "ready"]
+            if ready:
+                return ready[-1]
+        raise errors.NotFound(f"no snapshot {ref!r}")
+
+    def tag(self, tenant: str, snapshot_id: str, tag: str) -> None:
+        """Points `name:tag` (the snapshot's name) at this snapshot."""
+        snap = self.get(tenant, snapshot_id)
+        self.store.set_tag(tenant, snap.name, tag, snap.id)
+
+    def tags(self, tenant: str, name: str) -> list[tuple[str, str]]:
+        """(tag, snapshot id) of a name; `NotFound` if no snapshot ever had the name."""
+        tags = [(t, sid) for _, t, sid in self.store.tags(tenant, name)]
+        if not tags and not any(s.name == name for s in self.find(tenant)):
+            raise errors.NotFound(f"no snapshot named {name!r}")
+        return tags
+
+    def tags_of(self, tenant: str, snapshot_id: str) -> list[str]:
+        return [t for _, t, sid in self.store.tags(tenant) if sid == snapshot_id]
+
+    async def snapshot(
+        self, tenant: str, sandbox_id: str, name: str, tag: str | None = None
+    ) -> SnapshotRecord:
+        """Disk and memory of a running sandbox at one instant; it runs on afterwards. With
+        `tag`, `name:tag` points at it once it is ready."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(tenant, sandbox_id)
             record = self.store.insert_snapshot(
@@ -84,10 +120,12 @@ class Snapshots:
                 size_bytes=sum(manifest["bytes"].values()),
                 paused_ms=paused_ms,
             )
+            if tag:
+                self.store.set_tag(tenant, name, tag, record.id)
             self.events.emit(
                 sandbox_id,
                 "snapshot",
-                {"snapshot_id": record.id, "name": name, "paused_ms": paused_ms},
+                {"snapshot_id": record.id, "name": name, "tag": tag, "paused_ms": paused_ms},
             )
         return self.get(tenant, record.id)
 
@@ -112,8 +150,20 @@ class Snapshots:
         snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
         return await self.fork_snapshot(tenant, snap.id, count)
 
-    async def fork_snapshot(self, tenant: str, snapshot_id: str, count: int) -> list[SandboxRecord]:
-        """`count` new sandboxes restored from the snapshot, each on its own overlay."""
+    async def boot(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
+        """A new sandbox from `spec.snapshot` (its files, memory and processes), made as
+        `spec` says otherwise (name, limits, egress, secrets); its shape is the snapshot's."""
+        assert spec.snapshot is not None
+        snap = self.resolve(tenant, spec.snapshot)
+        self.admission.check_shape(snap.vcpus, snap.memory_mib, spec.disk_mib)
+        [row] = await self.fork_snapshot(tenant, snap.id, 1, spec)
+        return row
+
+    async def fork_snapshot(
+        self, tenant: str, snapshot_id: str, count: int, spec: SandboxCreate | None = None
+    ) -> list[SandboxRecord]:
+        """`count` new sandboxes restored from the snapshot, each on its own overlay, made
+        like the snapshot's source unless `spec` says otherwise."""
         snap_row = self.get(tenant, snapshot_id)
         if snap_row.state != SnapshotState.ready:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
@@ -122,14 +172,21 @@ class Snapshots:
         source = self.store.get_sandbox(snap_row.sandbox_id)
         if source is None:
             raise errors.NotFound(f"the source of snapshot {snapshot_id} is gone")
+        if spec is None:  # the same placeholders: the parent's env is copied with its memory
+            spec, secrets = spec_of(source), source.secrets
+        else:
+            secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
+        shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
+        spec = spec.model_copy(update=shape)
         async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
+            self.registry.check_name(tenant, spec.name)
             rows = [
                 self.registry.insert(
                     new_record(
                         tenant,
                         new_sandbox_id(),
-                        spec_of(source),
-                        source.secrets,  # the same placeholders: the parent's env is copied
+                        spec,
+                        secrets,
                         "fork",
                         parent_id=snap_row.sandbox_id,
                         snapshot_id=snap_row.id,
@@ -187,4 +244,5 @@ class Snapshots:
             users = ", ".join([*sandboxes, *snapshots][:10])
             raise errors.InUse(f"snapshot {snapshot_id} is still used by {users}")
         shutil.rmtree(self.root / snapshot_id, ignore_errors=True)
+        self.store.untag_snapshot(snapshot_id)
         self.store.update_snapshot(snapshot_id, state="deleted")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cella.models.network import NetworkPolicy
-from cella.models.sandbox import SandboxState, SnapshotState
+from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
 from cella.store.records import (
     EventRecord,
@@ -126,6 +126,14 @@ class Store:
         row = self._get("sandboxes", sandbox_id)
         return _sandbox(row) if row else None
 
+    def sandbox_named(self, tenant: str, name: str) -> SandboxRecord | None:
+        """The tenant's sandbox called `name` that is not deleted."""
+        row = self._exec(
+            "SELECT * FROM sandboxes WHERE tenant = ? AND name = ? AND state != 'deleted'",
+            (tenant, name),
+        ).fetchone()
+        return _sandbox(row) if row else None
+
     def list_sandboxes(
         self, tenant: str | None = None, states: Iterable[str] | None = None
     ) -> list[SandboxRecord]:
@@ -167,6 +175,28 @@ class Store:
             )
         ]
         return sandboxes, snapshots
+
+    # -- snapshot tags (a name's tags move between snapshots, as Docker's do) --------------
+
+    def set_tag(self, tenant: str, name: str, tag: str, snapshot_id: str) -> None:
+        self._exec(
+            "INSERT INTO snapshot_tags (tenant, name, tag, snapshot_id, updated_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, name, tag) DO UPDATE SET "
+            "snapshot_id = excluded.snapshot_id, updated_at = excluded.updated_at",
+            (tenant, name, tag, snapshot_id, now()),
+        )
+
+    def tags(self, tenant: str, name: str | None = None) -> list[tuple[str, str, str]]:
+        """(name, tag, snapshot id) of the tenant's tags, of one name or all."""
+        sql = "SELECT name, tag, snapshot_id FROM snapshot_tags WHERE tenant = ?"
+        args: tuple[Any, ...] = (tenant,)
+        if name is not None:
+            sql += " AND name = ?"
+            args += (name,)
+        return [tuple(r) for r in self._exec(sql + " ORDER BY name, tag", args).fetchall()]
+
+    def untag_snapshot(self, snapshot_id: str) -> None:
+        self._exec("DELETE FROM snapshot_tags WHERE snapshot_id = ?", (snapshot_id,))
 
     # -- events ---------------------------------------------------------------------------
 
@@ -235,6 +265,7 @@ class Store:
 def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
         "network": record.network.model_dump(),
+        "exec_defaults": record.exec_defaults.model_dump(),
         "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
     }
 
@@ -242,14 +273,15 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
 def _encode(fields: dict[str, Any]) -> dict[str, Any]:
     """Column values for SQLite: JSON columns as text."""
     out = dict(fields)
-    if isinstance(out.get("network"), NetworkPolicy):
-        out["network"] = out["network"].model_dump()
+    for key in ("network", "exec_defaults"):
+        if isinstance(out.get(key), NetworkPolicy | ExecDefaults):
+            out[key] = out[key].model_dump()
     if "secrets" in out:
         out["secrets"] = {
             k: dataclasses.asdict(v) if isinstance(v, SecretRef) else v
             for k, v in out["secrets"].items()
         }
-    for key in ("labels", "network", "secrets"):
+    for key in ("labels", "network", "secrets", "exec_defaults"):
         if key in out:
             out[key] = json.dumps(out[key])
     return out
@@ -259,6 +291,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out = dict(row)
     out["labels"] = json.loads(out["labels"])
     out["network"] = NetworkPolicy.model_validate(json.loads(out["network"]))
+    out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["state"] = SandboxState(out["state"])
     return SandboxRecord(**out)

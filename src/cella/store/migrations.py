@@ -87,4 +87,19 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE secrets ADD COLUMN inject TEXT NOT NULL DEFAULT 'anywhere';
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN name TEXT;
+    ALTER TABLE sandboxes ADD COLUMN exec_defaults TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE sandboxes ADD COLUMN delete_after_stop_seconds INTEGER;
+    ALTER TABLE sandboxes ADD COLUMN stopped_at TEXT;
+    CREATE INDEX sandboxes_name ON sandboxes (tenant, name);
+    CREATE TABLE snapshot_tags (
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        snapshot_id TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        PRIMARY KEY (tenant, name, tag)
+    );
+    """,
 ]

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from cella.models.network import NetworkPolicy
-from cella.models.sandbox import ExpiryAction, SandboxState, SnapshotState
+from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
 
 
 def epoch(iso: str) -> float:
@@ -40,6 +40,10 @@ class SandboxRecord:
     ttl_action: ExpiryAction = "delete"
     idle_action: ExpiryAction = "stop"
     max_pids: int | None = None
+    name: str | None = None
+    delete_after_stop_seconds: int | None = None
+    exec_defaults: ExecDefaults = field(default_factory=ExecDefaults)
+    stopped_at: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)

@@ -16,6 +16,7 @@ from cella.models import (
     Event,
     ExecEvent,
     ExecResult,
+    ExposedPort,
     FileEntry,
     LineageNode,
     SandboxUsage,
@@ -39,10 +40,10 @@ class AsyncClient:
     def __init__(
         self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
     ) -> None:
-        self.url, api_key = resolve(url, api_key)
+        self.url, self.api_key = resolve(url, api_key)
         self._http = httpx2.AsyncClient(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {api_key}"},
+            headers={"Authorization": f"Bearer {self.api_key}"},
             timeout=httpx2.Timeout(timeout, connect=10.0),
         )
 
@@ -382,6 +383,16 @@ class AsyncSandbox:
 
     async def delete(self) -> None:
         await self.client.request("DELETE", self._path)
+
+    async def expose(self, port: int, *, expires_in_seconds: int = 600) -> ExposedPort:
+        """A URL for a server listening on `port` inside the sandbox, with a token that
+        expires; `browser_url` logs a browser in (a cookie) on first visit."""
+        response = await self.client.request(
+            "POST",
+            f"{self._path}/ports/{port}/expose",
+            json={"expires_in_seconds": expires_in_seconds},
+        )
+        return ExposedPort.model_validate(response.json())
 
     async def usage(self) -> SandboxUsage:
         """Limits and live usage (CPU time, memory, disk, processes)."""

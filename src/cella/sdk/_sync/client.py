@@ -17,6 +17,7 @@ from cella.models import (
     Event,
     ExecEvent,
     ExecResult,
+    ExposedPort,
     FileEntry,
     LineageNode,
     SandboxUsage,
@@ -40,10 +41,10 @@ class Client:
     def __init__(
         self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
     ) -> None:
-        self.url, api_key = resolve(url, api_key)
+        self.url, self.api_key = resolve(url, api_key)
         self._http = httpx2.Client(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {api_key}"},
+            headers={"Authorization": f"Bearer {self.api_key}"},
             timeout=httpx2.Timeout(timeout, connect=10.0),
         )
 
@@ -376,6 +377,16 @@ class Sandbox:
 
     def delete(self) -> None:
         self.client.request("DELETE", self._path)
+
+    def expose(self, port: int, *, expires_in_seconds: int = 600) -> ExposedPort:
+        """A URL for a server listening on `port` inside the sandbox, with a token that
+        expires; `browser_url` logs a browser in (a cookie) on first visit."""
+        response = self.client.request(
+            "POST",
+            f"{self._path}/ports/{port}/expose",
+            json={"expires_in_seconds": expires_in_seconds},
+        )
+        return ExposedPort.model_validate(response.json())
 
     def usage(self) -> SandboxUsage:
         """Limits and live usage (CPU time, memory, disk, processes)."""

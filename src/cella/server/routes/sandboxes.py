@@ -35,7 +35,7 @@ ID = Annotated[str, "sandbox id"]
 @router.post("", status_code=201, response_model=Sandbox)
 async def create_sandbox(body: SandboxCreate, svc: Service, who: Auth) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    return Sandbox.model_validate(await svc.lifecycle.create(who.tenant, body))
+    return Sandbox.model_validate(await svc.create(who.tenant, body))
 
 
 @router.get("", response_model=SandboxList)

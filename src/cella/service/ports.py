@@ -1,0 +1,185 @@
+"""Ports: reaching servers that run inside a sandbox.
+
+A connection to a guest port is a stream over the agent channel (`open`), used as is by
+port forwarding and tunnels. A service URL lets a browser or an HTTP client reach a guest
+port without an API key: it carries a short-lived token, signed with this daemon's key
+(`DATA_DIR/service.key`), naming the sandbox, the port and when it expires. `http` forwards
+one HTTP request over a fresh stream and returns the guest server's response as it streams.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import h11
+
+from cella import errors
+from cella.guest.client import GuestStream
+from cella.service.registry import Registry
+
+MAX_TOKEN_SECONDS = 86400
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "host",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceToken:
+    token: str
+    sandbox_id: str
+    port: int
+    tenant: str
+    expires_at: float
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: AsyncIterator[bytes]
+
+
+class Ports:
+    def __init__(self, registry: Registry, key_file: Path) -> None:
+        self.registry = registry
+        self._key = _load_key(key_file)
+
+    async def open(self, tenant: str, sandbox_id: str, port: int) -> GuestStream:
+        """A connection to `port` on the sandbox's loopback; `GuestError` (connection
+        refused) when nothing listens there."""
+        if not 1 <= port <= 65535:
+            raise errors.InvalidArgument(f"port must be 1-65535, got {port}")
+        _, vm = self.registry.live(tenant, sandbox_id)
+        return await vm.agent.open_port(port)
+
+    # -- service tokens -----------------------------------------------------------------
+
+    def mint(self, tenant: str, sandbox_id: str, port: int, seconds: int) -> ServiceToken:
+        self.registry.get(tenant, sandbox_id)
+        if not 1 <= port <= 65535:
+            raise errors.InvalidArgument(f"port must be 1-65535, got {port}")
+        if not 1 <= seconds <= MAX_TOKEN_SECONDS:
+            raise errors.InvalidArgument(f"expiry must be 1-{MAX_TOKEN_SECONDS} seconds")
+        expires = int(time.time()) + seconds
+        claims = {"s": sandbox_id, "p": port, "t": tenant, "e": expires}
+        body = _b64(json.dumps(claims, separators=(",", ":")).encode())
+        token = f"{body}.{_b64(self._sign(body))}"
+        return ServiceToken(token, sandbox_id, port, tenant, expires)
+
+    def verify(self, token: str, sandbox_id: str, port: int) -> ServiceToken:
+        """The token's claims, if it is ours, unexpired, and for this sandbox and port."""
+        body, _, signature = token.partition(".")
+        try:
+            good = hmac.compare_digest(_unb64(signature), self._sign(body))
+            claims = json.loads(_unb64(body)) if good else {}
+        except ValueError:
+            claims = {}
+        if not claims or (claims.get("s"), claims.get("p")) != (sandbox_id, port):
+            raise errors.PermissionDenied("the service token is not valid for this port")
+        if claims["e"] < time.time():
+            raise errors.PermissionDenied("the service token has expired")
+        return ServiceToken(token, sandbox_id, port, str(claims["t"]), float(claims["e"]))
+
+    def _sign(self, body: str) -> bytes:
+        return hmac.new(self._key, body.encode(), hashlib.sha256).digest()
+
+    # -- HTTP to a guest server ----------------------------------------------------------
+
+    async def http(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        port: int,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: AsyncIterable[bytes],
+    ) -> HttpResponse:
+        """One HTTP/1.1 request to the guest server on `port`; the response streams."""
+        stream = await self.open(tenant, sandbox_id, port)
+        conn = h11.Connection(h11.CLIENT)
+        sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+        sent += [("host", f"127.0.0.1:{port}"), ("connection", "close")]
+        if not any(k.lower() == "content-length" for k, _ in sent):
+            sent.append(("transfer-encoding", "chunked"))  # a body of unknown length
+        try:
+            await stream.write(conn.send(h11.Request(method=method, target=target, headers=sent)))
+            async for chunk in body:
+                if chunk:
+                    await stream.write(conn.send(h11.Data(data=chunk)))
+            await stream.write(conn.send(h11.EndOfMessage()))
+            event = await _next_event(conn, stream)
+            if not isinstance(event, h11.Response):
+                raise errors.GuestError("the server in the sandbox sent no HTTP response")
+        except (h11.ProtocolError, ConnectionError) as exc:
+            await stream.close()
+            raise errors.GuestError(f"the server in the sandbox broke HTTP: {exc}") from None
+        response_headers = [(k.decode(), v.decode("latin-1")) for k, v in event.headers]
+        return HttpResponse(
+            event.status_code,
+            event.reason.decode("latin-1"),
+            [(k, v) for k, v in response_headers if k.lower() not in HOP_BY_HOP],
+            _body(conn, stream),
+        )
+
+
+async def _next_event(conn: h11.Connection, stream: GuestStream) -> object:
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.read())
+            continue
+        if isinstance(event, h11.InformationalResponse):
+            continue
+        return event
+
+
+async def _body(conn: h11.Connection, stream: GuestStream) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            event = await _next_event(conn, stream)
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            else:  # end of message, or the server closed the connection
+                return
+    except h11.ProtocolError:
+        return
+    finally:
+        await stream.close()
+
+
+def _load_key(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        key = os.urandom(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        return key
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
