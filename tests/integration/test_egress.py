@@ -282,7 +282,7 @@ def test_allowed_domain_via_proxy_and_transparently(client: Client, net: Net) ->
 def test_policy_is_validated(client: Client) -> None:
     from cella import errors
 
-    for bad in (["*"], ["exa mple.com"], ["a.com:0"], ["a.com:99999"], ["*.*.com"]):
+    for bad in (["**"], ["exa mple.com"], ["a.com:0"], ["a.com:99999"], ["*.*.com"]):
         with pytest.raises(errors.InvalidArgument):
             client.create(allow=bad)
     with pytest.raises(errors.InvalidArgument, match="no secret"):

@@ -16,7 +16,7 @@ PUBLIC = [ip("93.184.216.34")]
 
 @pytest.mark.parametrize(
     "text",
-    ["", "*", "*.", "exa mple.com", "a..b", "-a.com", "a.com:0", "a.com:65536", "a.com:x",
+    ["", "**", "*.", "exa mple.com", "a..b", "-a.com", "a.com:0", "a.com:65536", "a.com:x",
      "*.*.com", "a*.com", "[::1", "x" * 301],
 )  # fmt: skip
 def test_bad_rules_are_refused_with_a_reason(text: str) -> None:
@@ -133,3 +133,13 @@ def test_deny_always_wins_and_nothing_is_allowed_without_a_rule(
         assert not decision.allowed
     if decision.allowed:
         assert any(r.matches_name(host, 443) for r in p.allow)
+
+
+def test_star_allows_every_name_but_not_the_hosts_own_addresses() -> None:
+    p = Policy.parse(["*"], ["evil.example"])
+    assert p.decide("pypi.org", 443, PUBLIC).allowed
+    assert not p.decide("evil.example", 443, PUBLIC).allowed  # deny wins
+    assert not p.decide("internal.example", 80, [ip("10.1.2.3")]).allowed  # non-public guard
+    assert not p.decide("93.184.216.34", 80).allowed  # raw IPs still need address rules
+    assert Policy.parse(["*:443"]).decide("pypi.org", 443, PUBLIC).allowed
+    assert not Policy.parse(["*:443"]).decide("pypi.org", 80, PUBLIC).allowed

@@ -71,8 +71,11 @@ class SecretPut(BaseModel):
     @classmethod
     def _hosts(cls, values: list[str]) -> list[str]:
         for value in values:
-            if parse_rule(value).port is not None:
+            rule = parse_rule(value)
+            if rule.port is not None:
                 raise ValueError(f"{value!r}: secrets are bound to hosts, not ports")
+            if rule.domain == "*":
+                raise ValueError("a secret is bound to named hosts, not to every host ('*')")
         return [v.strip() for v in values]
 
     @field_validator("value")

@@ -2,7 +2,8 @@
 
 A rule is `host[:port]`: an exact domain (`pypi.org`), a wildcard for its subdomains
 (`*.github.com`, which does not match `github.com` itself), an IP address or a CIDR block
-(`10.1.0.0/16`). No port means any port. Default deny; deny rules win over allow rules.
+(`10.1.0.0/16`), or `*` for every name (`*:443`: every name on one port). No port means any
+port. Default deny; deny rules win over allow rules.
 
 Names are resolved on the host, never in the guest. A name allowed by a domain rule is still
 refused when it resolves to a non-public address (loopback, private, link-local: the host's
@@ -36,6 +37,8 @@ class Rule:
     def matches_name(self, name: str, port: int) -> bool:
         if self.domain is None or not self._port_ok(port):
             return False
+        if self.domain == "*":  # every name (still subject to the non-public guard)
+            return True
         if self.wildcard:
             return name.endswith("." + self.domain)
         return name == self.domain
@@ -81,6 +84,8 @@ def parse_rule(text: str) -> Rule:
         network = None
     if network is not None:
         return Rule(text=text.strip(), network=network, port=port)
+    if host == "*":
+        return Rule(text=text.strip(), domain="*", port=port)
     wildcard = host.startswith("*.")
     domain = host[2:] if wildcard else host
     domain = domain.rstrip(".")

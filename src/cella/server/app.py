@@ -50,6 +50,9 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(keys.router)
     app.include_router(egress.router)
+    from cella.server.compat import langsmith
+
+    langsmith.install(app)
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
@@ -68,7 +71,14 @@ def error_body(code: str, message: str) -> dict[str, Any]:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.CellaError)
-    async def cella_error(_: Request, exc: errors.CellaError) -> JSONResponse:
+    async def cella_error(request: Request, exc: errors.CellaError) -> JSONResponse:
+        from cella.server.compat import langsmith
+
+        if request.url.path.startswith(langsmith.PREFIXES):  # its SDK reads its own shape
+            dataplane = "/dataplane/" in request.url.path
+            status, body = langsmith.error_response(exc, dataplane)
+            headers = {"retry-after": "0"} if status == 429 else None
+            return JSONResponse(body, status_code=status, headers=headers)
         return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)

@@ -1,0 +1,1 @@
+"""Wire-compatible front ends for third-party sandbox SDKs."""

@@ -1,0 +1,17 @@
+"""The LangSmith Sandboxes API (`langsmith.sandbox`, pinned 0.14.17), served on cella: set
+`LANGSMITH_ENDPOINT` to the daemon's URL and `LANGSMITH_API_KEY` to a cella key."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from cella.server.compat.langsmith import control, dataplane
+from cella.server.compat.langsmith.shapes import PREFIXES, error_response
+
+__all__ = ["PREFIXES", "error_response", "install"]
+
+
+def install(app: FastAPI) -> None:
+    for prefix in PREFIXES:
+        app.include_router(control.router(prefix))
+    app.include_router(dataplane.router())

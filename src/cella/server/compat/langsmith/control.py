@@ -1,0 +1,294 @@
+"""The LangSmith control plane (`/api/v2/sandboxes`, also served at `/v2/sandboxes` as the
+SDK's README writes it): boxes addressed by name, their status, start and stop, retention,
+service URLs, and snapshots with names and moving tags. Every call goes to cella's service
+rooms; nothing here runs a sandbox itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request, Response
+
+from cella import errors
+from cella.models import SandboxCreate
+from cella.server.compat.langsmith.proxy_config import network_of
+from cella.server.compat.langsmith.shapes import (
+    DEFAULT_IDLE_TTL,
+    Caller,
+    exec_defaults,
+    iso,
+    not_supported,
+    sandbox_json,
+    snapshot_json,
+)
+from cella.server.deps import Service
+from cella.service.daemon import Daemon
+from cella.service.lifecycle import UNSET
+from cella.store import SandboxRecord, SnapshotRecord
+
+Json = dict[str, Any]
+JsonBody = Annotated[dict[str, Any], Body()]
+MIB = 1 << 20
+
+
+def router(prefix: str) -> APIRouter:
+    api = APIRouter(prefix=prefix, include_in_schema=False)
+
+    def box(svc: Daemon, tenant: str, name: str) -> SandboxRecord:
+        try:
+            return svc.registry.named(tenant, name)
+        except errors.NotFound:
+            raise errors.NotFound(f"Sandbox '{name}' not found") from None
+
+    def shown(svc: Daemon, request: Request, row: SandboxRecord) -> Json:
+        return sandbox_json(row, str(request.base_url), fs_mib(svc, row.template))
+
+    # -- boxes --------------------------------------------------------------------------
+
+    @api.post("/boxes")
+    async def create_box(request: Request, svc: Service, who: Caller, body: JsonBody) -> Json:
+        spec = create_spec(svc, who.tenant, body)
+        task = asyncio.ensure_future(svc.create(who.tenant, spec))
+        if body.get("wait_for_ready", True):
+            timeout = float(body.get("timeout") or 30)
+            try:
+                row = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except TimeoutError:  # it carries on; the caller can wait for it
+                raise errors.Timeout(f"sandbox {spec.name} not ready after {timeout:g}s") from None
+            return shown(svc, request, row)
+        for _ in range(200):  # answer as soon as the sandbox exists (provisioning)
+            if task.done():
+                return shown(svc, request, task.result())
+            with contextlib.suppress(errors.NotFound):
+                return shown(svc, request, svc.registry.named(who.tenant, spec.name or ""))
+            await asyncio.sleep(0.01)
+        return shown(svc, request, await task)
+
+    @api.get("/boxes")
+    async def list_boxes(request: Request, svc: Service, who: Caller) -> Json:
+        rows = svc.registry.find(who.tenant)
+        return {"sandboxes": [shown(svc, request, r) for r in rows if r.state != "deleting"]}
+
+    @api.get("/boxes/{name}")
+    async def get_box(name: str, request: Request, svc: Service, who: Caller) -> Json:
+        return shown(svc, request, box(svc, who.tenant, name))
+
+    @api.patch("/boxes/{name}")
+    async def update_box(
+        name: str, request: Request, svc: Service, who: Caller, body: JsonBody
+    ) -> Json:
+        row = box(svc, who.tenant, name)
+        unknown = set(body) - {"name", "idle_ttl_seconds", "delete_after_stop_seconds",
+                               "proxy_config", "run_config"}  # fmt: skip
+        if unknown:
+            raise not_supported(f"updating {sorted(unknown)}")
+        if "proxy_config" in body:
+            policy = network_of(body["proxy_config"])
+            svc.egress.set_network(who.tenant, row.id, policy)
+        row = await svc.lifecycle.update(
+            who.tenant,
+            row.id,
+            name=body.get("name"),
+            idle_timeout_seconds=seconds(body["idle_ttl_seconds"])
+            if "idle_ttl_seconds" in body
+            else UNSET,
+            delete_after_stop_seconds=seconds(body["delete_after_stop_seconds"])
+            if "delete_after_stop_seconds" in body
+            else UNSET,
+            exec_defaults=exec_defaults(body["run_config"], row.exec_defaults)
+            if "run_config" in body
+            else None,
+        )
+        return shown(svc, request, row)
+
+    @api.delete("/boxes/{name}", status_code=204)
+    async def delete_box(name: str, svc: Service, who: Caller) -> Response:
+        await svc.lifecycle.delete(who.tenant, box(svc, who.tenant, name).id)
+        return Response(status_code=204)
+
+    @api.get("/boxes/{name}/status")
+    async def box_status(name: str, request: Request, svc: Service, who: Caller) -> Json:
+        view = shown(svc, request, box(svc, who.tenant, name))
+        return {"status": view["status"], "status_message": view["status_message"]}
+
+    @api.post("/boxes/{name}/start")
+    async def start_box(name: str, svc: Service, who: Caller) -> Json:
+        row = box(svc, who.tenant, name)
+        # booting takes seconds: the SDK polls /status for it
+        background(svc.lifecycle.resume(who.tenant, row.id))
+        return {"status": "provisioning"}
+
+    @api.post("/boxes/{name}/stop")
+    async def stop_box(name: str, svc: Service, who: Caller) -> Json:
+        row = box(svc, who.tenant, name)
+        background(svc.lifecycle.stop(who.tenant, row.id))
+        return {"status": "stopped"}
+
+    @api.post("/boxes/{name}/service-url")
+    async def service_url(
+        name: str, request: Request, svc: Service, who: Caller, body: JsonBody
+    ) -> Json:
+        row = box(svc, who.tenant, name)
+        if body.get("access"):
+            raise not_supported(f"login-mode service URLs (access={body['access']!r})")
+        token = svc.ports.mint(
+            who.tenant,
+            row.id,
+            int(body.get("port") or 0),
+            int(body.get("expires_in_seconds") or 600),
+        )
+        url = str(request.base_url).rstrip("/") + f"/v1/services/{row.id}/{token.port}"
+        return {
+            "service_url": url,
+            "browser_url": f"{url}/?cella_token={token.token}",
+            "token": token.token,
+            "expires_at": iso(token.expires_at),
+            "embed_url": "",
+            "embed_origins": [],
+        }
+
+    @api.post("/boxes/{name}/download-url")
+    async def download_url(name: str, svc: Service, who: Caller) -> Json:
+        box(svc, who.tenant, name)
+        raise not_supported("pre-signed download URLs; read the file through the data plane")
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    @api.post("/boxes/{name}/snapshot")
+    async def capture(name: str, svc: Service, who: Caller, body: JsonBody) -> Json:
+        row = box(svc, who.tenant, name)
+        if body.get("docker_image"):
+            raise not_supported("exporting a Docker image from inside a sandbox")
+        if not body.get("name"):
+            raise errors.InvalidArgument("a snapshot needs a name")
+        snap = await svc.snapshots.snapshot(
+            who.tenant, row.id, str(body["name"]), str(body.get("tag") or "latest")
+        )
+        return snapshot_view(svc, who.tenant, snap)
+
+    @api.post("/snapshots")
+    async def create_snapshot(svc: Service, who: Caller, body: JsonBody) -> Json:
+        raise not_supported(
+            f"building a snapshot from the image {body.get('docker_image')!r}: cella makes "
+            "templates from images with `cella template build --from-image` once image "
+            "import lands; capture a running sandbox instead"
+        )
+
+    @api.get("/snapshots")
+    async def list_snapshots(
+        svc: Service,
+        who: Caller,
+        name_contains: str | None = None,
+        limit: int = Query(default=50, ge=1, le=500),
+        offset: int = Query(default=0, ge=0),
+    ) -> Json:
+        rows = [s for s in svc.snapshots.find(who.tenant) if s.state != "deleted"]
+        if name_contains:
+            rows = [s for s in rows if name_contains.lower() in s.name.lower()]
+        page = rows[offset : offset + limit]
+        return {
+            "snapshots": [snapshot_view(svc, who.tenant, s) for s in page],
+            "offset": offset,
+        }
+
+    @api.get("/snapshots/{ref:path}")
+    async def get_snapshot(ref: str, svc: Service, who: Caller) -> Json:
+        try:
+            snap = svc.snapshots.resolve(who.tenant, ref)
+        except errors.NotFound:
+            raise errors.NotFound(f"Snapshot '{ref}' not found") from None
+        return snapshot_view(svc, who.tenant, snap)
+
+    @api.get("/snapshots-by-name/{name:path}")
+    async def snapshot_tags(name: str, svc: Service, who: Caller) -> Json:
+        if ":" in name:
+            raise errors.InvalidArgument("a snapshot name has no tag (drop ':tag')")
+        tags = svc.snapshots.tags(who.tenant, name)
+        return {"name": name, "tags": [{"tag": t, "snapshot_id": sid} for t, sid in tags]}
+
+    @api.delete("/snapshots/{ref:path}", status_code=204)
+    async def delete_snapshot(ref: str, svc: Service, who: Caller) -> Response:
+        snap = svc.snapshots.resolve(who.tenant, ref)
+        await svc.snapshots.delete(who.tenant, snap.id)
+        return Response(status_code=204)
+
+    return api
+
+
+def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
+    """A LangSmith box create as a cella sandbox create; what cella cannot honour is refused."""
+    for unsupported in ("mount_config", "access_delegation"):
+        if body.get(unsupported):
+            raise not_supported(unsupported)
+    snapshot = body.get("snapshot_id") or body.get("snapshot") or body.get("snapshot_name")
+    spec: Json = {
+        "name": body.get("name") or f"sandbox-{secrets.token_hex(4)}",
+        "idle_timeout_seconds": seconds(body.get("idle_ttl_seconds", DEFAULT_IDLE_TTL)),
+        "idle_action": "stop",
+        "delete_after_stop_seconds": seconds(body.get("delete_after_stop_seconds")),
+        "exec_defaults": exec_defaults(body.get("run_config")),
+    }
+    if body.get("proxy_config") is not None:
+        spec["network"] = network_of(body["proxy_config"])
+    if snapshot:
+        snap = svc.snapshots.resolve(tenant, str(snapshot))
+        spec["snapshot"] = snap.id
+        for field, have in (("vcpus", snap.vcpus), ("mem_bytes", snap.memory_mib * MIB)):
+            if body.get(field) is not None and int(body[field]) != have:
+                raise errors.InvalidArgument(
+                    f"{field}: a sandbox booted from a snapshot has the snapshot's ({have})"
+                )
+    else:
+        if body.get("vcpus") is not None:
+            spec["vcpus"] = int(body["vcpus"])
+        if body.get("mem_bytes") is not None:
+            spec["memory_mib"] = max(128, math.ceil(int(body["mem_bytes"]) / MIB))
+    if body.get("fs_capacity_bytes") is not None:
+        wanted = math.ceil(int(body["fs_capacity_bytes"]) / MIB)
+        if wanted > fs_mib(svc, "default"):
+            spec["disk_mib"] = wanted
+    try:
+        return SandboxCreate.model_validate(spec)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+
+
+def seconds(value: Any) -> int | None:
+    """LangSmith's retention seconds: 0 (or none) is "never"."""
+    if value is None:
+        return None
+    number = int(value)
+    if number < 0:
+        raise errors.InvalidArgument("seconds must be 0 or more")
+    return number or None
+
+
+def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
+    return snapshot_json(snap, svc.snapshots.tags_of(tenant, snap.id), fs_mib(svc, snap.template))
+
+
+def fs_mib(svc: Daemon, template: str) -> int:
+    with contextlib.suppress(errors.CellaError):
+        return svc.driver.template_disk_mib(template)
+    return 0
+
+
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+def background(coro: Any) -> None:
+    """Start and stop run on after the answer (the SDK polls); their errors land in the
+    sandbox's state, not in a request."""
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)
+    task.add_done_callback(_finished)
+
+
+def _finished(task: asyncio.Task[Any]) -> None:
+    _tasks.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: its outcome is in the sandbox's state

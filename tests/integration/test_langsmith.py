@@ -1,0 +1,313 @@
+"""The official LangSmith SDK (`langsmith==0.14.17`, unchanged) driving a real cella daemon:
+every section of its sandbox README that cella serves, sync and async, on real microVMs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from langsmith.sandbox import (
+    AsyncSandboxClient,
+    CommandTimeoutError,
+    QuotaExceededError,
+    ResourceNotFoundError,
+    Sandbox,
+    SandboxClient,
+    SandboxClientError,
+    SandboxOperationError,
+    ValidationError,
+)
+
+from tests.daemon import Daemon, running_daemon
+from tests.netservers import EchoHandler, Servers, free_loopback_block
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def web() -> Iterator[dict[str, object]]:
+    prefix = free_loopback_block()
+    servers = Servers()
+    seen = servers.start(EchoHandler, (f"{prefix}.1", 80))
+    servers.start(EchoHandler, (f"{prefix}.2", 80))
+    yield {"web": f"{prefix}.1", "other": f"{prefix}.2", "seen": seen}
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def ls_daemon(tmp_path_factory: pytest.TempPathFactory, web: dict[str, str]) -> Iterator[Daemon]:
+    hosts = {"web.test": web["web"], "other.test": web["other"]}
+    with running_daemon(
+        tmp_path_factory.mktemp("langsmith"),
+        pool_size="1",
+        egress_hosts=json.dumps(hosts),
+        max_sandboxes_per_tenant="6",
+    ) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def client(ls_daemon: Daemon) -> Iterator[SandboxClient]:
+    c = SandboxClient(api_endpoint=f"{ls_daemon.url}/api/v2/sandboxes", api_key=ls_daemon.admin_key)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def sb(client: SandboxClient) -> Iterator[Sandbox]:
+    with client.sandbox(name="shared") as box:
+        yield box
+
+
+def test_the_two_environment_variables_are_all_it_takes(ls_daemon: Daemon) -> None:
+    script = (
+        "from langsmith.sandbox import SandboxClient\n"
+        "with SandboxClient().sandbox() as sb:\n"
+        "    r = sb.run(\"python -c 'print(1+1)'\")\n"
+        "    print(r.stdout.strip(), r.exit_code, sb.name.startswith('sandbox-'))\n"
+    )
+    env = {
+        **os.environ,
+        "LANGSMITH_ENDPOINT": ls_daemon.url,
+        "LANGSMITH_API_KEY": ls_daemon.admin_key,
+    }
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "0", "True"]
+
+
+def test_run_streams_output_with_callbacks(sb: Sandbox) -> None:
+    seen: list[tuple[str, str]] = []
+    result = sb.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.1; done; exit 4",
+        on_stdout=lambda s: seen.append(("out", s)),
+        on_stderr=lambda s: seen.append(("err", s)),
+    )
+    assert result.exit_code == 4 and not result.success
+    assert result.stdout == "out1\nout2\nout3\n" and result.stderr == "err1\nerr2\nerr3\n"
+    assert "".join(s for k, s in seen if k == "out") == result.stdout
+    # non-UTF-8 bytes keep the offsets exact
+    odd = sb.run("printf 'a\\377b\\303'; printf '\\251z'")
+    assert odd.stdout == "a?b\u00e9z"
+
+
+def test_handles_stdin_kill_and_reconnect(sb: Sandbox) -> None:
+    handle = sb.run("read line; echo got:$line", wait=False, close_input=False)
+    assert handle.command_id and handle.pid
+    handle.send_input("hello\n")
+    assert handle.result.stdout == "got:hello\n"
+
+    slow = sb.run("for i in $(seq 1 30); do echo tick$i; sleep 0.1; done", wait=False)
+    first = next(iter(slow))
+    assert first.data.startswith("tick1")
+    # a second client attaches by id and gets everything from the start
+    again = sb.reconnect(slow.command_id)
+    assert again.result.stdout == "".join(f"tick{i}\n" for i in range(1, 31))
+
+    forever = sb.run("sleep 3600", timeout=0, wait=False)
+    forever.kill()
+    gone = sb.run(f"sleep 1; ps -p {forever.pid} >/dev/null && echo alive || echo gone")
+    assert gone.stdout == "gone\n"
+
+
+def test_timeouts_and_pty(sb: Sandbox) -> None:
+    with pytest.raises(CommandTimeoutError):
+        sb.run("sleep 30", timeout=2)
+    assert sb.run("sleep 1; echo done", timeout=0).stdout == "done\n"
+    repl = sb.run("python3 -i -q", pty=True, wait=False)
+    out: list[str] = []
+
+    def reader() -> None:
+        for chunk in repl:
+            out.append(chunk.data)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    repl.send_input("print(6 * 7)\n")
+    for _ in range(100):
+        if "42" in "".join(out):
+            break
+        time.sleep(0.05)
+    repl.send_input("exit()\n")
+    thread.join(10)
+    assert "42" in "".join(out)
+    assert sb.run("tty", pty=True).stdout.startswith("/dev/pts/")
+
+
+def test_files(sb: Sandbox) -> None:
+    sb.write("/app/deep/script.py", "print('from a file')\n")
+    assert sb.run("python /app/deep/script.py").stdout == "from a file\n"
+    blob = bytes(range(256)) * 64
+    sb.write("/app/blob.bin", blob)
+    assert sb.read("/app/blob.bin") == blob
+    stat = sb.stat("/app/blob.bin")
+    assert stat.size_bytes == len(blob) and stat.etag
+    part = sb.read_range("/app/blob.bin", start=10, end=19)
+    assert part.content == blob[10:20] and part.partial and part.total_bytes == len(blob)
+    tail = sb.read_range("/app/blob.bin", suffix_bytes=5)
+    assert tail.content == blob[-5:]
+    assert sb.read_range("/app/blob.bin", start=0, if_none_match=stat.etag).unchanged
+    sb.write("notes.txt", "relative to home\n")
+    assert sb.read("/root/notes.txt") == b"relative to home\n"
+    assert [m.path for m in sb.glob("**/*.py", "/app").matches] == ["/app/deep/script.py"]
+    assert {m.path for m in sb.ls("/app").matches} == {"/app/deep", "/app/blob.bin"}
+    hits = sb.grep("from a", "/app", glob="*.py").matches
+    assert [(h.path, h.line) for h in hits] == [("/app/deep/script.py", 1)]
+    with pytest.raises(ResourceNotFoundError):
+        sb.read("/no/such/file")
+
+
+SERVER = "cd /srv && nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &"
+
+
+def test_tunnels_and_service_urls(sb: Sandbox) -> None:
+    sb.write("/srv/index.txt", "served from the guest\n")
+    sb.run(SERVER)
+    wait = "(echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && break; sleep 0.1"
+    sb.run(f"for i in $(seq 100); do {wait}; done")
+    with sb.tunnel(remote_port=8000, local_port=0) as tunnel:
+        for _ in range(3):
+            got = httpx.get(f"http://127.0.0.1:{tunnel.local_port}/index.txt", timeout=30)
+            assert got.text == "served from the guest\n"
+        big = "x" * (1 << 20)
+        sb.write("/srv/big.txt", big)
+        assert httpx.get(f"http://127.0.0.1:{tunnel.local_port}/big.txt", timeout=60).text == big
+    service = sb.service(port=8000, expires_in_seconds=120)
+    assert service.get("/index.txt").text == "served from the guest\n"
+    assert httpx.get(f"{service.service_url}/index.txt").status_code == 403  # no token
+
+
+def test_start_stop_keeps_files(client: SandboxClient) -> None:
+    with client.sandbox(name="my-vm") as box:
+        box.run("echo hello > /tmp/state.txt")
+        box.stop()
+        assert client.get_sandbox("my-vm").status == "stopped"
+        box.start(timeout=120)
+        assert box.run("cat /tmp/state.txt").stdout == "hello\n"
+
+
+def test_snapshots_with_moving_tags(client: SandboxClient) -> None:
+    with client.sandbox(name="setup-box") as box:
+        box.write("/opt/config.yaml", "model: small\n")
+        first = box.capture_snapshot("my-env")
+        assert first.status == "ready" and first.source_sandbox_id and "latest" in first.tags
+        box.write("/opt/config.yaml", "model: large\n")
+        second = client.capture_snapshot("setup-box", "my-env", tag="v2")
+        assert "v2" in second.tags
+    tags = {t.tag: t.snapshot_id for t in client.list_snapshot_tags("my-env")}
+    assert tags == {"latest": first.id, "v2": second.id}
+    assert client.get_snapshot("my-env:v2").id == second.id
+    assert client.get_snapshot("my-env").id == first.id
+    assert [s.id for s in client.list_snapshots(name_contains="MY-ENV", limit=1)] == [first.id]
+    with client.sandbox(snapshot="my-env:v2", name="from-v2") as booted:
+        assert booted.read("/opt/config.yaml") == b"model: large\n"
+    with client.sandbox(snapshot_id=first.id) as booted:
+        assert booted.read("/opt/config.yaml") == b"model: small\n"
+    client.delete_snapshot(second.id)
+    assert [t.tag for t in client.list_snapshot_tags("my-env")] == ["latest"]
+    with pytest.raises(ResourceNotFoundError):
+        client.get_snapshot(second.id)
+    with pytest.raises(SandboxClientError, match="not supported"):
+        client.create_snapshot("pg", docker_image="postgres:16", fs_capacity_bytes=1 << 30)
+
+
+def test_retention_and_updates(client: SandboxClient) -> None:
+    box = client.create_sandbox(name="kept", idle_ttl_seconds=300, delete_after_stop_seconds=3600)
+    try:
+        assert (box.idle_ttl_seconds, box.delete_after_stop_seconds) == (300, 3600)
+        box = client.update_sandbox("kept", new_name="kept2", idle_ttl_seconds=1800)
+        assert (box.name, box.idle_ttl_seconds) == ("kept2", 1800)
+        box = client.update_sandbox("kept2", idle_ttl_seconds=0, delete_after_stop_seconds=0)
+        assert (box.idle_ttl_seconds, box.delete_after_stop_seconds) == (0, 0)
+        assert "kept2" in [s.name for s in client.list_sandboxes()]
+    finally:
+        client.delete_sandbox("kept2")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_sandbox("kept2")
+
+
+def test_not_ready_yet_then_waited_for(client: SandboxClient) -> None:
+    box = client.create_sandbox(name="later", wait_for_ready=False)
+    assert box.status in ("provisioning", "ready")
+    ready = client.wait_for_sandbox("later", timeout=60)
+    assert ready.status == "ready" and ready.run("echo up").stdout == "up\n"
+    client.delete_sandbox("later")
+
+
+def test_egress_allow_and_deny_lists(client: SandboxClient, web: dict[str, str]) -> None:
+    allow = {"access_control": {"allow_list": ["web.test"]}}
+    with client.sandbox(name="net-allow", proxy_config=allow) as box:
+        assert json.loads(box.run("curl -sS http://web.test/a").stdout)["path"] == "/a"
+        assert "denied" in box.run("curl -sS http://other.test/").stdout
+    deny = {"access_control": {"deny_list": ["other.test"]}}
+    with client.sandbox(name="net-deny", proxy_config=deny) as box:
+        assert json.loads(box.run("curl -sS http://web.test/b").stdout)["path"] == "/b"
+        assert "denied" in box.run("curl -sS http://other.test/").stdout
+    aws = {"rules": [{"name": "aws", "type": "aws", "aws": {"role_arn": "arn:x"}}]}
+    with pytest.raises(SandboxClientError, match=r"not supported.*aws"):
+        client.create_sandbox(proxy_config=aws)
+
+
+def test_errors_the_sdk_maps(client: SandboxClient) -> None:
+    with pytest.raises(ResourceNotFoundError):
+        client.get_sandbox("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.delete_sandbox("nope")
+    with pytest.raises(ValidationError):
+        client.create_sandbox(name="bad name!")
+    with pytest.raises(SandboxOperationError):
+        client.get_sandbox("shared").reconnect("no-such-command").result  # noqa: B018
+    boxes = []
+    with pytest.raises(QuotaExceededError):
+        for i in range(8):  # the tenant may hold 6
+            boxes.append(client.create_sandbox(name=f"q{i}"))
+    for box in boxes:
+        box.delete()
+
+
+def test_commands_over_sse(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANGSMITH_EXPERIMENTAL_FEATURES", "sandbox_sse_exec")
+    result = sb.run("echo over sse; printf '\\303\\251' >&2; exit 2")
+    assert (result.stdout, result.stderr, result.exit_code) == ("over sse\n", "\u00e9", 2)
+    with pytest.raises(CommandTimeoutError):
+        sb.run("sleep 30", timeout=2)
+
+
+def test_the_async_client(ls_daemon: Daemon) -> None:
+    async def main() -> tuple[str, bytes, list[str]]:
+        async with (
+            AsyncSandboxClient(
+                api_endpoint=f"{ls_daemon.url}/api/v2/sandboxes", api_key=ls_daemon.admin_key
+            ) as client,
+            await client.sandbox(name="async-box") as box,
+        ):
+            await box.write("/tmp/a.txt", "async\n")
+            data = await box.read("/tmp/a.txt")
+            result = await box.run("cat /tmp/a.txt")
+            handle = await box.run("echo 1; echo 2", wait=False)
+            chunks = [c.data async for c in handle]
+            return result.stdout, data, chunks
+
+    stdout, data, chunks = asyncio.run(main())
+    assert stdout == "async\n" and data == b"async\n" and "".join(chunks) == "1\n2\n"
+
+
+def test_files_written_by_the_sdk_land_in_the_trace(
+    client: SandboxClient, ls_daemon: Daemon, sb: Sandbox
+) -> None:
+    """The same sandbox seen through cella's own API: one service, two surfaces."""
+    from cella import Client
+
+    sb.write("/app/traced.txt", "seen\n")
+    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
+        [info] = [s for s in cella.list() if s.info.name == "shared"]
+        writes = [e.data["path"] for e in info.events(types=["file_write"])]
+        assert "/app/traced.txt" in writes
