@@ -27,7 +27,7 @@ from langsmith.sandbox import (
 )
 
 from tests.daemon import Daemon, running_daemon
-from tests.netservers import EchoHandler, Servers, free_loopback_block
+from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 
 pytestmark = pytest.mark.vm
 
@@ -311,3 +311,38 @@ def test_files_written_by_the_sdk_land_in_the_trace(
         [info] = [s for s in cella.list() if s.info.name == "shared"]
         writes = [e.data["path"] for e in info.events(types=["file_write"])]
         assert "/app/traced.txt" in writes
+
+
+def test_header_injection_with_secrets_the_guest_never_sees(
+    client: SandboxClient, ls_daemon: Daemon, web: dict[str, object]
+) -> None:
+    from cella import Client
+
+    token = "ghp_s3cretTOKEN_5e1d"
+    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
+        cella.put_secret("GH_TOKEN", token, ["web.test"])  # a workspace secret
+    rule = {
+        "name": "gh",
+        "match_hosts": ["web.test"],
+        "headers": [
+            {"name": "Authorization", "type": "workspace_secret", "value": "Bearer {GH_TOKEN}"},
+            {"name": "X-Opaque", "type": "opaque", "value": "op-4ac1-secret-value"},
+            {"name": "X-Team", "type": "plaintext", "value": "agents"},
+        ],
+    }
+    config = {"rules": [rule], "access_control": {"allow_list": ["web.test", "other.test"]}}
+    seen = web["seen"]
+    assert isinstance(seen, Recorder)
+    with client.sandbox(name="creds", proxy_config=config) as box:
+        before = len(seen.requests)
+        out = box.run("curl -sS -H 'Authorization: a guess' http://web.test/h").stdout
+        got = seen.requests[before]["headers"]
+        assert got["authorization"] == f"Bearer {token}"
+        assert got["x-opaque"] == "op-4ac1-secret-value" and got["x-team"] == "agents"
+        # the server echoed them; the guest reads them redacted, and has them nowhere
+        assert token not in out and "op-4ac1-secret-value" not in out
+        assert "[secret:GH_TOKEN]" in out
+        where = box.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; true").stdout
+        assert token not in where
+        other = box.run("curl -sS http://other.test/o").stdout  # other hosts get nothing
+        assert "authorization" not in json.loads(other)["headers"]

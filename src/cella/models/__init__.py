@@ -13,6 +13,7 @@ from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
 from cella.models.network import (
     EgressDecision,
     EgressLog,
+    HeaderRule,
     NetworkPolicy,
     Secret,
     SecretList,
@@ -52,6 +53,7 @@ __all__ = [
     "FileEntry",
     "ForkRequest",
     "GuestPath",
+    "HeaderRule",
     "KeyCreate",
     "KeyCreated",
     "KeyInfo",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Literal
 
@@ -20,17 +21,53 @@ def _rules(values: list[str]) -> list[str]:
     return [v.strip() for v in values]
 
 
+HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
+SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
+
+
+class HeaderRule(BaseModel):
+    """A header the egress proxy sets on requests to `hosts` (whatever the sandbox sent in
+    its place). `{secret:NAME}` in the value stands for the tenant's secret NAME, which never
+    enters the sandbox; TLS to those hosts is intercepted for it."""
+
+    model_config = {"extra": "forbid"}
+
+    hosts: list[str] = Field(min_length=1, max_length=64, description="domain or *.domain rules")
+    name: str = Field(pattern=HEADER_NAME)
+    value: str = Field(max_length=8192)
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if parse_rule(value).domain in (None, "*"):
+                raise ValueError(f"{value!r}: headers are set for named hosts")
+        return [v.strip() for v in values]
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, value: str) -> str:
+        if any(c in value for c in "\r\n\0"):
+            raise ValueError("a header value cannot contain CR, LF or NUL")
+        return value
+
+    @property
+    def secrets(self) -> list[str]:
+        return SECRET_REF.findall(self.value)
+
+
 class NetworkPolicy(BaseModel):
     """Where a sandbox may connect. Default deny; deny rules win.
 
-    A rule is `host[:port]`: `pypi.org`, `*.github.com` (subdomains only), an IP or CIDR
-    (`10.1.0.0/16`); without a port it covers every port.
-    """
+    A rule is `host[:port]`: `pypi.org`, `*.github.com` (subdomains only), `*` (every name),
+    an IP or CIDR (`10.1.0.0/16`); without a port it covers every port. `headers` are set on
+    the way out (credentials from the tenant's secrets)."""
 
     model_config = {"extra": "forbid"}
 
     allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
     deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
+    headers: list[HeaderRule] = Field(default_factory=list, max_length=32)
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)

@@ -61,19 +61,40 @@ class Binding:
         return secret_forms(self.value, self.placeholder, self.user)
 
 
+@dataclass(frozen=True)
+class HeaderRule:
+    """A header set on requests to `hosts`; `secrets` are (name, value) of what it holds."""
+
+    hosts: tuple[Rule, ...]
+    name: str
+    value: str
+    secrets: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class Net:
     sandbox: str
     policy: Policy
     secrets: tuple[Binding, ...] = ()
+    headers: tuple[HeaderRule, ...] = ()
     needles: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
+        for rule in self.headers:
+            for name, value in rule.secrets:
+                found.update(secret_forms(value, f"[secret:{name}]"))
         self.needles = sorted(found.items(), key=lambda p: -len(p[0]))
 
     def bound(self, host: str) -> list[Binding]:
         return [b for b in self.secrets if host_matches(b.hosts, host)]
+
+    def header_rules(self, host: str) -> list[HeaderRule]:
+        return [r for r in self.headers if host_matches(r.hosts, host)]
+
+    def opens(self, host: str) -> bool:
+        """Whether TLS to `host` is intercepted: a secret or a header rule needs it."""
+        return bool(self.bound(host) or self.header_rules(host))
 
     def scrub(self, text: str) -> str:
         for needle, mark in self.needles:
@@ -112,7 +133,17 @@ def _net_from(msg: dict[str, Any]) -> Net:
         )
         for s in msg.get("secrets", [])
     )
-    return Net(msg["sandbox"], Policy.parse(msg.get("allow", ()), msg.get("deny", ())), bindings)
+    headers = tuple(
+        HeaderRule(
+            hosts=tuple(parse_rule(h) for h in r["hosts"]),
+            name=r["name"],
+            value=r["value"],
+            secrets=tuple((s["name"], s["value"]) for s in r.get("secrets", [])),
+        )
+        for r in msg.get("headers", [])
+    )
+    policy = Policy.parse(msg.get("allow", ()), msg.get("deny", ()))
+    return Net(msg["sandbox"], policy, bindings, headers)
 
 
 class Egress:
@@ -245,6 +276,9 @@ class Egress:
         for b in net.bound(req.host):
             if _substitute_head(req, b):
                 tally.credentials.append(b.name)
+        for rule in net.header_rules(req.host):
+            req.headers[rule.name] = rule.value  # whatever the sandbox sent in its place
+            tally.credentials.extend(name for name, _ in rule.secrets)
         if net.needles:
             # responses are searched for secrets as they stream: they must come uncompressed
             req.headers["accept-encoding"] = "identity"
@@ -334,7 +368,7 @@ class Egress:
         else:  # straight to the transparent TLS port: SNI is all there is
             host, port = hello.sni or "", 443
         net = self._net(ctx.client)
-        if host and net is not None and net.bound(host):
+        if host and net is not None and net.opens(host):
             return  # keep mitmproxy's TLS layers: requests get credentials
         ctx.server.address = (host, port)  # no SNI: "" is refused by server_connect
         ctx.server.sni = host or None

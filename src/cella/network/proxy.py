@@ -266,8 +266,10 @@ class EgressProxy:
         allow: list[str],
         deny: list[str],
         secrets: list[dict[str, Any]] | None = None,
+        headers: list[dict[str, Any]] | None = None,
     ) -> None:
-        """What the VM at `addr` may reach; takes effect for its next connection."""
+        """What the VM at `addr` may reach, with which credentials; takes effect for its next
+        connection."""
         self.addresses.claim(addr)
         msg = {
             "op": "set",
@@ -276,6 +278,7 @@ class EgressProxy:
             "allow": allow,
             "deny": deny,
             "secrets": secrets or [],
+            "headers": headers or [],
         }
         self._state[addr] = msg
         self._send(msg)

@@ -9,7 +9,7 @@ from typing import Any
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
-from cella.models import encode_data
+from cella.models import HeaderRule, encode_data
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -68,3 +68,14 @@ def exec_body(
 
 def create_body(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def network_body(
+    allow: list[str] | None, deny: list[str] | None, headers: list[HeaderRule] | None
+) -> dict[str, Any]:
+    """Egress rules as the daemon takes them (it validates them, and says what is wrong)."""
+    return {
+        "allow": allow or [],
+        "deny": deny or [],
+        "headers": [h.model_dump() for h in headers or []],
+    }

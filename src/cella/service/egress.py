@@ -95,7 +95,12 @@ class SandboxEgress:
             addr = self._addresses[vm] = self.proxy.addresses.allocate()
             vm.exit_hooks.append(lambda: self._release(vm))
         self.proxy.set(
-            addr, row.id, list(row.network.allow), list(row.network.deny), self._bindings(row)
+            addr,
+            row.id,
+            list(row.network.allow),
+            list(row.network.deny),
+            self._bindings(row),
+            self._headers(row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -172,9 +177,37 @@ class SandboxEgress:
             )
         return out
 
+    def _headers(self, row: SandboxRecord) -> list[dict[str, Any]]:
+        """Header rules with their secrets filled in (a rule whose secret is gone is not
+        applied: sending half a credential is worse than none)."""
+        out = []
+        for rule in row.network.headers:
+            value, used = rule.value, []
+            for name in rule.secrets:
+                secret = self.store.get_secret(row.tenant, name)
+                if secret is None:
+                    break
+                value = value.replace(f"{{secret:{name}}}", secret.value)
+                used.append({"name": name, "value": secret.value})
+            else:
+                rendered = {"hosts": rule.hosts, "name": rule.name, "value": value}
+                out.append({**rendered, "secrets": used})
+        return out
+
+    def check_headers(self, tenant: str, policy: NetworkPolicy) -> None:
+        """Every secret a header rule names must exist."""
+        for rule in policy.headers:
+            for name in rule.secrets:
+                if self.store.get_secret(tenant, name) is None:
+                    raise errors.InvalidArgument(f"no secret {name!r} (header {rule.name})")
+
+    def intercepts(self, row: SandboxRecord) -> bool:
+        """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
+        return bool(row.secrets or row.network.headers)
+
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
-        if row.secrets:
+        if self.intercepts(row):
             env |= CA_ENV
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
@@ -227,7 +260,11 @@ class SandboxEgress:
         self.events.secrets_changed(tenant)
         for sandbox_id, vm in self.registry.vms().items():
             row = self.store.get_sandbox(sandbox_id)
-            if row and row.tenant == tenant and any(r.secret == name for r in row.secrets.values()):
+            uses = row is not None and (
+                any(r.secret == name for r in row.secrets.values())
+                or any(name in h.secrets for h in row.network.headers)
+            )
+            if row is not None and row.tenant == tenant and uses:
                 self.attach(vm, row)
         return self.get_secret(tenant, name)
 
@@ -238,14 +275,19 @@ class SandboxEgress:
 
     # -- policy and log -------------------------------------------------------------------
 
-    def set_network(self, tenant: str, sandbox_id: str, policy: NetworkPolicy) -> SandboxRecord:
+    async def set_network(
+        self, tenant: str, sandbox_id: str, policy: NetworkPolicy
+    ) -> SandboxRecord:
         """Changes where a sandbox may connect; a running one gets it for its next
         connection."""
         self.registry.get(tenant, sandbox_id)
+        self.check_headers(tenant, policy)
         self.registry.update(sandbox_id, network=policy)
         row = self.registry.get(tenant, sandbox_id)
         vm = self.registry.vm(sandbox_id)
         if vm is not None:
+            if self.intercepts(row):
+                await self.trust_ca(vm)
             self.attach(vm, row)
         self.events.emit(sandbox_id, "network_changed", policy.model_dump())
         return row

@@ -119,6 +119,7 @@ class Lifecycle:
             raise errors.InvalidArgument(f"disk_mib must be at least the template's {base_mib} MiB")
         shape = Shape(req.template, req.vcpus, req.memory_mib)
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
+        self.egress.check_headers(tenant, req.network)
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
@@ -129,8 +130,6 @@ class Lifecycle:
             try:
                 if vm is None:  # the pool is empty: restore, never cold-boot
                     vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
-                if secret_refs:  # only then is any of its TLS intercepted
-                    await self.egress.trust_ca(vm)
                 await self.ready(vm, row)
                 if req.disk_mib is not None:
                     await vm.grow_disk(req.disk_mib)
@@ -160,6 +159,8 @@ class Lifecycle:
     async def ready(self, vm: VM, row: SandboxRecord) -> None:
         """A restored guest is a copy: it gets the sandbox's egress, and its own name,
         clock, entropy and process limit."""
+        if self.egress.intercepts(row) and not self._trusted_before(row):
+            await self.egress.trust_ca(vm)  # only then is any of its TLS opened
         self.egress.attach(vm, row)
         await vm.agent.set_identity(
             hostname=row.id,
@@ -168,6 +169,11 @@ class Lifecycle:
             sandbox_id=row.id,
             pids_max=row.max_pids or self.settings.default_max_pids,
         )
+
+    def _trusted_before(self, row: SandboxRecord) -> bool:
+        """A fork's guest is its parent's copy: it trusts the CA if the parent did."""
+        parent = self.registry.store.get_sandbox(row.parent_id) if row.parent_id else None
+        return parent is not None and self.egress.intercepts(parent)
 
     def running(self, sandbox_id: str, vm: VM) -> None:
         self.registry.track(sandbox_id, vm)

@@ -15,10 +15,12 @@ import httpx2
 from cella.models import (
     EgressDecision,
     Event,
+    ExecDefaults,
     ExecEvent,
     ExecResult,
     ExposedPort,
     FileEntry,
+    HeaderRule,
     LineageNode,
     SandboxUsage,
     Secret,
@@ -29,6 +31,7 @@ from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     create_body,
     exec_body,
+    network_body,
     raise_for,
     resolve,
 )
@@ -93,15 +96,28 @@ class Client:
         allow: builtins.list[str] | None = None,
         deny: builtins.list[str] | None = None,
         secrets: dict[str, str] | None = None,
+        headers: builtins.list[HeaderRule] | None = None,
+        name: str | None = None,
+        snapshot: str | None = None,
+        exec_defaults: ExecDefaults | None = None,
+        delete_after_stop_seconds: int | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
         Egress is denied unless `allow` rules (`pypi.org`, `*.github.com`, `10.0.0.0/8`,
-        `host:port`) permit it; `deny` rules win. `secrets` maps environment variables to
-        stored secrets: the sandbox sees placeholders the egress proxy replaces.
+        `host:port`, `*`) permit it; `deny` rules win. `secrets` maps environment variables to
+        stored secrets: the sandbox sees placeholders the egress proxy replaces; `headers`
+        are set by the proxy on requests to their hosts (`{secret:NAME}` in a value is the
+        secret's value, which never enters the sandbox). `snapshot` (an id, `name:tag` or a
+        name) starts it from a snapshot instead of the template; `exec_defaults` are the
+        user, cwd and env every command runs with unless it says otherwise.
         """
-        network = {"allow": allow or [], "deny": deny or []} if allow or deny else None
+        network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
+            name=name,
+            snapshot=snapshot,
+            exec_defaults=exec_defaults.model_dump() if exec_defaults else None,
+            delete_after_stop_seconds=delete_after_stop_seconds,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -394,10 +410,13 @@ class Sandbox:
         return SandboxUsage.model_validate(response.json())
 
     def set_network(
-        self, allow: builtins.list[str] | None = None, deny: builtins.list[str] | None = None
+        self,
+        allow: builtins.list[str] | None = None,
+        deny: builtins.list[str] | None = None,
+        headers: builtins.list[HeaderRule] | None = None,
     ) -> Sandbox:
         """Replaces the egress rules; a running sandbox's next connection follows them."""
-        body = {"allow": allow or [], "deny": deny or []}
+        body = network_body(allow, deny, headers)
         response = self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

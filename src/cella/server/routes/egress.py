@@ -25,7 +25,7 @@ SecretName = Annotated[str, Path(pattern=SECRET_NAME, description="secret name")
 @router.put("/v1/sandboxes/{sandbox_id}/network", response_model=Sandbox)
 async def set_network(sandbox_id: str, body: NetworkPolicy, svc: Service, who: Auth) -> Sandbox:
     """Replaces the sandbox's egress rules; a running sandbox's next connection uses them."""
-    return Sandbox.model_validate(svc.egress.set_network(who.tenant, sandbox_id, body))
+    return Sandbox.model_validate(await svc.egress.set_network(who.tenant, sandbox_id, body))
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/egress", response_model=EgressLog)

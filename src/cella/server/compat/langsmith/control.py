@@ -87,8 +87,8 @@ def router(prefix: str) -> APIRouter:
         if unknown:
             raise not_supported(f"updating {sorted(unknown)}")
         if "proxy_config" in body:
-            policy = network_of(body["proxy_config"])
-            svc.egress.set_network(who.tenant, row.id, policy)
+            policy = network_of(body["proxy_config"], svc, who.tenant)
+            await svc.egress.set_network(who.tenant, row.id, policy)
         row = await svc.lifecycle.update(
             who.tenant,
             row.id,
@@ -233,7 +233,7 @@ def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
         "exec_defaults": exec_defaults(body.get("run_config")),
     }
     if body.get("proxy_config") is not None:
-        spec["network"] = network_of(body["proxy_config"])
+        spec["network"] = network_of(body["proxy_config"], svc, tenant)
     if snapshot:
         snap = svc.snapshots.resolve(tenant, str(snapshot))
         spec["snapshot"] = snap.id
