@@ -1,5 +1,6 @@
 """`cella sandbox port-forward`: a local listener whose connections each travel over a
-WebSocket to the daemon, which carries them to the port inside the sandbox."""
+WebSocket to the daemon, which carries them to the port inside the sandbox. An empty
+message ends one direction, so half-closed connections behave as over plain TCP."""
 
 from __future__ import annotations
 
@@ -27,19 +28,21 @@ async def forward(
                 async def up() -> None:
                     while data := await reader.read(64 << 10):
                         await ws.send(data)
-                    await ws.close()
+                    await ws.send(b"")  # our end of this direction
 
                 async def down() -> None:
-                    with contextlib.suppress(ConnectionClosed):
-                        async for message in ws:
-                            writer.write(
-                                message if isinstance(message, bytes) else message.encode()
-                            )
-                            await writer.drain()
+                    async for message in ws:
+                        if not message:  # the guest's end of this direction
+                            if writer.can_write_eof():
+                                writer.write_eof()
+                            return
+                        writer.write(message if isinstance(message, bytes) else message.encode())
+                        await writer.drain()
 
-                await asyncio.gather(up(), down())
-        except (OSError, ConnectionClosed) as exc:
-            console.print(f"[yellow]connection to port {remote_port} ended: {exc}[/yellow]")
+                with contextlib.suppress(ConnectionClosed):
+                    await asyncio.gather(up(), down())
+        except OSError as exc:
+            console.print(f"[yellow]connection to port {remote_port} failed: {exc}[/yellow]")
         finally:
             writer.close()
 

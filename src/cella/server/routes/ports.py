@@ -6,7 +6,8 @@
   `X-Langsmith-Sandbox-Service-Token`), in a cookie, or once in the URL (`?cella_token=`:
   a browser gets the cookie and the same URL without it).
 - `WS /v1/sandboxes/{id}/ports/{port}/connect` carries one raw TCP connection (API key
-  auth): what `cella sandbox port-forward` uses.
+  auth) as binary messages; an empty message is the end of one direction (a TCP half
+  close): what `cella sandbox port-forward` uses.
 """
 
 from __future__ import annotations
@@ -140,24 +141,27 @@ async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
 
 
 async def pipe(ws: WebSocket, stream: GuestStream) -> None:
-    """Bytes both ways between a WebSocket and a guest stream, until either end closes."""
+    """Bytes both ways between a WebSocket and a guest stream; an empty message ends one
+    direction. Done when both directions have ended, or either side goes away."""
 
     async def up() -> None:
-        with contextlib.suppress(WebSocketDisconnect):
-            while True:
-                data = await ws.receive_bytes()
-                await stream.write(data)
+        while data := await ws.receive_bytes():
+            await stream.write(data)
         await stream.write_eof()
 
     async def down() -> None:
         while data := await stream.read():
             await ws.send_bytes(data)
-        with contextlib.suppress(RuntimeError):
-            await ws.close()
+        await ws.send_bytes(b"")
 
     tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if all(t.done() and not t.exception() for t in tasks):
+            with contextlib.suppress(RuntimeError):
+                await ws.close()
+    except WebSocketDisconnect:
+        pass
     finally:
         for task in tasks:
             task.cancel()
