@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 from langsmith.sandbox import _yamux as sdk_yamux
@@ -33,6 +34,7 @@ from cella.server.compat.langsmith.yamux import (
 )
 
 Frame = tuple[int, int, int, int, bytes]  # type, flags, stream id, length, payload
+T = TypeVar("T")
 
 
 def frame(
@@ -65,6 +67,32 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.005)
+
+
+def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run blocking SDK code on a daemon thread (unlike asyncio.to_thread, a thread stuck after
+    a failure can't hang the test run's exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle_fut(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            loop.call_soon_threadsafe(settle_fut, False, e)
+        else:
+            loop.call_soon_threadsafe(settle_fut, True, result)
+
+    threading.Thread(target=run, daemon=True).start()
+    return fut
 
 
 # -- the SDK's client against our server -------------------------------------------------------
@@ -164,7 +192,7 @@ async def test_sdk_client_round_trips_3_mib_on_3_concurrent_streams() -> None:
     tunnel = Tunnel(tunnel_handler)
     payloads = [os.urandom(3 << 20) for _ in range(3)]
     results = await asyncio.wait_for(
-        asyncio.gather(*(asyncio.to_thread(client_echo, tunnel.client, p) for p in payloads)), 60
+        asyncio.gather(*(in_thread(client_echo, tunnel.client, p) for p in payloads)), 60
     )
     for sent, got in zip(payloads, results, strict=True):
         assert got == sent
@@ -197,7 +225,7 @@ async def test_sdk_client_sees_fin_and_can_still_write() -> None:
         stream.close()
         return bytes(got)
 
-    assert await asyncio.wait_for(asyncio.to_thread(client), 10) == b"hello"
+    assert await asyncio.wait_for(in_thread(client), 10) == b"hello"
     await until(lambda: after_fin == [b"after"])
     await tunnel.aclose()
 
@@ -381,11 +409,11 @@ async def test_late_frames_for_a_finished_stream() -> None:
 async def test_streams_beyond_max_are_reset() -> None:
     release = asyncio.Event()
     peer = Peer(blocked(release), max_streams=2)
-    for sid in (1, 3, 5):
+    for sid in (3, 1, 5):  # the SDK's concurrent opens may send SYNs out of order
         await peer.session.feed(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, sid))
     assert peer.take() == [
-        (TYPE_WINDOW_UPDATE, FLAG_ACK, 1, 0, b""),
         (TYPE_WINDOW_UPDATE, FLAG_ACK, 3, 0, b""),
+        (TYPE_WINDOW_UPDATE, FLAG_ACK, 1, 0, b""),
         (TYPE_WINDOW_UPDATE, FLAG_RST, 5, 0, b""),
     ]
     release.set()  # handlers return: room again

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,10 @@ class YamuxSession:
         self._max_streams = max_streams
         self._streams: dict[int, YamuxStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._max_seen_id = 0  # highest stream id the client has opened
+        # Ids of streams lately closed (or refused), so that the frames still in flight for
+        # them are dropped quietly; bounded.
+        self._recently_closed: OrderedDict[int, None] = OrderedDict()
+        self._recently_closed_max = max(1024, 4 * max_streams)
         self._inbuf = bytearray()
         self._feed_lock = asyncio.Lock()
         self._send_lock = asyncio.Lock()
@@ -244,7 +248,7 @@ class YamuxSession:
             # data there, or anything on a stream never opened, gets RST.
             if flags & (FLAG_RST | FLAG_FIN):
                 return
-            if stream_id <= self._max_seen_id and stream_id % 2 == 1 and not payload:
+            if stream_id in self._recently_closed and not payload:
                 return
             await self._send_frame(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
             return
@@ -276,15 +280,14 @@ class YamuxSession:
         if stream_id in self._streams:
             await self._protocol_error(f"SYN for open stream {stream_id}")
             return False
-        if stream_id % 2 == 0 or stream_id <= self._max_seen_id:
-            # Clients open odd ids, increasing. Refuse just this stream.
-            await self._send_frame(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
-            return False
-        self._max_seen_id = stream_id
-        if len(self._streams) >= self._max_streams:
+        # Clients open odd ids. Not necessarily in order: the SDK's client picks ids under a
+        # lock but sends the SYNs outside it, so concurrent opens can arrive 3 before 1.
+        if stream_id % 2 == 0 or len(self._streams) >= self._max_streams:
             log.debug("yamux: refusing stream %d, %d open", stream_id, len(self._streams))
+            self._forget(stream_id)
             await self._send_frame(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
             return False
+        self._recently_closed.pop(stream_id, None)
         stream = YamuxStream(self, stream_id)
         self._streams[stream_id] = stream
         await self._send_frame(TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, 0)
@@ -307,6 +310,7 @@ class YamuxSession:
             failed = True
         finally:
             self._streams.pop(stream.id, None)
+            self._forget(stream.id)
         # Not on cancellation: only close() cancels, and the session is gone then.
         with contextlib.suppress(Exception):
             if failed:
@@ -314,6 +318,12 @@ class YamuxSession:
             else:
                 await stream.close_write()
         stream._mark_reset()
+
+    def _forget(self, stream_id: int) -> None:
+        self._recently_closed[stream_id] = None
+        self._recently_closed.move_to_end(stream_id)
+        while len(self._recently_closed) > self._recently_closed_max:
+            self._recently_closed.popitem(last=False)
 
     # -- transport out ---------------------------------------------------------------------
 
