@@ -17,9 +17,10 @@ HOST_PACKAGES = (
     "gcc",  # building the guest agent
     "libc6-dev",  # static libc for the agent
     "ca-certificates",
-    "socat",  # one per guest connection: QEMU's forward to the egress proxy
     "python3-venv",  # the egress proxy's own environment
     "git",
+    "skopeo",  # fetching OCI/Docker images for templates
+    "umoci",  # unpacking them (whiteouts, hard links, xattrs, owners)
 )
 
 

@@ -71,7 +71,12 @@ def find_template(paths: Paths, name: str) -> Path:
     """The built base image of a built-in template, or ImageMissing / NotFound."""
     specs = builtin_templates()
     if name not in specs:
-        raise errors.NotFound(f"unknown template {name!r}")
+        from cella.images.oci import read_meta  # templates built from images
+
+        meta = read_meta(paths, name)
+        if meta is None:
+            raise errors.NotFound(f"unknown template {name!r}")
+        return paths.templates / meta.image
     image = template_image(paths, specs[name])
     if not image.exists():
         raise errors.ImageMissing(f"template {name!r} is not built: run `cella setup`")

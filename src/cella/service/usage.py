@@ -49,8 +49,10 @@ class Usage:
         out["guest_memory_used_mib"] = round(
             (fields["MemTotal"] - fields["MemAvailable"]) / 1024, 1
         )
-        df = await vm.agent.exec(["stat", "-f", "-c", "%S %b %f", "/"], timeout=30)
-        if df.exit_code == 0:
+        df = None
+        with contextlib.suppress(errors.CellaError):  # an image may have no `stat`
+            df = await vm.agent.exec(["stat", "-f", "-c", "%S %b %f", "/"], timeout=30)
+        if df is not None and df.exit_code == 0:
             size, blocks, free = (int(x) for x in df.stdout.split())
             out["guest_disk_total_mib"] = round(size * blocks / (1 << 20), 1)
             out["guest_disk_used_mib"] = round(size * (blocks - free) / (1 << 20), 1)

@@ -155,8 +155,10 @@ class WarmPool:
                 vm = await self.driver.restore(snap, directory)
                 try:
                     # run the usual first commands once, so this VM's translation cache is
-                    # warm before anyone claims it (a first exec is otherwise much slower)
-                    await vm.agent.exec(WARM_UP, timeout=60)
+                    # warm before anyone claims it (a first exec is otherwise much slower);
+                    # an image without a shell simply skips it
+                    with contextlib.suppress(errors.NotFound, errors.GuestError):
+                        await vm.agent.exec(WARM_UP, timeout=60)
                     await vm.agent.set_identity(
                         hostname="pool", time_ns=time.time_ns(), seed=os.urandom(64)
                     )

@@ -7,6 +7,7 @@ change stay shared between them, and their disks are overlays on the snapshot's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -53,8 +54,11 @@ async def snapshot_fresh_boot(
         vm = QemuVM(config)
         await vm.start(boot_timeout)
         # warm the page cache and TCG with what sandboxes run first; restores inherit it
-        await vm.agent.exec("python3 -c pass; true", timeout=60)
-        await vm.agent.exec(["sync"], timeout=60)
+        # (best effort: an image may have no shell or no python)
+        with contextlib.suppress(errors.CellaError):
+            await vm.agent.exec("python3 -c pass; true", timeout=60)
+        with contextlib.suppress(errors.CellaError):
+            await vm.agent.exec(["sync"], timeout=60)
         await vm.save_state(tmp / "state", ignore_shared=True)
         await vm.kill()
         vm = None

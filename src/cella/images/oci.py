@@ -1,0 +1,285 @@
+"""OCI and Docker images as templates: fetch (skopeo), unpack (umoci), ext4, read-only qcow2.
+
+A reference is a registry image (`registry/repo:tag`, `...@sha256:...`, or with a
+`docker://` prefix), a `docker save` archive, an OCI archive, or an OCI layout directory.
+Fetched blobs land in one shared OCI layout (`IMAGES/oci`), so layers two images share are
+fetched once; a template is keyed by its image's manifest digest, so building the same image
+again is a cache hit. The image's config (Env, WorkingDir, User, Entrypoint, Cmd) is kept
+with the template: it becomes the default of every command in its sandboxes. cella's agent
+is the VM's `/init` from its own initramfs, so an image needs nothing of cella's: no shell,
+any libc, any user.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from cella import errors
+from cella._proc import Progress, quiet, run
+from cella.paths import Paths
+
+HEADROOM_MIB = 256  # free space a new sandbox's file system starts with
+MIN_DISK_MIB = 512
+
+
+class ImageConfig(BaseModel):
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = Field(default_factory=list)
+    cmd: list[str] = Field(default_factory=list)
+
+
+class TemplateMeta(BaseModel):
+    """What the template registry keeps about a template built from an image."""
+
+    name: str
+    image: str = Field(description="the qcow2 base image's file name")
+    source: str = Field(description="the reference it was built from")
+    digest: str = Field(description="the image manifest's digest")
+    config: ImageConfig = Field(default_factory=ImageConfig)
+    disk_mib: int
+    built_at: float = Field(default_factory=time.time)
+    seconds: dict[str, float] = Field(default_factory=dict, description="time per step")
+
+
+def meta_path(paths: Paths, name: str) -> Path:
+    return paths.templates / f"{name}.template.json"
+
+
+def read_meta(paths: Paths, name: str) -> TemplateMeta | None:
+    try:
+        return TemplateMeta.model_validate_json(meta_path(paths, name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def list_meta(paths: Paths) -> list[TemplateMeta]:
+    out = []
+    for file in sorted(paths.templates.glob("*.template.json")):
+        with_meta = read_meta(paths, file.name.removesuffix(".template.json"))
+        if with_meta is not None:
+            out.append(with_meta)
+    return out
+
+
+def skopeo_source(ref: str) -> str:
+    """The skopeo transport for a reference: a file or directory on disk, or a registry."""
+    path = Path(ref)
+    if ref.startswith(("docker://", "oci:", "oci-archive:", "docker-archive:")):
+        return ref
+    if path.is_dir() and (path / "index.json").exists():
+        return f"oci:{path}"
+    if path.is_file():
+        with tarfile.open(path) as tar:
+            names = set(tar.getnames())
+        if "manifest.json" in names or "./manifest.json" in names:
+            return f"docker-archive:{path}"
+        if "index.json" in names or "./index.json" in names:
+            return f"oci-archive:{path}"
+        raise errors.InvalidArgument(f"{ref}: not a docker save archive or an OCI archive")
+    if "/" in ref or ":" in ref or "@" in ref:
+        return f"docker://{ref}"
+    raise errors.InvalidArgument(f"{ref!r}: not an image reference, archive or OCI layout")
+
+
+def build_from_image(
+    paths: Paths,
+    name: str,
+    ref: str,
+    progress: Progress = quiet,
+    *,
+    disk_mib: int | None = None,
+    cert_dir: Path | None = None,
+    credentials: str | None = None,
+) -> TemplateMeta:
+    """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
+    same image digest already built as this name is a cache hit."""
+    layout = paths.images / "oci"
+    layout.mkdir(parents=True, exist_ok=True)
+    with open(layout.parent / "oci.lock", "w") as lock:  # one build at a time edits the layout
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(paths, name, ref, layout, progress, disk_mib, cert_dir, credentials)
+
+
+def _build(
+    paths: Paths,
+    name: str,
+    ref: str,
+    layout: Path,
+    progress: Progress,
+    disk_mib: int | None,
+    cert_dir: Path | None,
+    credentials: str | None,
+) -> TemplateMeta:
+    tag = f"in-{os.getpid()}-{time.monotonic_ns()}"
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    source = skopeo_source(ref)
+    progress(f"fetching {ref}")
+    argv = ["skopeo", "copy", "--quiet", source, f"oci:{layout}:{tag}"]
+    if cert_dir is not None:
+        argv[2:2] = ["--src-cert-dir", str(cert_dir)]
+    if credentials:
+        argv[2:2] = ["--src-creds", credentials]
+    try:
+        run(argv, progress=lambda line: progress(f"  {line}"))
+    except errors.BuildFailed as exc:
+        raise errors.BuildFailed(f"fetching {ref} failed: {exc.message}") from None
+    timings["fetch"] = time.monotonic() - started
+    try:
+        digest, config = _manifest(layout, tag)
+        existing = read_meta(paths, name)
+        if _same(paths, existing, digest, disk_mib):
+            assert existing is not None
+            progress(f"template {name} is up to date ({digest[:19]})")
+            return existing
+        return _make(paths, name, ref, layout, tag, digest, config, disk_mib, progress, timings)
+    finally:
+        _untag(layout, tag)
+
+
+def _same(paths: Paths, meta: TemplateMeta | None, digest: str, disk_mib: int | None) -> bool:
+    """An identical build exists: same image digest, same size asked, its base in place."""
+    return (
+        meta is not None
+        and meta.digest == digest
+        and disk_mib in (None, meta.disk_mib)
+        and (paths.templates / meta.image).exists()
+    )
+
+
+def _make(
+    paths: Paths,
+    name: str,
+    ref: str,
+    layout: Path,
+    tag: str,
+    digest: str,
+    config: ImageConfig,
+    disk_mib: int | None,
+    progress: Progress,
+    timings: dict[str, float],
+) -> TemplateMeta:
+    stage = paths.build_tmp / f"image-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    stage.mkdir(parents=True)
+    try:
+        started = time.monotonic()
+        progress("unpacking the layers")
+        bundle = stage / "bundle"
+        run(["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", bundle / "rootfs"])
+        rootfs = bundle / "rootfs"
+        timings["unpack"] = time.monotonic() - started
+        _prepare(rootfs)
+        started = time.monotonic()
+        used = _size_mib(rootfs)
+        size = max(disk_mib or 0, used + HEADROOM_MIB, MIN_DISK_MIB)
+        progress(f"making a {size} MiB ext4 file system ({used} MiB of files)")
+        raw = stage / "root.ext4"
+        run(["mkfs.ext4", "-F", "-q", "-L", "cella-root", "-E", "root_owner=0:0",
+             "-d", rootfs, raw, f"{size}M"])  # fmt: skip
+        image = f"{name}-{digest.removeprefix('sha256:')[:16]}.qcow2"
+        qcow = stage / "base.qcow2"
+        run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
+        qcow.chmod(0o400)
+        timings["filesystem"] = time.monotonic() - started
+        meta = TemplateMeta(
+            name=name,
+            image=image,
+            source=ref,
+            digest=digest,
+            config=config,
+            disk_mib=size,
+            seconds={k: round(v, 2) for k, v in timings.items()},
+        )
+        qcow.rename(paths.templates / image)
+        tmp = meta_path(paths, name).with_suffix(".tmp")
+        tmp.write_text(meta.model_dump_json(indent=2))
+        tmp.rename(meta_path(paths, name))  # the template exists from here on
+        progress(f"template {name} built from {ref} ({digest[:19]})")
+        return meta
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _manifest(layout: Path, tag: str) -> tuple[str, ImageConfig]:
+    """The manifest digest the tag names, and the image config it points at."""
+    index = json.loads((layout / "index.json").read_text())
+    for desc in index.get("manifests", []):
+        if desc.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag:
+            digest = desc["digest"]
+            break
+    else:
+        raise errors.BuildFailed(f"the image was fetched but {tag} is not in the layout")
+    manifest = json.loads(_blob(layout, digest).read_text())
+    config = json.loads(_blob(layout, manifest["config"]["digest"]).read_text())
+    return digest, _config(config.get("config") or {})
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    algo, _, hexd = digest.partition(":")
+    return layout / "blobs" / algo / hexd
+
+
+def _config(c: dict[str, Any]) -> ImageConfig:
+    env = {}
+    for item in c.get("Env") or []:
+        key, _, value = str(item).partition("=")
+        if key:
+            env[key] = value
+    return ImageConfig(
+        env=env,
+        working_dir=c.get("WorkingDir") or None,
+        user=c.get("User") or None,
+        entrypoint=list(c.get("Entrypoint") or []),
+        cmd=list(c.get("Cmd") or []),
+    )
+
+
+def _prepare(rootfs: Path) -> None:
+    """Directories the agent mounts over or writes to, present in any image."""
+    for d in ("proc", "sys", "dev", "run", "tmp", "etc", "root"):
+        (rootfs / d).mkdir(exist_ok=True)
+    (rootfs / "tmp").chmod(0o1777)
+
+
+def _size_mib(root: Path) -> int:
+    total = 0
+    for top, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(top, f)).st_blocks * 512
+            except OSError:
+                continue
+    return total >> 20
+
+
+def _untag(layout: Path, tag: str) -> None:
+    """Drops the temporary tag (the blobs stay: other images share them)."""
+    index_file = layout / "index.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        return
+    index["manifests"] = [
+        d
+        for d in index.get("manifests", [])
+        if d.get("annotations", {}).get("org.opencontainers.image.ref.name") != tag
+    ]
+    tmp = index_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(index))
+    tmp.rename(index_file)
+
+
+def digest_of(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
