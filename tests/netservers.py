@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import gzip
 import http.server
+import ipaddress
 import json
 import random
 import socket
@@ -29,6 +30,14 @@ def free_loopback_block() -> str:
             continue
         return prefix
     raise RuntimeError("no free loopback block")
+
+
+def _san(name: str) -> str:
+    try:
+        ipaddress.ip_address(name)
+        return f"IP:{name}"
+    except ValueError:
+        return f"DNS:{name}"
 
 
 class TestCA:
@@ -58,7 +67,7 @@ class TestCA:
         )  # fmt: skip
         ext = directory / "ext.cnf"
         ext.write_text(
-            "subjectAltName=" + ",".join(f"DNS:{n}" for n in names) + "\n"
+            "subjectAltName=" + ",".join(_san(n) for n in names) + "\n"
             "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"
         )
         subprocess.run(

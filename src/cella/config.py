@@ -9,6 +9,7 @@ Nothing else in cella reads the environment for configuration. Every variable:
 | `CELLA_CONFIG`        | daemon         | TOML of daemon settings (else `DATA_DIR/cella.toml`)  |
 | `CELLA_<SETTING>`     | daemon         | any field of `DaemonSettings`, e.g. `CELLA_LISTEN`    |
 | `CELLA_DEBIAN_MIRROR` | setup          | mirror for template builds (else the host's apt one)  |
+| `CELLA_EXTRA_CA_CERTIFICATES` | daemon | JSON list of PEM files host tools and guests trust |
 | `CELLA_URL`           | client         | daemon URL (else from `DATA_DIR/daemon.json`)         |
 | `CELLA_API_KEY`       | client         | API key (else `DATA_DIR/admin.key`, owner-readable)   |
 
@@ -124,6 +125,22 @@ class DaemonSettings(BaseSettings):
         default=None,
         description="PEM CA the proxy trusts for upstream TLS, besides the host's roots",
     )
+    extra_ca_certificates: list[Path] = Field(
+        default_factory=list,
+        description="PEM files of CAs that host tools (image fetches, the egress proxy) and "
+        "every guest trust besides the usual roots: TLS inspection, internal mirrors and "
+        "registries (env: a JSON list)",
+    )
+
+    def extra_ca_pem(self) -> bytes:
+        """The extra CA certificates as one PEM bundle (empty without any)."""
+        parts = []
+        for path in self.extra_ca_certificates:
+            pem = path.read_bytes()
+            if b"-----BEGIN CERTIFICATE-----" not in pem:
+                raise ValueError(f"{path}: no PEM certificate in it")
+            parts.append(pem if pem.endswith(b"\n") else pem + b"\n")
+        return b"".join(parts)
 
     @classmethod
     def settings_customise_sources(

@@ -116,7 +116,7 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
 
 
 from cella.cli import eval as eval_cli  # noqa: E402
-from cella.cli import keys, sandbox, secret, snapshot  # noqa: E402
+from cella.cli import keys, sandbox, secret, snapshot, template  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 
@@ -150,6 +150,7 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(secret.app, name="secret")
+app.add_typer(template.app, name="template")
 app.add_typer(eval_cli.app, name="eval")
 
 

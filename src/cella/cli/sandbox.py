@@ -81,6 +81,9 @@ def create(
     secret: Annotated[
         list[str] | None, typer.Option(help="ENV=SECRET_NAME: a placeholder in ENV, repeatable")
     ] = None,
+    run_entrypoint: Annotated[
+        bool, typer.Option(help="start the template image's Entrypoint/Cmd (see `logs`)")
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
@@ -97,12 +100,28 @@ def create(
             allow=allow,
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
+            run_entrypoint=run_entrypoint,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
     else:
         console.print(f"[green]created[/green] {sb.id}")
         out.print(sb.id)
+
+
+@app.command()
+def logs(sandbox_id: str, process: str = "entrypoint", json_: JsonOpt = False) -> None:
+    """Show the output of a process that outlives its connection (default: the image's
+    entrypoint started by `create --run-entrypoint`)."""
+    with Client() as client:
+        info = client.get(sandbox_id).process(process)
+    if json_:
+        emit_json(info.model_dump(mode="json"))
+        return
+    sys.stdout.write(info.stdout)
+    sys.stderr.write(info.stderr)
+    state = "running" if info.running else f"exited {info.exit_code}"
+    console.print(f"[dim]{process}: {state}[/dim]")
 
 
 @app.command("ls")

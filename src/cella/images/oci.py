@@ -12,38 +12,32 @@ any libc, any user.
 
 from __future__ import annotations
 
+import base64
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from cella import errors
 from cella._proc import Progress, quiet, run
+from cella.models import ImageConfig
 from cella.paths import Paths
 
 HEADROOM_MIB = 256  # free space a new sandbox's file system starts with
 MIN_DISK_MIB = 512
 
 
-class ImageConfig(BaseModel):
-    env: dict[str, str] = Field(default_factory=dict)
-    working_dir: str | None = None
-    user: str | None = None
-    entrypoint: list[str] = Field(default_factory=list)
-    cmd: list[str] = Field(default_factory=list)
-
-
 class TemplateMeta(BaseModel):
     """What the template registry keeps about a template built from an image."""
 
     name: str
+    kind: Literal["image", "dockerfile"] = "image"
     image: str = Field(description="the qcow2 base image's file name")
     source: str = Field(description="the reference it was built from")
     digest: str = Field(description="the image manifest's digest")
@@ -102,14 +96,21 @@ def build_from_image(
     disk_mib: int | None = None,
     cert_dir: Path | None = None,
     credentials: str | None = None,
+    kind: Literal["image", "dockerfile"] = "image",
+    source: str | None = None,
 ) -> TemplateMeta:
     """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
-    same image digest already built as this name is a cache hit."""
+    same image digest already built as this name is a cache hit. `cert_dir` holds CA
+    certificates (`*.crt`) registries are checked against; `credentials` is `user:password`."""
     layout = paths.images / "oci"
     layout.mkdir(parents=True, exist_ok=True)
     with open(layout.parent / "oci.lock", "w") as lock:  # one build at a time edits the layout
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build(paths, name, ref, layout, progress, disk_mib, cert_dir, credentials)
+        meta = _build(paths, name, ref, layout, progress, disk_mib, cert_dir, credentials)
+        if meta.kind != kind or (source and meta.source != source):  # same image, new story
+            meta = meta.model_copy(update={"kind": kind, "source": source or meta.source})
+            _write_meta(paths, meta)
+        return meta
 
 
 def _build(
@@ -130,33 +131,45 @@ def _build(
     argv = ["skopeo", "copy", "--quiet", source, f"oci:{layout}:{tag}"]
     if cert_dir is not None:
         argv[2:2] = ["--src-cert-dir", str(cert_dir)]
-    if credentials:
-        argv[2:2] = ["--src-creds", credentials]
+    auth = paths.build_tmp / f"auth-{tag}.json"
+    if credentials:  # a file, not an argument: arguments are visible to every host user
+        auth.write_text(_auth_json(source, credentials))
+        argv[2:2] = ["--src-authfile", str(auth)]
     try:
         run(argv, progress=lambda line: progress(f"  {line}"))
     except errors.BuildFailed as exc:
         raise errors.BuildFailed(f"fetching {ref} failed: {exc.message}") from None
+    finally:
+        auth.unlink(missing_ok=True)
     timings["fetch"] = time.monotonic() - started
     try:
         digest, config = _manifest(layout, tag)
-        existing = read_meta(paths, name)
-        if _same(paths, existing, digest, disk_mib):
-            assert existing is not None
-            progress(f"template {name} is up to date ({digest[:19]})")
-            return existing
+        same = _built_before(paths, name, digest, disk_mib)
+        if same is not None:
+            progress(f"template {name}: {digest[:19]} is built already (cache hit)")
+            if same.name != name:  # another template has this image: share its base
+                same = same.model_copy(update={"name": name, "source": ref})
+                _write_meta(paths, same)
+            return same
         return _make(paths, name, ref, layout, tag, digest, config, disk_mib, progress, timings)
     finally:
         _untag(layout, tag)
 
 
-def _same(paths: Paths, meta: TemplateMeta | None, digest: str, disk_mib: int | None) -> bool:
-    """An identical build exists: same image digest, same size asked, its base in place."""
-    return (
-        meta is not None
-        and meta.digest == digest
-        and disk_mib in (None, meta.disk_mib)
-        and (paths.templates / meta.image).exists()
-    )
+def _built_before(
+    paths: Paths, name: str, digest: str, disk_mib: int | None
+) -> TemplateMeta | None:
+    """A template with this image digest and size whose base is in place (this name's
+    first): bases are keyed by content, so a rebuild or another name reuses one."""
+    metas = sorted(list_meta(paths), key=lambda m: m.name != name)
+    for meta in metas:
+        if (
+            meta.digest == digest
+            and disk_mib in (None, meta.disk_mib)
+            and (paths.templates / meta.image).exists()
+        ):
+            return meta
+    return None
 
 
 def _make(
@@ -176,9 +189,8 @@ def _make(
     try:
         started = time.monotonic()
         progress("unpacking the layers")
-        bundle = stage / "bundle"
-        run(["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", bundle / "rootfs"])
-        rootfs = bundle / "rootfs"
+        rootfs = stage / "rootfs"
+        run(["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", rootfs])
         timings["unpack"] = time.monotonic() - started
         _prepare(rootfs)
         started = time.monotonic()
@@ -188,7 +200,7 @@ def _make(
         raw = stage / "root.ext4"
         run(["mkfs.ext4", "-F", "-q", "-L", "cella-root", "-E", "root_owner=0:0",
              "-d", rootfs, raw, f"{size}M"])  # fmt: skip
-        image = f"{name}-{digest.removeprefix('sha256:')[:16]}.qcow2"
+        image = f"oci-{digest.removeprefix('sha256:')[:16]}-{size}m.qcow2"
         qcow = stage / "base.qcow2"
         run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
         qcow.chmod(0o400)
@@ -203,13 +215,29 @@ def _make(
             seconds={k: round(v, 2) for k, v in timings.items()},
         )
         qcow.rename(paths.templates / image)
-        tmp = meta_path(paths, name).with_suffix(".tmp")
-        tmp.write_text(meta.model_dump_json(indent=2))
-        tmp.rename(meta_path(paths, name))  # the template exists from here on
+        _write_meta(paths, meta)  # the template exists from here on
         progress(f"template {name} built from {ref} ({digest[:19]})")
         return meta
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_meta(paths: Paths, meta: TemplateMeta) -> None:
+    tmp = meta_path(paths, meta.name).with_suffix(".tmp")
+    tmp.write_text(meta.model_dump_json(indent=2))
+    tmp.rename(meta_path(paths, meta.name))
+
+
+def record_seconds(paths: Paths, meta: TemplateMeta, **seconds: float) -> None:
+    """Adds timings of later steps (the warm snapshot) to the template's record."""
+    _write_meta(paths, meta.model_copy(update={"seconds": {**meta.seconds, **seconds}}))
+
+
+def _auth_json(source: str, credentials: str) -> str:
+    """A containers-auth.json entry for the registry of a `docker://` source."""
+    registry = source.removeprefix("docker://").split("/", 1)[0]
+    token = base64.b64encode(credentials.encode()).decode()
+    return json.dumps({"auths": {registry: {"auth": token}}})
 
 
 def _manifest(layout: Path, tag: str) -> tuple[str, ImageConfig]:
@@ -279,7 +307,3 @@ def _untag(layout: Path, tag: str) -> None:
     tmp = index_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(index))
     tmp.rename(index_file)
-
-
-def digest_of(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

@@ -5,6 +5,8 @@ from cella.models.exec import (
     ExecRequest,
     ExecResult,
     OutputCollector,
+    ProcessInfo,
+    ProcessList,
     decode_data,
     encode_data,
 )
@@ -37,8 +39,16 @@ from cella.models.sandbox import (
     SnapshotList,
     SnapshotState,
 )
+from cella.models.templates import (
+    BuildEvent,
+    ImageConfig,
+    Template,
+    TemplateBuild,
+    TemplateList,
+)
 
 __all__ = [
+    "BuildEvent",
     "ChmodRequest",
     "EgressDecision",
     "EgressLog",
@@ -54,6 +64,7 @@ __all__ = [
     "ForkRequest",
     "GuestPath",
     "HeaderRule",
+    "ImageConfig",
     "KeyCreate",
     "KeyCreated",
     "KeyInfo",
@@ -61,6 +72,8 @@ __all__ = [
     "MkdirRequest",
     "NetworkPolicy",
     "OutputCollector",
+    "ProcessInfo",
+    "ProcessList",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",
@@ -73,6 +86,9 @@ __all__ = [
     "SnapshotCreate",
     "SnapshotList",
     "SnapshotState",
+    "Template",
+    "TemplateBuild",
+    "TemplateList",
     "decode_data",
     "encode_data",
     "guest_path",

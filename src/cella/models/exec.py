@@ -240,3 +240,20 @@ class ExecEvent(BaseModel):
         if self.data is None:
             return b""
         return decode_data(self.data, self.encoding or "utf-8")
+
+
+class ProcessInfo(BaseModel):
+    """A command that outlives its connection (e.g. the image's entrypoint): its state and
+    the output kept of it (the latest 4 MiB per stream)."""
+
+    id: str
+    command: list[str] | str
+    running: bool
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+
+class ProcessList(BaseModel):
+    processes: list[ProcessInfo]

@@ -75,6 +75,10 @@ class SandboxCreate(BaseModel):
     )
     max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
+    run_entrypoint: bool = Field(
+        default=False,
+        description="start the template image's Entrypoint + Cmd as process `entrypoint`",
+    )
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     network: NetworkPolicy = Field(
         default_factory=NetworkPolicy, description="egress rules (default: reach nothing)"

@@ -73,7 +73,7 @@ class EgressProxy:
         *,
         port: int = 0,
         hosts: dict[str, list[str]] | None = None,
-        upstream_ca: Path | None = None,
+        upstream_ca: bytes = b"",
         on_decision: Callable[[dict[str, Any]], None] = lambda _: None,
     ) -> None:
         self.paths = paths
@@ -144,7 +144,7 @@ class EgressProxy:
             "--set",
             "stream_large_bodies=16m",
         ]
-        if self.upstream_ca is not None:
+        if self.upstream_ca:
             argv += ["--set", f"ssl_verify_upstream_trusted_ca={self._upstream_bundle()}"]
         logfile = open(self.dir / "proxy.log", "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -189,12 +189,11 @@ class EgressProxy:
         log.info("egress proxy on 127.0.0.1:%d (pid %s)", self.port, self._proc.pid)
 
     def _upstream_bundle(self) -> Path:
-        """The host's roots plus the configured CA: mitmproxy trusts only the file it is
+        """The host's roots plus the configured CAs: mitmproxy trusts only the file it is
         given, and an internal registry's CA should not cost the public ones."""
-        assert self.upstream_ca is not None
         bundle = self.dir / "upstream-ca.pem"
-        parts = [p.read_bytes() for p in (SYSTEM_ROOTS, self.upstream_ca) if p.exists()]
-        bundle.write_bytes(b"\n".join(parts))
+        roots = SYSTEM_ROOTS.read_bytes() if SYSTEM_ROOTS.exists() else b""
+        bundle.write_bytes(roots + b"\n" + self.upstream_ca)
         return bundle
 
     async def _wait_listening(self) -> None:

@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import tarfile
+from pathlib import Path
 from typing import Any
 
 from cella import errors
@@ -79,3 +83,15 @@ def network_body(
         "deny": deny or [],
         "headers": [h.model_dump() for h in headers or []],
     }
+
+
+def tar_directory(path: str | os.PathLike[str]) -> bytes:
+    """A build context: the directory as an uncompressed tar, names relative to it."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"{root}: not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for item in sorted(root.iterdir()):
+            tar.add(item, arcname=item.name)
+    return buf.getvalue()

@@ -42,7 +42,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.state.settings = settings
     _install_error_handlers(app)
 
-    from cella.server.routes import egress, files, keys, ports, sandboxes, snapshots
+    from cella.server.routes import egress, files, keys, ports, sandboxes, snapshots, templates
 
     app.include_router(sandboxes.router)
     app.include_router(ports.router)
@@ -50,6 +50,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(keys.router)
     app.include_router(egress.router)
+    app.include_router(templates.router)
     from cella.server.compat import langsmith
 
     langsmith.install(app)

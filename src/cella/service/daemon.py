@@ -3,9 +3,10 @@
 Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
 `admission`, `lifecycle`, `snapshots` (and forks), `exec`, `processes` (commands that
 outlive a connection), `files`, `ports` (guest servers, service URLs), `trace` (events and
-lineage), `usage`, `reaper`, `recovery`, `egress` (policy, decision log, secrets), `keys` and
-`warm` (warm snapshots and the pool). API surfaces (the REST routes, compatible APIs) call these
-rooms and nothing below them.
+lineage), `usage`, `reaper`, `recovery`, `templates` (built in, from images, from
+Dockerfiles), `egress` (policy, decision log, secrets), `keys` and `warm` (warm snapshots
+and the pool). API surfaces (the REST routes, compatible APIs) call these rooms and nothing
+below them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import logging
 import os
 from typing import Any
 
+from cella import errors
 from cella.config import DAEMON_FILE, DaemonSettings
-from cella.models import SandboxCreate
+from cella.models import ExecRequest, SandboxCreate
 from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
 from cella.service.admission import Admission
@@ -26,11 +28,12 @@ from cella.service.files import Files
 from cella.service.keys import Keys
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.ports import Ports
-from cella.service.processes import Processes
+from cella.service.processes import ENTRYPOINT, Processes, ProcessSpec
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
 from cella.service.snapshots import Snapshots
+from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
@@ -71,6 +74,16 @@ class Daemon:
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
+        self.templates = Templates(
+            settings,
+            self.registry,
+            self.egress,
+            self.warm,
+            self.pool,
+            self.lifecycle,
+            self.exec,
+            self.files,
+        )
 
     @classmethod
     def open(cls, settings: DaemonSettings) -> Daemon:
@@ -85,7 +98,10 @@ class Daemon:
             if fixed := owner_only(tree):
                 log.info("%s: took group/other access off %d entries", tree, fixed)
         store = Store(paths.root / "cella.db")
-        daemon = cls(settings, store, QemuDriver(paths, settings.accel, die_with_parent=False))
+        driver = QemuDriver(
+            paths, settings.accel, die_with_parent=False, extra_ca=settings.extra_ca_pem()
+        )
+        daemon = cls(settings, store, driver)
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
 
@@ -118,10 +134,33 @@ class Daemon:
         self.store.close()
 
     async def create(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
-        """A new sandbox: from its template, or booted from `spec.snapshot`."""
+        """A new sandbox: from its template (its image's config under the sandbox's own
+        exec defaults), or booted from `spec.snapshot`; with `run_entrypoint`, the image's
+        Entrypoint and Cmd are started as process `entrypoint`."""
         if spec.snapshot is not None:
+            if spec.run_entrypoint:
+                raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
             return await self.snapshots.boot(tenant, spec)
-        return await self.lifecycle.create(tenant, spec)
+        command: list[str] = []
+        if spec.run_entrypoint:
+            config = self.templates.image_config(spec.template)
+            command = config.command if config is not None else []
+            if not command:
+                raise errors.InvalidArgument(
+                    f"template {spec.template!r} has no image Entrypoint or Cmd to run"
+                )
+        defaults = self.templates.defaults(spec.template, spec.exec_defaults)
+        row = await self.lifecycle.create(
+            tenant, spec.model_copy(update={"exec_defaults": defaults})
+        )
+        if command:
+            await self.processes.start(
+                tenant,
+                row.id,
+                ENTRYPOINT,
+                ProcessSpec(request=ExecRequest(command=command), ttl=None),
+            )
+        return row
 
     def health(self) -> dict[str, Any]:
         accel = self.driver.accel

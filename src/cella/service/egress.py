@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import logging
 import secrets as tokens
@@ -17,6 +16,7 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.guest.client import GuestStream
 from cella.guest.protocol import EGRESS_ADDR, PROXY_PORT
+from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.proxy import EgressProxy
 from cella.runtime.contract import VM
@@ -24,8 +24,6 @@ from cella.service.registry import Registry
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
-GUEST_CA = "/usr/local/share/ca-certificates/cella-egress.crt"
-GUEST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 REFUSAL_EVENT_SECONDS = 10.0
 
 
@@ -44,25 +42,18 @@ def proxy_env() -> dict[str, str]:
     }
 
 
-# With secrets, TLS to their hosts is intercepted: tools with bundles of their own are
-# pointed at the system bundle, which then includes the deployment's CA.
-CA_ENV = {
-    "SSL_CERT_FILE": GUEST_BUNDLE,
-    "REQUESTS_CA_BUNDLE": GUEST_BUNDLE,
-    "NODE_EXTRA_CA_CERTS": GUEST_CA,
-}
-
-
 class SandboxEgress:
     def __init__(self, settings: DaemonSettings, registry: Registry) -> None:
         self.registry = registry
         self.store = registry.store
         self.events = registry.events
+        self.extra_ca = settings.extra_ca_pem()  # guests trust these (in warm snapshots)
+        upstream = settings.egress_upstream_ca.read_bytes() if settings.egress_upstream_ca else b""
         self.proxy = EgressProxy(
             registry.driver.paths,
             port=settings.egress_port,
             hosts=settings.egress_host_table(),
-            upstream_ca=settings.egress_upstream_ca,
+            upstream_ca=self.extra_ca + upstream,
             on_decision=self._record,
         )
         self._ca: bytes | None = None
@@ -207,8 +198,8 @@ class SandboxEgress:
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
-        if self.intercepts(row):
-            env |= CA_ENV
+        if self.intercepts(row) or self.extra_ca:
+            env |= CA_ENV  # tools with bundles of their own use the one that trusts our CAs
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
         return env
@@ -218,15 +209,7 @@ class SandboxEgress:
         (nothing else is intercepted), and it costs a create ~0.2 s under TCG."""
         if self._ca is None:
             self._ca = self.proxy.ca_cert.read_bytes()
-        agent = vm.agent
-        await agent.write_file(GUEST_CA, self._ca, parents=True)
-        bundle = b""
-        with contextlib.suppress(errors.CellaError):
-            bundle = await agent.read_file(GUEST_BUNDLE)
-        if self._ca not in bundle:
-            if bundle and not bundle.endswith(b"\n"):
-                bundle += b"\n"
-            await agent.write_file(GUEST_BUNDLE, bundle + self._ca, parents=True)
+        await trust(vm.agent, "cella-egress", self._ca)
 
     # -- secrets ------------------------------------------------------------------------
 

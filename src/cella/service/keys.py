@@ -67,6 +67,6 @@ class Keys:
             raise errors.NotFound(f"no key {key_id!r}")
 
 
-def require_admin(who: Principal) -> None:
+def require_admin(who: Principal, what: str = "manage keys") -> None:
     if not who.admin:
-        raise errors.PermissionDenied("only an admin key can manage keys")
+        raise errors.PermissionDenied(f"only an admin key can {what}")

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from cella import errors
 from cella.guest.client import ExecControl, Output, Started
 from cella.guest.protocol import ExitStatus
-from cella.models import ExecRequest
+from cella.models import ExecRequest, ProcessInfo
 from cella.service.exec import Exec
 
 log = logging.getLogger("cella.processes")
 STREAMS = ("stdout", "stderr")
 BUFFER = 4 << 20  # output kept per stream for re-attaching clients
 SWEEP_SECONDS = 1.0
+ENTRYPOINT = "entrypoint"  # the id of an image's Entrypoint/Cmd started at create
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,18 @@ class Process:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     task: asyncio.Task[None] | None = None
+
+    def info(self) -> ProcessInfo:
+        status = self.status
+        return ProcessInfo(
+            id=self.id,
+            command=self.spec.request.command,
+            running=not self.done,
+            exit_code=status.exit_code if status else None,
+            signal=status.signal if status else None,
+            stdout=self.buffers["stdout"].data.decode(errors="replace"),
+            stderr=self.buffers["stderr"].data.decode(errors="replace"),
+        )
 
     @property
     def done(self) -> bool:

@@ -53,6 +53,11 @@ class WarmSnapshots:
         self._where[shape] = where
         return where
 
+    def forget(self, template: str) -> None:
+        """The template changed (rebuilt, or removed): its snapshots are found anew."""
+        for shape in [s for s in self._where if s.template == template]:
+            del self._where[shape]
+
     async def ensure(self, shape: Shape) -> SnapshotDir:
         """The warm snapshot for `shape`, made now (one cold boot) if there is none yet."""
         await self.driver.prepare()
@@ -174,8 +179,17 @@ class WarmPool:
                 log.exception("warm pool refill failed")
                 await asyncio.sleep(min(30.0, 0.5 * 2**failures))
 
+    async def forget(self, template: str) -> None:
+        """Drops the pools of a template that changed; its pooled VMs are destroyed."""
+        shapes = [s for s in self._pools if s.template == template]
+        await self._drop(shapes)
+        self.snapshots.forget(template)
+
     async def close(self) -> None:
-        for pool in self._pools.values():
+        await self._drop(list(self._pools))
+
+    async def _drop(self, shapes: list[Shape]) -> None:
+        for pool in [self._pools.pop(s) for s in shapes]:
             if pool.task is not None:
                 pool.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -183,7 +197,6 @@ class WarmPool:
             for vm in pool.ready:
                 await self.driver.destroy(vm)
             pool.ready.clear()
-        self._pools.clear()
 
     def committed(self) -> tuple[int, int]:
         """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity."""

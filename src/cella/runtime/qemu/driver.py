@@ -48,9 +48,15 @@ class QemuDriver:
     request models before they get here."""
 
     def __init__(
-        self, paths: Paths, accel: AccelMode = "auto", *, die_with_parent: bool = True
+        self,
+        paths: Paths,
+        accel: AccelMode = "auto",
+        *,
+        die_with_parent: bool = True,
+        extra_ca: bytes = b"",
     ) -> None:
         self.paths = paths
+        self.extra_ca = extra_ca  # CAs every guest trusts, from its template's warm snapshot
         self.accel_mode: AccelMode = accel
         self.die_with_parent = die_with_parent
         self._boot: BootImage | None = None
@@ -198,6 +204,7 @@ class QemuDriver:
             dest,
             meta,
             boot_timeout,
+            extra_ca=self.extra_ca,
         )
 
     async def snapshot_vm(
@@ -303,6 +310,8 @@ class QemuDriver:
         meta = self._snapshot_meta(vcpus, memory_mib)
         parts = [find_template(self.paths, template).name, meta["kernel"], meta["initrd"]]
         parts += [meta["accel"], str(vcpus), str(memory_mib)]
+        if self.extra_ca:  # a changed CA set means new warm snapshots
+            parts.append(hashlib.sha256(self.extra_ca).hexdigest())
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def cpu_seconds(self, vm: VM) -> float | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
+from cella.guest.trust import trust
 from cella.runtime.qemu.args import VMConfig
 from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.storage.overlay import create_overlay
@@ -40,11 +41,18 @@ def _finish(tmp: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any
 
 
 async def snapshot_fresh_boot(
-    config_for: Any, base: Path, dest: SnapshotDir, meta: dict[str, Any], boot_timeout: float
+    config_for: Any,
+    base: Path,
+    dest: SnapshotDir,
+    meta: dict[str, Any],
+    boot_timeout: float,
+    *,
+    extra_ca: bytes = b"",
 ) -> dict[str, Any]:
     """A template's warm snapshot: boot with RAM in a shared file, warm it, save devices.
 
-    `config_for(directory, ram_file, shared)` builds the VM config for this host.
+    `config_for(directory, ram_file, shared)` builds the VM config for this host; the guest
+    trusts `extra_ca` (the operator's CAs) from then on.
     """
     tmp = _tmp_dir(dest)
     vm: QemuVM | None = None
@@ -53,6 +61,8 @@ async def snapshot_fresh_boot(
         config: VMConfig = config_for(tmp, tmp / "ram", True)
         vm = QemuVM(config)
         await vm.start(boot_timeout)
+        if extra_ca:
+            await trust(vm.agent, "cella-extra", extra_ca)
         # warm the page cache and TCG with what sandboxes run first; restores inherit it
         # (best effort: an image may have no shell or no python)
         with contextlib.suppress(errors.CellaError):

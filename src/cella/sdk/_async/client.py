@@ -5,13 +5,15 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-from collections.abc import AsyncIterable, AsyncIterator
+import os
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from types import TracebackType
 from typing import Any
 
 import httpx2
 
 from cella.models import (
+    BuildEvent,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -21,8 +23,12 @@ from cella.models import (
     FileEntry,
     HeaderRule,
     LineageNode,
+    ProcessInfo,
+    ProcessList,
     SandboxUsage,
     Secret,
+    Template,
+    TemplateList,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
@@ -33,6 +39,7 @@ from cella.sdk._base import (
     network_body,
     raise_for,
     resolve,
+    tar_directory,
 )
 
 
@@ -100,6 +107,7 @@ class AsyncClient:
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
         delete_after_stop_seconds: int | None = None,
+        run_entrypoint: bool = False,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -109,7 +117,9 @@ class AsyncClient:
         are set by the proxy on requests to their hosts (`{secret:NAME}` in a value is the
         secret's value, which never enters the sandbox). `snapshot` (an id, `name:tag` or a
         name) starts it from a snapshot instead of the template; `exec_defaults` are the
-        user, cwd and env every command runs with unless it says otherwise.
+        user, cwd and env every command runs with unless it says otherwise (a template
+        built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
+        starts the image's Entrypoint and Cmd as process `entrypoint`.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -117,6 +127,7 @@ class AsyncClient:
             snapshot=snapshot,
             exec_defaults=exec_defaults.model_dump() if exec_defaults else None,
             delete_after_stop_seconds=delete_after_stop_seconds,
+            run_entrypoint=run_entrypoint or None,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -237,6 +248,81 @@ class AsyncClient:
 
     async def delete_secret(self, name: str) -> None:
         await self.request("DELETE", f"/v1/secrets/{name}")
+
+    # -- templates -----------------------------------------------------------------------
+
+    async def templates(self) -> builtins.list[Template]:
+        response = await self.request("GET", "/v1/templates")
+        return TemplateList.model_validate(response.json()).templates
+
+    async def get_template(self, name: str) -> Template:
+        response = await self.request("GET", f"/v1/templates/{name}")
+        return Template.model_validate(response.json())
+
+    async def build_template(
+        self,
+        name: str,
+        image: str,
+        *,
+        disk_mib: int | None = None,
+        registry_secret: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Template:
+        """A template from an OCI/Docker image (`registry/repo:tag`, `...@sha256:...`, or a
+        `docker save` / OCI archive or layout on the daemon's host); admin only. Progress
+        lines go to `on_progress`; a rebuild of the same digest is a cache hit."""
+        body = create_body(
+            name=name, image=image, disk_mib=disk_mib, registry_secret=registry_secret
+        )
+        return await self._build("/v1/templates", on_progress, json=body)
+
+    async def build_template_from_dockerfile(
+        self,
+        name: str,
+        context: str | os.PathLike[str],
+        *,
+        dockerfile: str = "Dockerfile",
+        allow: builtins.list[str] | None = None,
+        disk_mib: int | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Template:
+        """A template from a Dockerfile in the `context` directory, built by buildah inside
+        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM)."""
+        params: builtins.list[tuple[str, str | int | float | bool | None]] = [
+            ("dockerfile", dockerfile)
+        ]
+        params += [("allow", a) for a in allow or []]
+        if disk_mib is not None:
+            params.append(("disk_mib", disk_mib))
+        return await self._build(
+            f"/v1/templates/{name}/dockerfile",
+            on_progress,
+            params=params,
+            content=tar_directory(context),
+            headers={"content-type": "application/x-tar"},
+        )
+
+    async def _build(
+        self, path: str, on_progress: Callable[[str], None] | None, **kwargs: Any
+    ) -> Template:
+        timeout = httpx2.Timeout(None, connect=10.0)
+        async with self.stream("POST", path, timeout=timeout, **kwargs) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = BuildEvent.model_validate(json.loads(line))
+                if event.type == "progress" and on_progress is not None:
+                    on_progress(event.message or "")
+                elif event.type == "error":
+                    error = {"error": {"code": event.code, "message": event.message}}
+                    raise_for(500, json.dumps(error).encode())
+                elif event.type == "done" and event.template is not None:
+                    return event.template
+        raise_for(502, b'{"error": {"code": "internal", "message": "the build stream ended"}}')
+        raise AssertionError("unreachable")
+
+    async def delete_template(self, name: str) -> None:
+        await self.request("DELETE", f"/v1/templates/{name}")
 
     # -- keys (admin) ----------------------------------------------------------------------
 
@@ -444,6 +530,15 @@ class AsyncSandbox:
         """Events as they happen, until the sandbox is deleted."""
         async for event in self.client.follow(self.id, after, types):
             yield event
+
+    async def processes(self) -> builtins.list[ProcessInfo]:
+        """Commands that outlive their connection, e.g. the image's `entrypoint`."""
+        response = await self.client.request("GET", f"{self._path}/processes")
+        return ProcessList.model_validate(response.json()).processes
+
+    async def process(self, process_id: str) -> ProcessInfo:
+        response = await self.client.request("GET", f"{self._path}/processes/{process_id}")
+        return ProcessInfo.model_validate(response.json())
 
     async def lineage(self) -> LineageNode:
         """The family tree this sandbox belongs to (snapshots and forks)."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
 import httpx2
 
 from cella.models import (
+    BuildEvent,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -22,8 +24,12 @@ from cella.models import (
     FileEntry,
     HeaderRule,
     LineageNode,
+    ProcessInfo,
+    ProcessList,
     SandboxUsage,
     Secret,
+    Template,
+    TemplateList,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
@@ -34,6 +40,7 @@ from cella.sdk._base import (
     network_body,
     raise_for,
     resolve,
+    tar_directory,
 )
 
 
@@ -101,6 +108,7 @@ class Client:
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
         delete_after_stop_seconds: int | None = None,
+        run_entrypoint: bool = False,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -110,7 +118,9 @@ class Client:
         are set by the proxy on requests to their hosts (`{secret:NAME}` in a value is the
         secret's value, which never enters the sandbox). `snapshot` (an id, `name:tag` or a
         name) starts it from a snapshot instead of the template; `exec_defaults` are the
-        user, cwd and env every command runs with unless it says otherwise.
+        user, cwd and env every command runs with unless it says otherwise (a template
+        built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
+        starts the image's Entrypoint and Cmd as process `entrypoint`.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -118,6 +128,7 @@ class Client:
             snapshot=snapshot,
             exec_defaults=exec_defaults.model_dump() if exec_defaults else None,
             delete_after_stop_seconds=delete_after_stop_seconds,
+            run_entrypoint=run_entrypoint or None,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -231,6 +242,81 @@ class Client:
 
     def delete_secret(self, name: str) -> None:
         self.request("DELETE", f"/v1/secrets/{name}")
+
+    # -- templates -----------------------------------------------------------------------
+
+    def templates(self) -> builtins.list[Template]:
+        response = self.request("GET", "/v1/templates")
+        return TemplateList.model_validate(response.json()).templates
+
+    def get_template(self, name: str) -> Template:
+        response = self.request("GET", f"/v1/templates/{name}")
+        return Template.model_validate(response.json())
+
+    def build_template(
+        self,
+        name: str,
+        image: str,
+        *,
+        disk_mib: int | None = None,
+        registry_secret: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Template:
+        """A template from an OCI/Docker image (`registry/repo:tag`, `...@sha256:...`, or a
+        `docker save` / OCI archive or layout on the daemon's host); admin only. Progress
+        lines go to `on_progress`; a rebuild of the same digest is a cache hit."""
+        body = create_body(
+            name=name, image=image, disk_mib=disk_mib, registry_secret=registry_secret
+        )
+        return self._build("/v1/templates", on_progress, json=body)
+
+    def build_template_from_dockerfile(
+        self,
+        name: str,
+        context: str | os.PathLike[str],
+        *,
+        dockerfile: str = "Dockerfile",
+        allow: builtins.list[str] | None = None,
+        disk_mib: int | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Template:
+        """A template from a Dockerfile in the `context` directory, built by buildah inside
+        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM)."""
+        params: builtins.list[tuple[str, str | int | float | bool | None]] = [
+            ("dockerfile", dockerfile)
+        ]
+        params += [("allow", a) for a in allow or []]
+        if disk_mib is not None:
+            params.append(("disk_mib", disk_mib))
+        return self._build(
+            f"/v1/templates/{name}/dockerfile",
+            on_progress,
+            params=params,
+            content=tar_directory(context),
+            headers={"content-type": "application/x-tar"},
+        )
+
+    def _build(
+        self, path: str, on_progress: Callable[[str], None] | None, **kwargs: Any
+    ) -> Template:
+        timeout = httpx2.Timeout(None, connect=10.0)
+        with self.stream("POST", path, timeout=timeout, **kwargs) as response:
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                event = BuildEvent.model_validate(json.loads(line))
+                if event.type == "progress" and on_progress is not None:
+                    on_progress(event.message or "")
+                elif event.type == "error":
+                    error = {"error": {"code": event.code, "message": event.message}}
+                    raise_for(500, json.dumps(error).encode())
+                elif event.type == "done" and event.template is not None:
+                    return event.template
+        raise_for(502, b'{"error": {"code": "internal", "message": "the build stream ended"}}')
+        raise AssertionError("unreachable")
+
+    def delete_template(self, name: str) -> None:
+        self.request("DELETE", f"/v1/templates/{name}")
 
     # -- keys (admin) ----------------------------------------------------------------------
 
@@ -436,6 +522,15 @@ class Sandbox:
         """Events as they happen, until the sandbox is deleted."""
         for event in self.client.follow(self.id, after, types):
             yield event
+
+    def processes(self) -> builtins.list[ProcessInfo]:
+        """Commands that outlive their connection, e.g. the image's `entrypoint`."""
+        response = self.client.request("GET", f"{self._path}/processes")
+        return ProcessList.model_validate(response.json()).processes
+
+    def process(self, process_id: str) -> ProcessInfo:
+        response = self.client.request("GET", f"{self._path}/processes/{process_id}")
+        return ProcessInfo.model_validate(response.json())
 
     def lineage(self) -> LineageNode:
         """The family tree this sandbox belongs to (snapshots and forks)."""

@@ -18,6 +18,8 @@ from cella.models import (
     ExecRequest,
     ExecResult,
     LineageNode,
+    ProcessInfo,
+    ProcessList,
     Sandbox,
     SandboxCreate,
     SandboxList,
@@ -131,6 +133,17 @@ async def stream_events(
             yield jsonl(Event.model_validate(row).model_dump(mode="json"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/{sandbox_id}/processes", response_model=ProcessList)
+async def list_processes(sandbox_id: ID, svc: Service, who: Auth) -> ProcessList:
+    """Commands that outlive their connection, e.g. the image's `entrypoint`."""
+    return ProcessList(processes=[p.info() for p in svc.processes.list(who.tenant, sandbox_id)])
+
+
+@router.get("/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
+async def get_process(sandbox_id: ID, process_id: str, svc: Service, who: Auth) -> ProcessInfo:
+    return svc.processes.get(who.tenant, sandbox_id, process_id).info()
 
 
 @router.get("/{sandbox_id}/lineage", response_model=LineageNode)

@@ -1,0 +1,71 @@
+"""Templates on the wire: what a template is, how one is built from an image, build progress."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from cella.models.network import SECRET_NAME
+
+TEMPLATE_NAME = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+
+
+class ImageConfig(BaseModel):
+    """The parts of an OCI image's config a sandbox honours: `env`, `working_dir` and `user`
+    are the defaults of every command; `entrypoint` + `cmd` run at create on request."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = Field(default_factory=list)
+    cmd: list[str] = Field(default_factory=list)
+
+    @property
+    def command(self) -> list[str]:
+        return [*self.entrypoint, *self.cmd]
+
+
+class Template(BaseModel):
+    name: str
+    kind: Literal["builtin", "image", "dockerfile"]
+    source: str | None = Field(default=None, description="image reference or build context")
+    digest: str | None = Field(default=None, description="the image manifest's digest")
+    built: bool = Field(description="its base image exists (builtins: `cella setup` made it)")
+    disk_mib: int | None = None
+    config: ImageConfig = Field(default_factory=ImageConfig)
+    built_at: str | None = None
+    seconds: dict[str, float] = Field(
+        default_factory=dict, description="time per build step (fetch, unpack, filesystem, ...)"
+    )
+
+
+class TemplateList(BaseModel):
+    templates: list[Template]
+
+
+class TemplateBuild(BaseModel):
+    """A template from an OCI/Docker image: a registry reference (`host/repo:tag`,
+    `...@sha256:...`), or an archive or OCI layout on the daemon's host."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = Field(pattern=TEMPLATE_NAME)
+    image: str = Field(min_length=1, max_length=1024)
+    disk_mib: int | None = Field(
+        default=None, ge=512, le=1 << 20, description="file system size (default: fits + 256)"
+    )
+    registry_secret: str | None = Field(
+        default=None,
+        pattern=SECRET_NAME,
+        description="a secret holding `user:password` for the registry (used on the host only)",
+    )
+
+
+class BuildEvent(BaseModel):
+    """One line of a build's progress stream; the last is `done` or `error`."""
+
+    type: Literal["progress", "done", "error"]
+    message: str | None = None
+    template: Template | None = None
+    code: str | None = None

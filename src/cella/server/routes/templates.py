@@ -1,0 +1,110 @@
+"""Templates: listed by anyone; built (from an image or a Dockerfile) and removed by an admin,
+since every tenant's sandboxes may use them. Builds stream their progress as JSON Lines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from cella import errors
+from cella.models import BuildEvent, Template, TemplateBuild, TemplateList
+from cella.server.deps import Auth, Service, jsonl
+from cella.service.keys import require_admin
+
+router = APIRouter(prefix="/v1/templates", tags=["templates"])
+PROGRESS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"application/x-ndjson": {"schema": BuildEvent.model_json_schema()}},
+        "description": "JSON Lines of BuildEvent: progress lines, then `done` or `error`",
+    }
+}
+
+
+@router.get("", response_model=TemplateList)
+async def list_templates(svc: Service, who: Auth) -> TemplateList:
+    return TemplateList(templates=svc.templates.list())
+
+
+@router.get("/{name}", response_model=Template)
+async def get_template(name: str, svc: Service, who: Auth) -> Template:
+    return svc.templates.get(name)
+
+
+@router.post("", response_class=StreamingResponse, responses=PROGRESS)
+async def build_template(body: TemplateBuild, svc: Service, who: Auth) -> StreamingResponse:
+    """Builds (or rebuilds) a template from an OCI/Docker image: fetch, unpack, file system,
+    warm snapshot. The same image digest again is a cache hit."""
+    require_admin(who, "build templates")
+    return _stream(lambda progress: svc.templates.build_image(who.tenant, body, progress))
+
+
+@router.post("/{name}/dockerfile", response_class=StreamingResponse, responses=PROGRESS)
+async def build_dockerfile(
+    name: str,
+    request: Request,
+    svc: Service,
+    who: Auth,
+    dockerfile: str = "Dockerfile",
+    allow: Annotated[list[str] | None, Query(description="hosts the build may reach")] = None,
+    disk_mib: Annotated[int | None, Query(ge=512, le=1 << 20)] = None,
+) -> StreamingResponse:
+    """Builds a template from a Dockerfile; the body is the build context as a tar archive.
+    The build runs in a builder sandbox that reaches only `allow`."""
+    require_admin(who, "build templates")
+    return _stream(
+        lambda progress: svc.templates.build_dockerfile(
+            who.tenant,
+            name,
+            request.stream(),
+            progress,
+            dockerfile=dockerfile,
+            allow=allow,
+            disk_mib=disk_mib,
+        )
+    )
+
+
+@router.delete("/{name}", status_code=204)
+async def delete_template(name: str, svc: Service, who: Auth) -> Response:
+    """Removes a template built from an image (409 while sandboxes or snapshots use it)."""
+    require_admin(who, "remove templates")
+    await svc.templates.delete(name)
+    return Response(status_code=204)
+
+
+def _stream(build: Callable[[Callable[[str], None]], Awaitable[Template]]) -> StreamingResponse:
+    """Runs the build as a task of its own (a client that goes away does not stop it) and
+    streams its progress, then its outcome."""
+    queue: asyncio.Queue[BuildEvent] = asyncio.Queue()
+
+    def progress(line: str) -> None:
+        queue.put_nowait(BuildEvent(type="progress", message=line))
+
+    async def run() -> None:
+        try:
+            template = await build(progress)
+            queue.put_nowait(BuildEvent(type="done", template=template))
+        except errors.CellaError as exc:
+            queue.put_nowait(BuildEvent(type="error", code=exc.code, message=exc.message))
+        except Exception as exc:
+            queue.put_nowait(BuildEvent(type="error", code="internal", message=repr(exc)))
+
+    task = asyncio.create_task(run(), name="template-build")
+    _builds.add(task)
+    task.add_done_callback(_builds.discard)
+
+    async def lines() -> AsyncIterator[bytes]:
+        while True:
+            event = await queue.get()
+            yield jsonl(event.model_dump(mode="json", exclude_none=True))
+            if event.type != "progress":
+                return
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+_builds: set[asyncio.Task[None]] = set()  # running builds, kept from the garbage collector

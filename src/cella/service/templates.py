@@ -1,0 +1,342 @@
+"""Templates: the built-in ones (`cella setup`), and ones built from OCI images or Dockerfiles.
+
+An image build runs on the host with skopeo and umoci (`cella.images.oci`); a Dockerfile is
+untrusted code, so its build runs inside a builder sandbox (buildah, under the builder's
+egress rules) and only the resulting image archive comes out. Either way the template ends
+with its warm snapshot made, so the first sandbox of it restores like any other. A template
+built from an image carries the image's config: `defaults()` lays it under a new sandbox's
+own exec defaults, and `entrypoint()` is what `run_entrypoint` starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import hashlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.guest.client import Output
+from cella.guest.protocol import ExitStatus
+from cella.images import oci
+from cella.images.templates import builtin_templates, template_image
+from cella.models import (
+    ExecDefaults,
+    ExecRequest,
+    ImageConfig,
+    NetworkPolicy,
+    SandboxCreate,
+    Template,
+    TemplateBuild,
+)
+from cella.policy.egress import host_matches, parse_rule
+from cella.service.egress import SandboxEgress
+from cella.service.exec import Exec
+from cella.service.files import Files
+from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
+from cella.service.registry import Registry
+from cella.service.warm import Shape, WarmPool, WarmSnapshots
+
+log = logging.getLogger("cella.templates")
+Progress = Callable[[str], None]
+BUILDER_TEMPLATE = "builder"
+BUILD_DIR = "/build"
+BUILDAH = ["buildah", "--storage-driver", "vfs"]  # vfs: no overlay mount needed in the guest
+
+
+class Templates:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        registry: Registry,
+        egress: SandboxEgress,
+        warm: WarmSnapshots,
+        pool: WarmPool,
+        lifecycle: Lifecycle,
+        exec_room: Exec,
+        files: Files,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.paths = registry.driver.paths
+        self.egress = egress
+        self.warm = warm
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.exec = exec_room
+        self.files = files
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._cert_dir: Path | None = None
+
+    # -- reading -------------------------------------------------------------------------
+
+    def list(self) -> list[Template]:
+        out = [
+            Template(
+                name=spec.name,
+                kind="builtin",
+                built=template_image(self.paths, spec).exists(),
+                disk_mib=spec.disk_mib,
+            )
+            for spec in builtin_templates().values()
+        ]
+        return out + [self._of(meta) for meta in oci.list_meta(self.paths)]
+
+    def get(self, name: str) -> Template:
+        for template in self.list():
+            if template.name == name:
+                return template
+        raise errors.NotFound(f"no template {name!r}")
+
+    def _of(self, meta: oci.TemplateMeta) -> Template:
+        return Template(
+            name=meta.name,
+            kind=meta.kind,
+            source=meta.source,
+            digest=meta.digest,
+            built=(self.paths.templates / meta.image).exists(),
+            disk_mib=meta.disk_mib,
+            config=meta.config,
+            built_at=datetime.fromtimestamp(meta.built_at, UTC).isoformat(),
+            seconds=meta.seconds,
+        )
+
+    def image_config(self, name: str) -> ImageConfig | None:
+        meta = oci.read_meta(self.paths, name)
+        return meta.config if meta is not None else None
+
+    def defaults(self, name: str, own: ExecDefaults) -> ExecDefaults:
+        """A sandbox's exec defaults: its own, over its image's Env, WorkingDir and User."""
+        config = self.image_config(name)
+        if config is None:
+            return own
+        return ExecDefaults(
+            user=own.user or config.user,
+            cwd=own.cwd or config.working_dir,
+            env={**config.env, **own.env},
+        )
+
+    # -- building ------------------------------------------------------------------------
+
+    async def build_image(self, tenant: str, req: TemplateBuild, progress: Progress) -> Template:
+        """A template from an image; ends with its warm snapshot made."""
+        self._check_name(req.name)
+        credentials = self._credentials(tenant, req.registry_secret, req.image)
+        async with self._lock(req.name):
+            meta = await asyncio.to_thread(
+                oci.build_from_image,
+                self.paths,
+                req.name,
+                req.image,
+                _threadsafe(progress),
+                disk_mib=req.disk_mib,
+                cert_dir=self._certs(),
+                credentials=credentials,
+            )
+            await self._warm(req.name, progress)
+        return self._of(meta)
+
+    async def build_dockerfile(
+        self,
+        tenant: str,
+        name: str,
+        context: AsyncIterable[bytes],
+        progress: Progress,
+        *,
+        dockerfile: str = "Dockerfile",
+        allow: builtins.list[str] | None = None,
+        disk_mib: int | None = None,
+    ) -> Template:
+        """A template from a Dockerfile and its context (a tar stream), built by buildah in
+        a builder sandbox that reaches only `allow`; the image comes out as an OCI archive."""
+        self._check_name(name)
+        if dockerfile.startswith("/") or ".." in dockerfile.split("/") or "\x00" in dockerfile:
+            raise errors.InvalidArgument("dockerfile must be a path inside the context")
+        try:
+            self.registry.driver.template_disk_mib(BUILDER_TEMPLATE)
+        except errors.ImageMissing:
+            raise errors.ImageMissing(
+                "the builder template is not built: run `cella setup --template builder`"
+            ) from None
+        spec = SandboxCreate(
+            template=BUILDER_TEMPLATE,
+            memory_mib=2048,
+            vcpus=2,
+            ttl_seconds=3600,
+            labels={"cella.role": "template-builder", "cella.template": name},
+            network=NetworkPolicy(allow=allow or []),
+        )
+        progress(f"starting a builder sandbox (egress: {', '.join(allow or []) or 'none'})")
+        box = await self.lifecycle.create(tenant, spec)
+        digest = hashlib.sha256()
+        try:
+
+            async def hashed() -> AsyncIterator[bytes]:
+                async for chunk in context:
+                    digest.update(chunk)
+                    yield chunk
+
+            progress("uploading the build context")
+            await self.files.upload_archive(tenant, box.id, f"{BUILD_DIR}/context", hashed())
+            source = f"Dockerfile (context sha256:{digest.hexdigest()[:16]})"
+            progress("building the image (buildah)")
+            await self._run(tenant, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
+                            "--layers=false", "-f", f"{BUILD_DIR}/context/{dockerfile}",
+                            "-t", "cella-build", f"{BUILD_DIR}/context"], progress)  # fmt: skip
+            progress("exporting the image")
+            await self._run(tenant, box.id, [*BUILDAH, "push", "cella-build",
+                            f"oci-archive:{BUILD_DIR}/image.tar"], progress)  # fmt: skip
+            with tempfile.TemporaryDirectory(dir=self.paths.build_tmp) as tmp:
+                archive = Path(tmp) / "image.tar"
+                with archive.open("wb") as out:
+                    async for chunk in await self.files.read(
+                        tenant, box.id, f"{BUILD_DIR}/image.tar"
+                    ):
+                        out.write(chunk)
+                async with self._lock(name):
+                    meta = await asyncio.to_thread(
+                        oci.build_from_image,
+                        self.paths,
+                        name,
+                        f"oci-archive:{archive}",
+                        _threadsafe(progress),
+                        disk_mib=disk_mib,
+                        kind="dockerfile",
+                        source=source,
+                    )
+        finally:
+            with contextlib.suppress(errors.CellaError):
+                await self.lifecycle.delete(tenant, box.id)
+        async with self._lock(name):
+            await self._warm(name, progress)
+        return self._of(meta)
+
+    async def _run(
+        self, tenant: str, sandbox_id: str, argv: builtins.list[str], progress: Progress
+    ) -> None:
+        """Runs a build step in the builder, its output as progress; fails the build on a
+        non-zero exit with the step's last lines."""
+        tail: builtins.list[str] = []
+        req = ExecRequest(command=argv, timeout=3000)
+        status: ExitStatus | None = None
+        pending = b""
+        async for event in self.exec.stream(tenant, sandbox_id, req):
+            if isinstance(event, Output):
+                pending += event.data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    text = line.decode(errors="replace").rstrip()
+                    if text:
+                        progress(f"  {text}")
+                        tail = [*tail[-19:], text]
+            elif isinstance(event, ExitStatus):
+                status = event
+        if status is None or status.exit_code != 0:
+            code = status.exit_code if status else None
+            raise errors.BuildFailed(
+                f"the {argv[3]} step failed (exit {code}): " + " / ".join(tail[-5:])
+            )
+
+    async def _warm(self, name: str, progress: Progress) -> None:
+        """The new build replaces the old in pools and warm snapshots; then its own warm
+        snapshot is made, so the first sandbox restores rather than boots."""
+        await self.pool.forget(name)
+        progress("making the warm snapshot (one boot)")
+        started = time.monotonic()
+        await self.warm.ensure(Shape(name, *POOLED_SHAPE))
+        seconds = round(time.monotonic() - started, 2)
+        meta = oci.read_meta(self.paths, name)
+        if meta is not None:
+            oci.record_seconds(self.paths, meta, snapshot=seconds)
+        progress(f"template {name} is ready ({seconds} s to snapshot)")
+
+    # -- removing ------------------------------------------------------------------------
+
+    async def delete(self, name: str) -> None:
+        """Removes a template built from an image; refused while sandboxes or snapshots
+        of it exist (their disks sit on its base)."""
+        if name in builtin_templates():
+            raise errors.InvalidArgument(f"{name!r} is a built-in template")
+        meta = oci.read_meta(self.paths, name)
+        if meta is None:
+            raise errors.NotFound(f"no template {name!r}")
+        gone = ("deleted", "error")
+        users = [
+            r.id
+            for r in self.registry.store.list_sandboxes()
+            if r.template == name and r.state not in gone
+        ]
+        snaps = [
+            s.id
+            for s in self.registry.store.list_snapshots()
+            if s.template == name and s.state not in gone
+        ]
+        if users or snaps:
+            raise errors.Conflict(
+                f"template {name!r} is in use by {len(users)} sandbox(es) and "
+                f"{len(snaps)} snapshot(s): delete those first"
+            )
+        async with self._lock(name):
+            await self.pool.forget(name)
+            oci.meta_path(self.paths, name).unlink(missing_ok=True)
+            for warm in (self.paths.images / "snapshots").glob(f"{name}-*"):
+                shutil.rmtree(warm, ignore_errors=True)
+            if all(m.image != meta.image for m in oci.list_meta(self.paths)):
+                (self.paths.templates / meta.image).unlink(missing_ok=True)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _check_name(self, name: str) -> None:
+        if name in builtin_templates():
+            raise errors.InvalidArgument(f"{name!r} is a built-in template (`cella setup`)")
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _credentials(self, tenant: str, secret: str | None, image: str) -> str | None:
+        """`user:password` for the image's registry, from a secret bound to its host (a
+        secret is never sent to a host it is not bound to)."""
+        if secret is None:
+            return None
+        row = self.registry.store.get_secret(tenant, secret)
+        if row is None:
+            raise errors.InvalidArgument(f"no secret {secret!r}")
+        if ":" not in row.value:
+            raise errors.InvalidArgument(f"secret {secret!r} must be `user:password`")
+        source = oci.skopeo_source(image)
+        if not source.startswith("docker://"):
+            raise errors.InvalidArgument("registry_secret is for images from a registry")
+        host = urlsplit("//" + source.removeprefix("docker://").split("/", 1)[0]).hostname
+        if not host or not host_matches([parse_rule(h) for h in row.hosts], host):
+            raise errors.InvalidArgument(f"secret {secret!r} is not bound to {host}")
+        return row.value
+
+    def _certs(self) -> Path | None:
+        """The operator's extra CAs as a directory skopeo reads (`*.crt`)."""
+        pem = self.settings.extra_ca_pem()
+        if not pem:
+            return None
+        if self._cert_dir is None:
+            self._cert_dir = self.paths.root / "registry-certs"
+            self._cert_dir.mkdir(exist_ok=True)
+            (self._cert_dir / "extra.crt").write_bytes(pem)
+        return self._cert_dir
+
+
+def _threadsafe(progress: Progress) -> Progress:
+    """`progress` callable from a worker thread (it runs on the event loop)."""
+    loop = asyncio.get_running_loop()
+
+    def call(line: str) -> None:
+        loop.call_soon_threadsafe(progress, line)
+
+    return call

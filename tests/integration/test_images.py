@@ -1,0 +1,278 @@
+"""OCI/Docker images as templates: built from a TLS registry on loopback, a `docker save`
+archive and an OCI layout (images made offline here), then booted as microVMs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cella import Client, errors
+from tests.daemon import Daemon, running_daemon
+from tests.netservers import TestCA, free_loopback_block
+from tests.oci_images import Registry, busybox_image, static_image
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@dataclass
+class Images:
+    layout: Path
+    registry: Registry
+    private: Registry
+    ca: TestCA
+    busybox: str  # the registry reference, as the host sees it
+    private_busybox: str
+    static_archive: Path  # a `docker save`-style archive
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
+    root = tmp_path_factory.mktemp("images")
+    layout = root / "layout"
+    busybox_image(layout)
+    static_image(layout)
+    prefix = free_loopback_block()
+    ca = TestCA(root / "ca", ["registry.test", "private.test", f"{prefix}.1", f"{prefix}.2"])
+    registry = Registry(root / "registry", f"{prefix}.1", ca)
+    hashed = subprocess.run(
+        ["/usr/bin/python3", "-W", "ignore", "-c",
+         "import crypt; print(crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH)))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    (root / "htpasswd").write_text(f"puller:{hashed}\n")
+    private = Registry(root / "private", f"{prefix}.2", ca, htpasswd=root / "htpasswd")
+    archive = root / "static.tar"
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", f"oci:{layout}:static", f"docker-archive:{archive}:static:1"],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield Images(
+            layout,
+            registry,
+            private,
+            ca,
+            busybox=registry.push(f"oci:{layout}:busybox", "busybox:1"),
+            private_busybox=private.push(
+                f"oci:{layout}:busybox", "team/busybox:1", creds="puller:s3cret"
+            ),
+            static_archive=archive,
+        )
+    finally:
+        registry.close()
+        private.close()
+
+
+@pytest.fixture(scope="module")
+def image_daemon(tmp_path_factory: pytest.TempPathFactory, images: Images) -> Iterator[Daemon]:
+    hosts = {"registry.test": images.registry.addr, "private.test": images.private.addr}
+    with running_daemon(
+        tmp_path_factory.mktemp("image-daemon"),
+        pool_size="0",
+        extra_ca_certificates=json.dumps([str(images.ca.cert)]),
+        egress_hosts=json.dumps(hosts),
+    ) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def admin(image_daemon: Daemon) -> Iterator[Client]:
+    with Client(image_daemon.url, image_daemon.admin_key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def busybox(admin: Client, images: Images) -> list[str]:
+    """The busybox template, built once; its progress lines."""
+    lines: list[str] = []
+    admin.build_template("bb", images.busybox, on_progress=lines.append)
+    return lines
+
+
+def run(sb: object, argv: list[str] | str, **kw: object) -> tuple[int, str]:
+    r = sb.exec(argv, **kw)  # type: ignore[attr-defined]
+    return r.exit_code, (r.stdout + r.stderr).decode().strip()
+
+
+def test_registry_image_becomes_a_template(admin: Client, busybox: list[str]) -> None:
+    text = "\n".join(busybox)
+    for step in ("fetching", "unpacking", "ext4 file system", "warm snapshot", "is ready"):
+        assert step in text, text
+    made = admin.get_template("bb")
+    assert made.kind == "image" and made.built and made.digest and made.digest.startswith("sha256:")
+    assert made.config.user == "app" and made.config.working_dir == "/app"
+    assert {"fetch", "unpack", "filesystem", "snapshot"} <= set(made.seconds)
+    assert "bb" in [t.name for t in admin.templates()]
+
+
+def test_image_config_is_the_default_of_every_command(admin: Client, busybox: list[str]) -> None:
+    with admin.create("bb") as sb:
+        assert sb.info.exec_defaults.user == "app" and sb.info.exec_defaults.cwd == "/app"
+        assert run(sb, ["id", "-u"]) == (0, "1000")
+        assert run(sb, ["pwd"]) == (0, "/app")
+        assert run(sb, "echo $FOO") == (0, "bar")
+        # the command's own choices win
+        assert run(sb, ["id", "-u"], user="root") == (0, "0")
+        assert run(sb, ["pwd"], cwd="/tmp") == (0, "/tmp")
+        assert run(sb, "echo $FOO", env={"FOO": "mine"}) == (0, "mine")
+
+
+def test_layers_unpack_faithfully(admin: Client, busybox: list[str]) -> None:
+    with admin.create("bb") as sb:
+        assert run(sb, ["test", "-e", "/etc/doomed"])[0] == 1  # deleted by the upper layer
+        assert run(sb, ["cat", "/app/hello.txt"]) == (0, "from the upper layer")
+        code, out = run(sb, ["stat", "-c", "%i %h", "/data/a", "/data/b"], user="root")
+        first, second = out.splitlines()
+        assert code == 0 and first == second and first.endswith(" 2")  # one inode, two names
+        assert run(sb, ["stat", "-c", "%a %u:%g", "/data/secret"]) == (0, "600 1000:1000")
+        assert run(sb, ["cat", "/data/secret"], user="root")[0] == 0
+        # the guest's root file system is its own: writes land in the sandbox's overlay
+        assert run(sb, "echo x > /app/new && cat /app/new") == (0, "x")
+
+
+def test_rebuild_of_the_same_digest_is_a_cache_hit(
+    admin: Client, images: Images, busybox: list[str]
+) -> None:
+    before = admin.get_template("bb")
+    lines: list[str] = []
+    again = admin.build_template("bb", images.busybox, on_progress=lines.append)
+    assert any("cache hit" in line for line in lines), lines
+    assert not any("unpacking" in line for line in lines)
+    assert again.digest == before.digest and again.built_at == before.built_at
+    # the same image under another name shares the base too
+    lines.clear()
+    other = admin.build_template("bb2", images.busybox, on_progress=lines.append)
+    assert any("cache hit" in line for line in lines) and other.digest == before.digest
+    admin.delete_template("bb2")
+    assert admin.get_template("bb").built  # the shared base stays for the other name
+
+
+def test_image_without_shell_or_passwd_from_a_docker_archive(admin: Client, images: Images) -> None:
+    made = admin.build_template("static", str(images.static_archive))
+    assert made.config.user == "1234" and made.source == str(images.static_archive)
+    with admin.create("static") as sb:
+        assert run(sb, ["/hello"]) == (0, "uid=1234 cwd=/srv FOO=static")
+        # a shell command has no shell to run in: a clear failure, not a hang
+        with pytest.raises(errors.NotFound, match="cannot run /bin/sh"):
+            sb.exec("echo hi")
+
+
+def test_oci_layout_and_run_entrypoint(admin: Client, images: Images, busybox: list[str]) -> None:
+    made = admin.build_template("bb-layout", f"oci:{images.layout}:busybox")
+    assert made.digest == admin.get_template("bb").digest  # same image, however it came
+    with admin.create("bb-layout", run_entrypoint=True) as sb:
+        deadline = time.monotonic() + 60
+        proc = sb.process("entrypoint")
+        while "entrypoint as" not in proc.stdout and time.monotonic() < deadline:
+            time.sleep(0.2)
+            proc = sb.process("entrypoint")
+        assert proc.running and proc.stdout.strip() == "entrypoint as 1000 in /app"
+        assert [p.id for p in sb.processes()] == ["entrypoint"]
+    with pytest.raises(errors.InvalidArgument, match="no image Entrypoint"):
+        admin.create("default", run_entrypoint=True)
+
+
+def test_private_registry_credentials_come_from_a_secret(admin: Client, images: Images) -> None:
+    with pytest.raises(errors.BuildFailed, match="fetching"):
+        admin.build_template("private", images.private_busybox)  # no credentials: refused
+    assert "private" not in [t.name for t in admin.templates()]  # nothing half-made
+    admin.put_secret("elsewhere", "puller:s3cret", ["registry.example"])
+    with pytest.raises(errors.InvalidArgument, match="not bound to"):
+        admin.build_template("private", images.private_busybox, registry_secret="elsewhere")
+    admin.put_secret("registry-login", "puller:s3cret", [images.private.addr])
+    made = admin.build_template("private", images.private_busybox, registry_secret="registry-login")
+    assert made.built and made.config.user == "app"
+
+
+def test_bad_builds_are_refused_and_leave_nothing(
+    admin: Client, image_daemon: Daemon, busybox: list[str]
+) -> None:
+    with pytest.raises(errors.BuildFailed, match="fetching"):
+        admin.build_template("nope", "127.0.0.1:9/missing/image:1")
+    with pytest.raises(errors.InvalidArgument, match="built-in"):
+        admin.build_template("default", "127.0.0.1:9/missing/image:1")
+    with pytest.raises(errors.InvalidArgument):
+        admin.build_template("Bad Name", "x/y:1")
+    with pytest.raises(errors.InvalidArgument, match="not an image reference"):
+        admin.build_template("nope", "justaword")
+    assert "nope" not in [t.name for t in admin.templates()]
+    assert not list((image_daemon.data_dir / "images" / "tmp").glob("image-*"))
+    tenant = admin.create_key("someone")
+    with Client(image_daemon.url, tenant["key"]) as user:
+        assert "bb" in [t.name for t in user.templates()]  # anyone lists, and uses
+        with pytest.raises(errors.PermissionDenied):
+            user.build_template("mine", "x/y:1")
+        with pytest.raises(errors.PermissionDenied):
+            user.delete_template("bb")
+
+
+def test_template_in_use_is_not_removed(admin: Client, images: Images) -> None:
+    admin.build_template("doomed", images.busybox)
+    sb = admin.create("doomed")
+    with pytest.raises(errors.Conflict, match="in use"):
+        admin.delete_template("doomed")
+    assert run(sb, ["cat", "/app/hello.txt"])[0] == 0
+    sb.delete()
+    admin.delete_template("doomed")
+    assert "doomed" not in [t.name for t in admin.templates()]
+    with pytest.raises(errors.InvalidArgument, match="unknown template"):
+        admin.create("doomed")
+    with pytest.raises(errors.NotFound):
+        admin.delete_template("doomed")
+
+
+def test_guests_trust_the_operators_extra_ca(admin: Client, images: Images) -> None:
+    """The registry's certificate is signed by the extra CA only: a guest verifies it with
+    curl, Python and git's variables; the same request with the stock roots fails."""
+    with admin.create(allow=["registry.test"]) as sb:
+        assert run(sb, "curl -sSf -o /dev/null -w '%{http_code}' https://registry.test/v2/")[1] == (
+            "200"
+        )
+        py = "import urllib.request as u; print(u.urlopen('https://registry.test/v2/').status)"
+        assert run(sb, ["python3", "-c", py]) == (0, "200")
+        assert run(sb, "echo $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS $GIT_SSL_CAINFO")[1] == (
+            " ".join(["/etc/ssl/certs/ca-certificates.crt"] * 3)
+        )
+        stock = "/usr/share/ca-certificates/mozilla/ISRG_Root_X1.crt"
+        code, out = run(sb, f"curl -sS --cacert {stock} https://registry.test/v2/")
+        assert code != 0 and "certificate" in out
+
+
+def test_template_cli(image_daemon: Daemon, images: Images, busybox: list[str]) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", *args],
+            env=image_daemon.env(None),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    built = cli("template", "build", "bb-cli", "--from-image", images.busybox, "--json")
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout)["config"]["user"] == "app"
+    assert "cache hit" in built.stderr  # progress goes to stderr, JSON alone to stdout
+    listed = json.loads(cli("template", "ls", "--json").stdout)
+    assert {"default", "bb", "bb-cli"} <= {t["name"] for t in listed}
+    made = cli("sandbox", "create", "--template", "bb-cli", "--run-entrypoint", "--json")
+    assert made.returncode == 0, made.stderr
+    sandbox_id = json.loads(made.stdout)["id"]
+    try:
+        deadline = time.monotonic() + 60
+        while "entrypoint as" not in (logs := cli("sandbox", "logs", sandbox_id)).stdout:
+            assert time.monotonic() < deadline, logs.stderr
+            time.sleep(0.3)
+        assert logs.stdout.strip() == "entrypoint as 1000 in /app"
+    finally:
+        cli("sandbox", "rm", sandbox_id)
+    bad = cli("template", "build", "x")
+    assert bad.returncode != 0 and "--from-image" in bad.stderr
+    assert cli("template", "rm", "bb-cli").returncode == 0

@@ -1,0 +1,141 @@
+"""OCI images made offline for tests (umoci, busybox-static, musl-gcc), and a TLS registry on
+loopback (Debian's docker-registry) to push them to."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import httpx2
+
+from tests.netservers import TestCA
+
+BUSYBOX = Path("/bin/busybox")
+APPLETS = ["sh", "echo", "cat", "ls", "id", "pwd", "env", "sleep", "stat", "test", "rm",
+           "mkdir", "touch", "wget", "true", "false", "head", "grep"]  # fmt: skip
+HELLO_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int main(void) {
+    char cwd[256];
+    printf("uid=%d cwd=%s FOO=%s\n", (int)getuid(), getcwd(cwd, sizeof cwd), getenv("FOO"));
+    return 0;
+}
+"""
+
+
+def run(*argv: str | Path) -> None:
+    subprocess.run([str(a) for a in argv], check=True, capture_output=True)
+
+
+def busybox_image(layout: Path, tag: str = "busybox") -> None:
+    """Two layers: a busybox root with users, a hard link, modes and owners, and a file
+    the second layer deletes (a whiteout). Env/WorkingDir/User and an entrypoint set."""
+    image = f"{layout}:{tag}"
+    if not layout.exists():
+        run("umoci", "init", "--layout", layout)
+    run("umoci", "new", "--image", image)
+    bundle = layout.parent / f"{tag}-bundle"
+    run("umoci", "unpack", "--image", image, bundle)
+    root = bundle / "rootfs"
+    for d in ("bin", "etc", "app", "home/app", "data", "tmp"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(BUSYBOX, root / "bin/busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc/passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n"
+    )
+    (root / "etc/group").write_text("root:x:0:\napp:x:1000:\n")
+    (root / "etc/doomed").write_text("deleted in the upper layer\n")
+    (root / "data/a").write_text("linked\n")
+    os.link(root / "data/a", root / "data/b")
+    (root / "data/secret").write_text("mode 0600, owned by app\n")
+    (root / "data/secret").chmod(0o600)
+    for path in (root / "data/secret", root / "app", root / "home/app"):
+        os.chown(path, 1000, 1000)
+    run("umoci", "repack", "--image", image, bundle)
+    shutil.rmtree(bundle)
+    run("umoci", "unpack", "--image", image, bundle)  # the second layer
+    (bundle / "rootfs/etc/doomed").unlink()
+    (bundle / "rootfs/app/hello.txt").write_text("from the upper layer\n")
+    run("umoci", "repack", "--image", image, bundle)
+    shutil.rmtree(bundle)
+    run("umoci", "config", "--image", image,
+        "--config.env", "FOO=bar", "--config.env", "PATH=/bin",
+        "--config.workingdir", "/app", "--config.user", "app",
+        "--config.entrypoint", "/bin/sh", "--config.entrypoint", "-c",
+        "--config.cmd", "echo entrypoint as $(id -u) in $(pwd); exec sleep 3600")  # fmt: skip
+
+
+def static_image(layout: Path, tag: str = "static") -> None:
+    """One static musl binary and nothing else: no shell, no libc, no /etc/passwd."""
+    image = f"{layout}:{tag}"
+    if not layout.exists():
+        run("umoci", "init", "--layout", layout)
+    run("umoci", "new", "--image", image)
+    bundle = layout.parent / f"{tag}-bundle"
+    run("umoci", "unpack", "--image", image, bundle)
+    source = layout.parent / "hello.c"
+    source.write_text(HELLO_C)
+    (bundle / "rootfs/srv").mkdir()
+    run("musl-gcc", "-static", "-O2", "-o", bundle / "rootfs/hello", source)
+    run("umoci", "repack", "--image", image, bundle)
+    shutil.rmtree(bundle)
+    run("umoci", "config", "--image", image, "--config.env", "FOO=static",
+        "--config.workingdir", "/srv", "--config.user", "1234",
+        "--config.cmd", "/hello")  # fmt: skip
+
+
+class Registry:
+    """Debian's docker-registry serving TLS on `addr:443` with a certificate from `ca`."""
+
+    def __init__(
+        self, directory: Path, addr: str, ca: TestCA, htpasswd: Path | None = None
+    ) -> None:
+        self.addr = addr
+        self.ca = ca
+        self.certs = directory / "certs"  # as skopeo reads them: *.crt
+        self.certs.mkdir(parents=True)
+        shutil.copy(ca.cert, self.certs / "ca.crt")
+        config = directory / "config.yml"
+        config.write_text(
+            "version: 0.1\n"
+            f"storage: {{filesystem: {{rootdirectory: {directory / 'data'}}}}}\n"
+            f"http: {{addr: '{addr}:443', tls: {{certificate: {ca.server_cert}, "
+            f"key: {ca.server_key}}}}}\n"
+            "log: {level: warn}\n"
+            + (f"auth: {{htpasswd: {{realm: cella-test, path: {htpasswd}}}}}\n" if htpasswd else "")
+        )
+        self.log = (directory / "registry.log").open("wb")
+        self.proc = subprocess.Popen(
+            ["docker-registry", "serve", str(config)], stdout=self.log, stderr=self.log
+        )
+        deadline = time.monotonic() + 30
+        trust = ssl.create_default_context(cafile=ca.cert)
+        while True:
+            try:
+                httpx2.get(f"https://{addr}/v2/", verify=trust, timeout=1)
+                return
+            except httpx2.HTTPError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("the registry did not start") from None
+                time.sleep(0.1)
+
+    def push(self, source: str, repo: str, creds: str | None = None) -> str:
+        """Copies an image (`oci:LAYOUT:TAG`) in; returns its reference on the host."""
+        ref = f"{self.addr}/{repo}"
+        login = ["--dest-creds", creds] if creds else []
+        run("skopeo", "copy", "--quiet", "--dest-cert-dir", self.certs, *login, source,
+            f"docker://{ref}")  # fmt: skip
+        return ref
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
