@@ -32,14 +32,11 @@ def report(title: str, rows: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps({"title": title, "rows": rows}, indent=2) + "\n")
         return
-    columns = sorted(
-        {k for r in rows.values() for k in r},
-        key=["n", "min", "p50", "p99", "max", "target", "ratio"].index,
-    )
-    table = Table(
-        *["measure", *[f"{c} (ms)" if c not in ("n", "target", "ratio") else c for c in columns]],
-        title=title,
-    )
+    known = ["n", "min", "p50", "p99", "max", "target", "ratio"]
+    seen = list(dict.fromkeys(k for r in rows.values() for k in r))  # others: as first seen
+    columns = sorted(seen, key=lambda c: known.index(c) if c in known else len(known))
+    timed = ("min", "p50", "p99", "max")
+    table = Table(*["measure", *[f"{c} (ms)" if c in timed else c for c in columns]], title=title)
     for name, row in rows.items():
         table.add_row(name, *[str(row.get(c, "")) for c in columns])
     Console().print(table)

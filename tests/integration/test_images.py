@@ -3,6 +3,7 @@ archive and an OCI layout (images made offline here), then booted as microVMs.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -83,10 +84,23 @@ def image_daemon(tmp_path_factory: pytest.TempPathFactory, images: Images) -> It
         yield d
 
 
+# what this module builds: templates live in the host's image directory, beside the daemon
+MADE = ["bb", "bb2", "static", "bb-layout", "private", "mine", "doomed", "bb-cli",
+        "from-dockerfile"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def admin(image_daemon: Daemon) -> Iterator[Client]:
     with Client(image_daemon.url, image_daemon.admin_key) as c:
+        remove_templates(c)  # an earlier run's, so every build here starts from nothing
         yield c
+        remove_templates(c)
+
+
+def remove_templates(c: Client) -> None:
+    for name in MADE:
+        with contextlib.suppress(errors.NotFound, errors.Conflict):
+            c.delete_template(name)
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +290,75 @@ def test_template_cli(image_daemon: Daemon, images: Images, busybox: list[str]) 
     bad = cli("template", "build", "x")
     assert bad.returncode != 0 and "--from-image" in bad.stderr
     assert cli("template", "rm", "bb-cli").returncode == 0
+
+
+# -- Dockerfiles and Docker (the docker template) ----------------------------------------
+
+
+def test_dockerfile_builds_in_a_builder_sandbox(
+    admin: Client, images: Images, tmp_path: Path, busybox: list[str]
+) -> None:
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "message.txt").write_text("copied in\n")
+    (context / "Dockerfile").write_text(
+        "FROM registry.test/busybox:1\n"
+        "USER root\n"
+        "ENV GREETING=hello\n"
+        "WORKDIR /work\n"
+        "COPY message.txt /work/message.txt\n"
+        'RUN echo "built by $(id -u)" > /work/built.txt && rm /app/hello.txt\n'
+    )
+    lines: list[str] = []
+    made = admin.build_template_from_dockerfile(
+        "from-dockerfile", context, allow=["registry.test"], on_progress=lines.append
+    )
+    text = "\n".join(lines)
+    assert "builder sandbox" in text and "buildah" in text and "warm snapshot" in text
+    assert made.kind == "dockerfile" and made.source and "context sha256:" in made.source
+    assert made.config.env["GREETING"] == "hello" and made.config.working_dir == "/work"
+    with admin.create("from-dockerfile") as sb:
+        assert run(sb, ["cat", "message.txt"]) == (0, "copied in")
+        assert run(sb, ["cat", "/work/built.txt"]) == (0, "built by 0")
+        assert run(sb, ["test", "-e", "/app/hello.txt"])[0] == 1
+        assert run(sb, "echo $GREETING from $(pwd)") == (0, "hello from /work")
+    builders = [s for s in admin.list() if s.info.labels.get("cella.role") == "template-builder"]
+    assert builders == []  # the builder sandbox is gone
+
+
+def test_dockerfile_build_reaches_only_what_it_is_allowed(
+    admin: Client, tmp_path: Path, busybox: list[str]
+) -> None:
+    """The same Dockerfile without the registry allowed fails at its FROM, and says so."""
+    (tmp_path / "Dockerfile").write_text("FROM registry.test/busybox:1\nRUN true\n")
+    with pytest.raises(errors.BuildFailed, match="bud step failed"):
+        admin.build_template_from_dockerfile("unreachable", tmp_path)
+    (tmp_path / "Dockerfile").write_text("FROM registry.test/busybox:1\nRUN exit 3\n")
+    with pytest.raises(errors.BuildFailed, match="bud step failed"):
+        admin.build_template_from_dockerfile("failing", tmp_path, allow=["registry.test"])
+    names = [t.name for t in admin.templates()]
+    assert "unreachable" not in names and "failing" not in names
+    with pytest.raises(errors.InvalidArgument, match="inside the context"):
+        admin.build_template_from_dockerfile("x", tmp_path, dockerfile="../Dockerfile")
+
+
+def test_docker_runs_inside_a_sandbox(admin: Client, images: Images) -> None:
+    """dockerd is up from the warm snapshot; `docker run` pulls through the egress proxy
+    from an allowed registry; `docker build` works; a registry not allowed is refused and
+    the refusal logged."""
+    with admin.create("docker", allow=["registry.test"]) as sb:
+        assert run(sb, ["docker", "info", "--format", "{{.ServerVersion}}"])[0] == 0
+        r = sb.exec("docker run --rm registry.test/busybox:1 'echo hi from $(id -u)'", timeout=600)
+        assert (r.exit_code, r.stdout) == (0, b"hi from 1000\n"), r.stderr
+        build = (
+            "mkdir -p /tmp/ctx && cd /tmp/ctx && "
+            "printf 'FROM registry.test/busybox:1\\nRUN echo built > /home/app/b\\n' "
+            "> Dockerfile && "
+            "docker build -q -t two-line . >/dev/null && docker run --rm two-line 'cat /home/app/b'"
+        )
+        r = sb.exec(build, timeout=600)
+        assert (r.exit_code, r.stdout) == (0, b"built\n"), r.stderr
+        code, out = run(sb, "docker pull private.test/team/busybox:1", timeout=300)
+        assert code != 0 and "private.test" in out, out
+        denied = [d for d in sb.egress() if d.host.startswith("private.test") and not d.allowed]
+        assert denied, [d.model_dump() for d in sb.egress()]

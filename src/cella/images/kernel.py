@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from cella._proc import Progress, quiet, run
 from cella.paths import Paths
 
 META_PACKAGE = "linux-image-cloud-amd64"
+MODULES_TAR = "modules.tar"  # the package's whole /lib/modules/VERSION, for templates
 LZ4_LEGACY_MAGIC = bytes([0x02, 0x21, 0x4C, 0x18])
 # Loaded in this order by the initramfs (dependencies are added in front automatically).
 WANTED_MODULES = (
@@ -78,6 +80,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
         extract_vmlinux(vmlinuz, stage / "vmlinux")
         progress("resolving virtio modules")
         modules = _copy_modules(root, version, stage / "modules")
+        _save_tree(root, version, stage / MODULES_TAR)
         digest = hashlib.sha256((stage / "vmlinux").read_bytes()).hexdigest()
         (stage / "kernel.json").write_text(
             json.dumps({"version": version, "modules": modules, "sha256": digest}, indent=2)
@@ -88,6 +91,36 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
         stage.rename(paths.kernel)
     progress(f"guest kernel {version} ready")
     return Kernel.load(paths)
+
+
+def install_modules(paths: Paths, rootfs: Path, progress: Progress = quiet) -> str:
+    """Puts the guest kernel's whole module tree (and its index) into a root file system,
+    for templates whose programs load modules (Docker: overlay, bridge, netfilter...); the
+    root must have kmod, whose depmod indexes them.
+    Returns the kernel version."""
+    kernel = Kernel.load(paths)
+    tree = paths.kernel / MODULES_TAR
+    if not tree.exists():  # a kernel cached before the tree was kept: fetch it once more
+        with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="modules-") as tmp_s:
+            tmp = Path(tmp_s)
+            package = f"linux-image-{kernel.version}"
+            progress(f"downloading {package} for its modules")
+            run(["apt-get", "download", package], cwd=tmp, progress=None)
+            run(["dpkg-deb", "-x", next(tmp.glob("*.deb")), tmp / "root"])
+            _save_tree(tmp / "root", kernel.version, tree)
+    progress(f"adding the modules of kernel {kernel.version}")
+    (rootfs / "lib" / "modules").mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tree) as tar:
+        tar.extractall(rootfs / "lib" / "modules", filter="tar")
+    run(["chroot", rootfs, "depmod", kernel.version])  # the root's own kmod (hosts may lack it)
+    return kernel.version
+
+
+def _save_tree(root: Path, version: str, dest: Path) -> None:
+    tmp = dest.with_suffix(".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        tar.add(root / "lib" / "modules" / version, arcname=version)
+    tmp.rename(dest)
 
 
 def _resolve_package() -> str:

@@ -106,9 +106,10 @@ def build_from_image(
     layout.mkdir(parents=True, exist_ok=True)
     with open(layout.parent / "oci.lock", "w") as lock:  # one build at a time edits the layout
         fcntl.flock(lock, fcntl.LOCK_EX)
-        meta = _build(paths, name, ref, layout, progress, disk_mib, cert_dir, credentials)
-        if meta.kind != kind or (source and meta.source != source):  # same image, new story
-            meta = meta.model_copy(update={"kind": kind, "source": source or meta.source})
+        label = source or ref
+        meta = _build(paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials)
+        if meta.kind != kind:  # a cache hit of an image built the other way
+            meta = meta.model_copy(update={"kind": kind})
             _write_meta(paths, meta)
         return meta
 
@@ -117,6 +118,7 @@ def _build(
     paths: Paths,
     name: str,
     ref: str,
+    label: str,
     layout: Path,
     progress: Progress,
     disk_mib: int | None,
@@ -127,7 +129,7 @@ def _build(
     timings: dict[str, float] = {}
     started = time.monotonic()
     source = skopeo_source(ref)
-    progress(f"fetching {ref}")
+    progress(f"fetching {label}")
     argv = ["skopeo", "copy", "--quiet", source, f"oci:{layout}:{tag}"]
     if cert_dir is not None:
         argv[2:2] = ["--src-cert-dir", str(cert_dir)]
@@ -138,7 +140,7 @@ def _build(
     try:
         run(argv, progress=lambda line: progress(f"  {line}"))
     except errors.BuildFailed as exc:
-        raise errors.BuildFailed(f"fetching {ref} failed: {exc.message}") from None
+        raise errors.BuildFailed(f"fetching {label} failed: {exc.message}") from None
     finally:
         auth.unlink(missing_ok=True)
     timings["fetch"] = time.monotonic() - started
@@ -148,10 +150,10 @@ def _build(
         if same is not None:
             progress(f"template {name}: {digest[:19]} is built already (cache hit)")
             if same.name != name:  # another template has this image: share its base
-                same = same.model_copy(update={"name": name, "source": ref})
+                same = same.model_copy(update={"name": name, "source": label})
                 _write_meta(paths, same)
             return same
-        return _make(paths, name, ref, layout, tag, digest, config, disk_mib, progress, timings)
+        return _make(paths, name, label, layout, tag, digest, config, disk_mib, progress, timings)
     finally:
         _untag(layout, tag)
 

@@ -38,15 +38,27 @@ class TemplateSpec(BaseModel):
     name: str
     suite: str = "bookworm"
     apt_packages: list[str] = Field(default_factory=list)
+    # installed with apt-get into the finished root: packages whose maintainer scripts need a
+    # configured system, which debootstrap's own install does not give them
+    apt_install: list[str] = Field(default_factory=list)
     pip_packages: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # absolute guest path -> content
     setup: list[str] = Field(default_factory=list)  # shell commands run in the new root
+    kernel_modules: bool = False  # the guest kernel's module tree goes into /lib/modules
+    warm: list[str] = Field(
+        default_factory=list,
+        description="shell commands run in the booted guest before its warm snapshot is "
+        "taken: what they start (e.g. dockerd) is running in every sandbox restored from it",
+    )
     disk_mib: int = Field(default=4096, ge=512, le=1 << 20)
 
-    def digest(self) -> str:
-        canon = json.dumps(
-            {"builder": BUILDER_VERSION, **self.model_dump()}, sort_keys=True
-        ).encode()
+    def digest(self, kernel: str = "") -> str:
+        """Of everything that goes into the image (`kernel`: the module tree's kernel)."""
+        fields = {"builder": BUILDER_VERSION, **self.model_dump(), "kernel": kernel}
+        for later in ("apt_install", "kernel_modules", "warm", "kernel"):  # added unset: the
+            if not fields[later]:  # digests (and images) of templates without them stay
+                del fields[later]
+        canon = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(canon).hexdigest()[:16]
 
     @classmethod
@@ -64,7 +76,18 @@ def builtin_templates() -> dict[str, TemplateSpec]:
 
 
 def template_image(paths: Paths, spec: TemplateSpec) -> Path:
-    return paths.templates / f"{spec.name}-{spec.digest()}.qcow2"
+    return paths.templates / f"{spec.name}-{_digest(paths, spec)}.qcow2"
+
+
+def _digest(paths: Paths, spec: TemplateSpec) -> str:
+    if not spec.kernel_modules:
+        return spec.digest()
+    from cella.images.kernel import Kernel  # a new kernel means new modules: a new image
+
+    try:
+        return spec.digest(Kernel.load(paths).sha256)
+    except errors.ImageMissing:
+        return spec.digest("none")
 
 
 def find_template(paths: Paths, name: str) -> Path:
@@ -128,7 +151,7 @@ def build_template(
         progress(f"template {spec.name} is up to date ({image.name})")
         return image
     paths.ensure()
-    stage = paths.build_tmp / f"template-{spec.name}-{spec.digest()}-{os.getpid()}"
+    stage = paths.build_tmp / f"template-{spec.name}-{_digest(paths, spec)}-{os.getpid()}"
     if stage.exists():
         _remove_stage(stage)
     rootfs = stage / "rootfs"
@@ -148,6 +171,10 @@ def build_template(
             ],
             progress=lambda line: progress(f"  {line}") if line.startswith("I:") else None,
         )
+        if spec.kernel_modules:
+            from cella.images.kernel import install_modules
+
+            install_modules(paths, rootfs, progress)
         _configure(rootfs, spec, progress)
         raw = stage / "root.ext4"
         progress(f"making a {spec.disk_mib} MiB ext4 file system")
@@ -188,6 +215,11 @@ def _configure(rootfs: Path, spec: TemplateSpec, progress: Progress) -> None:
         resolv.unlink(missing_ok=True)
         shutil.copy2("/etc/resolv.conf", resolv)  # for pip during the build only
         try:
+            if spec.apt_install:
+                progress(f"apt-get install {' '.join(spec.apt_install)}")
+                _chroot(rootfs, ["apt-get", "update", "-q"], progress)
+                _chroot(rootfs, ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                 *spec.apt_install], progress)  # fmt: skip
             if spec.pip_packages:
                 progress(f"pip install {' '.join(spec.pip_packages)}")
                 _chroot(

@@ -48,7 +48,7 @@ from cella.service.warm import Shape, WarmPool, WarmSnapshots
 
 log = logging.getLogger("cella.templates")
 Progress = Callable[[str], None]
-BUILDER_TEMPLATE = "builder"
+BUILDER_TEMPLATE = "docker"  # has buildah
 BUILD_DIR = "/build"
 BUILDAH = ["buildah", "--storage-driver", "vfs"]  # vfs: no overlay mount needed in the guest
 
@@ -165,12 +165,11 @@ class Templates:
             self.registry.driver.template_disk_mib(BUILDER_TEMPLATE)
         except errors.ImageMissing:
             raise errors.ImageMissing(
-                "the builder template is not built: run `cella setup --template builder`"
+                "the docker template (the builder) is not built: "
+                "run `cella setup --template docker`"
             ) from None
-        spec = SandboxCreate(
+        spec = SandboxCreate(  # the pooled shape: restored from the template's warm snapshot
             template=BUILDER_TEMPLATE,
-            memory_mib=2048,
-            vcpus=2,
             ttl_seconds=3600,
             labels={"cella.role": "template-builder", "cella.template": name},
             network=NetworkPolicy(allow=allow or []),

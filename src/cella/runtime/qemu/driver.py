@@ -16,7 +16,7 @@ from typing import Any
 from cella import errors
 from cella._proc import Progress, quiet
 from cella.images.boot import BootImage, ensure_boot
-from cella.images.templates import find_template
+from cella.images.templates import builtin_templates, find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.contract import VM
@@ -205,6 +205,7 @@ class QemuDriver:
             meta,
             boot_timeout,
             extra_ca=self.extra_ca,
+            warm=spec.warm if (spec := builtin_templates().get(template)) else [],
         )
 
     async def snapshot_vm(

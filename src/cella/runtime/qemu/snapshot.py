@@ -48,11 +48,13 @@ async def snapshot_fresh_boot(
     boot_timeout: float,
     *,
     extra_ca: bytes = b"",
+    warm: list[str] | None = None,
 ) -> dict[str, Any]:
     """A template's warm snapshot: boot with RAM in a shared file, warm it, save devices.
 
     `config_for(directory, ram_file, shared)` builds the VM config for this host; the guest
-    trusts `extra_ca` (the operator's CAs) from then on.
+    trusts `extra_ca` (the operator's CAs) from then on, and the template's `warm` commands
+    have run (what they start runs on in every restored sandbox).
     """
     tmp = _tmp_dir(dest)
     vm: QemuVM | None = None
@@ -63,6 +65,11 @@ async def snapshot_fresh_boot(
         await vm.start(boot_timeout)
         if extra_ca:
             await trust(vm.agent, "cella-extra", extra_ca)
+        for command in warm or []:
+            done = await vm.agent.exec(["/bin/sh", "-c", command], timeout=600)
+            if done.exit_code != 0:
+                tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
+                raise errors.BuildFailed(f"warm-up {command!r} exited {done.exit_code}: {tail}")
         # warm the page cache and TCG with what sandboxes run first; restores inherit it
         # (best effort: an image may have no shell or no python)
         with contextlib.suppress(errors.CellaError):

@@ -4,8 +4,9 @@ since every tenant's sandboxes may use them. Builds stream their progress as JSO
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -55,11 +56,14 @@ async def build_dockerfile(
     """Builds a template from a Dockerfile; the body is the build context as a tar archive.
     The build runs in a builder sandbox that reaches only `allow`."""
     require_admin(who, "build templates")
+    # read whole before the response starts: once it streams, Starlette's disconnect
+    # listener takes the request's remaining messages
+    spool = await _spool(request, svc.files.max_upload_bytes)
     return _stream(
         lambda progress: svc.templates.build_dockerfile(
             who.tenant,
             name,
-            request.stream(),
+            _chunks(spool),
             progress,
             dockerfile=dockerfile,
             allow=allow,
@@ -74,6 +78,25 @@ async def delete_template(name: str, svc: Service, who: Auth) -> Response:
     require_admin(who, "remove templates")
     await svc.templates.delete(name)
     return Response(status_code=204)
+
+
+async def _spool(request: Request, limit: int) -> IO[bytes]:
+    spool = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _chunks, or here on error)
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            spool.close()
+            raise errors.PayloadTooLarge(f"the build context exceeds {limit >> 20} MiB")
+        await asyncio.to_thread(spool.write, chunk)
+    spool.seek(0)
+    return spool
+
+
+async def _chunks(spool: IO[bytes]) -> AsyncIterator[bytes]:
+    with spool:
+        while chunk := await asyncio.to_thread(spool.read, 1 << 20):
+            yield chunk
 
 
 def _stream(build: Callable[[Callable[[str], None]], Awaitable[Template]]) -> StreamingResponse:

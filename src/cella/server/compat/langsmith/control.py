@@ -173,9 +173,9 @@ def router(prefix: str) -> APIRouter:
     @api.post("/snapshots")
     async def create_snapshot(svc: Service, who: Caller, body: JsonBody) -> Json:
         raise not_supported(
-            f"building a snapshot from the image {body.get('docker_image')!r}: cella makes "
-            "templates from images with `cella template build --from-image` once image "
-            "import lands; capture a running sandbox instead"
+            f"building a snapshot from the image {body.get('docker_image')!r}: an operator "
+            "makes a template of it (`cella template build NAME --from-image REF`); capture "
+            "a running sandbox instead"
         )
 
     @api.get("/snapshots")
