@@ -2,12 +2,13 @@
 
     .venv/bin/python -m bench.images [--json]
 
-Images are made offline (busybox; busybox plus a layer holding Python's standard library,
-~100 MiB of small files) and served by a TLS registry on loopback. For each: a fresh build
-split into its steps (fetch, unpack, file system, warm snapshot), a rebuild of the same digest
-(a cache hit) and the same image under another name (shares the base). Then, in a sandbox of
-the `docker` template: dockerd's readiness at create (it runs in the warm snapshot) and its
-start after a stop and resume (a fresh boot).
+Images are made offline (busybox; busybox-stdlib, busybox plus a layer holding Python's
+standard library, ~100 MiB of small files) and served by a TLS registry on loopback. For
+each: a fresh build split into its steps (fetch, unpack, file system, warm snapshot), a
+rebuild of the same digest (a cache hit) and the same image under another name (shares the
+base, makes its own warm snapshot). Then, in a sandbox of the `docker` template: dockerd's
+readiness at create (it runs in the warm snapshot) and its start after a stop and resume (a
+fresh boot).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.v
 
 def with_stdlib(layout: Path, base: str, tag: str) -> None:
     """`base` plus one layer: a copy of this Python's standard library."""
-    run("umoci", "copy", f"{layout}:{base}", f"{layout}:{tag}")
+    run("umoci", "tag", "--image", f"{layout}:{base}", tag)
     bundle = layout.parent / f"{tag}-bundle"
     run("umoci", "unpack", "--image", f"{layout}:{tag}", bundle)
     shutil.copytree(STDLIB, bundle / "rootfs/usr/lib/python3", symlinks=True)
@@ -79,7 +80,7 @@ def measure_docker(c: Client) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     c.create("docker").delete()  # the docker template's warm snapshot, made once
     t = time.perf_counter()
-    with c.create("docker", persistent=True) as sb:
+    with c.create("docker") as sb:
         r = sb.exec(["docker", "info", "--format", "{{.ServerVersion}}"])
         rows["docker: create + `docker info` answers"] = {"total": ms(time.perf_counter() - t)}
         assert r.exit_code == 0, r.stderr
@@ -111,7 +112,7 @@ def measure(docker: bool) -> dict[str, dict[str, Any]]:
     try:
         refs = {
             "busybox": registry.push(f"oci:{layout}:busybox", "busybox:1"),
-            "busybox+stdlib": registry.push(f"oci:{layout}:stdlib", "stdlib:1"),
+            "busybox-stdlib": registry.push(f"oci:{layout}:stdlib", "stdlib:1"),
         }
         with Client(daemon.url, daemon.admin_key) as c:
             rows = measure_builds(c, refs)

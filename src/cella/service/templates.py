@@ -132,7 +132,7 @@ class Templates:
         self._check_name(req.name)
         credentials = self._credentials(tenant, req.registry_secret, req.image)
         async with self._lock(req.name):
-            meta = await asyncio.to_thread(
+            await asyncio.to_thread(
                 oci.build_from_image,
                 self.paths,
                 req.name,
@@ -143,7 +143,7 @@ class Templates:
                 credentials=credentials,
             )
             await self._warm(req.name, progress)
-        return self._of(meta)
+        return self.get(req.name)  # with the snapshot's time
 
     async def build_dockerfile(
         self,
@@ -202,7 +202,7 @@ class Templates:
                     ):
                         out.write(chunk)
                 async with self._lock(name):
-                    meta = await asyncio.to_thread(
+                    await asyncio.to_thread(
                         oci.build_from_image,
                         self.paths,
                         name,
@@ -217,7 +217,7 @@ class Templates:
                 await self.lifecycle.delete(tenant, box.id)
         async with self._lock(name):
             await self._warm(name, progress)
-        return self._of(meta)
+        return self.get(name)
 
     async def _run(
         self, tenant: str, sandbox_id: str, argv: builtins.list[str], progress: Progress
