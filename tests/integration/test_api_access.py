@@ -45,6 +45,39 @@ def test_tenants_see_only_their_own_sandboxes(alice: Client, bob: Client) -> Non
         alice.create_key("mallory")
 
 
+def test_an_admin_key_acts_for_a_tenant(
+    admin: Client, alice: Client, bob: Client, daemon: Daemon
+) -> None:
+    """X-Cella-Tenant (what a fleet gateway sends): an admin key acts as that tenant and only
+    sees what it owns; a tenant's key cannot use it."""
+    as_alice = httpx2.Client(
+        base_url=daemon.url,
+        headers={"Authorization": f"Bearer {daemon.admin_key}", "X-Cella-Tenant": "alice"},
+        timeout=60,
+    )
+    with as_alice, admin.create() as admins_own:
+        made = as_alice.post("/v1/sandboxes", json={}).json()
+        try:
+            assert made["id"] in [s.id for s in alice.list()]  # alice owns it
+            listed = [s["id"] for s in as_alice.get("/v1/sandboxes").json()["sandboxes"]]
+            assert listed == [made["id"]]  # not the admin's own sandbox
+            assert as_alice.get(f"/v1/sandboxes/{admins_own.id}").status_code == 404
+            r = as_alice.post("/v1/keys", json={"tenant": "mallory"})
+            assert r.status_code == 403  # acting as a tenant drops the admin's rights
+        finally:
+            alice.get(made["id"]).delete()
+    r = httpx2.get(
+        f"{daemon.url}/v1/sandboxes",
+        headers={"Authorization": f"Bearer {bob.api_key}", "X-Cella-Tenant": "alice"},
+    )
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    r = httpx2.get(
+        f"{daemon.url}/v1/sandboxes",
+        headers={"Authorization": f"Bearer {daemon.admin_key}", "X-Cella-Tenant": "../x"},
+    )
+    assert r.status_code == 400
+
+
 def test_missing_and_bad_keys_get_401(daemon: Daemon) -> None:
     r = httpx2.get(f"{daemon.url}/v1/sandboxes")
     assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"

@@ -6,11 +6,13 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+TENANT = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+
 
 class KeyCreate(BaseModel):
     model_config = {"extra": "forbid"}
 
-    tenant: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    tenant: str = Field(pattern=TENANT)
 
 
 class KeyCreated(BaseModel):

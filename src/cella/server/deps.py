@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any
 
 from fastapi import Depends, Header
 from starlette.requests import HTTPConnection
 
 from cella import errors
+from cella.models.keys import TENANT
 from cella.service.daemon import Daemon
-from cella.service.keys import Principal
+from cella.service.keys import Principal, require_admin
 
 
 def daemon(request: HTTPConnection) -> Daemon:
@@ -19,14 +21,25 @@ def daemon(request: HTTPConnection) -> Daemon:
 
 
 def principal(
-    request: HTTPConnection, authorization: Annotated[str | None, Header()] = None
+    request: HTTPConnection,
+    authorization: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[
+        str | None,
+        Header(description="an admin key acts as this tenant (e.g. a fleet gateway's calls)"),
+    ] = None,
 ) -> Principal:
     if not authorization:
         raise errors.Unauthenticated("an API key is required (Authorization: Bearer <key>)")
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise errors.Unauthenticated("use Authorization: Bearer <key>")
-    return daemon(request).keys.authenticate(key.strip())
+    who = daemon(request).keys.authenticate(key.strip())
+    if x_cella_tenant is None:
+        return who
+    require_admin(who, "act for another tenant (X-Cella-Tenant)")
+    if not re.fullmatch(TENANT, x_cella_tenant):
+        raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {x_cella_tenant!r}")
+    return Principal(tenant=x_cella_tenant, admin=False)
 
 
 Auth = Annotated[Principal, Depends(principal)]
