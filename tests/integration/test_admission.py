@@ -27,6 +27,15 @@ def test_quotas_and_capacity_refuse_what_would_exceed_them(tmp_path: Path) -> No
             b = admin.create()
             with pytest.raises(errors.QuotaExceeded):
                 admin.create()  # the tenant's third
+            cap = admin.capacity()
+            assert (cap.memory_mib, cap.memory_mib_committed, cap.memory_mib_free) == (
+                1300,
+                1024,
+                276,
+            )
+            assert (cap.vcpus_committed, cap.vcpus_free, cap.live_sandboxes) == (2, 2, 2)
+            with pytest.raises(errors.PermissionDenied):
+                bob.capacity()
             with pytest.raises(errors.CapacityExceeded, match="MiB"):
                 bob.create()  # 3 x 512 MiB > 1300 MiB on the host
             with pytest.raises(errors.QuotaExceeded):

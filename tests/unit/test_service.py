@@ -148,6 +148,9 @@ async def test_admission_quota_and_capacity(daemon: Daemon) -> None:
     assert len(refused) == 2 and all(isinstance(r, errors.QuotaExceeded) for r in refused)
     # another tenant is not held by t's quota, but by the host's RAM (4096, 1536 committed)
     await life.create("u", SandboxCreate(memory_mib=2048))
+    cap = daemon.admission.capacity()
+    assert (cap.memory_mib_committed, cap.memory_mib_free) == (3584, 512)
+    assert (cap.vcpus_committed, cap.live_sandboxes) == (4, 4)
     with pytest.raises(errors.CapacityExceeded, match="MiB"):
         await life.create("u", SandboxCreate(memory_mib=1024))
     with pytest.raises(errors.CapacityExceeded, match="vCPUs"):

@@ -11,6 +11,7 @@ from cella.models.exec import (
     encode_data,
 )
 from cella.models.files import ChmodRequest, FileEntry, GuestPath, MkdirRequest, guest_path
+from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
 from cella.models.network import (
     EgressDecision,
@@ -49,6 +50,7 @@ from cella.models.templates import (
 
 __all__ = [
     "BuildEvent",
+    "Capacity",
     "ChmodRequest",
     "EgressDecision",
     "EgressLog",

@@ -42,7 +42,16 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.state.settings = settings
     _install_error_handlers(app)
 
-    from cella.server.routes import egress, files, keys, ports, sandboxes, snapshots, templates
+    from cella.server.routes import (
+        egress,
+        files,
+        host,
+        keys,
+        ports,
+        sandboxes,
+        snapshots,
+        templates,
+    )
 
     app.include_router(sandboxes.router)
     app.include_router(ports.router)
@@ -51,6 +60,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.include_router(keys.router)
     app.include_router(egress.router)
     app.include_router(templates.router)
+    app.include_router(host.router)
     from cella.server.compat import langsmith
 
     langsmith.install(app)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cella import errors
 from cella.config import DaemonSettings
-from cella.models import SandboxState
+from cella.models import Capacity, SandboxState
 from cella.service.registry import Registry
 
 
@@ -49,6 +49,18 @@ class Admission:
         async with self._lock:
             self._check(tenant, vcpus, memory_mib, count)
             yield
+
+    def capacity(self) -> Capacity:
+        """The host's commitment limits and what is committed (live sandboxes, the pool)."""
+        live = self.registry.live_rows()
+        pooled_cpus, pooled_memory = self.pooled()
+        return Capacity(
+            memory_mib=self.settings.max_host_memory_mib,
+            memory_mib_committed=sum(r.memory_mib for r in live) + pooled_memory,
+            vcpus=self.settings.max_host_vcpus,
+            vcpus_committed=sum(r.vcpus for r in live) + pooled_cpus,
+            live_sandboxes=len(live),
+        )
 
     def disk_mib(self, tenant: str) -> int:
         """Host disk the tenant's sandboxes (running or stopped) and snapshots take."""

@@ -14,6 +14,7 @@ import httpx2
 
 from cella.models import (
     BuildEvent,
+    Capacity,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -248,6 +249,11 @@ class AsyncClient:
 
     async def delete_secret(self, name: str) -> None:
         await self.request("DELETE", f"/v1/secrets/{name}")
+
+    async def capacity(self) -> Capacity:
+        """The host's RAM/vCPU limits, committed and free (admin keys)."""
+        response = await self.request("GET", "/v1/capacity")
+        return Capacity.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 

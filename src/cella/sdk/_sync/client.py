@@ -15,6 +15,7 @@ import httpx2
 
 from cella.models import (
     BuildEvent,
+    Capacity,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -242,6 +243,11 @@ class Client:
 
     def delete_secret(self, name: str) -> None:
         self.request("DELETE", f"/v1/secrets/{name}")
+
+    def capacity(self) -> Capacity:
+        """The host's RAM/vCPU limits, committed and free (admin keys)."""
+        response = self.request("GET", "/v1/capacity")
+        return Capacity.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 
