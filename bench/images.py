@@ -27,7 +27,7 @@ from bench._stats import report
 from cella import Client
 from tests.daemon import Daemon
 from tests.netservers import TestCA, free_loopback_block
-from tests.oci_images import Registry, busybox_image, run
+from tests.oci_images import Registry, busybox_image, layer, run
 
 STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -35,11 +35,8 @@ STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.v
 def with_stdlib(layout: Path, base: str, tag: str) -> None:
     """`base` plus one layer: a copy of this Python's standard library."""
     run("umoci", "tag", "--image", f"{layout}:{base}", tag)
-    bundle = layout.parent / f"{tag}-bundle"
-    run("umoci", "unpack", "--image", f"{layout}:{tag}", bundle)
-    shutil.copytree(STDLIB, bundle / "rootfs/usr/lib/python3", symlinks=True)
-    run("umoci", "repack", "--image", f"{layout}:{tag}", bundle)
-    shutil.rmtree(bundle)
+    with layer(f"{layout}:{tag}", layout.parent) as root:
+        shutil.copytree(STDLIB, root / "usr/lib/python3", symlinks=True)
 
 
 def ms(seconds: float) -> float:

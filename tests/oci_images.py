@@ -3,11 +3,13 @@ loopback (Debian's docker-registry) to push them to."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import ssl
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -33,16 +35,45 @@ def run(*argv: str | Path) -> None:
     subprocess.run([str(a) for a in argv], check=True, capture_output=True)
 
 
-def busybox_image(layout: Path, tag: str = "busybox") -> None:
-    """Two layers: a busybox root with users, a hard link, modes and owners, and a file
-    the second layer deletes (a whiteout). Env/WorkingDir/User and an entrypoint set."""
+def new_image(layout: Path, tag: str) -> str:
+    """An empty image `tag` in `layout` (made if missing); returns its umoci reference."""
     image = f"{layout}:{tag}"
     if not layout.exists():
         run("umoci", "init", "--layout", layout)
     run("umoci", "new", "--image", image)
-    bundle = layout.parent / f"{tag}-bundle"
+    return image
+
+
+@contextlib.contextmanager
+def layer(image: str, scratch: Path) -> Iterator[Path]:
+    """Unpacks `image` into `scratch`; what the block changes in the yielded root becomes
+    one new layer on top."""
+    bundle = scratch / "bundle"
     run("umoci", "unpack", "--image", image, bundle)
-    root = bundle / "rootfs"
+    try:
+        yield bundle / "rootfs"
+        run("umoci", "repack", "--image", image, bundle)
+    finally:
+        shutil.rmtree(bundle, ignore_errors=True)
+
+
+def busybox_image(layout: Path, tag: str = "busybox") -> None:
+    """Two layers: a busybox root with users, a hard link, modes and owners, and a file
+    the second layer deletes (a whiteout). Env/WorkingDir/User and an entrypoint set."""
+    image = new_image(layout, tag)
+    with layer(image, layout.parent) as root:
+        _busybox_root(root)
+    with layer(image, layout.parent) as root:  # the second layer
+        (root / "etc/doomed").unlink()
+        (root / "app/hello.txt").write_text("from the upper layer\n")
+    run("umoci", "config", "--image", image,
+        "--config.env", "FOO=bar", "--config.env", "PATH=/bin",
+        "--config.workingdir", "/app", "--config.user", "app",
+        "--config.entrypoint", "/bin/sh", "--config.entrypoint", "-c",
+        "--config.cmd", "echo entrypoint as $(id -u) in $(pwd); exec sleep 3600")  # fmt: skip
+
+
+def _busybox_root(root: Path) -> None:
     for d in ("bin", "etc", "app", "home/app", "data", "tmp"):
         (root / d).mkdir(parents=True, exist_ok=True)
     shutil.copy2(BUSYBOX, root / "bin/busybox")
@@ -59,34 +90,16 @@ def busybox_image(layout: Path, tag: str = "busybox") -> None:
     (root / "data/secret").chmod(0o600)
     for path in (root / "data/secret", root / "app", root / "home/app"):
         os.chown(path, 1000, 1000)
-    run("umoci", "repack", "--image", image, bundle)
-    shutil.rmtree(bundle)
-    run("umoci", "unpack", "--image", image, bundle)  # the second layer
-    (bundle / "rootfs/etc/doomed").unlink()
-    (bundle / "rootfs/app/hello.txt").write_text("from the upper layer\n")
-    run("umoci", "repack", "--image", image, bundle)
-    shutil.rmtree(bundle)
-    run("umoci", "config", "--image", image,
-        "--config.env", "FOO=bar", "--config.env", "PATH=/bin",
-        "--config.workingdir", "/app", "--config.user", "app",
-        "--config.entrypoint", "/bin/sh", "--config.entrypoint", "-c",
-        "--config.cmd", "echo entrypoint as $(id -u) in $(pwd); exec sleep 3600")  # fmt: skip
 
 
 def static_image(layout: Path, tag: str = "static") -> None:
     """One static musl binary and nothing else: no shell, no libc, no /etc/passwd."""
-    image = f"{layout}:{tag}"
-    if not layout.exists():
-        run("umoci", "init", "--layout", layout)
-    run("umoci", "new", "--image", image)
-    bundle = layout.parent / f"{tag}-bundle"
-    run("umoci", "unpack", "--image", image, bundle)
+    image = new_image(layout, tag)
     source = layout.parent / "hello.c"
     source.write_text(HELLO_C)
-    (bundle / "rootfs/srv").mkdir()
-    run("musl-gcc", "-static", "-O2", "-o", bundle / "rootfs/hello", source)
-    run("umoci", "repack", "--image", image, bundle)
-    shutil.rmtree(bundle)
+    with layer(image, layout.parent) as root:
+        (root / "srv").mkdir()
+        run("musl-gcc", "-static", "-O2", "-o", root / "hello", source)
     run("umoci", "config", "--image", image, "--config.env", "FOO=static",
         "--config.workingdir", "/srv", "--config.user", "1234",
         "--config.cmd", "/hello")  # fmt: skip

@@ -65,13 +65,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     paths.ensure()
     with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="kernel-") as tmp_s:
         tmp = Path(tmp_s)
-        package = _resolve_package()
-        progress(f"downloading {package}")
-        run(["apt-get", "download", package], cwd=tmp, progress=None)
-        deb = next(tmp.glob("*.deb"))
-        progress(f"unpacking {deb.name}")
-        root = tmp / "root"
-        run(["dpkg-deb", "-x", deb, root])
+        root = _unpack_package(_resolve_package(), tmp, progress)
         vmlinuz = next((root / "boot").glob("vmlinuz-*"))
         version = vmlinuz.name.removeprefix("vmlinuz-")
         stage = tmp / "kernel"
@@ -102,18 +96,25 @@ def install_modules(paths: Paths, rootfs: Path, progress: Progress = quiet) -> s
     tree = paths.kernel / MODULES_TAR
     if not tree.exists():  # a kernel cached before the tree was kept: fetch it once more
         with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="modules-") as tmp_s:
-            tmp = Path(tmp_s)
-            package = f"linux-image-{kernel.version}"
-            progress(f"downloading {package} for its modules")
-            run(["apt-get", "download", package], cwd=tmp, progress=None)
-            run(["dpkg-deb", "-x", next(tmp.glob("*.deb")), tmp / "root"])
-            _save_tree(tmp / "root", kernel.version, tree)
+            root = _unpack_package(f"linux-image-{kernel.version}", Path(tmp_s), progress)
+            _save_tree(root, kernel.version, tree)
     progress(f"adding the modules of kernel {kernel.version}")
     (rootfs / "lib" / "modules").mkdir(parents=True, exist_ok=True)
     with tarfile.open(tree) as tar:
         tar.extractall(rootfs / "lib" / "modules", filter="tar")
     run(["chroot", rootfs, "depmod", kernel.version])  # the root's own kmod (hosts may lack it)
     return kernel.version
+
+
+def _unpack_package(package: str, tmp: Path, progress: Progress) -> Path:
+    """Downloads a Debian package with apt into `tmp` and unpacks it; returns its root."""
+    progress(f"downloading {package}")
+    run(["apt-get", "download", package], cwd=tmp, progress=None)
+    deb = next(tmp.glob("*.deb"))
+    progress(f"unpacking {deb.name}")
+    root = tmp / "root"
+    run(["dpkg-deb", "-x", deb, root])
+    return root
 
 
 def _save_tree(root: Path, version: str, dest: Path) -> None:
