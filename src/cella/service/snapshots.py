@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cella import errors
-from cella.models import SandboxCreate, SandboxState, SnapshotState
+from cella.models import SandboxCreate, SandboxState, Snapshot, SnapshotState
+from cella.models.fleet import SecretBinding, SnapshotExport
 from cella.service.admission import Admission
 from cella.service.lifecycle import Lifecycle, new_record, spec_of
 from cella.service.registry import Registry, error_text
 from cella.service.warm import new_sandbox_id
-from cella.storage.snapshots import SnapshotDir
-from cella.store import SandboxRecord, SnapshotRecord
+from cella.storage.overlay import backing_file, rebase_unsafe
+from cella.storage.snapshots import FILES, SnapshotDir
+from cella.store import SandboxRecord, SecretRef, SnapshotRecord
 
 S = SandboxState
 FORK_PARALLEL = 4  # restores at once: more only queue for the same cores
@@ -169,11 +173,8 @@ class Snapshots:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
         snap = SnapshotDir(self.root / snapshot_id)
         snap.verify()  # refuse a corrupted snapshot before creating anything
-        source = self.store.get_sandbox(snap_row.sandbox_id)
-        if source is None:
-            raise errors.NotFound(f"the source of snapshot {snapshot_id} is gone")
         if spec is None:  # the same placeholders: the parent's env is copied with its memory
-            spec, secrets = spec_of(source), source.secrets
+            spec, secrets = self._source_of(snap_row)
         else:
             secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
         shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
@@ -235,6 +236,133 @@ class Snapshots:
                 },
             )
         return row.id
+
+    def _source_of(self, snap: SnapshotRecord) -> tuple[SandboxCreate, dict[str, SecretRef]]:
+        """How the snapshot's sandbox was made, and the secrets its memory holds
+        placeholders of: from its row, or kept with a snapshot taken in from another node."""
+        kept = SnapshotDir(self.root / snap.id).source_path
+        if kept.exists():
+            data = json.loads(kept.read_text())
+            secrets = {k: SecretRef(**v) for k, v in data["secrets"].items()}
+            return SandboxCreate.model_validate(data["spec"]), secrets
+        source = self.store.get_sandbox(snap.sandbox_id)
+        if source is None:
+            raise errors.NotFound(f"the source of snapshot {snap.id} is gone")
+        return spec_of(source), source.secrets
+
+    # -- moving snapshots between the nodes of a fleet -------------------------------------
+
+    def export(self, snapshot_id: str) -> SnapshotExport:
+        """What another node needs to take this snapshot in (any tenant's: nodes ask)."""
+        row = self.store.get_snapshot(snapshot_id)
+        if row is None or row.state == SnapshotState.deleted:
+            raise errors.NotFound(f"no snapshot {snapshot_id!r}")
+        if row.state != SnapshotState.ready:
+            raise errors.InvalidState(f"snapshot {snapshot_id} is {row.state}")
+        snap = SnapshotDir(self.root / snapshot_id)
+        spec, secrets = self._source_of(row)
+        backing = backing_file(snap.disk)
+        parent = Path(backing).parent if backing else None
+        on_snapshot = parent is not None and parent.parent == self.root.resolve()
+        return SnapshotExport(
+            snapshot=Snapshot.model_validate(row),
+            tenant=row.tenant,
+            manifest=snap.manifest(),
+            source=spec,
+            secrets={
+                k: SecretBinding(secret=v.secret, placeholder=v.placeholder)
+                for k, v in secrets.items()
+            },
+            backing_snapshot_id=parent.name if on_snapshot and parent else None,
+            backing_path=None if on_snapshot else backing,
+        )
+
+    def file(self, snapshot_id: str, name: str) -> Path:
+        """One of a ready snapshot's files, to send to another node."""
+        self.export(snapshot_id)  # exists and is ready
+        if name not in (*FILES, "manifest.json"):
+            raise errors.NotFound(f"a snapshot has no file {name!r}")
+        return SnapshotDir(self.root / snapshot_id).path / name
+
+    async def take_in(
+        self,
+        export: SnapshotExport,
+        fetch: Callable[[str], Awaitable[SnapshotExport]],
+        pull: Callable[[str, str, Path], Awaitable[None]],
+    ) -> SnapshotRecord:
+        """Another node's snapshot made local: the snapshots its disk sits on first
+        (`fetch` gets their exports), its files pulled (`pull(snapshot id, file name,
+        destination)`) and checked against its manifest, then a ready row of the same id and
+        tenant. A snapshot already here is kept as it is: taken in once, then cached."""
+        meta = export.snapshot
+        async with self.registry.lock(meta.id):
+            have = self.store.get_snapshot(meta.id)
+            if have is not None and have.state == SnapshotState.ready:
+                return have
+            base: Path | None = None
+            if export.backing_snapshot_id:
+                parent = await self.take_in(await fetch(export.backing_snapshot_id), fetch, pull)
+                base = SnapshotDir(self.root / parent.id).disk
+            elif export.backing_path and not Path(export.backing_path).exists():
+                raise errors.ImageMissing(
+                    f"snapshot {meta.id} sits on {export.backing_path}, which this node lacks "
+                    f"(build template {meta.template!r} here)"
+                )
+            for image in ("kernel", "initrd"):
+                if not Path(str(export.manifest.get(image))).exists():
+                    raise errors.ImageMissing(f"this node lacks the {image} of snapshot {meta.id}")
+            need = sum(int(n) for n in export.manifest.get("bytes", {}).values())
+            self.root.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.root).free < need:
+                raise errors.NoSpace(f"snapshot {meta.id} needs {need >> 20} MiB here")
+            tmp = self.root / f".incoming-{meta.id}-{os.urandom(4).hex()}"
+            tmp.mkdir()
+            try:
+                for name in FILES:
+                    await pull(meta.id, name, tmp / name)
+                incoming = SnapshotDir(tmp)
+                incoming.manifest_path.write_text(json.dumps(export.manifest, sort_keys=True))
+                await asyncio.to_thread(incoming.verify)
+                if base is not None:
+                    rebase_unsafe(incoming.disk, base)
+                    incoming.reseal("disk.qcow2")
+                incoming.source_path.write_text(
+                    json.dumps(
+                        {
+                            "spec": export.source.model_dump(mode="json", exclude_unset=True),
+                            "secrets": {k: v.model_dump() for k, v in export.secrets.items()},
+                        }
+                    )
+                )
+                for name in FILES:
+                    (tmp / name).chmod(0o400)
+                shutil.rmtree(self.root / meta.id, ignore_errors=True)
+                tmp.rename(self.root / meta.id)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            fields = {
+                "state": SnapshotState.ready,
+                "name": meta.name,
+                "size_bytes": meta.size_bytes,
+                "paused_ms": meta.paused_ms,
+                "error": None,
+            }
+            if have is not None:  # deleted or failed here before: the same id again
+                self.store.update_snapshot(meta.id, **fields)
+                return self.get(export.tenant, meta.id)
+            return self.store.insert_snapshot(
+                SnapshotRecord(
+                    id=meta.id,
+                    tenant=export.tenant,
+                    sandbox_id=meta.sandbox_id,
+                    parent_snapshot_id=meta.parent_snapshot_id,
+                    template=meta.template,
+                    vcpus=meta.vcpus,
+                    memory_mib=meta.memory_mib,
+                    **fields,  # type: ignore[arg-type]
+                )
+            )
 
     async def delete(self, tenant: str, snapshot_id: str) -> None:
         """Refused (`in_use`) while a sandbox or another snapshot is built on it."""

@@ -33,6 +33,24 @@ def create_overlay(base: Path, overlay: Path, size_mib: int | None = None) -> No
         raise errors.CellaError(f"qemu-img create failed: {proc.stderr.strip()}")
 
 
+def rebase_unsafe(overlay: Path, base: Path) -> None:
+    """Points `overlay` at `base` without touching its data: `base` must hold exactly what
+    the overlay's old backing file held (another node's copy of it)."""
+    proc = subprocess.run(
+        ["qemu-img", "rebase", "-u", "-F", "qcow2", "-b", str(base.resolve()), str(overlay)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise errors.CellaError(f"qemu-img rebase failed: {proc.stderr.strip()}")
+
+
+def backing_file(image: Path) -> str | None:
+    found = image_info(image).get("backing-filename")
+    return str(found) if found else None
+
+
 def image_info(image: Path) -> dict[str, object]:
     proc = subprocess.run(
         ["qemu-img", "info", "-U", "--output=json", str(image)],

@@ -45,6 +45,12 @@ class SnapshotDir:
     def manifest_path(self) -> Path:
         return self.path / "manifest.json"
 
+    @property
+    def source_path(self) -> Path:
+        """How the snapshot's sandbox was made, kept with a snapshot taken in from another
+        node (where that sandbox's row does not exist)."""
+        return self.path / "source.json"
+
     def exists(self) -> bool:
         return self.manifest_path.exists()
 
@@ -70,6 +76,13 @@ class SnapshotDir:
         for name in FILES:
             (self.path / name).chmod(0o400)  # read-only, and nobody else's to read
         return manifest
+
+    def reseal(self, name: str) -> None:
+        """Records a file's checksum again after a local, checked change (a disk rebased
+        onto this node's copy of its backing file)."""
+        manifest = self.manifest()
+        manifest["sha256"][name] = _sha256(self.path / name)
+        self.manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
     def verify(self) -> dict[str, Any]:
         """Raises SnapshotCorrupt unless every file matches its checksum."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from fastapi.responses import FileResponse
 
 from cella.models import ForkRequest, Sandbox, SandboxList, Snapshot, SnapshotCreate, SnapshotList
+from cella.models.fleet import SnapshotExport, SnapshotImport
 from cella.server.deps import Auth, Service
+from cella.service.keys import require_admin
 
 router = APIRouter(tags=["snapshots"])
 
@@ -50,3 +53,33 @@ async def delete_snapshot(snapshot_id: str, svc: Service, who: Auth) -> Response
     """Refused (409 in_use) while a sandbox or another snapshot is built on it."""
     await svc.snapshots.delete(who.tenant, snapshot_id)
     return Response(status_code=204)
+
+
+# -- between the nodes of a fleet (admin keys: node daemons and their gateway) --------------
+
+
+@router.get("/v1/snapshots/{snapshot_id}/export", response_model=SnapshotExport)
+async def export_snapshot(snapshot_id: str, svc: Service, who: Auth) -> SnapshotExport:
+    """What another node needs to take the snapshot in (any tenant's)."""
+    require_admin(who, "export a snapshot")
+    return svc.snapshots.export(snapshot_id)
+
+
+@router.get("/v1/snapshots/{snapshot_id}/files/{name}", response_class=FileResponse)
+async def snapshot_file(snapshot_id: str, name: str, svc: Service, who: Auth) -> FileResponse:
+    """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work."""
+    require_admin(who, "read a snapshot's files")
+    return FileResponse(svc.snapshots.file(snapshot_id, name))
+
+
+@router.post("/v1/snapshots/import", status_code=201, response_model=Snapshot)
+async def import_snapshot(body: SnapshotImport, svc: Service, who: Auth) -> Snapshot:
+    """Takes in another node's snapshot (and those its disk sits on), checked against its
+    manifest; a snapshot already here is returned as it is."""
+    from cella.fleet.transfer import NodeSource
+
+    require_admin(who, "import a snapshot")
+    source = NodeSource(body.source_url, body.source_key)
+    export = await source.export(body.snapshot_id)
+    row = await svc.snapshots.take_in(export, source.export, source.pull)
+    return Snapshot.model_validate(row)

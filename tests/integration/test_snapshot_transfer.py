@@ -1,0 +1,111 @@
+"""A snapshot taken on one node daemon forked on another: its files pulled node to node,
+checked against the manifest, cached; the snapshots its disk sits on come with it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+
+from cella import Client
+from tests.daemon import Daemon, running_daemon
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
+    with (
+        running_daemon(tmp_path_factory.mktemp("node-a"), pool_size="0") as a,
+        running_daemon(tmp_path_factory.mktemp("node-b"), pool_size="0") as b,
+    ):
+        yield a, b
+
+
+def take_in(dest: Daemon, source: Daemon, snapshot_id: str) -> httpx2.Response:
+    return httpx2.post(
+        f"{dest.url}/v1/snapshots/import",
+        headers={"authorization": f"Bearer {dest.admin_key}"},
+        json={"source_url": source.url, "source_key": source.admin_key, "snapshot_id": snapshot_id},
+        timeout=120,
+    )
+
+
+def test_a_chain_of_snapshots_moves_and_forks_on_the_other_node(
+    nodes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = nodes
+    with Client(a.url, a.admin_key) as ca, Client(b.url, b.admin_key) as cb:
+        sb = ca.create()
+        sb.files.write("/root/one", "first")
+        first = sb.snapshot("first")
+        [branch] = first.fork()
+        branch.files.write("/root/two", "second")
+        branch.exec("sh -c 'sleep 1000 >/dev/null 2>&1 &'")
+        second = branch.snapshot("second")  # its disk is an overlay on first's
+
+        assert cb.snapshots() == []
+        answer = take_in(b, a, second.id)
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["id"] == second.id
+        assert {s.id for s in cb.snapshots()} == {first.id, second.id}
+
+        [there] = cb.get_snapshot(second.id).fork()
+        assert there.files.read("/root/one") == b"first"
+        assert there.files.read("/root/two") == b"second"
+        assert b"sleep 1000" in there.exec("ps -o args").stdout  # memory came too
+        meta = b.data_dir / "snapshots" / second.id / "source.json"
+        assert meta.exists()
+
+        # taken in once: a second import pulls nothing and returns the same snapshot
+        mtime = (b.data_dir / "snapshots" / second.id / "ram").stat().st_mtime_ns
+        again = take_in(b, a, second.id)
+        assert again.status_code == 201 and again.json()["id"] == second.id
+        assert (b.data_dir / "snapshots" / second.id / "ram").stat().st_mtime_ns == mtime
+        there.delete()
+        branch.delete()
+        sb.delete()
+
+
+def test_a_file_that_does_not_match_its_manifest_is_refused(
+    nodes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = nodes
+    with Client(a.url, a.admin_key) as ca, Client(b.url, b.admin_key) as cb:
+        sb = ca.create()
+        snap = sb.snapshot("tampered")
+        sb.delete()
+        state = a.data_dir / "snapshots" / snap.id / "state"
+        state.chmod(0o600)
+        with state.open("r+b") as f:  # a byte changed after the manifest was sealed
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        answer = take_in(b, a, snap.id)
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "snapshot_corrupt"
+        assert snap.id not in {s.id for s in cb.snapshots()}
+        leftovers = [n for n in os.listdir(b.data_dir / "snapshots") if n.startswith(".")]
+        assert leftovers == []
+
+
+def test_only_admin_keys_move_snapshots(nodes: tuple[Daemon, Daemon]) -> None:
+    a, b = nodes
+    with Client(a.url, a.admin_key) as ca:
+        key = ca.create_key("someone")["key"]
+    for path in (
+        "/v1/snapshots/snap-0123456789abcdef/export",
+        "/v1/snapshots/snap-0123456789abcdef/files/ram",
+    ):
+        got = httpx2.get(f"{a.url}{path}", headers={"authorization": f"Bearer {key}"})
+        assert got.status_code == 403, got.text
+    admin = httpx2.get(
+        f"{a.url}/v1/snapshots/snap-0123456789abcdef/export",
+        headers={"authorization": f"Bearer {a.admin_key}"},
+    )
+    assert admin.status_code == 404  # the control: an admin key gets past the check
+    bad = take_in(b, a, "../../etc")
+    assert bad.status_code == 400
