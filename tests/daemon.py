@@ -22,9 +22,16 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, data_dir: Path, wrap: list[str] | None = None, **settings: str) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        wrap: list[str] | None = None,
+        args: list[str] | None = None,
+        **settings: str,
+    ) -> None:
         self.data_dir = data_dir
         self.wrap = wrap or []  # a command the daemon runs under (e.g. in its own namespace)
+        self.args = args or []  # more `cella serve` flags (e.g. --ray for a fleet gateway)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.settings = settings
@@ -48,6 +55,7 @@ class Daemon:
                 f"127.0.0.1:{self.port}",
                 "--data-dir",
                 str(self.data_dir),
+                *self.args,
             ],
             env=env,
             stdout=log,

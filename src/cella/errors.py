@@ -11,9 +11,11 @@ matching class, so callers can catch by type on either side of the wire:
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
     │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
     ├── SandboxError: the guest or its VM (5xx)
-    │   └── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
+    │   ├── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
+    │   └── SandboxLost (410): its fleet node died or left
     └── HostError: this host (5xx)
-        └── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
+        ├── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
+        └── NodeUnavailable (503): a fleet node does not answer
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "InvalidState",
     "IsADirectory",
     "NoSpace",
+    "NodeUnavailable",
     "NotADirectory",
     "NotFound",
     "PayloadTooLarge",
@@ -49,6 +52,7 @@ __all__ = [
     "RequestError",
     "SandboxCrashed",
     "SandboxError",
+    "SandboxLost",
     "SnapshotCorrupt",
     "Timeout",
     "Unauthenticated",
@@ -216,6 +220,13 @@ class AgentUnavailable(SandboxError):
     status = 502
 
 
+class SandboxLost(SandboxError):
+    """The fleet node the sandbox ran on died or left the cluster: it is gone for good."""
+
+    code = "sandbox_lost"
+    status = 410
+
+
 # -- the host (5xx) -------------------------------------------------------------------------
 
 
@@ -240,6 +251,14 @@ class ImageMissing(HostError):
     """A kernel, initramfs or template image has not been built yet (run `cella setup`)."""
 
     code = "image_missing"
+    status = 503
+
+
+class NodeUnavailable(HostError):
+    """A fleet node's daemon does not answer (it is being restarted, or the node is
+    leaving); the call may be retried."""
+
+    code = "node_unavailable"
     status = 503
 
 

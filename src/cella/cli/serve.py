@@ -13,19 +13,38 @@ def serve(
     data_dir: Annotated[Path | None, typer.Option(help="State, images and VMs.")] = None,
     accel: Annotated[str | None, typer.Option(help="auto, kvm or tcg.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning...")] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve a fleet: the gateway of the Ray cluster at this address (or `auto`), "
+            "running a node daemon on every node with the `cella_node` resource."
+        ),
+    ] = None,
+    node_root: Annotated[
+        Path | None,
+        typer.Option(help="With --ray: where node daemons keep their data, on each node."),
+    ] = None,
 ) -> None:
-    """Run the cella daemon (REST API under /v1). Settings: see cella/config.py."""
+    """Run the cella daemon (REST API under /v1), or with --ray the gateway of a fleet.
+    Settings: see cella/config.py."""
     import uvicorn
 
     from cella.config import DaemonSettings as Settings
-    from cella.server.app import create_app
 
     given = {"listen": listen, "data_dir": data_dir, "accel": accel, "log_level": log_level}
     flags = {k: v for k, v in given.items() if v is not None}
     settings = Settings(**flags)  # type: ignore[arg-type]
     host, port = settings.host_port
+    if ray is not None:
+        from cella.fleet.app import create_gateway_app
+
+        app = create_gateway_app(settings, ray, node_root)
+    else:
+        from cella.server.app import create_app
+
+        app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=host,
         port=port,
         log_level=settings.log_level,

@@ -22,6 +22,7 @@ class SandboxState(StrEnum):
     deleting = "deleting"
     deleted = "deleted"
     error = "error"
+    lost = "lost"  # its fleet node died or left: only the gateway reports this
 
 
 ExpiryAction = Literal["stop", "pause", "delete"]
@@ -114,6 +115,7 @@ class Sandbox(BaseModel):
     model_config = {"from_attributes": True}
 
     id: str
+    tenant: str | None = Field(default=None, description="whose it is")
     name: str | None = None
     state: SandboxState
     template: str
@@ -200,6 +202,7 @@ class Snapshot(BaseModel):
     model_config = {"from_attributes": True}
 
     id: str
+    tenant: str | None = Field(default=None, description="whose it is")
     name: str
     sandbox_id: str = Field(description="the sandbox it was taken from")
     parent_snapshot_id: str | None = None

@@ -40,7 +40,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     from cella.server.routes import (
         egress,
@@ -80,7 +80,7 @@ def error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.CellaError)
     async def cella_error(request: Request, exc: errors.CellaError) -> JSONResponse:
         from cella.server.compat import langsmith

@@ -52,7 +52,7 @@ class Snapshots:
             raise errors.NotFound(f"no snapshot {snapshot_id!r}")
         return row
 
-    def find(self, tenant: str) -> list[SnapshotRecord]:
+    def find(self, tenant: str | None) -> list[SnapshotRecord]:
         return self.store.list_snapshots(tenant, ["creating", "ready", "error"])
 
     def resolve(self, tenant: str, ref: str) -> SnapshotRecord:

@@ -29,6 +29,7 @@ from cella.models import (
     parse_pairs,
 )
 from cella.server.deps import Auth, Service, jsonl
+from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ID = Annotated[str, "sandbox id"]
@@ -46,9 +47,13 @@ async def list_sandboxes(
     who: Auth,
     state: SandboxState | None = None,
     label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
+    all_tenants: Annotated[bool, Query(description="every tenant's (admin keys)")] = False,
 ) -> SandboxList:
     labels = parse_pairs(label, "label filter")
-    rows = svc.registry.find(who.tenant, state.value if state else None, labels)
+    if all_tenants:
+        require_admin(who, "list every tenant's sandboxes")
+    tenant = None if all_tenants else who.tenant
+    rows = svc.registry.find(tenant, state.value if state else None, labels)
     return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 

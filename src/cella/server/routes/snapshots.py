@@ -29,14 +29,17 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, svc: Service, who: Au
 
 
 @router.get("/v1/snapshots", response_model=SnapshotList)
-async def list_snapshots(svc: Service, who: Auth) -> SnapshotList:
-    rows = svc.snapshots.find(who.tenant)
+async def list_snapshots(svc: Service, who: Auth, all_tenants: bool = False) -> SnapshotList:
+    if all_tenants:
+        require_admin(who, "list every tenant's snapshots")
+    rows = svc.snapshots.find(None if all_tenants else who.tenant)
     return SnapshotList(snapshots=[Snapshot.model_validate(r) for r in rows])
 
 
 @router.get("/v1/snapshots/{snapshot_id}", response_model=Snapshot)
 async def get_snapshot(snapshot_id: str, svc: Service, who: Auth) -> Snapshot:
-    return Snapshot.model_validate(svc.snapshots.get(who.tenant, snapshot_id))
+    """A snapshot by id, `name:tag` or bare name (as `snapshot` in a create takes them)."""
+    return Snapshot.model_validate(svc.snapshots.resolve(who.tenant, snapshot_id))
 
 
 @router.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, response_model=SandboxList)

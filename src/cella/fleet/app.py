@@ -1,0 +1,310 @@
+"""The fleet gateway's HTTP API: the same /v1 as a node daemon, for the whole cluster.
+
+Keys live in the gateway (tenants authenticate here); calls go to node daemons with the
+node's admin key acting for the caller's tenant. Creates and forks are placed here; every
+call on a sandbox is streamed to and from its node as is (bodies, JSON Lines, WebSockets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet.gateway import Gateway
+from cella.fleet.nodes import Node
+from cella.models import Capacity, ForkRequest
+from cella.models.fleet import FleetStatus
+from cella.server.deps import Auth, principal
+from cella.service.keys import Principal, require_admin
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+}
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-cella-tenant"}
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def create_gateway_app(
+    settings: DaemonSettings, address: str, node_root: Path | None = None
+) -> FastAPI:
+    gateway = Gateway(settings, address, node_root)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.shutdown()
+
+    from cella.server.app import install_error_handlers
+    from cella.server.routes import keys
+
+    app = FastAPI(
+        title="cella fleet gateway",
+        version="1",
+        description="One cella API for the node daemons of a Ray cluster.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.daemon = gateway  # what the shared routes' dependencies read: `.keys`
+    install_error_handlers(app)
+    app.include_router(keys.router)
+    app.include_router(router(gateway))
+    return app
+
+
+async def forward(
+    request: Request, node: Node, who: Principal | None, path: str | None = None
+) -> Response:
+    """The request, streamed to `node` as `who`, and its answer streamed back."""
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
+    headers += list(node.headers(who).items())
+    upstream = node.client.build_request(
+        request.method,
+        path or request.url.path,
+        params=request.url.query,
+        headers=headers,
+        content=request.stream(),
+    )
+    try:
+        answer = await node.client.send(upstream, stream=True)
+    except httpx2.TransportError as exc:
+        raise errors.NodeUnavailable(f"node {node.name} does not answer: {exc}") from None
+    kept = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in HOP_BY_HOP]
+    response = StreamingResponse(
+        answer.aiter_raw(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
+    )
+    response.raw_headers = [(k.lower().encode(), v.encode()) for k, v in kept]
+    return response
+
+
+def router(gateway: Gateway) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/health", tags=["meta"])
+    async def health() -> dict[str, Any]:
+        """Liveness, and how many nodes are up (no key needed)."""
+        up = gateway.healthy()
+        return {
+            "ok": bool(up),
+            "fleet": True,
+            "nodes": len(gateway.nodes),
+            "nodes_up": len(up),
+            "accel": None,
+            "pool": {},
+            "pool_size": 0,
+        }
+
+    @api.get("/v1/fleet", response_model=FleetStatus, tags=["fleet"])
+    async def fleet(who: Auth) -> FleetStatus:
+        """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
+        require_admin(who, "see the fleet")
+        return await gateway.status()
+
+    @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
+    async def capacity(who: Auth) -> Capacity:
+        require_admin(who, "see the fleet's capacity")
+        return await gateway.capacity()
+
+    @api.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create(request: Request, who: Auth) -> JSONResponse:
+        body = await _json(request)
+        return JSONResponse(await gateway.create(who, body), status_code=201)
+
+    @api.get("/v1/sandboxes", tags=["sandboxes"])
+    async def list_sandboxes(request: Request, who: Auth) -> dict[str, Any]:
+        params = [(k, v) for k, v in request.query_params.multi_items()]
+        return {"sandboxes": await gateway.list_sandboxes(who, params)}
+
+    @api.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
+        where = await gateway.placement(who, sandbox_id)
+        if where.lost:
+            return JSONResponse(where.shown())
+        return await forward(request, await gateway.node_of(who, sandbox_id), who)
+
+    @api.delete("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def delete_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
+        where = await gateway.placement(who, sandbox_id)
+        if where.lost:  # nothing is left of it to delete: forgotten
+            gateway.placements.forget(sandbox_id)
+            return Response(status_code=204)
+        answer = await forward(request, await gateway.node_of(who, sandbox_id), who)
+        if answer.status_code < 300:
+            gateway.placements.forget(sandbox_id)
+        return answer
+
+    @api.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["snapshots"])
+    async def fork_sandbox(sandbox_id: str, body: ForkRequest, who: Auth) -> dict[str, Any]:
+        return {"sandboxes": await gateway.fork_sandbox(who, sandbox_id, body.count)}
+
+    @api.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=METHODS, tags=["sandboxes"])
+    async def on_sandbox(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
+        """Every other call on a sandbox, streamed to its node."""
+        return await forward(request, await gateway.node_of(who, sandbox_id), who)
+
+    @api.api_route("/v1/services/{sandbox_id}/{rest:path}", methods=METHODS, tags=["ports"])
+    async def service(sandbox_id: str, rest: str, request: Request) -> Response:
+        """A forwarded port: its own token authenticates it, on the node."""
+        where = gateway.placements.get(sandbox_id)
+        node = gateway.nodes.get(where.node) if where and not where.lost else None
+        if node is None or not node.healthy:
+            raise errors.NotFound(f"no service of sandbox {sandbox_id!r}")
+        return await forward(request, node, None)
+
+    @api.get("/v1/snapshots", tags=["snapshots"])
+    async def list_snapshots(who: Auth, all_tenants: bool = False) -> dict[str, Any]:
+        if all_tenants:
+            require_admin(who, "list every tenant's snapshots")
+        return {"snapshots": await gateway.list_snapshots(who, all_tenants)}
+
+    @api.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
+    async def fork_snapshot(snapshot_id: str, body: ForkRequest, who: Auth) -> dict[str, Any]:
+        return {"sandboxes": await gateway.fork_snapshot(who, snapshot_id, body.count)}
+
+    @api.delete("/v1/snapshots/{snapshot_id}", status_code=204, tags=["snapshots"])
+    async def delete_snapshot(snapshot_id: str, who: Auth) -> Response:
+        await gateway.delete_snapshot(who, snapshot_id)
+        return Response(status_code=204)
+
+    @api.api_route("/v1/snapshots/{snapshot_id}/{rest:path}", methods=METHODS, tags=["snapshots"])
+    @api.get("/v1/snapshots/{snapshot_id}", tags=["snapshots"])
+    async def on_snapshot(
+        request: Request, snapshot_id: str, who: Auth, rest: str = ""
+    ) -> Response:
+        _, holders = await gateway.resolve_snapshot(who, snapshot_id)
+        return await forward(request, gateway.nodes[sorted(holders)[0]], who)
+
+    @api.api_route("/v1/secrets/{name}", methods=["PUT", "DELETE"], tags=["egress"])
+    async def change_secret(name: str, request: Request, who: Auth) -> Response:
+        """Secrets are kept on every node (a sandbox may be placed on any)."""
+        body = await request.body()
+        answers = await asyncio.gather(
+            *(
+                n.call(
+                    request.method,
+                    request.url.path,
+                    who,
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                for n in gateway.healthy()
+            )
+        )
+        for node, answer in zip(gateway.healthy(), answers, strict=False):
+            if not answer.is_success:
+                from cella.fleet.nodes import raise_for
+
+                raise_for(answer, node.name)
+        last = answers[-1] if answers else None
+        if last is None:
+            raise errors.NodeUnavailable("no node of the fleet is up")
+        return Response(
+            last.content, status_code=last.status_code, media_type=last.headers.get("content-type")
+        )
+
+    @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
+    async def anywhere(rest: str, request: Request, who: Auth) -> Response:
+        """Calls that are the same on every node (secrets read, templates, egress logs of the
+        tenant): answered by one node."""
+        return await forward(request, gateway.any_node(), who)
+
+    @api.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/connect")
+    async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
+        try:
+            who = principal(ws, ws.headers.get("authorization"))
+            node = await gateway.node_of(who, sandbox_id)
+        except errors.CellaError as exc:
+            await ws.close(code=4403, reason=exc.message[:120])
+            return
+        await relay_websocket(ws, node, who)
+
+    @api.websocket("/v1/services/{sandbox_id}/{rest:path}")
+    async def service_ws(ws: WebSocket, sandbox_id: str, rest: str) -> None:
+        where = gateway.placements.get(sandbox_id)
+        node = gateway.nodes.get(where.node) if where and not where.lost else None
+        if node is None or not node.healthy:
+            await ws.close(code=4404, reason=f"no service of sandbox {sandbox_id}")
+            return
+        await relay_websocket(ws, node, None)
+
+    return api
+
+
+async def relay_websocket(ws: WebSocket, node: Node, who: Principal | None) -> None:
+    """The client's WebSocket joined to the same path on the node, message by message."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    url = node.url.replace("http", "ws", 1) + ws.url.path
+    if ws.url.query:
+        url += f"?{ws.url.query}"
+    headers = {
+        k: v
+        for k, v in ws.headers.items()
+        if k.lower() not in NOT_FORWARDED
+        and not k.lower().startswith("sec-websocket")
+        and k.lower() not in ("host", "content-length")
+    }
+    headers.update(node.headers(who))
+    try:
+        upstream = await connect(url, additional_headers=headers, max_size=16 << 20)
+    except (InvalidStatus, OSError) as exc:
+        await ws.close(code=1011, reason=f"node {node.name}: {exc}"[:120])
+        return
+    await ws.accept()
+
+    async def up() -> None:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                await upstream.close()
+                return
+            if message.get("bytes") is not None:
+                await upstream.send(message["bytes"])
+            elif message.get("text") is not None:
+                await upstream.send(message["text"])
+
+    async def down() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for message in upstream:
+                if isinstance(message, bytes):
+                    await ws.send_bytes(message)
+                else:
+                    await ws.send_text(message)
+        with contextlib.suppress(RuntimeError):
+            await ws.close()
+
+    tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await upstream.close()
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise errors.InvalidArgument("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise errors.InvalidArgument("the body must be a JSON object")
+    return body

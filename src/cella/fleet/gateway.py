@@ -1,0 +1,418 @@
+"""The fleet gateway's state and decisions: which node daemons exist (from Ray), where each
+sandbox lives, where a new one goes, and snapshots shipped to where they are forked.
+
+Nodes are found by polling Ray (`cluster.nodes()`, about once a second); a node that dies
+or leaves turns its sandboxes `lost`. The gateway keeps no sandbox state of its own beyond
+`Placements`, which it rebuilds from the nodes when it starts and when a node joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet import cluster
+from cella.fleet.nodes import Node
+from cella.fleet.placement import Candidate, spread
+from cella.fleet.placements import Placement, Placements
+from cella.models import Capacity, SandboxCreate
+from cella.models.fleet import FleetNode, FleetStatus
+from cella.service.keys import Keys, Principal
+from cella.store import Store
+
+log = logging.getLogger("cella.fleet")
+POLL_SECONDS = 1.0
+LIVE = {"creating", "running", "paused", "starting", "stopping"}
+
+
+class Gateway:
+    def __init__(self, settings: DaemonSettings, address: str, node_root: Path | None) -> None:
+        os.umask(0o077)
+        self.settings = settings
+        self.address = address
+        root = settings.data_dir
+        root.mkdir(parents=True, exist_ok=True)
+        self.store = Store(root / "gateway.db")
+        self.keys = Keys(self.store)
+        self.keys.ensure_admin_key(root)
+        self.placements = Placements(root / "placements.db")
+        self.node_root = str(node_root or root / "nodes")
+        self.nodes: dict[str, Node] = {}
+        self.failures: dict[str, str] = {}  # nodes that could not join, and why
+        self._joining: set[str] = set()
+        self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
+        self._inflight: dict[str, int] = {}  # tenant -> sandboxes being made
+        self._quota_lock = asyncio.Lock()
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Joins the cluster and every live node (and its daemon) before serving."""
+        await asyncio.to_thread(cluster.connect, self.address)
+        await self.poll(wait=True)
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for node in self.nodes.values():
+            await node.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            try:
+                await self.poll()
+            except Exception:  # Ray hiccups must not end the loop
+                log.exception("polling the cluster failed")
+
+    async def poll(self, wait: bool = False) -> None:
+        """Nodes Ray reports alive join (their daemons started where needed); known nodes
+        that Ray reports dead or no longer lists are lost."""
+        found = await asyncio.to_thread(cluster.nodes)
+        alive = {n.name: n for n in found if n.alive}
+        joins = []
+        for name, ray_node in alive.items():
+            known = self.nodes.get(name)
+            current = known is not None and known.node_id == ray_node.node_id and known.healthy
+            if not current and name not in self._joining:
+                self._joining.add(name)
+                joins.append(asyncio.create_task(self._join(ray_node)))
+        for name, node in self.nodes.items():
+            now = alive.get(name)
+            if node.healthy and (now is None or now.node_id != node.node_id):
+                dead = any(n.node_id == node.node_id and not n.alive for n in found)
+                self._lose(node, f"node {name} {'died' if dead else 'left the cluster'}")
+        if wait and joins:
+            await asyncio.gather(*joins, return_exceptions=True)
+
+    async def _join(self, ray_node: cluster.RayNode) -> None:
+        name = ray_node.name
+        try:
+            info = await asyncio.to_thread(cluster.daemon_of, ray_node, self.node_root)
+            if not info["alive"]:
+                raise errors.NodeUnavailable(str(info.get("reason") or "its daemon is down"))
+            node = Node(name, ray_node.node_id, info["url"], info["admin_key"])
+            node.restarts = int(info.get("restarts") or 0)
+            listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
+            self.placements.resync(name, listed["sandboxes"])
+            old = self.nodes.get(name)
+            self.nodes[name] = node
+            self.failures.pop(name, None)
+            if old is not None:
+                await old.close()
+            log.info("node %s joined (%s, %d sandboxes)", name, node.url, len(listed["sandboxes"]))
+        except Exception as exc:  # retried at the next poll
+            self.failures[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("node %s could not join: %s", name, self.failures[name])
+        finally:
+            self._joining.discard(name)
+
+    def _lose(self, node: Node, reason: str) -> None:
+        when = datetime.now(UTC).isoformat(timespec="seconds")
+        node.healthy, node.reason = False, f"{reason} at {when}"
+        count = self.placements.lose(node.name, node.reason)
+        log.warning("%s; %d sandboxes lost", node.reason, count)
+
+    def healthy(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.healthy]
+
+    def any_node(self) -> Node:
+        nodes = self.healthy()
+        if not nodes:
+            raise errors.NodeUnavailable("no node of the fleet is up")
+        return nodes[0]
+
+    async def each(self, method: str, path: str, who: Principal | None, **kw: Any) -> list[Any]:
+        """The same call on every healthy node; (node, answer) pairs in node order."""
+        nodes = self.healthy()
+        answers = await asyncio.gather(*(n.json(method, path, who, **kw) for n in nodes))
+        return list(zip(nodes, answers, strict=True))
+
+    # -- where sandboxes are -----------------------------------------------------------------
+
+    async def placement(self, who: Principal, sandbox_id: str) -> Placement:
+        """The tenant's sandbox, wherever it is (nodes asked if the gateway has not seen it)."""
+        found = self.placements.get(sandbox_id)
+        if found is None:
+            for node in self.healthy():
+                response = await node.call("GET", f"/v1/sandboxes/{sandbox_id}", who)
+                if response.status_code == 200:
+                    self.placements.put(node.name, response.json())
+                    found = self.placements.get(sandbox_id)
+                    break
+        if found is None or found.tenant != who.tenant:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return found
+
+    async def node_of(self, who: Principal, sandbox_id: str) -> Node:
+        where = await self.placement(who, sandbox_id)
+        if where.lost:
+            raise errors.SandboxLost(f"sandbox {sandbox_id} is lost: {where.lost}")
+        node = self.nodes.get(where.node)
+        if node is None or not node.healthy:
+            raise errors.NodeUnavailable(f"node {where.node} of sandbox {sandbox_id} is down")
+        return node
+
+    async def list_sandboxes(self, who: Principal, params: list[tuple[str, str]]) -> list[Any]:
+        found: list[dict[str, Any]] = []
+        for node, answer in await self.each("GET", "/v1/sandboxes", who, params=params):
+            for body in answer["sandboxes"]:
+                self.placements.put(node.name, body)
+                found.append(body)
+        state = dict(params).get("state")
+        if state in (None, "lost"):
+            labels = [v for k, v in params if k == "label"]
+            for lost in self.placements.lost(who.tenant):
+                shown = lost.shown()
+                have = shown.get("labels") or {}
+                if all(have.get(k) == v for k, _, v in (p.partition("=") for p in labels)):
+                    found.append(shown)
+        if state is not None:
+            found = [b for b in found if b.get("state") == state]
+        return sorted(found, key=lambda b: str(b.get("created_at")))
+
+    # -- placing new sandboxes ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, who: Principal, count: int) -> Any:
+        """Holds `count` of the tenant's cluster-wide quota while they are being made."""
+        async with self._quota_lock:
+            live = 0
+            for _, answer in await self.each("GET", "/v1/sandboxes", who):
+                live += sum(1 for b in answer["sandboxes"] if b["state"] in LIVE)
+            limit = self.settings.max_sandboxes_per_tenant
+            if live + self._inflight.get(who.tenant, 0) + count > limit:
+                raise errors.QuotaExceeded(
+                    f"tenant {who.tenant} has {live} live sandboxes in the fleet; "
+                    f"the limit is {limit}"
+                )
+            self._inflight[who.tenant] = self._inflight.get(who.tenant, 0) + count
+        try:
+            yield
+        finally:
+            self._inflight[who.tenant] -= count
+
+    @contextlib.contextmanager
+    def _reserve(self, plan: dict[str, int], vcpus: int, memory_mib: int) -> Iterator[None]:
+        """What is being placed counts against a node until its daemon has it."""
+        held = [(name, (vcpus * n, memory_mib * n)) for name, n in plan.items()]
+        for name, amount in held:
+            self._reserved.setdefault(name, []).append(amount)
+        try:
+            yield
+        finally:
+            for name, amount in held:
+                self._reserved[name].remove(amount)
+
+    async def _plan(
+        self, vcpus: int, memory_mib: int, count: int, holders: set[str], template: str
+    ) -> dict[str, int]:
+        nodes = self.healthy()
+        if not nodes:
+            raise errors.NodeUnavailable("no node of the fleet is up")
+        reports = await asyncio.gather(
+            *(n.json("GET", "/v1/capacity") for n in nodes),
+            *(n.json("GET", "/v1/health") for n in nodes),
+        )
+        candidates = []
+        for i, node in enumerate(nodes):
+            capacity = Capacity.model_validate(reports[i])
+            pool: dict[str, int] = reports[len(nodes) + i].get("pool") or {}
+            held_cpus = sum(c for c, _ in self._reserved.get(node.name, []))
+            held_memory = sum(m for _, m in self._reserved.get(node.name, []))
+            candidates.append(
+                Candidate(
+                    name=node.name,
+                    memory_mib_free=capacity.memory_mib_free - held_memory,
+                    vcpus_free=capacity.vcpus_free - held_cpus,
+                    holds_snapshot=node.name in holders,
+                    pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
+                )
+            )
+        plan = spread(candidates, vcpus, memory_mib, count)
+        if not plan:
+            raise errors.CapacityExceeded(
+                f"the fleet has no room for {count} sandbox(es) of {vcpus} vCPUs and "
+                f"{memory_mib} MiB"
+            )
+        return plan
+
+    async def create(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+        spec = SandboxCreate.model_validate(body)
+        async with self._admitted(who, 1):
+            if spec.snapshot:
+                snap, holders = await self.resolve_snapshot(who, spec.snapshot)
+                body = {**body, "snapshot": snap["id"]}  # tags live on the snapshot's origin
+                vcpus, memory, template = snap["vcpus"], snap["memory_mib"], snap["template"]
+            else:
+                snap, holders = None, set()
+                vcpus, memory, template = spec.vcpus, spec.memory_mib, spec.template
+            plan = await self._plan(vcpus, memory, 1, holders, template)
+            [name] = plan
+            node = self.nodes[name]
+            with self._reserve(plan, vcpus, memory):
+                if snap is not None and name not in holders:
+                    await self._ship(snap["id"], holders, node)
+                created: dict[str, Any] = await node.json("POST", "/v1/sandboxes", who, json=body)
+            self.placements.put(name, created)
+            return created
+
+    # -- snapshots across nodes --------------------------------------------------------------
+
+    async def resolve_snapshot(self, who: Principal, ref: str) -> tuple[dict[str, Any], set[str]]:
+        """The snapshot `ref` names (the newest answer if nodes differ), and the nodes
+        holding it."""
+        answers = []
+        for node in self.healthy():
+            response = await node.call("GET", f"/v1/snapshots/{ref}", who)
+            if response.status_code == 200:
+                answers.append((node.name, response.json()))
+        if not answers:
+            raise errors.NotFound(f"no snapshot {ref!r}")
+        chosen = max((a for _, a in answers), key=lambda a: str(a["created_at"]))
+        if chosen["state"] != "ready":
+            raise errors.InvalidState(f"snapshot {chosen['id']} is {chosen['state']}")
+        return chosen, {name for name, a in answers if a["id"] == chosen["id"]}
+
+    async def _ship(self, snapshot_id: str, holders: set[str], dest: Node) -> None:
+        """Has `dest` pull the snapshot from a node that holds it (once: then it is cached)."""
+        sources = [self.nodes[h] for h in sorted(holders) if self.nodes[h].healthy]
+        if not sources:
+            raise errors.NodeUnavailable(f"no node holding snapshot {snapshot_id} is up")
+        source = sources[0]
+        await dest.json(
+            "POST",
+            "/v1/snapshots/import",
+            json={"source_url": source.url, "source_key": source.key, "snapshot_id": snapshot_id},
+        )
+
+    async def fork_snapshot(
+        self, who: Principal, ref: str, count: int, holders: set[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """`count` branches of a snapshot, on the nodes holding it where they fit, the rest
+        on other nodes (the snapshot shipped there first)."""
+        snap, found = await self.resolve_snapshot(who, ref)
+        holders = found | (holders or set())
+        async with self._admitted(who, count):
+            vcpus, memory = snap["vcpus"], snap["memory_mib"]
+            plan = await self._plan(vcpus, memory, count, holders, snap["template"])
+            with self._reserve(plan, vcpus, memory):
+
+                async def part(name: str, n: int) -> list[dict[str, Any]]:
+                    node = self.nodes[name]
+                    if name not in holders:
+                        await self._ship(snap["id"], holders, node)
+                    answer = await node.json(
+                        "POST", f"/v1/snapshots/{snap['id']}/fork", who, json={"count": n}
+                    )
+                    for body in answer["sandboxes"]:
+                        self.placements.put(name, body)
+                    return list(answer["sandboxes"])
+
+                parts = await asyncio.gather(
+                    *(part(name, n) for name, n in plan.items()), return_exceptions=True
+                )
+        failed = [p for p in parts if isinstance(p, BaseException)]
+        made = [b for p in parts if not isinstance(p, BaseException) for b in p]
+        if failed:  # all or nothing, as on one node
+            for body in made:
+                with contextlib.suppress(errors.CellaError):
+                    node = await self.node_of(who, body["id"])
+                    await node.json("DELETE", f"/v1/sandboxes/{body['id']}", who)
+                    self.placements.forget(body["id"])
+            raise failed[0]
+        return made
+
+    async def fork_sandbox(self, who: Principal, sandbox_id: str, count: int) -> list[Any]:
+        node = await self.node_of(who, sandbox_id)
+        snap = await node.json(
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/snapshots",
+            who,
+            json={"name": f"fork of {sandbox_id}"},
+        )
+        return await self.fork_snapshot(who, snap["id"], count, {node.name})
+
+    async def list_snapshots(self, who: Principal, all_tenants: bool = False) -> list[Any]:
+        seen: dict[str, dict[str, Any]] = {}
+        params = {"all_tenants": "true"} if all_tenants else {}
+        for _, answer in await self.each("GET", "/v1/snapshots", who, params=params):
+            for body in answer["snapshots"]:
+                seen.setdefault(body["id"], body)
+        return sorted(seen.values(), key=lambda b: str(b["created_at"]))
+
+    async def delete_snapshot(self, who: Principal, snapshot_id: str) -> None:
+        """Removed from every node holding it (refused while one of them uses it)."""
+        holders = [
+            n
+            for n in self.healthy()
+            if (await n.call("GET", f"/v1/snapshots/{snapshot_id}", who)).status_code == 200
+        ]
+        if not holders:
+            raise errors.NotFound(f"no snapshot {snapshot_id!r}")
+        for node in holders:
+            await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", who)
+
+    # -- the fleet as a whole ----------------------------------------------------------------
+
+    async def capacity(self) -> Capacity:
+        parts = [
+            Capacity.model_validate(a) for _, a in await self.each("GET", "/v1/capacity", None)
+        ]
+        return Capacity(
+            memory_mib=sum(p.memory_mib for p in parts),
+            memory_mib_committed=sum(p.memory_mib_committed for p in parts),
+            vcpus=sum(p.vcpus for p in parts),
+            vcpus_committed=sum(p.vcpus_committed for p in parts),
+            live_sandboxes=sum(p.live_sandboxes for p in parts),
+        )
+
+    async def status(self) -> FleetStatus:
+        async def one(node: Node) -> FleetNode:
+            shown = FleetNode(
+                name=node.name,
+                node_id=node.node_id,
+                url=node.url,
+                healthy=node.healthy,
+                reason=node.reason,
+                sandboxes=sum(1 for p in self.placements.on_node(node.name) if not p.lost),
+            )
+            if not node.healthy:
+                return shown
+            try:
+                capacity, health, snaps, templates = await asyncio.gather(
+                    node.json("GET", "/v1/capacity"),
+                    node.json("GET", "/v1/health"),
+                    node.json("GET", "/v1/snapshots", params={"all_tenants": "true"}),
+                    node.json("GET", "/v1/templates"),
+                )
+            except errors.CellaError as exc:
+                return shown.model_copy(update={"healthy": False, "reason": exc.message})
+            return shown.model_copy(
+                update={
+                    "capacity": Capacity.model_validate(capacity),
+                    "accel": health.get("accel"),
+                    "snapshots": [s["id"] for s in snaps["snapshots"] if s["state"] == "ready"],
+                    "templates": [
+                        t["name"] for t in templates["templates"] if t.get("built", True)
+                    ],
+                }
+            )
+
+        shown = list(await asyncio.gather(*(one(n) for n in self.nodes.values())))
+        for name, reason in sorted(self.failures.items()):
+            if name not in self.nodes:
+                shown.append(FleetNode(name=name, node_id="", healthy=False, reason=reason))
+        return FleetStatus(nodes=shown, lost_sandboxes=len(self.placements.lost()))

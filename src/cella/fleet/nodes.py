@@ -1,0 +1,73 @@
+"""A node daemon as the gateway talks to it: its URL and admin key (from its Ray actor), and
+calls on behalf of a tenant (`X-Cella-Tenant`, which node daemons honour for admin keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+
+from cella import errors
+from cella.service.keys import Principal
+
+TIMEOUT = httpx2.Timeout(30.0, read=600.0)
+
+
+def as_header(who: Principal | None) -> dict[str, str]:
+    """Headers that make a node daemon act for `who` (None: the gateway itself, as admin)."""
+    if who is None or who.admin:
+        return {}
+    return {"x-cella-tenant": who.tenant}
+
+
+def raise_for(response: httpx2.Response, node: str) -> None:
+    """A node's error answer raised again as the same cella error."""
+    if response.is_success:
+        return
+    try:
+        error = response.json()["error"]
+        code, message = str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        raise errors.NodeUnavailable(
+            f"node {node} answered {response.status_code}: {response.text[:200]}"
+        ) from None
+    cls = errors.ALL_ERRORS.get(code, errors.CellaError)
+    raise cls(message)
+
+
+@dataclass(eq=False)
+class Node:
+    name: str
+    node_id: str
+    url: str
+    key: str
+    healthy: bool = True
+    reason: str | None = None
+    restarts: int = 0
+    client: httpx2.AsyncClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client = httpx2.AsyncClient(base_url=self.url, timeout=TIMEOUT)
+
+    def headers(self, who: Principal | None) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.key}", **as_header(who)}
+
+    async def call(
+        self, method: str, path: str, who: Principal | None = None, **kwargs: Any
+    ) -> httpx2.Response:
+        headers = {**self.headers(who), **kwargs.pop("headers", {})}
+        try:
+            return await self.client.request(method, path, headers=headers, **kwargs)
+        except httpx2.TransportError as exc:
+            raise errors.NodeUnavailable(f"node {self.name} does not answer: {exc}") from None
+
+    async def json(
+        self, method: str, path: str, who: Principal | None = None, **kwargs: Any
+    ) -> Any:
+        response = await self.call(method, path, who, **kwargs)
+        raise_for(response, self.name)
+        return response.json() if response.content else None
+
+    async def close(self) -> None:
+        await self.client.aclose()

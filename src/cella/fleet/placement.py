@@ -1,0 +1,47 @@
+"""Where a new sandbox goes: the pure decision, from what each node reports.
+
+A node must have room (free RAM and vCPUs after what it has committed and what the gateway
+is placing there right now). Among those, a node that already holds the snapshot wins (no
+files to move), then one with a warm pool of the template, then the one with the most free
+memory, so creates spread over equal nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    memory_mib_free: int
+    vcpus_free: int
+    holds_snapshot: bool = False
+    pooled_template: bool = False
+
+    def fits(self, vcpus: int, memory_mib: int) -> int:
+        """How many sandboxes of this shape fit here."""
+        return max(0, min(self.memory_mib_free // memory_mib, self.vcpus_free // vcpus))
+
+
+def ranked(candidates: list[Candidate], vcpus: int, memory_mib: int) -> list[Candidate]:
+    """Nodes with room for one such sandbox, best first."""
+    room = [c for c in candidates if c.fits(vcpus, memory_mib) > 0]
+    return sorted(
+        room,
+        key=lambda c: (not c.holds_snapshot, not c.pooled_template, -c.memory_mib_free, c.name),
+    )
+
+
+def spread(candidates: list[Candidate], vcpus: int, memory_mib: int, count: int) -> dict[str, int]:
+    """`count` sandboxes over the nodes: as many as fit on the best node, the rest on the
+    next; empty if they do not all fit in the fleet."""
+    plan: dict[str, int] = {}
+    left = count
+    for c in ranked(candidates, vcpus, memory_mib):
+        take = min(left, c.fits(vcpus, memory_mib))
+        plan[c.name] = take
+        left -= take
+        if left == 0:
+            return plan
+    return {}

@@ -1,0 +1,99 @@
+"""A fleet on a real Ray cluster: a head, three nodes that run sandboxes, and a gateway.
+
+These tests run inside a loopback-only network namespace (`tests/integration/test_fleet.py`
+runs them there); they refuse to run anywhere else, because Ray binds and probes more than
+loopback when it can.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from tests.daemon import Daemon, kill_vms_of
+from tests.raycluster import LocalCluster, quiet_ray_env
+
+NODES = ("n1", "n2", "n3")
+NODE_SETTINGS = {"pool_size": "0", "max_host_memory_mib": "768"}  # three 256 MiB sandboxes
+SHAPE = {"memory_mib": 256}
+QUOTA = 5  # the gateway's limit of live sandboxes per tenant, across nodes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if [name for _, name in socket.if_nameindex()] != ["lo"]:
+        skip = pytest.mark.skip(reason="run by tests/integration/test_fleet.py (loopback only)")
+        for item in items:
+            item.add_marker(skip)
+
+
+@dataclass
+class Fleet:
+    cluster: LocalCluster
+    gateway: Daemon
+    node_root: Path
+    admin: httpx2.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admin = self.client(self.gateway.admin_key)
+
+    def client(self, key: str) -> httpx2.Client:
+        return httpx2.Client(
+            base_url=self.gateway.url,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=httpx2.Timeout(120.0),
+        )
+
+    def node_of(self, sandbox_id: str) -> str:
+        """The node whose data directory holds the sandbox's VM."""
+        held = [n for n in os.listdir(self.node_root) if (self.vm_dir(n, sandbox_id)).exists()]
+        assert len(held) == 1, f"{sandbox_id} is on {held}"
+        return held[0]
+
+    def vm_dir(self, node: str, sandbox_id: str) -> Path:
+        return self.node_root / node / "vms" / sandbox_id
+
+    def snapshot_dir(self, node: str, snapshot_id: str) -> Path:
+        return self.node_root / node / "snapshots" / snapshot_id
+
+    def restart_gateway(self) -> None:
+        self.gateway.stop()
+        self.gateway.start(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[Fleet]:
+    quiet_ray_env()
+    root = Path(tempfile.mkdtemp(prefix="cella-fleet-"))
+    cluster = LocalCluster()
+    gateway = None
+    try:
+        for name in NODES:
+            cluster.add(name, **NODE_SETTINGS)
+        gateway = Daemon(
+            root / "gateway",
+            args=["--ray", cluster.address, "--node-root", str(root / "nodes")],
+            max_sandboxes_per_tenant=str(QUOTA),
+        ).start(timeout=240)
+        yield Fleet(cluster, gateway, root / "nodes")
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        cluster.shutdown()
+        time.sleep(0.5)
+        for name in os.listdir(root / "nodes") if (root / "nodes").exists() else []:
+            kill_vms_of(root / "nodes" / name)
+
+
+@pytest.fixture(scope="session")
+def tenant(fleet: Fleet) -> Iterator[httpx2.Client]:
+    key = fleet.admin.post("/v1/keys", json={"tenant": "acme"}).json()["key"]
+    with fleet.client(key) as client:
+        yield client

@@ -1,0 +1,84 @@
+"""A Ray cluster of several nodes on this one machine, for fleet tests and benches.
+
+Every node is pinned to 127.0.0.1 and the cluster is meant to run inside a loopback-only
+network namespace (`tests/integration/test_fleet.py` makes one); Ray's usage report and
+cloud-metadata probes are turned off so nothing tries to leave the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Ray's phone-home and cloud probes: off before ray is imported anywhere
+QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_BACKEND_LOG_LEVEL": "warning",
+}
+# dead nodes noticed in about a second, not fifteen
+HEALTH = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+STORE = 80 << 20  # Ray's minimum object store is 75 MiB
+
+
+def quiet_ray_env() -> None:
+    """Sets the environment the cluster, its workers and the gateway inherit. HOME holds an
+    empty `ray_bootstrap_config.yaml`, which makes Ray skip its cloud-metadata probes."""
+    home = Path(tempfile.mkdtemp(prefix="cella-rayhome-"))
+    (home / "ray_bootstrap_config.yaml").write_text("{}\n")
+    os.environ.update(QUIET_ENV)
+    os.environ["HOME"] = str(home)
+
+
+class LocalCluster:
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.temp = tempfile.mkdtemp(prefix="crt-", dir="/tmp")  # AF_UNIX paths stay short
+        os.makedirs("/tmp/ray", exist_ok=True)  # Ray notes the current cluster's address there
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "include_dashboard": False,
+                "node_ip_address": "127.0.0.1",
+                "object_store_memory": STORE,
+                "temp_dir": self.temp,
+                "_system_config": HEALTH,
+            },
+        )
+        self.nodes: dict[str, Any] = {}
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add(self, name: str, **settings: str) -> Any:
+        """A node that runs sandboxes: the `cella_node` resource, named by its label, with
+        daemon settings as `cella/<setting>` labels."""
+        labels = {"cella/node-name": name, **{f"cella/{k}": v for k, v in settings.items()}}
+        node = self.cluster.add_node(
+            num_cpus=1,
+            resources={"cella_node": 1},
+            labels=labels,
+            node_ip_address="127.0.0.1",
+            object_store_memory=STORE,
+        )
+        self.nodes[name] = node
+        self.cluster.wait_for_nodes()
+        return node
+
+    def kill(self, name: str) -> None:
+        """The node dies: its raylet and everything under it are SIGKILLed."""
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
