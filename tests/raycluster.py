@@ -81,4 +81,8 @@ class LocalCluster:
         self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
 
     def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # a driver in this process (an eval) must go first
+            ray.shutdown()
         self.cluster.shutdown()

@@ -3,15 +3,21 @@ inside a loopback-only network namespace)."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
 from websockets.sync.client import connect
 
 from cella import Client, errors
+from cella.eval import Task, TaskResult, run_eval
 from cella.sdk import Sandbox
-from tests.fleet.conftest import NODES, QUOTA, SHAPE, Fleet
+from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
 from tests.integration.test_ports import SERVERS
 
 
@@ -194,4 +200,90 @@ def test_a_gateway_restart_loses_nothing(fleet: Fleet, tenant: httpx2.Client) ->
     assert all(s["state"] == "running" for s in listed.values())
     got = tenant.get(f"/v1/sandboxes/{made[0]['id']}/files/content", params={"path": "/root/mark"})
     assert got.content == b"before\n"
+    delete_all(tenant)
+
+
+def wait_for(check: Callable[[], object], timeout: float = 60, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what or check}")
+
+
+def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: Path) -> None:
+    """Last: it takes a node away. Its sandboxes turn lost; the eval's tasks that ran there
+    run again elsewhere and the result set is complete; the rest of the fleet goes on."""
+    fleet.cluster.add("n4", **NODE_SETTINGS)
+    wait_for(
+        lambda: any(
+            n["name"] == "n4" and n["healthy"] for n in fleet.admin.get("/v1/fleet").json()["nodes"]
+        ),
+        what="n4 to join",
+    )
+    key = tenant.headers["authorization"].split()[1]
+    base = create(tenant)
+    run(tenant, str(base["id"]), "mkdir -p /root/work && echo ready > /root/work/ok")
+    snap = tenant.post(f"/v1/sandboxes/{base['id']}/snapshots", json={"name": "evalbase"})
+    assert snap.status_code == 201, snap.text
+    tenant.delete(f"/v1/sandboxes/{base['id']}")
+    doomed = tenant.post("/v1/sandboxes", json=SHAPE, headers={"X-Cella-Node": "n4"}).json()
+    assert fleet.node_of(doomed["id"]) == "n4"
+    survivor = create(tenant)
+    assert fleet.node_of(str(survivor["id"])) != "n4"
+
+    tasks = [
+        Task(id=f"t{i}", check="sleep 3; test -f /root/work/ok", workdir="/root/work")
+        for i in range(7)
+    ] + [Task(id="fails", check="sleep 3; false", workdir="/root/work")]
+    results: list[TaskResult] = []
+    runner = threading.Thread(
+        target=lambda: results.extend(
+            run_eval(
+                tasks,
+                snap.json()["id"],
+                parallel=3,
+                out_dir=tmp_path / "eval",
+                url=fleet.gateway.url,
+                api_key=key,
+                cluster=fleet.cluster.address,
+            )
+        )
+    )
+    runner.start()
+    # kill n4 while one of the eval's sandboxes runs there
+    n4_vms = fleet.node_root / "n4" / "vms"
+    wait_for(
+        lambda: [d for d in os.listdir(n4_vms) if d != doomed["id"]],
+        timeout=120,
+        what="an eval task on n4",
+    )
+    fleet.cluster.kill("n4")
+    runner.join(600)
+    assert not runner.is_alive()
+
+    assert [r.task_id for r in results] == [t.id for t in tasks]  # complete, in order
+    assert all(r.error is None for r in results), [(r.task_id, r.error) for r in results]
+    assert [r.passed for r in results] == [True] * 7 + [False]
+    assert all(r.node and r.node != "n4" for r in results)
+    for r in results:
+        assert r.trace and Path(r.trace).is_relative_to(tmp_path / "eval")
+        assert '"type":"exec"' in Path(r.trace).read_text().replace(" ", "")
+    assert len((tmp_path / "eval" / "results.jsonl").read_text().splitlines()) == len(tasks)
+
+    lost = tenant.get(f"/v1/sandboxes/{doomed['id']}").json()
+    assert lost["state"] == "lost" and "n4" in lost["error"], lost
+    gone = tenant.post(f"/v1/sandboxes/{doomed['id']}/exec", json={"command": "true"})
+    assert gone.status_code == 410 and gone.json()["error"]["code"] == "sandbox_lost"
+    assert doomed["id"] in [s["id"] for s in tenant.get("/v1/sandboxes").json()["sandboxes"]]
+    status = fleet.admin.get("/v1/fleet").json()
+    n4 = next(n for n in status["nodes"] if n["name"] == "n4")
+    assert not n4["healthy"] and "n4" in n4["reason"]
+    assert status["lost_sandboxes"] >= 1
+    # the rest of the fleet is undisturbed
+    assert run(tenant, str(survivor["id"]), "echo still")["stdout"] == "still\n"
+    after = create(tenant)
+    assert fleet.node_of(str(after["id"])) != "n4"
+    assert tenant.delete(f"/v1/sandboxes/{doomed['id']}").status_code == 204  # forgotten
     delete_all(tenant)

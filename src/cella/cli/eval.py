@@ -27,6 +27,10 @@ def run(
         "eval-results"
     ),
     only: Annotated[list[str] | None, typer.Option(help="run just these task ids")] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(help="run tasks as Ray tasks on this cluster's nodes (or `auto`)"),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
 ) -> None:
     """Run each task in its own sandbox forked from SNAPSHOT; the check's exit is the score."""
@@ -52,7 +56,9 @@ def run(
         def done(r: TaskResult) -> None:
             bar.update(job, advance=1, last=f"{r.task_id}: {'pass' if r.passed else 'FAIL'}")
 
-        results = run_eval(tasks, snapshot, parallel=parallel, out_dir=out_dir, on_done=done)
+        results = run_eval(
+            tasks, snapshot, parallel=parallel, out_dir=out_dir, on_done=done, cluster=ray
+        )
     summary = summarize(results)
     if json_:
         emit_json({"summary": summary, "results": [r.model_dump(mode="json") for r in results]})

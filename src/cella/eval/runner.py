@@ -85,7 +85,7 @@ async def run_task(client: AsyncClient, task: Task, snapshot_id: str, out_dir: P
         await _play(sb, task, result)
         await _keep(sb, task, where, result)
     except errors.CellaError as exc:
-        result.error = exc.message
+        result.error, result.error_code = exc.message, exc.code
     finally:
         if sb is not None:
             try:
@@ -137,8 +137,24 @@ def run_eval(
     url: str | None = None,
     api_key: str | None = None,
     on_done: Callable[[TaskResult], None] | None = None,
+    cluster: str | None = None,
 ) -> list[TaskResult]:
-    """The blocking form of `arun_eval` (a client is made from the environment)."""
+    """The blocking form of `arun_eval` (a client is made from the environment). With
+    `cluster` (a Ray address, or `auto`), tasks run as Ray tasks across the fleet's nodes,
+    talking to the fleet gateway at `url`."""
+    if cluster is not None:
+        from cella.fleet.evals import run_on_ray
+
+        return run_on_ray(
+            tasks,
+            snapshot_id,
+            address=cluster,
+            parallel=parallel,
+            out_dir=out_dir,
+            url=url,
+            api_key=api_key,
+            on_done=on_done,
+        )
 
     async def go() -> list[TaskResult]:
         async with AsyncClient(url, api_key) as client:

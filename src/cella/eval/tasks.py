@@ -47,6 +47,8 @@ class TaskResult(BaseModel):
     score: float = 0.0
     passed: bool = False
     error: str | None = Field(default=None, description="why the task could not be run")
+    error_code: str | None = Field(default=None, description="the error's code (cella.errors)")
+    node: str | None = Field(default=None, description="the fleet node that ran it")
     duration_ms: float = 0.0
     steps: list[Step] = Field(default_factory=list)
     trace: str | None = Field(default=None, description="the sandbox's events (JSON Lines)")

@@ -38,6 +38,7 @@ HOP_BY_HOP = {
     "upgrade",
 }
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-cella-tenant"}
+NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
@@ -127,7 +128,8 @@ def router(gateway: Gateway) -> APIRouter:
     @api.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
     async def create(request: Request, who: Auth) -> JSONResponse:
         body = await _json(request)
-        return JSONResponse(await gateway.create(who, body), status_code=201)
+        made = await gateway.create(who, body, request.headers.get(NODE_HINT))
+        return JSONResponse(made, status_code=201)
 
     @api.get("/v1/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(request: Request, who: Auth) -> dict[str, Any]:
@@ -149,12 +151,15 @@ def router(gateway: Gateway) -> APIRouter:
             return Response(status_code=204)
         answer = await forward(request, await gateway.node_of(who, sandbox_id), who)
         if answer.status_code < 300:
-            gateway.placements.forget(sandbox_id)
+            gateway.placements.deleted(sandbox_id)
         return answer
 
     @api.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["snapshots"])
-    async def fork_sandbox(sandbox_id: str, body: ForkRequest, who: Auth) -> dict[str, Any]:
-        return {"sandboxes": await gateway.fork_sandbox(who, sandbox_id, body.count)}
+    async def fork_sandbox(
+        sandbox_id: str, body: ForkRequest, request: Request, who: Auth
+    ) -> dict[str, Any]:
+        hint = request.headers.get(NODE_HINT)
+        return {"sandboxes": await gateway.fork_sandbox(who, sandbox_id, body.count, hint)}
 
     @api.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=METHODS, tags=["sandboxes"])
     async def on_sandbox(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
@@ -177,8 +182,12 @@ def router(gateway: Gateway) -> APIRouter:
         return {"snapshots": await gateway.list_snapshots(who, all_tenants)}
 
     @api.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
-    async def fork_snapshot(snapshot_id: str, body: ForkRequest, who: Auth) -> dict[str, Any]:
-        return {"sandboxes": await gateway.fork_snapshot(who, snapshot_id, body.count)}
+    async def fork_snapshot(
+        snapshot_id: str, body: ForkRequest, request: Request, who: Auth
+    ) -> dict[str, Any]:
+        hint = request.headers.get(NODE_HINT)
+        made = await gateway.fork_snapshot(who, snapshot_id, body.count, prefer=hint)
+        return {"sandboxes": made}
 
     @api.delete("/v1/snapshots/{snapshot_id}", status_code=204, tags=["snapshots"])
     async def delete_snapshot(snapshot_id: str, who: Auth) -> Response:

@@ -217,7 +217,13 @@ class Gateway:
                 self._reserved[name].remove(amount)
 
     async def _plan(
-        self, vcpus: int, memory_mib: int, count: int, holders: set[str], template: str
+        self,
+        vcpus: int,
+        memory_mib: int,
+        count: int,
+        holders: set[str],
+        template: str,
+        prefer: str | None = None,
     ) -> dict[str, int]:
         nodes = self.healthy()
         if not nodes:
@@ -239,6 +245,7 @@ class Gateway:
                     vcpus_free=capacity.vcpus_free - held_cpus,
                     holds_snapshot=node.name in holders,
                     pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
+                    preferred=node.name == prefer,
                 )
             )
         plan = spread(candidates, vcpus, memory_mib, count)
@@ -249,7 +256,9 @@ class Gateway:
             )
         return plan
 
-    async def create(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(
+        self, who: Principal, body: dict[str, Any], prefer: str | None = None
+    ) -> dict[str, Any]:
         spec = SandboxCreate.model_validate(body)
         async with self._admitted(who, 1):
             if spec.snapshot:
@@ -259,7 +268,7 @@ class Gateway:
             else:
                 snap, holders = None, set()
                 vcpus, memory, template = spec.vcpus, spec.memory_mib, spec.template
-            plan = await self._plan(vcpus, memory, 1, holders, template)
+            plan = await self._plan(vcpus, memory, 1, holders, template, prefer)
             [name] = plan
             node = self.nodes[name]
             with self._reserve(plan, vcpus, memory):
@@ -299,7 +308,12 @@ class Gateway:
         )
 
     async def fork_snapshot(
-        self, who: Principal, ref: str, count: int, holders: set[str] | None = None
+        self,
+        who: Principal,
+        ref: str,
+        count: int,
+        holders: set[str] | None = None,
+        prefer: str | None = None,
     ) -> list[dict[str, Any]]:
         """`count` branches of a snapshot, on the nodes holding it where they fit, the rest
         on other nodes (the snapshot shipped there first)."""
@@ -307,7 +321,7 @@ class Gateway:
         holders = found | (holders or set())
         async with self._admitted(who, count):
             vcpus, memory = snap["vcpus"], snap["memory_mib"]
-            plan = await self._plan(vcpus, memory, count, holders, snap["template"])
+            plan = await self._plan(vcpus, memory, count, holders, snap["template"], prefer)
             with self._reserve(plan, vcpus, memory):
 
                 async def part(name: str, n: int) -> list[dict[str, Any]]:
@@ -331,11 +345,13 @@ class Gateway:
                 with contextlib.suppress(errors.CellaError):
                     node = await self.node_of(who, body["id"])
                     await node.json("DELETE", f"/v1/sandboxes/{body['id']}", who)
-                    self.placements.forget(body["id"])
+                    self.placements.deleted(body["id"])
             raise failed[0]
         return made
 
-    async def fork_sandbox(self, who: Principal, sandbox_id: str, count: int) -> list[Any]:
+    async def fork_sandbox(
+        self, who: Principal, sandbox_id: str, count: int, prefer: str | None = None
+    ) -> list[Any]:
         node = await self.node_of(who, sandbox_id)
         snap = await node.json(
             "POST",
@@ -343,7 +359,7 @@ class Gateway:
             who,
             json={"name": f"fork of {sandbox_id}"},
         )
-        return await self.fork_snapshot(who, snap["id"], count, {node.name})
+        return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer)
 
     async def list_snapshots(self, who: Principal, all_tenants: bool = False) -> list[Any]:
         seen: dict[str, dict[str, Any]] = {}
@@ -387,7 +403,11 @@ class Gateway:
                 url=node.url,
                 healthy=node.healthy,
                 reason=node.reason,
-                sandboxes=sum(1 for p in self.placements.on_node(node.name) if not p.lost),
+                sandboxes=sum(
+                    1
+                    for p in self.placements.on_node(node.name)
+                    if not p.lost and p.body.get("state") != "deleted"
+                ),
             )
             if not node.healthy:
                 return shown

@@ -1,8 +1,9 @@
 """Where a new sandbox goes: the pure decision, from what each node reports.
 
 A node must have room (free RAM and vCPUs after what it has committed and what the gateway
-is placing there right now). Among those, a node that already holds the snapshot wins (no
-files to move), then one with a warm pool of the template, then the one with the most free
+is placing there right now). Among those, the node the caller asked for wins (an eval task
+forks on the node it runs on), then a node that already holds the snapshot (no files to
+move), then one with a warm pool of the template, then the one with the most free
 memory, so creates spread over equal nodes.
 """
 
@@ -18,6 +19,7 @@ class Candidate:
     vcpus_free: int
     holds_snapshot: bool = False
     pooled_template: bool = False
+    preferred: bool = False  # the caller asked for this node (`X-Cella-Node`)
 
     def fits(self, vcpus: int, memory_mib: int) -> int:
         """How many sandboxes of this shape fit here."""
@@ -29,7 +31,13 @@ def ranked(candidates: list[Candidate], vcpus: int, memory_mib: int) -> list[Can
     room = [c for c in candidates if c.fits(vcpus, memory_mib) > 0]
     return sorted(
         room,
-        key=lambda c: (not c.holds_snapshot, not c.pooled_template, -c.memory_mib_free, c.name),
+        key=lambda c: (
+            not c.preferred,
+            not c.holds_snapshot,
+            not c.pooled_template,
+            -c.memory_mib_free,
+            c.name,
+        ),
     )
 
 

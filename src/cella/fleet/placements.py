@@ -59,6 +59,15 @@ class Placements:
         rows = self._select("WHERE sandbox_id = ?", sandbox_id)
         return rows[0] if rows else None
 
+    def deleted(self, sandbox_id: str) -> None:
+        """Deleted on its node, which keeps its trace: still routed there, never listed."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE placements SET body = json_set(body, '$.state', 'deleted') "
+                "WHERE sandbox_id = ?",
+                (sandbox_id,),
+            )
+
     def forget(self, sandbox_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM placements WHERE sandbox_id = ?", (sandbox_id,))
@@ -68,8 +77,13 @@ class Placements:
 
     def lost(self, tenant: str | None = None) -> list[Placement]:
         if tenant is None:
-            return self._select("WHERE lost IS NOT NULL")
-        return self._select("WHERE lost IS NOT NULL AND tenant = ?", tenant)
+            return self._select(
+                "WHERE lost IS NOT NULL AND json_extract(body, '$.state') != 'deleted'"
+            )
+        return self._select(
+            "WHERE lost IS NOT NULL AND tenant = ? AND json_extract(body, '$.state') != 'deleted'",
+            tenant,
+        )
 
     def lose(self, node: str, reason: str) -> int:
         """Marks every sandbox of the node lost; returns how many."""
@@ -84,7 +98,10 @@ class Placements:
         sandboxes are no longer lost; ones it no longer has are forgotten)."""
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM placements WHERE node = ?", (node,))
+            self._db.execute(
+                "DELETE FROM placements WHERE node = ? AND json_extract(body, '$.state') != ?",
+                (node, "deleted"),
+            )
             self._db.executemany(
                 "INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, NULL)",
                 [(b["id"], b.get("tenant") or "", node, json.dumps(b)) for b in bodies],

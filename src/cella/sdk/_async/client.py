@@ -49,12 +49,17 @@ class AsyncClient:
     else (on the daemon's own host) the address file and admin key in `CELLA_DATA_DIR`."""
 
     def __init__(
-        self, url: str | None = None, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        """`headers` go with every request (e.g. `X-Cella-Node`, a fleet placement hint)."""
         self.url, self.api_key = resolve(url, api_key)
         self._http = httpx2.AsyncClient(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {self.api_key}"},
+            headers={**(headers or {}), "Authorization": f"Bearer {self.api_key}"},
             timeout=httpx2.Timeout(timeout, connect=10.0),
         )
 

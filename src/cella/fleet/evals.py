@@ -1,0 +1,119 @@
+"""Evals across a fleet: every task a Ray task on a node that runs sandboxes, forking the
+snapshot on its own node through the gateway (`X-Cella-Node`; the snapshot is shipped there
+once). A task whose node dies is run again elsewhere by Ray: its worker dies with the node
+(a system failure, retried), or it sees its sandbox lost and says so (`Interrupted`,
+retried). Results, traces and artifacts come back to the caller and land in one directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cella.eval.tasks import Task, TaskResult
+from cella.fleet import cluster
+from cella.fleet.node import RESOURCE, node_name
+from cella.sdk import AsyncClient
+from cella.sdk._base import resolve
+
+RETRIED = {"sandbox_lost", "node_unavailable"}
+ATTEMPTS = 4
+
+
+class Interrupted(Exception):
+    """The task's sandbox or node went away mid-task: worth running again elsewhere."""
+
+
+@ray.remote(  # type: ignore[call-overload,untyped-decorator]
+    num_cpus=0,
+    resources={RESOURCE: 0.001},
+    max_retries=ATTEMPTS - 1,
+    retry_exceptions=[Interrupted],
+)
+def _run_remote(task: dict[str, Any], snapshot_id: str, url: str, key: str) -> dict[str, Any]:
+    from cella.eval.runner import run_task
+
+    context = ray.get_runtime_context()
+    labels = {k: v if isinstance(v, str) else v[0] for k, v in context.get_node_labels().items()}
+    here = node_name(context.get_node_id(), labels)
+    with tempfile.TemporaryDirectory(prefix="cella-eval-") as tmp:
+
+        async def go() -> TaskResult:
+            async with AsyncClient(url, key, headers={"X-Cella-Node": here}) as client:
+                return await run_task(client, Task.model_validate(task), snapshot_id, Path(tmp))
+
+        result = asyncio.run(go())
+        if result.error_code in RETRIED:
+            raise Interrupted(f"task {result.task_id} on {here}: {result.error}")
+        result.node = here
+        root = Path(tmp)
+        files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return {"result": result.model_dump(mode="json"), "files": files, "tmp": tmp}
+
+
+def _land(answer: dict[str, Any], out_dir: Path) -> TaskResult:
+    """A task's files written under `out_dir`, and its result pointing at them."""
+    result = TaskResult.model_validate(answer["result"])
+    for relative, data in answer["files"].items():
+        target = out_dir / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    moved = {answer["tmp"]: str(out_dir)}
+
+    def local(path: str) -> str:
+        for old, new in moved.items():
+            if path.startswith(old):
+                return new + path[len(old) :]
+        return path
+
+    result.trace = local(result.trace) if result.trace else None
+    result.artifacts = {k: local(v) for k, v in result.artifacts.items()}
+    (out_dir / result.task_id / "result.json").write_text(result.model_dump_json(indent=2) + "\n")
+    return result
+
+
+def run_on_ray(
+    tasks: list[Task],
+    snapshot_id: str,
+    *,
+    address: str,
+    parallel: int,
+    out_dir: Path,
+    url: str | None = None,
+    api_key: str | None = None,
+    on_done: Callable[[TaskResult], None] | None = None,
+) -> list[TaskResult]:
+    """Every task as a Ray task, at most `parallel` at once; results in task order."""
+    url, api_key = resolve(url, api_key)
+    cluster.connect(address)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo = list(tasks)
+    running: dict[Any, Task] = {}
+    done: dict[str, TaskResult] = {}
+    while todo or running:
+        while todo and len(running) < parallel:
+            task = todo.pop(0)
+            ref = _run_remote.options(scheduling_strategy="SPREAD").remote(
+                task.model_dump(mode="json"), snapshot_id, url, api_key
+            )
+            running[ref] = task
+        [ready], _ = ray.wait(list(running), num_returns=1)
+        task = running.pop(ready)
+        try:
+            result = _land(ray.get(ready), out_dir)
+        except Exception as exc:  # retries used up: the task reports why
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            result = TaskResult(
+                task_id=task.id, snapshot_id=snapshot_id, error=f"{type(cause).__name__}: {cause}"
+            )
+        done[task.id] = result
+        if on_done is not None:
+            on_done(result)
+    results = [done[t.id] for t in tasks]
+    (out_dir / "results.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in results))
+    return results
