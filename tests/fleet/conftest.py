@@ -27,11 +27,10 @@ SHAPE = {"memory_mib": 256}
 QUOTA = 5  # the gateway's limit of live sandboxes per tenant, across nodes
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.fixture(autouse=True, scope="session")
+def loopback_only() -> None:
     if [name for _, name in socket.if_nameindex()] != ["lo"]:
-        skip = pytest.mark.skip(reason="run by tests/integration/test_fleet.py (loopback only)")
-        for item in items:
-            item.add_marker(skip)
+        pytest.skip("run by tests/integration/test_fleet.py, in a loopback-only namespace")
 
 
 @dataclass

@@ -1,0 +1,53 @@
+"""A fleet on a real multi-node Ray cluster, run inside a loopback-only network namespace.
+
+Ray binds and probes more than loopback when it can, so the fleet's checks
+(`tests/fleet/fleet_checks.py`: a head, three and then four nodes, node daemons, a gateway,
+real microVMs) run in a pytest of their own inside `unshare -n` with only `lo` up; this test
+starts it and requires every check to pass, none skipped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "fleet" / "fleet_checks.py"
+
+
+def check_names() -> list[str]:
+    source = CHECKS.read_text()
+    return [line.split("(")[0][4:] for line in source.splitlines() if line.startswith("def test_")]
+
+
+@pytest.mark.timeout(1500)
+def test_the_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
+    report = tmp_path / "fleet.xml"
+    inner = (
+        "ip link set lo up && exec "
+        f"{sys.executable} -m pytest -q -p no:cacheprovider -p no:randomly "
+        f"--junitxml={report} {CHECKS}"
+    )
+    proc = subprocess.run(
+        ["unshare", "--net", "--", "sh", "-c", inner],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
+    )
+    output = proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert report.exists(), output
+    cases = ET.parse(report).getroot().iter("testcase")
+    outcomes = {}
+    for case in cases:
+        failed = case.find("failure") is not None or case.find("error") is not None
+        skipped = case.find("skipped") is not None
+        outcomes[case.get("name")] = "failed" if failed else "skipped" if skipped else "passed"
+    assert outcomes == dict.fromkeys(check_names(), "passed"), output
+    assert proc.returncode == 0, output
