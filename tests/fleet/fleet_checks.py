@@ -3,7 +3,10 @@ inside a loopback-only network namespace)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +50,25 @@ def test_every_node_joined_with_its_daemon(fleet: Fleet) -> None:
         assert "default" in node["templates"]
     capacity = fleet.admin.get("/v1/capacity").json()
     assert capacity["memory_mib"] == 768 * len(NODES)
+    # the CLI shows the same, as JSON and as a table
+    env = fleet.gateway.env()
+    shown = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "fleet", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sorted(n["name"] for n in json.loads(shown.stdout)["nodes"]) == sorted(NODES)
+    table = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "fleet", "status"],
+        env={**env, "COLUMNS": "120"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert all(name in table.stdout for name in NODES)
+    assert f"{len(NODES)}/{len(NODES)} nodes up" in table.stderr
 
 
 def test_creates_spread_over_the_nodes_by_free_capacity(

@@ -116,7 +116,7 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
 
 
 from cella.cli import eval as eval_cli  # noqa: E402
-from cella.cli import keys, sandbox, secret, snapshot, template  # noqa: E402
+from cella.cli import fleet, keys, sandbox, secret, snapshot, template  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 
@@ -152,6 +152,7 @@ app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(secret.app, name="secret")
 app.add_typer(template.app, name="template")
 app.add_typer(eval_cli.app, name="eval")
+app.add_typer(fleet.app, name="fleet")
 
 
 def main() -> None:

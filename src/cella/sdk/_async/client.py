@@ -33,6 +33,7 @@ from cella.models import (
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     create_body,
@@ -259,6 +260,11 @@ class AsyncClient:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
         response = await self.request("GET", "/v1/capacity")
         return Capacity.model_validate(response.json())
+
+    async def fleet(self) -> FleetStatus:
+        """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
+        response = await self.request("GET", "/v1/fleet")
+        return FleetStatus.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 

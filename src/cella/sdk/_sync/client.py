@@ -34,6 +34,7 @@ from cella.models import (
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     create_body,
@@ -253,6 +254,11 @@ class Client:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
         response = self.request("GET", "/v1/capacity")
         return Capacity.model_validate(response.json())
+
+    def fleet(self) -> FleetStatus:
+        """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
+        response = self.request("GET", "/v1/fleet")
+        return FleetStatus.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 
