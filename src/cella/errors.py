@@ -8,11 +8,11 @@ matching class, so callers can catch by type on either side of the wire:
     │   ├── InvalidArgument (400) ── UnknownUser (400)
     │   ├── Unauthenticated (401), PermissionDenied (403), NotFound (404)
     │   ├── PayloadTooLarge (413), CommandFailed (422), QuotaExceeded (429)
+    │   ├── SandboxLost (410): its fleet node died or left
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
     │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
     ├── SandboxError: the guest or its VM (5xx)
-    │   ├── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
-    │   └── SandboxLost (410): its fleet node died or left
+    │   └── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
     └── HostError: this host (5xx)
         ├── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
         └── NodeUnavailable (503): a fleet node does not answer
@@ -137,6 +137,13 @@ class QuotaExceeded(RequestError):
 # -- conflicts with the current state (409) -------------------------------------------------
 
 
+class SandboxLost(RequestError):
+    """The fleet node the sandbox ran on died or left the cluster: it is gone for good."""
+
+    code = "sandbox_lost"
+    status = 410
+
+
 class Conflict(RequestError):
     """The request clashes with the state of what it names; it may succeed later."""
 
@@ -218,13 +225,6 @@ class AgentUnavailable(SandboxError):
 
     code = "agent_unavailable"
     status = 502
-
-
-class SandboxLost(SandboxError):
-    """The fleet node the sandbox ran on died or left the cluster: it is gone for good."""
-
-    code = "sandbox_lost"
-    status = 410
 
 
 # -- the host (5xx) -------------------------------------------------------------------------

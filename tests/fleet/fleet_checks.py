@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -69,6 +70,27 @@ def test_every_node_joined_with_its_daemon(fleet: Fleet) -> None:
     )
     assert all(name in table.stdout for name in NODES)
     assert f"{len(NODES)}/{len(NODES)} nodes up" in table.stderr
+
+
+def test_bad_input_gets_a_clear_error_from_the_gateway(fleet: Fleet, tenant: httpx2.Client) -> None:
+    cases = [
+        (tenant.post("/v1/sandboxes", content=b"{not json"), 400, "invalid_argument"),
+        (tenant.post("/v1/sandboxes", json={"memory_mib": 1}), 400, "invalid_argument"),
+        (tenant.post("/v1/sandboxes", json=[1]), 400, "invalid_argument"),
+        (tenant.get("/v1/sandboxes/sb-0000000000000000"), 404, "not_found"),
+        (tenant.post("/v1/snapshots/snap-0000000000000000/fork", json={}), 404, "not_found"),
+        (tenant.get("/v1/fleet"), 403, "permission_denied"),
+        (httpx2.get(f"{fleet.gateway.url}/v1/sandboxes"), 401, "unauthenticated"),
+        (fleet.client("ck_wrong").get("/v1/sandboxes"), 401, "unauthenticated"),
+    ]
+    for answer, status, code in cases:
+        assert answer.status_code == status, answer.text
+        assert answer.json()["error"]["code"] == code, answer.text
+    # the LangSmith API is not relayed: said so, not a silent no-op
+    langsmith = tenant.get("/v2/sandboxes/boxes")
+    assert langsmith.status_code == 404 and "fleet gateway" in langsmith.text
+    # and the control: the same client gets through where it may
+    assert tenant.get("/v1/sandboxes").status_code == 200
 
 
 def test_creates_spread_over_the_nodes_by_free_capacity(
@@ -222,6 +244,37 @@ def test_a_gateway_restart_loses_nothing(fleet: Fleet, tenant: httpx2.Client) ->
     assert all(s["state"] == "running" for s in listed.values())
     got = tenant.get(f"/v1/sandboxes/{made[0]['id']}/files/content", params={"path": "/root/mark"})
     assert got.content == b"before\n"
+    delete_all(tenant)
+
+
+def answers_again(tenant: httpx2.Client, sandbox_id: str) -> bool:
+    try:
+        got = tenant.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"command": "cat /root/mark"})
+    except httpx2.HTTPError:
+        return False
+    return got.status_code == 200 and got.json()["stdout"] == "kept\n"
+
+
+def test_a_node_daemon_that_dies_is_started_again(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """Its actor starts it again (same data directory: the running VM is adopted), and when
+    the actor's worker dies, Ray restarts the actor, which starts the daemon again."""
+    sb = create(tenant)
+    sid = str(sb["id"])
+    node = fleet.node_of(sid)
+    run(tenant, sid, "echo kept > /root/mark")
+    pidfile = fleet.node_root / node / "node.pid"
+    first = int(pidfile.read_text())
+    os.kill(first, signal.SIGKILL)  # the daemon crashes
+    wait_for(lambda: answers_again(tenant, sid), timeout=90, what="the daemon to come back")
+    second = int(pidfile.read_text())
+    assert second != first
+    worker = int(Path(f"/proc/{second}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(worker, signal.SIGKILL)  # the actor's worker dies, and the daemon with it
+    wait_for(lambda: not Path(f"/proc/{second}").exists(), timeout=10, what="the daemon to die")
+    wait_for(lambda: answers_again(tenant, sid), timeout=120, what="the actor to come back")
+    assert int(pidfile.read_text()) not in (first, second)
+    status = fleet.admin.get("/v1/fleet").json()
+    assert all(n["healthy"] for n in status["nodes"]), status
     delete_all(tenant)
 
 

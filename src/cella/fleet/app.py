@@ -88,6 +88,7 @@ async def forward(
     try:
         answer = await node.client.send(upstream, stream=True)
     except httpx2.TransportError as exc:
+        node.stale = True
         raise errors.NodeUnavailable(f"node {node.name} does not answer: {exc}") from None
     kept = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in HOP_BY_HOP]
     response = StreamingResponse(
@@ -229,6 +230,15 @@ def router(gateway: Gateway) -> APIRouter:
         return Response(
             last.content, status_code=last.status_code, media_type=last.headers.get("content-type")
         )
+
+    for prefix in ("/api/v2/sandboxes", "/v2/sandboxes"):
+
+        @api.api_route(prefix + "/{rest:path}", methods=METHODS, include_in_schema=False)
+        async def langsmith(rest: str) -> Response:
+            raise errors.NotFound(
+                "the LangSmith Sandboxes API is served by node daemons, not by a fleet gateway "
+                "yet; use /v1"
+            )
 
     @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
     async def anywhere(rest: str, request: Request, who: Auth) -> Response:

@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet import cluster
@@ -25,6 +27,7 @@ from cella.fleet.placement import Candidate, spread
 from cella.fleet.placements import Placement, Placements
 from cella.models import Capacity, SandboxCreate
 from cella.models.fleet import FleetNode, FleetStatus
+from cella.server.app import describe
 from cella.service.keys import Keys, Principal
 from cella.store import Store
 
@@ -85,7 +88,12 @@ class Gateway:
         joins = []
         for name, ray_node in alive.items():
             known = self.nodes.get(name)
-            current = known is not None and known.node_id == ray_node.node_id and known.healthy
+            current = (
+                known is not None
+                and known.node_id == ray_node.node_id
+                and known.healthy
+                and not known.stale  # asked again where its daemon answers now
+            )
             if not current and name not in self._joining:
                 self._joining.add(name)
                 joins.append(asyncio.create_task(self._join(ray_node)))
@@ -259,7 +267,10 @@ class Gateway:
     async def create(
         self, who: Principal, body: dict[str, Any], prefer: str | None = None
     ) -> dict[str, Any]:
-        spec = SandboxCreate.model_validate(body)
+        try:
+            spec = SandboxCreate.model_validate(body)
+        except ValidationError as exc:
+            raise errors.InvalidArgument(describe(exc.errors())) from None
         async with self._admitted(who, 1):
             if spec.snapshot:
                 snap, holders = await self.resolve_snapshot(who, spec.snapshot)

@@ -45,6 +45,7 @@ class Node:
     healthy: bool = True
     reason: str | None = None
     restarts: int = 0
+    stale: bool = False  # it stopped answering: its daemon may be back elsewhere (a new port)
     client: httpx2.AsyncClient = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,7 @@ class Node:
         try:
             return await self.client.request(method, path, headers=headers, **kwargs)
         except httpx2.TransportError as exc:
+            self.stale = True
             raise errors.NodeUnavailable(f"node {self.name} does not answer: {exc}") from None
 
     async def json(

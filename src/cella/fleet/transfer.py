@@ -1,12 +1,13 @@
 """Pulling a snapshot's files from another node daemon, node to node over HTTP.
 
-Files are streamed to disk as they arrive; all-zero blocks are not written, so a RAM file
-stays as sparse as it was on the source. The destination checks every file against the
+Files are streamed to disk as they arrive; all-zero pieces are not written, so a RAM file
+stays about as sparse as it was on the source. The destination checks every file against the
 manifest's checksums before it uses any of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from cella import errors
 from cella.models.fleet import SnapshotExport
 
 BLOCK = 64 << 10
+TIMEOUT = httpx2.Timeout(30.0, read=300.0)
 _ZERO = bytes(BLOCK)
 
 
@@ -27,9 +29,7 @@ class NodeSource:
 
     def _client(self) -> httpx2.AsyncClient:
         return httpx2.AsyncClient(
-            base_url=self.url,
-            headers={"authorization": f"Bearer {self.key}"},
-            timeout=httpx2.Timeout(30.0, read=300.0),
+            base_url=self.url, headers={"authorization": f"Bearer {self.key}"}, timeout=TIMEOUT
         )
 
     async def export(self, snapshot_id: str) -> SnapshotExport:
@@ -39,31 +39,33 @@ class NodeSource:
         return SnapshotExport.model_validate_json(response.content)
 
     async def pull(self, snapshot_id: str, name: str, dest: Path) -> None:
-        async with self._client() as client:
-            url = f"/v1/snapshots/{snapshot_id}/files/{name}"
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    _raise_for(response, snapshot_id)
-                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    offset, pending = 0, b""
-                    async for chunk in response.aiter_bytes():
-                        pending += chunk
-                        usable = len(pending) - len(pending) % BLOCK
-                        offset = _write_sparse(fd, pending[:usable], offset)
-                        pending = pending[usable:]
-                    offset = _write_sparse(fd, pending, offset)
-                    os.ftruncate(fd, offset)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        # in a thread, with the blocking client: a few times faster for hundreds of MiB
+        # than the event loop's, and the daemon's loop stays free meanwhile
+        await asyncio.to_thread(self._pull, snapshot_id, name, dest)
+
+    def _pull(self, snapshot_id: str, name: str, dest: Path) -> None:
+        headers = {"authorization": f"Bearer {self.key}"}
+        url = f"{self.url}/v1/snapshots/{snapshot_id}/files/{name}"
+        with httpx2.stream("GET", url, headers=headers, timeout=TIMEOUT) as response:
+            if response.status_code != 200:
+                response.read()
+                _raise_for(response, snapshot_id)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                offset = 0
+                for chunk in response.iter_raw():
+                    offset = _write_sparse(fd, chunk, offset)
+                os.ftruncate(fd, offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _write_sparse(fd: int, data: bytes, offset: int) -> int:
-    view = memoryview(data)
+    """Writes `data` at `offset`, leaving all-zero pieces unwritten: the file is new, so
+    they read as zeros (holes), whatever their alignment."""
     for start in range(0, len(data), BLOCK):
-        block = view[start : start + BLOCK]
+        block = data[start : start + BLOCK]  # bytes compare far faster than a memoryview
         if block != _ZERO[: len(block)]:
             os.pwrite(fd, block, offset + start)
     return offset + len(data)

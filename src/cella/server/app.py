@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -76,6 +76,15 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     return app
 
 
+def describe(problems: Sequence[Any]) -> str:
+    """Validation errors (pydantic's) as one line: `field: what is wrong; ...`."""
+    parts = []
+    for err in list(problems)[:10]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
 def error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -94,14 +103,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors()[:10]:
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse(
-            error_body("invalid_argument", "; ".join(problems) or "invalid request"),
-            status_code=400,
-        )
+        return JSONResponse(error_body("invalid_argument", describe(exc.errors())), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,0 +1,192 @@
+"""A fleet on a real Ray cluster on this host: what the gateway costs, how evals scale with
+nodes, and how fast snapshots move between nodes.
+
+    .venv/bin/python -m bench.fleet [--calls 40] [--tasks 24] [--json]
+
+Runs inside a loopback-only network namespace (it re-executes itself under `unshare -n`).
+A head and up to three `cella_node` nodes (`tests/raycluster.py`), one gateway. Through the
+gateway and straight to the same node daemon, interleaved: create (restored from the warm
+snapshot) and exec of `true`. Then one eval of `--tasks` tasks with 1, 2 and 3 nodes of the
+same cluster (nodes added between runs; each run twice: first a new node pulls the snapshot,
+then it is cached), and a 512 MiB snapshot (200 MB of it random) pulled by one node daemon
+from another. Every node shares this host's 2 cores, so the eval figure shows that tasks
+spread over nodes and what the gateway and Ray add, not the scaling of separate hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from bench._stats import report, summary_ms
+from cella import Client
+from cella.eval import Task, run_eval
+from tests.daemon import Daemon, kill_vms_of
+from tests.raycluster import LocalCluster, quiet_ray_env
+
+MEMORY = 256  # MiB per sandbox
+NODE = {"pool_size": "0", "max_host_memory_mib": "4096"}
+
+
+def loopback_only() -> bool:
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def overhead(gateway: Client, direct: Client, calls: int) -> dict[str, dict[str, Any]]:
+    """Create and exec through the gateway and straight to n1's daemon, interleaved."""
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("gw create", "direct create", "gw exec", "direct exec")
+    }
+    for _ in range(calls // 4):
+        for name, c in (("gw", gateway), ("direct", direct)):
+            t = time.perf_counter()
+            made = c.create(memory_mib=MEMORY)
+            samples[f"{name} create"].append(time.perf_counter() - t)
+            made.delete()
+    gw_sb = gateway.create(memory_mib=MEMORY)
+    direct_sb = direct.get(gw_sb.id)  # the same sandbox, on n1, reached both ways
+    for _ in range(calls):
+        samples["gw exec"].append(timed(lambda: gw_sb.exec(["true"])))
+        samples["direct exec"].append(timed(lambda: direct_sb.exec(["true"])))
+    gw_sb.delete()
+    rows = {}
+    for what in ("create", "exec"):
+        gw, straight = summary_ms(samples[f"gw {what}"]), summary_ms(samples[f"direct {what}"])
+        rows[f"{what}: straight to the node"] = straight
+        rows[f"{what}: through the gateway"] = {
+            **gw,
+            "overhead p50 ms": round(gw["p50"] - straight["p50"], 2),
+            "ratio": round(gw["p50"] / straight["p50"], 2),
+        }
+    return rows
+
+
+def eval_rate(
+    gateway_url: str, key: str, snapshot: str, tasks: int, address: str, out: Path
+) -> dict[str, Any]:
+    work = [Task(id=f"t{i}", check="true", workdir="/root") for i in range(tasks)]
+    t = time.perf_counter()
+    results = run_eval(
+        work, snapshot, parallel=6, out_dir=out, url=gateway_url, api_key=key, cluster=address
+    )
+    seconds = time.perf_counter() - t
+    assert all(r.passed for r in results), [r.error for r in results if not r.passed]
+    return {
+        "tasks": tasks,
+        "seconds": round(seconds, 1),
+        "tasks/min": round(tasks / seconds * 60, 1),
+        "nodes used": len({r.node for r in results}),
+    }
+
+
+def shipping(fleet_root: Path, urls: dict[str, str], snapshot_id: str) -> dict[str, Any]:
+    """n2 pulls the snapshot from n1 (node to node), files checked against the manifest."""
+    key = {n: (fleet_root / n / "admin.key").read_text().strip() for n in ("n1", "n2")}
+    manifest = httpx2.get(
+        f"{urls['n1']}/v1/snapshots/{snapshot_id}/export",
+        headers={"authorization": f"Bearer {key['n1']}"},
+    ).json()["manifest"]
+    size = sum(manifest["bytes"].values())
+    t = time.perf_counter()
+    answer = httpx2.post(
+        f"{urls['n2']}/v1/snapshots/import",
+        headers={"authorization": f"Bearer {key['n2']}"},
+        json={"source_url": urls["n1"], "source_key": key["n1"], "snapshot_id": snapshot_id},
+        timeout=600,
+    )
+    seconds = time.perf_counter() - t
+    assert answer.status_code == 201, answer.text
+    return {
+        "MiB": round(size / (1 << 20), 1),
+        "seconds": round(seconds, 2),
+        "MB/s": round(size / seconds / 1e6, 1),
+    }
+
+
+Tables = dict[str, dict[str, dict[str, Any]]]
+
+
+def measure(calls: int, tasks: int) -> Tables:
+    quiet_ray_env()
+    root = Path(tempfile.mkdtemp(prefix="cella-bench-fleet-"))
+    cluster = LocalCluster()
+    gateway = None
+    try:
+        cluster.add("n1", **NODE)
+        gateway = Daemon(
+            root / "gateway", args=["--ray", cluster.address, "--node-root", str(root / "nodes")]
+        ).start(timeout=240)
+        with Client(gateway.url, gateway.admin_key) as gw:
+            urls = {n.name: str(n.url) for n in gw.fleet().nodes}
+            n1_key = (root / "nodes" / "n1" / "admin.key").read_text().strip()
+            with Client(urls["n1"], n1_key) as direct:
+                tables: Tables = {"the gateway's cost (ms)": overhead(gw, direct, calls)}
+            evals = tables["eval throughput, nodes of one cluster"] = {}
+            base = gw.create(memory_mib=MEMORY)
+            snap = base.snapshot("bench")
+            base.delete()
+            big = gw.create(memory_mib=512)
+            big.exec("head -c 200000000 /dev/urandom > /dev/shm/fill")  # RAM worth moving
+            big_snap = big.snapshot("ship")
+            big.delete()
+            for count in (1, 2, 3):
+                if count > 1:
+                    cluster.add(f"n{count}", **NODE)
+                    while sum(n.healthy for n in gw.fleet().nodes) < count:
+                        time.sleep(0.2)
+                for run in ("first run", "second run"):
+                    evals[f"{count} node(s), {run}"] = eval_rate(
+                        gateway.url,
+                        gateway.admin_key,
+                        snap.id,
+                        tasks,
+                        cluster.address,
+                        root / f"eval-{count}-{run[:5]}",
+                    )
+            urls = {n.name: str(n.url) for n in gw.fleet().nodes}
+            tables["snapshot shipping"] = {
+                "n1 -> n2 (pull, verify)": shipping(root / "nodes", urls, big_snap.id)
+            }
+        return tables
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        cluster.shutdown()
+        time.sleep(0.5)
+        for node in (root / "nodes").iterdir() if (root / "nodes").exists() else []:
+            kill_vms_of(node)
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=40, help="creates and execs each way")
+    parser.add_argument("--tasks", type=int, default=24, help="eval tasks per run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not loopback_only():
+        inner = f"ip link set lo up && exec {sys.executable} -m bench.fleet " + " ".join(
+            sys.argv[1:]
+        )
+        os.execvp("unshare", ["unshare", "--net", "--", "sh", "-c", inner])
+    for title, rows in measure(args.calls, args.tasks).items():
+        report(f"fleet: {title}", rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
