@@ -247,6 +247,37 @@ def test_a_gateway_restart_loses_nothing(fleet: Fleet, tenant: httpx2.Client) ->
     delete_all(tenant)
 
 
+def node_has_secret(fleet: Fleet, node: str, tenant: str, name: str) -> bool:
+    url = next(n["url"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["name"] == node)
+    key = (fleet.node_root / node / "admin.key").read_text().strip()
+    got = httpx2.get(
+        f"{url}/v1/secrets/{name}",
+        headers={"authorization": f"Bearer {key}", "x-cella-tenant": tenant},
+    )
+    return got.status_code == 200
+
+
+def test_secrets_are_kept_on_every_node(fleet: Fleet, tenant: httpx2.Client) -> None:
+    value = "s3cr3t-value-never-returned"
+    for name in ("api", "kept"):
+        put = tenant.put(f"/v1/secrets/{name}", json={"value": value, "hosts": ["api.test"]})
+        assert put.status_code == 200, put.text
+    listed = tenant.get("/v1/secrets")
+    assert {s["name"] for s in listed.json()["secrets"]} == {"api", "kept"}
+    assert value not in listed.text and value not in tenant.get("/v1/secrets/api").text
+    assert all(node_has_secret(fleet, n, "acme", "api") for n in NODES)
+    assert not node_has_secret(fleet, NODES[0], "umbrella", "api")  # the tenant's only
+    made = [create(tenant, secrets={"API_TOKEN": "api"}) for _ in NODES]
+    assert sorted(fleet.node_of(str(m["id"])) for m in made) == sorted(NODES)
+    for m in made:
+        seen = run(tenant, str(m["id"]), 'printf %s "$API_TOKEN"')["stdout"]
+        assert seen and seen != value  # a placeholder, on whichever node
+    delete_all(tenant)
+    assert tenant.delete("/v1/secrets/api").status_code == 204
+    assert not any(node_has_secret(fleet, n, "acme", "api") for n in NODES)
+    assert tenant.delete("/v1/secrets/api").status_code == 404
+
+
 def answers_again(tenant: httpx2.Client, sandbox_id: str) -> bool:
     try:
         got = tenant.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"command": "cat /root/mark"})
@@ -297,6 +328,7 @@ def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: P
         ),
         what="n4 to join",
     )
+    assert node_has_secret(fleet, "n4", "acme", "kept")  # pushed to the node as it joined
     key = tenant.headers["authorization"].split()[1]
     base = create(tenant)
     run(tenant, str(base["id"]), "mkdir -p /root/work && echo ready > /root/work/ok")

@@ -43,3 +43,11 @@ def test_a_fork_that_does_not_fit_whole_is_not_planned() -> None:
     assert spread(nodes, 1, 512, 5) == {}
     assert spread(nodes, 2, 512, 2) == {"a": 2}  # equal nodes: by name
     assert spread([node("a", 8192, vcpus=3)], 2, 512, 2) == {}  # vCPUs bound it
+
+
+def test_only_nodes_with_the_template_built_take_it_when_any_has() -> None:
+    nodes = [node("big", 8192, has_template=False), node("small", 1024)]
+    assert [c.name for c in ranked(nodes, 1, 512)] == ["small"]
+    # no node has it (yet): placed by room, and the node says what is missing
+    nobody = [node("big", 8192, has_template=False), node("small", 1024, has_template=False)]
+    assert [c.name for c in ranked(nobody, 1, 512)] == ["big", "small"]

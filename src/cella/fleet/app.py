@@ -24,7 +24,9 @@ from cella.fleet.gateway import Gateway
 from cella.fleet.nodes import Node
 from cella.models import Capacity, ForkRequest
 from cella.models.fleet import FleetStatus
+from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.deps import Auth, principal
+from cella.server.routes.egress import SecretName
 from cella.service.keys import Principal, require_admin
 
 HOP_BY_HOP = {
@@ -203,33 +205,28 @@ def router(gateway: Gateway) -> APIRouter:
         _, holders = await gateway.resolve_snapshot(who, snapshot_id)
         return await forward(request, gateway.nodes[sorted(holders)[0]], who)
 
-    @api.api_route("/v1/secrets/{name}", methods=["PUT", "DELETE"], tags=["egress"])
-    async def change_secret(name: str, request: Request, who: Auth) -> Response:
-        """Secrets are kept on every node (a sandbox may be placed on any)."""
-        body = await request.body()
-        answers = await asyncio.gather(
-            *(
-                n.call(
-                    request.method,
-                    request.url.path,
-                    who,
-                    content=body,
-                    headers={"content-type": "application/json"},
-                )
-                for n in gateway.healthy()
-            )
-        )
-        for node, answer in zip(gateway.healthy(), answers, strict=False):
-            if not answer.is_success:
-                from cella.fleet.nodes import raise_for
+    @api.get("/v1/secrets", response_model=SecretList, tags=["egress"])
+    async def list_secrets(who: Auth) -> SecretList:
+        rows = gateway.store.list_secrets(who.tenant)
+        return SecretList(secrets=[Secret.model_validate(r) for r in rows])
 
-                raise_for(answer, node.name)
-        last = answers[-1] if answers else None
-        if last is None:
-            raise errors.NodeUnavailable("no node of the fleet is up")
-        return Response(
-            last.content, status_code=last.status_code, media_type=last.headers.get("content-type")
-        )
+    @api.get("/v1/secrets/{name}", response_model=Secret, tags=["egress"])
+    async def get_secret(name: SecretName, who: Auth) -> Secret:
+        found = gateway.store.get_secret(who.tenant, name)
+        if found is None:
+            raise errors.NotFound(f"no secret {name!r}")
+        return Secret.model_validate(found)
+
+    @api.put("/v1/secrets/{name}", response_model=Secret, tags=["egress"])
+    async def put_secret(name: SecretName, body: SecretPut, who: Auth) -> Secret:
+        """Kept by the gateway and on every node (a sandbox may be placed on any)."""
+        await gateway.put_secret(who, name, body)
+        return await get_secret(name, who)
+
+    @api.delete("/v1/secrets/{name}", status_code=204, tags=["egress"])
+    async def delete_secret(name: SecretName, who: Auth) -> Response:
+        await gateway.delete_secret(who, name)
+        return Response(status_code=204)
 
     for prefix in ("/api/v2/sandboxes", "/v2/sandboxes"):
 

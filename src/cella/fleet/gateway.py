@@ -22,14 +22,15 @@ from pydantic import ValidationError
 from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet import cluster
-from cella.fleet.nodes import Node
+from cella.fleet.nodes import Node, raise_for
 from cella.fleet.placement import Candidate, spread
 from cella.fleet.placements import Placement, Placements
 from cella.models import Capacity, SandboxCreate
 from cella.models.fleet import FleetNode, FleetStatus
+from cella.models.network import SecretPut
 from cella.server.app import describe
 from cella.service.keys import Keys, Principal
-from cella.store import Store
+from cella.store import SecretRecord, Store
 
 log = logging.getLogger("cella.fleet")
 POLL_SECONDS = 1.0
@@ -113,6 +114,7 @@ class Gateway:
                 raise errors.NodeUnavailable(str(info.get("reason") or "its daemon is down"))
             node = Node(name, ray_node.node_id, info["url"], info["admin_key"])
             node.restarts = int(info.get("restarts") or 0)
+            await self._push_secrets(node)
             listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
             self.placements.resync(name, listed["sandboxes"])
             old = self.nodes.get(name)
@@ -197,9 +199,9 @@ class Gateway:
     async def _admitted(self, who: Principal, count: int) -> Any:
         """Holds `count` of the tenant's cluster-wide quota while they are being made."""
         async with self._quota_lock:
-            live = 0
+            live = 0  # sandboxes being made are counted once: as this gateway's, in flight
             for _, answer in await self.each("GET", "/v1/sandboxes", who):
-                live += sum(1 for b in answer["sandboxes"] if b["state"] in LIVE)
+                live += sum(1 for b in answer["sandboxes"] if b["state"] in LIVE - {"creating"})
             limit = self.settings.max_sandboxes_per_tenant
             if live + self._inflight.get(who.tenant, 0) + count > limit:
                 raise errors.QuotaExceeded(
@@ -239,11 +241,13 @@ class Gateway:
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),
             *(n.json("GET", "/v1/health") for n in nodes),
+            *(n.json("GET", "/v1/templates") for n in nodes),
         )
         candidates = []
         for i, node in enumerate(nodes):
             capacity = Capacity.model_validate(reports[i])
             pool: dict[str, int] = reports[len(nodes) + i].get("pool") or {}
+            built = {t["name"] for t in reports[2 * len(nodes) + i]["templates"] if t["built"]}
             held_cpus = sum(c for c, _ in self._reserved.get(node.name, []))
             held_memory = sum(m for _, m in self._reserved.get(node.name, []))
             candidates.append(
@@ -254,6 +258,7 @@ class Gateway:
                     holds_snapshot=node.name in holders,
                     pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
                     preferred=node.name == prefer,
+                    has_template=template in built,
                 )
             )
         plan = spread(candidates, vcpus, memory_mib, count)
@@ -391,6 +396,39 @@ class Gateway:
             raise errors.NotFound(f"no snapshot {snapshot_id!r}")
         for node in holders:
             await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", who)
+
+    # -- secrets: kept here, and on every node (a sandbox may be placed on any) ------------
+
+    async def put_secret(self, who: Principal, name: str, body: SecretPut) -> None:
+        self.store.put_secret(
+            SecretRecord(
+                who.tenant, name, body.value, body.hosts, body.auth, body.username, body.inject
+            )
+        )
+        await self.each("PUT", f"/v1/secrets/{name}", who, json=body.model_dump())
+
+    async def delete_secret(self, who: Principal, name: str) -> None:
+        if not self.store.delete_secret(who.tenant, name):
+            raise errors.NotFound(f"no secret {name!r}")
+        for node in self.healthy():
+            answer = await node.call("DELETE", f"/v1/secrets/{name}", who)
+            if answer.status_code != 404:  # a node that joined after a failed push
+                raise_for(answer, node.name)
+
+    async def _push_secrets(self, node: Node) -> None:
+        """A joining node gets every tenant's secrets (their values stay write-only)."""
+        for record in self.store.list_secrets(None):
+            body = SecretPut.model_validate(
+                {
+                    "value": record.value,
+                    "hosts": record.hosts,
+                    "auth": record.auth,
+                    "username": record.username or "x-access-token",
+                    "inject": record.inject,
+                }
+            )
+            who = Principal(tenant=record.tenant, admin=False)
+            await node.json("PUT", f"/v1/secrets/{record.name}", who, json=body.model_dump())
 
     # -- the fleet as a whole ----------------------------------------------------------------
 

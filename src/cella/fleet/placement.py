@@ -1,10 +1,10 @@
 """Where a new sandbox goes: the pure decision, from what each node reports.
 
 A node must have room (free RAM and vCPUs after what it has committed and what the gateway
-is placing there right now). Among those, the node the caller asked for wins (an eval task
-forks on the node it runs on), then a node that already holds the snapshot (no files to
-move), then one with a warm pool of the template, then the one with the most free
-memory, so creates spread over equal nodes.
+is placing there right now) and, where any node has it, the template built. Among those,
+the node the caller asked for wins (an eval task forks on the node it runs on), then a node
+that already holds the snapshot (no files to move), then one with a warm pool of the
+template, then the one with the most free memory, so creates spread over equal nodes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class Candidate:
     holds_snapshot: bool = False
     pooled_template: bool = False
     preferred: bool = False  # the caller asked for this node (`X-Cella-Node`)
+    has_template: bool = True  # its template is built there (nodes build their own)
 
     def fits(self, vcpus: int, memory_mib: int) -> int:
         """How many sandboxes of this shape fit here."""
@@ -27,8 +28,11 @@ class Candidate:
 
 
 def ranked(candidates: list[Candidate], vcpus: int, memory_mib: int) -> list[Candidate]:
-    """Nodes with room for one such sandbox, best first."""
+    """Nodes with room for one such sandbox, best first; only nodes that have the template
+    built, if any has."""
     room = [c for c in candidates if c.fits(vcpus, memory_mib) > 0]
+    if any(c.has_template for c in room):
+        room = [c for c in room if c.has_template]
     return sorted(
         room,
         key=lambda c: (

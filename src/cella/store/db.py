@@ -251,10 +251,14 @@ class Store:
         ).fetchone()
         return _secret(row) if row else None
 
-    def list_secrets(self, tenant: str) -> list[SecretRecord]:
-        rows = self._exec(
-            "SELECT * FROM secrets WHERE tenant = ? ORDER BY name", (tenant,)
-        ).fetchall()
+    def list_secrets(self, tenant: str | None) -> list[SecretRecord]:
+        """The tenant's secrets (None: every tenant's)."""
+        if tenant is None:
+            rows = self._exec("SELECT * FROM secrets ORDER BY tenant, name").fetchall()
+        else:
+            rows = self._exec(
+                "SELECT * FROM secrets WHERE tenant = ? ORDER BY name", (tenant,)
+            ).fetchall()
         return [_secret(r) for r in rows]
 
     def delete_secret(self, tenant: str, name: str) -> bool:
