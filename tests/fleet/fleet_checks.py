@@ -14,14 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import httpx2
 import pytest
+from langsmith.sandbox import ResourceNotFoundError, SandboxClient
+from langsmith.sandbox import SandboxClientError as LangSmithError
 from websockets.sync.client import connect
 
 from cella import Client, errors
 from cella.eval import Task, TaskResult, run_eval
 from cella.sdk import Sandbox
 from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
+from tests.integration.test_langsmith import SERVER as LS_SERVER
 from tests.integration.test_ports import SERVERS
 
 
@@ -86,9 +90,8 @@ def test_bad_input_gets_a_clear_error_from_the_gateway(fleet: Fleet, tenant: htt
     for answer, status, code in cases:
         assert answer.status_code == status, answer.text
         assert answer.json()["error"]["code"] == code, answer.text
-    # the LangSmith API is not relayed: said so, not a silent no-op
-    langsmith = tenant.get("/v2/sandboxes/boxes")
-    assert langsmith.status_code == 404 and "fleet gateway" in langsmith.text
+    # the LangSmith API takes its own header, also on the gateway
+    assert tenant.get("/v2/sandboxes/boxes").status_code == 401
     # and the control: the same client gets through where it may
     assert tenant.get("/v1/sandboxes").status_code == 200
 
@@ -245,6 +248,44 @@ def test_a_gateway_restart_loses_nothing(fleet: Fleet, tenant: httpx2.Client) ->
     got = tenant.get(f"/v1/sandboxes/{made[0]['id']}/files/content", params={"path": "/root/mark"})
     assert got.content == b"before\n"
     delete_all(tenant)
+
+
+def test_the_langsmith_sdk_through_the_gateway(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """The official LangSmith SDK, pointed at the gateway, drives boxes on the nodes: by name
+    on the control plane, by id on the data plane (HTTP and WebSockets), snapshots."""
+    key = tenant.headers["authorization"].split()[1]
+    client = SandboxClient(api_endpoint=f"{fleet.gateway.url}/api/v2/sandboxes", api_key=key)
+    try:
+        with client.sandbox(name="ls-box") as box:
+            assert box.dataplane_url.startswith(fleet.gateway.url)  # not the node's address
+            node = fleet.node_of(box.id)
+            seen: list[str] = []
+            result = box.run("for i in 1 2; do echo out$i; done", on_stdout=seen.append)
+            assert result.stdout == "out1\nout2\n" and "".join(seen) == result.stdout
+            box.write("/srv/index.txt", "served from the guest\n")
+            assert box.read("/srv/index.txt") == b"served from the guest\n"
+            box.run(LS_SERVER)
+            wait = "(echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && break; sleep 0.1"
+            box.run(f"for i in $(seq 100); do {wait}; done")
+            with box.tunnel(remote_port=8000, local_port=0) as tunnel:  # a WebSocket, relayed
+                got = httpx.get(f"http://127.0.0.1:{tunnel.local_port}/index.txt", timeout=30)
+                assert got.text == "served from the guest\n"
+            with pytest.raises(LangSmithError):  # names are unique across the fleet
+                client.create_sandbox(name="ls-box")
+            snap = box.capture_snapshot("ls-env")
+            assert snap.status == "ready"
+            names = [b.name for b in client.list_sandboxes()]
+            assert "ls-box" in names
+            with client.sandbox(snapshot="ls-env", name="from-env") as booted:
+                assert booted.read("/srv/index.txt") == b"served from the guest\n"
+            assert fleet.node_of(box.id) == node
+        assert [s.id for s in client.list_snapshots(name_contains="ls-env")] == [snap.id]
+        client.delete_snapshot(snap.id)
+        with pytest.raises(ResourceNotFoundError):
+            client.get_sandbox("ls-box")
+    finally:
+        client.close()
+        delete_all(tenant)
 
 
 def node_has_secret(fleet: Fleet, node: str, tenant: str, name: str) -> bool:

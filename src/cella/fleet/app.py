@@ -39,7 +39,7 @@ HOP_BY_HOP = {
     "transfer-encoding",
     "upgrade",
 }
-NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-cella-tenant"}
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "x-cella-tenant"}
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -71,18 +71,21 @@ def create_gateway_app(
     install_error_handlers(app)
     app.include_router(keys.router)
     app.include_router(router(gateway))
+    from cella.fleet import langsmith
+
+    langsmith.install(app, gateway)
     return app
 
 
 async def forward(
-    request: Request, node: Node, who: Principal | None, path: str | None = None
+    request: Request, node: Node, who: Principal | None, langsmith: bool = False
 ) -> Response:
     """The request, streamed to `node` as `who`, and its answer streamed back."""
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
-    headers += list(node.headers(who).items())
+    headers += list(node.headers(who, langsmith).items())
     upstream = node.client.build_request(
         request.method,
-        path or request.url.path,
+        request.url.path,
         params=request.url.query,
         headers=headers,
         content=request.stream(),
@@ -228,15 +231,6 @@ def router(gateway: Gateway) -> APIRouter:
         await gateway.delete_secret(who, name)
         return Response(status_code=204)
 
-    for prefix in ("/api/v2/sandboxes", "/v2/sandboxes"):
-
-        @api.api_route(prefix + "/{rest:path}", methods=METHODS, include_in_schema=False)
-        async def langsmith(rest: str) -> Response:
-            raise errors.NotFound(
-                "the LangSmith Sandboxes API is served by node daemons, not by a fleet gateway "
-                "yet; use /v1"
-            )
-
     @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
     async def anywhere(rest: str, request: Request, who: Auth) -> Response:
         """Calls that are the same on every node (secrets read, templates, egress logs of the
@@ -265,7 +259,9 @@ def router(gateway: Gateway) -> APIRouter:
     return api
 
 
-async def relay_websocket(ws: WebSocket, node: Node, who: Principal | None) -> None:
+async def relay_websocket(
+    ws: WebSocket, node: Node, who: Principal | None, langsmith: bool = False
+) -> None:
     """The client's WebSocket joined to the same path on the node, message by message."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -280,7 +276,7 @@ async def relay_websocket(ws: WebSocket, node: Node, who: Principal | None) -> N
         and not k.lower().startswith("sec-websocket")
         and k.lower() not in ("host", "content-length")
     }
-    headers.update(node.headers(who))
+    headers.update(node.headers(who, langsmith))
     try:
         upstream = await connect(url, additional_headers=headers, max_size=16 << 20)
     except (InvalidStatus, OSError) as exc:

@@ -54,6 +54,7 @@ class Gateway:
         self._joining: set[str] = set()
         self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
         self._inflight: dict[str, int] = {}  # tenant -> sandboxes being made
+        self._naming: set[tuple[str, str]] = set()  # (tenant, name) of creates under way
         self._quota_lock = asyncio.Lock()
         self._poller: asyncio.Task[None] | None = None
 
@@ -166,14 +167,26 @@ class Gateway:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
         return found
 
-    async def node_of(self, who: Principal, sandbox_id: str) -> Node:
-        where = await self.placement(who, sandbox_id)
+    async def placement_named(self, who: Principal, name: str) -> Placement:
+        """The tenant's sandbox called `name` (the LangSmith API addresses boxes by name)."""
+        for attempt in range(2):
+            for found in self.placements.of_tenant(who.tenant):
+                if found.body.get("name") == name and found.body.get("state") != "deleted":
+                    return found
+            if attempt == 0:  # not seen yet: ask the nodes
+                await self.list_sandboxes(who, [])
+        raise errors.NotFound(f"no sandbox named {name!r}")
+
+    def usable(self, where: Placement) -> Node:
         if where.lost:
-            raise errors.SandboxLost(f"sandbox {sandbox_id} is lost: {where.lost}")
+            raise errors.SandboxLost(f"sandbox {where.sandbox_id} is lost: {where.lost}")
         node = self.nodes.get(where.node)
         if node is None or not node.healthy:
-            raise errors.NodeUnavailable(f"node {where.node} of sandbox {sandbox_id} is down")
+            raise errors.NodeUnavailable(f"node {where.node} of {where.sandbox_id} is down")
         return node
+
+    async def node_of(self, who: Principal, sandbox_id: str) -> Node:
+        return self.usable(await self.placement(who, sandbox_id))
 
     async def list_sandboxes(self, who: Principal, params: list[tuple[str, str]]) -> list[Any]:
         found: list[dict[str, Any]] = []
@@ -196,12 +209,17 @@ class Gateway:
     # -- placing new sandboxes ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, who: Principal, count: int) -> Any:
-        """Holds `count` of the tenant's cluster-wide quota while they are being made."""
+    async def admitted(self, who: Principal, count: int, name: str | None = None) -> Any:
+        """Holds `count` of the tenant's cluster-wide quota while they are being made; a
+        `name` must be free across the fleet (and is held meanwhile)."""
         async with self._quota_lock:
             live = 0  # sandboxes being made are counted once: as this gateway's, in flight
             for _, answer in await self.each("GET", "/v1/sandboxes", who):
                 live += sum(1 for b in answer["sandboxes"] if b["state"] in LIVE - {"creating"})
+                if name and any(b.get("name") == name for b in answer["sandboxes"]):
+                    raise errors.AlreadyExists(f"a sandbox named {name!r} exists")
+            if name and (who.tenant, name) in self._naming:
+                raise errors.AlreadyExists(f"a sandbox named {name!r} is being made")
             limit = self.settings.max_sandboxes_per_tenant
             if live + self._inflight.get(who.tenant, 0) + count > limit:
                 raise errors.QuotaExceeded(
@@ -209,13 +227,16 @@ class Gateway:
                     f"the limit is {limit}"
                 )
             self._inflight[who.tenant] = self._inflight.get(who.tenant, 0) + count
+            if name:
+                self._naming.add((who.tenant, name))
         try:
             yield
         finally:
             self._inflight[who.tenant] -= count
+            self._naming.discard((who.tenant, name or ""))
 
     @contextlib.contextmanager
-    def _reserve(self, plan: dict[str, int], vcpus: int, memory_mib: int) -> Iterator[None]:
+    def reserve(self, plan: dict[str, int], vcpus: int, memory_mib: int) -> Iterator[None]:
         """What is being placed counts against a node until its daemon has it."""
         held = [(name, (vcpus * n, memory_mib * n)) for name, n in plan.items()]
         for name, amount in held:
@@ -226,7 +247,7 @@ class Gateway:
             for name, amount in held:
                 self._reserved[name].remove(amount)
 
-    async def _plan(
+    async def plan(
         self,
         vcpus: int,
         memory_mib: int,
@@ -276,7 +297,7 @@ class Gateway:
             spec = SandboxCreate.model_validate(body)
         except ValidationError as exc:
             raise errors.InvalidArgument(describe(exc.errors())) from None
-        async with self._admitted(who, 1):
+        async with self.admitted(who, 1, spec.name):
             if spec.snapshot:
                 snap, holders = await self.resolve_snapshot(who, spec.snapshot)
                 body = {**body, "snapshot": snap["id"]}  # tags live on the snapshot's origin
@@ -284,12 +305,12 @@ class Gateway:
             else:
                 snap, holders = None, set()
                 vcpus, memory, template = spec.vcpus, spec.memory_mib, spec.template
-            plan = await self._plan(vcpus, memory, 1, holders, template, prefer)
+            plan = await self.plan(vcpus, memory, 1, holders, template, prefer)
             [name] = plan
             node = self.nodes[name]
-            with self._reserve(plan, vcpus, memory):
+            with self.reserve(plan, vcpus, memory):
                 if snap is not None and name not in holders:
-                    await self._ship(snap["id"], holders, node)
+                    await self.ship(snap["id"], holders, node)
                 created: dict[str, Any] = await node.json("POST", "/v1/sandboxes", who, json=body)
             self.placements.put(name, created)
             return created
@@ -311,7 +332,7 @@ class Gateway:
             raise errors.InvalidState(f"snapshot {chosen['id']} is {chosen['state']}")
         return chosen, {name for name, a in answers if a["id"] == chosen["id"]}
 
-    async def _ship(self, snapshot_id: str, holders: set[str], dest: Node) -> None:
+    async def ship(self, snapshot_id: str, holders: set[str], dest: Node) -> None:
         """Has `dest` pull the snapshot from a node that holds it (once: then it is cached)."""
         sources = [self.nodes[h] for h in sorted(holders) if self.nodes[h].healthy]
         if not sources:
@@ -335,15 +356,15 @@ class Gateway:
         on other nodes (the snapshot shipped there first)."""
         snap, found = await self.resolve_snapshot(who, ref)
         holders = found | (holders or set())
-        async with self._admitted(who, count):
+        async with self.admitted(who, count):
             vcpus, memory = snap["vcpus"], snap["memory_mib"]
-            plan = await self._plan(vcpus, memory, count, holders, snap["template"], prefer)
-            with self._reserve(plan, vcpus, memory):
+            plan = await self.plan(vcpus, memory, count, holders, snap["template"], prefer)
+            with self.reserve(plan, vcpus, memory):
 
                 async def part(name: str, n: int) -> list[dict[str, Any]]:
                     node = self.nodes[name]
                     if name not in holders:
-                        await self._ship(snap["id"], holders, node)
+                        await self.ship(snap["id"], holders, node)
                     answer = await node.json(
                         "POST", f"/v1/snapshots/{snap['id']}/fork", who, json={"count": n}
                     )

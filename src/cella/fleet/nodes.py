@@ -51,13 +51,18 @@ class Node:
     def __post_init__(self) -> None:
         self.client = httpx2.AsyncClient(base_url=self.url, timeout=TIMEOUT)
 
-    def headers(self, who: Principal | None) -> dict[str, str]:
+    def headers(self, who: Principal | None, langsmith: bool = False) -> dict[str, str]:
+        """The node's admin key (as the LangSmith API takes keys, with `langsmith`), acting
+        for `who`."""
+        if langsmith:
+            return {"x-api-key": self.key, **as_header(who)}
         return {"authorization": f"Bearer {self.key}", **as_header(who)}
 
     async def call(
         self, method: str, path: str, who: Principal | None = None, **kwargs: Any
     ) -> httpx2.Response:
-        headers = {**self.headers(who), **kwargs.pop("headers", {})}
+        langsmith = kwargs.pop("langsmith", False)
+        headers = {**self.headers(who, langsmith), **kwargs.pop("headers", {})}
         try:
             return await self.client.request(method, path, headers=headers, **kwargs)
         except httpx2.TransportError as exc:

@@ -72,6 +72,9 @@ class Placements:
         with self._lock:
             self._db.execute("DELETE FROM placements WHERE sandbox_id = ?", (sandbox_id,))
 
+    def of_tenant(self, tenant: str) -> list[Placement]:
+        return self._select("WHERE tenant = ?", tenant)
+
     def on_node(self, node: str) -> list[Placement]:
         return self._select("WHERE node = ?", node)
 

@@ -33,13 +33,17 @@ def principal(
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise errors.Unauthenticated("use Authorization: Bearer <key>")
-    who = daemon(request).keys.authenticate(key.strip())
-    if x_cella_tenant is None:
+    return acting(daemon(request).keys.authenticate(key.strip()), x_cella_tenant)
+
+
+def acting(who: Principal, tenant: str | None) -> Principal:
+    """`who`, or with `X-Cella-Tenant` the tenant an admin key acts for."""
+    if tenant is None:
         return who
     require_admin(who, "act for another tenant (X-Cella-Tenant)")
-    if not re.fullmatch(TENANT, x_cella_tenant):
-        raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {x_cella_tenant!r}")
-    return Principal(tenant=x_cella_tenant, admin=False)
+    if not re.fullmatch(TENANT, tenant):
+        raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {tenant!r}")
+    return Principal(tenant=tenant, admin=False)
 
 
 Auth = Annotated[Principal, Depends(principal)]

@@ -11,7 +11,7 @@ from starlette.requests import HTTPConnection
 
 from cella import errors
 from cella.models import ExecDefaults, SandboxState
-from cella.server.deps import daemon
+from cella.server.deps import acting, daemon
 from cella.service.keys import Principal
 from cella.store import SandboxRecord, SnapshotRecord
 
@@ -31,10 +31,14 @@ SNAPSHOT_STATUS = {"creating": "building", "ready": "ready", "error": "failed"}
 DEFAULT_IDLE_TTL = 600  # the SDK's documented default when a create does not say
 
 
-def caller(request: HTTPConnection, x_api_key: Annotated[str | None, Header()] = None) -> Principal:
+def caller(
+    request: HTTPConnection,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
     if not x_api_key:
         raise errors.Unauthenticated("an API key is required (X-Api-Key)")
-    return daemon(request).keys.authenticate(x_api_key.strip())
+    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
 
 
 Caller = Annotated[Principal, Depends(caller)]

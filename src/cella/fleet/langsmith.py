@@ -1,0 +1,167 @@
+"""The LangSmith Sandboxes API on a fleet gateway: the node daemons serve it (their
+`server/compat/langsmith`), the gateway places new boxes and relays every other call to the
+node of the box it names (by name on the control plane, by id on the data plane)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
+
+from cella import errors
+from cella.fleet.app import METHODS, NODE_HINT, forward, relay_websocket
+from cella.fleet.gateway import Gateway
+from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES, Caller, caller
+
+MIB = 1 << 20
+PAGE = 500  # what one node is asked for at most when the gateway pages a merged list
+
+
+def install(app: FastAPI, gateway: Gateway) -> None:
+    for prefix in PREFIXES:
+        app.include_router(control(gateway, prefix))
+    app.include_router(dataplane(gateway))
+
+
+def control(gateway: Gateway, prefix: str) -> APIRouter:
+    api = APIRouter(prefix=prefix, include_in_schema=False)
+
+    @api.post("/boxes")
+    async def create_box(request: Request, who: Caller) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("the body must be a JSON object")
+        body.setdefault("name", f"sandbox-{secrets.token_hex(4)}")
+        ref = body.pop("snapshot_id", None) or body.pop("snapshot", None)
+        ref = ref or body.pop("snapshot_name", None)
+        async with gateway.admitted(who, 1, str(body["name"])):
+            holders: set[str] = set()
+            snap: dict[str, Any] | None = None
+            if ref:
+                snap, holders = await gateway.resolve_snapshot(who, str(ref))
+                body["snapshot_id"] = snap["id"]
+                vcpus, memory, template = snap["vcpus"], snap["memory_mib"], snap["template"]
+            else:
+                vcpus = int(body.get("vcpus") or 1)
+                memory = max(128, math.ceil(int(body.get("mem_bytes") or 512 * MIB) / MIB))
+                template = "default"
+            plan = await gateway.plan(
+                vcpus, memory, 1, holders, template, request.headers.get(NODE_HINT)
+            )
+            [name] = plan
+            node = gateway.nodes[name]
+            with gateway.reserve(plan, vcpus, memory):
+                if snap is not None and name not in holders:
+                    await gateway.ship(snap["id"], holders, node)
+                answer = await node.call(
+                    "POST",
+                    request.url.path,
+                    who,
+                    langsmith=True,
+                    json=body,
+                    params=request.query_params,
+                    headers={"host": request.headers.get("host", "")},
+                )
+            if answer.is_success:
+                made = answer.json()
+                seen = await node.json("GET", f"/v1/sandboxes/{made['id']}", who)
+                gateway.placements.put(name, seen)
+        return Response(
+            answer.content,
+            status_code=answer.status_code,
+            media_type=answer.headers.get("content-type"),
+        )
+
+    @api.get("/boxes")
+    async def list_boxes(request: Request, who: Caller) -> Response:
+        found: list[dict[str, Any]] = []
+        for node in gateway.healthy():
+            answer = await node.call(
+                "GET", request.url.path, who, langsmith=True, headers=_host(request)
+            )
+            if not answer.is_success:
+                return _relay(answer)
+            found += answer.json()["sandboxes"]
+        return JSONResponse({"sandboxes": sorted(found, key=lambda b: str(b.get("created_at")))})
+
+    @api.api_route("/boxes/{name}", methods=METHODS)
+    @api.api_route("/boxes/{name}/{rest:path}", methods=METHODS)
+    async def on_box(name: str, request: Request, who: Caller) -> Response:
+        where = await gateway.placement_named(who, name)
+        answer = await forward(request, gateway.usable(where), who, langsmith=True)
+        if request.method == "DELETE" and answer.status_code < 300:
+            gateway.placements.deleted(where.sandbox_id)
+        return answer
+
+    @api.get("/snapshots")
+    async def list_snapshots(
+        request: Request, who: Caller, offset: int = 0, limit: int = 50
+    ) -> Response:
+        seen: dict[str, dict[str, Any]] = {}
+        params = {**request.query_params, "offset": "0", "limit": str(PAGE)}
+        for node in gateway.healthy():
+            answer = await node.call("GET", request.url.path, who, langsmith=True, params=params)
+            if not answer.is_success:
+                return _relay(answer)
+            for snap in answer.json()["snapshots"]:
+                seen.setdefault(snap["id"], snap)
+        ordered = sorted(seen.values(), key=lambda s: str(s.get("created_at")))
+        return JSONResponse({"snapshots": ordered[offset : offset + limit], "offset": offset})
+
+    @api.api_route("/snapshots/{ref:path}", methods=["GET", "DELETE"])
+    @api.get("/snapshots-by-name/{ref:path}")
+    async def on_snapshot(ref: str, request: Request, who: Caller) -> Response:
+        """Answered by the nodes that hold it (a delete removes every copy)."""
+        answers = []
+        for node in gateway.healthy():
+            answer = await node.call(
+                request.method, request.url.path, who, langsmith=True, headers=_host(request)
+            )
+            if answer.status_code != 404:
+                answers.append(answer)
+                if request.method == "GET":
+                    break
+        if not answers:
+            raise errors.NotFound(f"Snapshot '{ref}' not found")
+        failed = [a for a in answers if not a.is_success]
+        return _relay(failed[0] if failed else answers[0])
+
+    @api.post("/snapshots")
+    async def build_snapshot(request: Request, who: Caller) -> Response:
+        return await forward(request, gateway.any_node(), who, langsmith=True)
+
+    return api
+
+
+def dataplane(gateway: Gateway) -> APIRouter:
+    api = APIRouter(prefix=DATAPLANE + "/{sandbox_id}", include_in_schema=False)
+
+    @api.api_route("/{rest:path}", methods=METHODS)
+    async def on_sandbox(sandbox_id: str, request: Request, who: Caller) -> Response:
+        return await forward(request, await gateway.node_of(who, sandbox_id), who, langsmith=True)
+
+    @api.websocket("/{rest:path}")
+    async def on_socket(ws: WebSocket, sandbox_id: str) -> None:
+        try:
+            who = caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
+            node = await gateway.node_of(who, sandbox_id)
+        except errors.CellaError as exc:
+            await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))
+            return
+        await relay_websocket(ws, node, who, langsmith=True)
+
+    return api
+
+
+def _host(request: Request) -> dict[str, str]:
+    """The caller's Host: URLs a node builds (data plane, service URLs) name the gateway."""
+    return {"host": request.headers.get("host", "")}
+
+
+def _relay(answer: Any) -> Response:
+    """A node's answer, as it gave it."""
+    media = answer.headers.get("content-type") if answer.content else None
+    return Response(answer.content, status_code=answer.status_code, media_type=media)
