@@ -26,7 +26,7 @@ from cella.eval import Task, TaskResult, run_eval
 from cella.sdk import Sandbox
 from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
 from tests.integration.test_langsmith import SERVER as LS_SERVER
-from tests.integration.test_ports import SERVERS
+from tests.integration.test_ports import start_servers
 
 
 def create(client: httpx2.Client, **body: object) -> dict[str, object]:
@@ -123,14 +123,7 @@ def test_every_call_on_a_sandbox_goes_to_its_node(fleet: Fleet, tenant: httpx2.C
         sb.files.write("/root/blob", blob)
         assert b"".join(sb.files.read_stream("/root/blob")) == blob
         assert [s.id for s in client.list(labels={"team": "red"})] == [sb.id]
-        sb.files.write("/srv/servers.py", SERVERS, parents=True)
-        sb.files.write("/srv/hello.txt", "hello from the guest\n")
-        sb.exec("cd /srv && nohup python3 servers.py >/tmp/servers.log 2>&1 &")
-        ready = "import socket; [socket.create_connection(('127.0.0.1', p)) for p in (8000, 8001)]"
-        for _ in range(100):
-            if sb.exec(["python3", "-c", ready]).exit_code == 0:
-                break
-            time.sleep(0.2)
+        start_servers(sb)
         exposed = sb.expose(8000)
         assert exposed.url.startswith(fleet.gateway.url)  # the gateway's address, not the node's
         got = httpx2.get(

@@ -68,9 +68,8 @@ http.server.ThreadingHTTPServer(("127.0.0.1", 8000), Echo).serve_forever()
 """
 
 
-@pytest.fixture(scope="module")
-def served(admin: Client) -> Iterator[Sandbox]:
-    sb = admin.create()
+def start_servers(sb: Sandbox) -> None:
+    """An HTTP echo server on 8000 and a WebSocket echo on 8001 in the guest, answering."""
     sb.files.write("/srv/servers.py", SERVERS, parents=True)
     sb.files.write("/srv/hello.txt", "hello from the guest\n")
     sb.exec("cd /srv && nohup python3 servers.py >/tmp/servers.log 2>&1 &")
@@ -79,6 +78,12 @@ def served(admin: Client) -> Iterator[Sandbox]:
         if sb.exec(["python3", "-c", ready]).exit_code == 0:
             break
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(admin: Client) -> Iterator[Sandbox]:
+    sb = admin.create()
+    start_servers(sb)
     yield sb
     sb.delete()
 
