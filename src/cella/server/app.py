@@ -61,9 +61,10 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.include_router(egress.router)
     app.include_router(templates.router)
     app.include_router(host.router)
-    from cella.server.compat import langsmith
+    from cella.server.compat import e2b, langsmith
 
     langsmith.install(app)
+    e2b.install(app)
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
@@ -92,8 +93,11 @@ def error_body(code: str, message: str) -> dict[str, Any]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.CellaError)
     async def cella_error(request: Request, exc: errors.CellaError) -> JSONResponse:
-        from cella.server.compat import langsmith
+        from cella.server.compat import e2b, langsmith
 
+        if e2b.owns(request.url.path):  # each foreign SDK reads its own shape
+            status, body = e2b.error_response(exc)
+            return JSONResponse(body, status_code=status)
         if request.url.path.startswith(langsmith.PREFIXES):  # its SDK reads its own shape
             dataplane = "/dataplane/" in request.url.path
             status, body = langsmith.error_response(exc, dataplane)
@@ -102,11 +106,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body("invalid_argument", describe(exc.errors())), status_code=400)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await cella_error(request, errors.InvalidArgument(describe(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        from cella.server.compat import e2b
+
+        if e2b.owns(request.url.path):
+            body = {"code": exc.status_code, "message": str(exc.detail)}
+            return JSONResponse(body, status_code=exc.status_code)
         code = {404: "not_found", 405: "method_not_allowed", 401: "unauthenticated"}.get(
             exc.status_code, "http_error"
         )

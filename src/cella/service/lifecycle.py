@@ -259,18 +259,22 @@ class Lifecycle:
         sandbox_id: str,
         *,
         name: str | None = None,
+        ttl_seconds: int | Unset | None = UNSET,
         idle_timeout_seconds: int | Unset | None = UNSET,
         delete_after_stop_seconds: int | Unset | None = UNSET,
         exec_defaults: ExecDefaults | None = None,
     ) -> SandboxRecord:
-        """Renames a sandbox or changes its retention and exec defaults (None clears a
-        limit; leaving an argument out keeps it)."""
+        """Renames a sandbox or changes its lifetime (`ttl_seconds`, counted from its
+        creation), retention and exec defaults (None clears a limit; leaving an argument out
+        keeps it)."""
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             fields: dict[str, object] = {}
             if name is not None and name != row.name:
                 self.registry.check_name(tenant, name)
                 fields["name"] = name
+            if not isinstance(ttl_seconds, Unset):
+                fields["ttl_seconds"] = ttl_seconds
             if not isinstance(idle_timeout_seconds, Unset):
                 fields["idle_timeout_seconds"] = idle_timeout_seconds
             if not isinstance(delete_after_stop_seconds, Unset):

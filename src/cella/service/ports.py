@@ -98,6 +98,15 @@ class Ports:
             raise errors.PermissionDenied("the service token has expired")
         return ServiceToken(token, sandbox_id, port, str(claims["t"]), float(claims["e"]))
 
+    def access_token(self, sandbox_id: str) -> str:
+        """A bearer for one sandbox's own endpoints (E2B's envd `X-Access-Token`), valid as
+        long as the sandbox lives."""
+        return _b64(self._sign(f"access:{sandbox_id}"))
+
+    def check_access(self, sandbox_id: str, token: str) -> None:
+        if not hmac.compare_digest(token.encode(), self.access_token(sandbox_id).encode()):
+            raise errors.Unauthenticated("the sandbox access token is not valid")
+
     def _sign(self, body: str) -> bytes:
         return hmac.new(self._key, body.encode(), hashlib.sha256).digest()
 

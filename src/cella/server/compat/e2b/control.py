@@ -1,0 +1,266 @@
+"""E2B's control plane (`E2B_API_URL`): sandboxes created from a template or a snapshot,
+listed with metadata and state filters and pages, inspected, timed out, paused, connected
+(resumed), forked, snapshotted and killed. `timeout` is the sandbox's lifetime from now (300
+s when not given, as E2B's API does), after which it is killed, or paused with `autoPause`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import time
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, unquote
+
+from fastapi import APIRouter, Body, Request, Response
+from fastapi.responses import JSONResponse
+
+from cella import errors
+from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate
+from cella.server.app import describe
+from cella.server.compat.e2b.shapes import BASE, Caller, detail_json, sandbox_json, state_of
+from cella.server.deps import Service
+from cella.service.daemon import Daemon
+from cella.service.keys import Principal
+from cella.store import SandboxRecord
+
+Json = dict[str, Any]
+JsonBody = Annotated[dict[str, Any], Body()]
+MaybeBody = Annotated[dict[str, Any] | None, Body()]
+DEFAULT_TIMEOUT = 300  # E2B's API default lifetime, in seconds
+UNSUPPORTED = ("mcp", "iam", "volumeMounts", "autoResume")
+
+
+def not_supported(what: str) -> errors.CellaError:
+    return errors.InvalidArgument(f"not supported by cella: {what}")
+
+
+def router() -> APIRouter:
+    api = APIRouter(include_in_schema=False)
+
+    def shown(svc: Daemon, row: SandboxRecord) -> Json:
+        return sandbox_json(row, svc.ports.access_token(row.id))
+
+    def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
+        try:
+            return svc.registry.get(who.tenant, sandbox_id)
+        except errors.NotFound:
+            raise errors.NotFound(f"sandbox {sandbox_id} not found") from None
+
+    @api.post("/v2/sandboxes", status_code=201)
+    @api.post("/sandboxes", status_code=201)
+    async def create(svc: Service, who: Caller, body: JsonBody) -> Json:
+        spec = create_spec(svc, who, body)
+        return shown(svc, await svc.create(who.tenant, spec))
+
+    @api.get("/v2/sandboxes")
+    @api.get("/sandboxes")
+    async def list_sandboxes(request: Request, svc: Service, who: Caller) -> Response:
+        q = request.query_params
+        rows = [r for r in svc.registry.find(who.tenant) if r.state not in ("deleting", "error")]
+        wanted = metadata_filter(q.get("metadata"))
+        rows = [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
+        if states := q.get("state"):
+            rows = [r for r in rows if state_of(r) in states.split(",")]
+        if template := q.get("template"):
+            rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
+        if q.get("order") == "desc":
+            rows.reverse()
+        start = page_start(q.get("nextToken"))
+        limit = int_param(q.get("limit"), 100, "limit")
+        page = rows[start : start + limit]
+        headers = {}
+        if start + limit < len(rows):
+            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+        listed = []
+        for r in page:
+            item = detail_json(r, "", disk_of(svc, r))
+            item.pop("envdAccessToken")
+            listed.append(item)
+        return JSONResponse(listed, headers=headers)
+
+    @api.get("/sandboxes/{sandbox_id}")
+    async def get(sandbox_id: str, svc: Service, who: Caller) -> Json:
+        row = sandbox(svc, who, sandbox_id)
+        return detail_json(row, svc.ports.access_token(row.id), disk_of(svc, row))
+
+    @api.delete("/sandboxes/{sandbox_id}", status_code=204)
+    async def kill(sandbox_id: str, svc: Service, who: Caller) -> Response:
+        sandbox(svc, who, sandbox_id)
+        await svc.lifecycle.delete(who.tenant, sandbox_id)
+        return Response(status_code=204)
+
+    @api.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+    async def set_timeout(sandbox_id: str, svc: Service, who: Caller, body: JsonBody) -> Response:
+        row = sandbox(svc, who, sandbox_id)
+        await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+        return Response(status_code=204)
+
+    @api.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+    async def pause(sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None) -> Response:
+        row = sandbox(svc, who, sandbox_id)
+        if state_of(row) == "paused":
+            raise errors.InvalidState(f"sandbox {sandbox_id} is already paused")
+        if (body or {}).get("memory") is False:  # the filesystem only: a stop
+            await svc.lifecycle.stop(who.tenant, row.id)
+        else:
+            await svc.lifecycle.pause(who.tenant, row.id)
+        return Response(status_code=204)
+
+    @api.post("/v2/sandboxes/{sandbox_id}/connect")
+    @api.post("/sandboxes/{sandbox_id}/connect")
+    @api.post("/sandboxes/{sandbox_id}/resume")
+    async def connect(
+        sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None
+    ) -> Response:
+        """200 if it was running, 201 if it was resumed (paused or stopped)."""
+        body = body or {}
+        row = sandbox(svc, who, sandbox_id)
+        status = 200
+        if state_of(row) == "paused":
+            row = await svc.lifecycle.resume(who.tenant, row.id)
+            status = 201
+        if body.get("timeout") is not None:
+            row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+        return JSONResponse(shown(svc, row), status_code=status)
+
+    @api.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+    async def fork(
+        sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None
+    ) -> list[Json]:
+        body = body or {}
+        sandbox(svc, who, sandbox_id)
+        count = int_param(body.get("count"), 1, "count")
+        if not 1 <= count <= 20:
+            raise errors.InvalidArgument("count must be 1-20")
+        rows = await svc.snapshots.fork(who.tenant, sandbox_id, count)
+        if body.get("timeout") is not None:
+            rows = [
+                await svc.lifecycle.update(who.tenant, r.id, ttl_seconds=lifetime(r, body))
+                for r in rows
+            ]
+        return [{"sandbox": shown(svc, r)} for r in rows]
+
+    @api.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+    async def snapshot(sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None) -> Json:
+        body = body or {}
+        sandbox(svc, who, sandbox_id)
+        if body.get("memory") is False:
+            raise not_supported("filesystem-only snapshots (cella's keep memory too)")
+        name = str(body.get("name") or f"snapshot-of-{sandbox_id}")
+        snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest")
+        return {"snapshotID": snap.id, "names": [name]}
+
+    @api.get("/snapshots")
+    async def list_snapshots(request: Request, svc: Service, who: Caller) -> Response:
+        q = request.query_params
+        rows = [s for s in svc.snapshots.find(who.tenant) if s.state == "ready"]
+        if source := q.get("sandboxID"):
+            rows = [s for s in rows if s.sandbox_id == source]
+        if name := q.get("name"):
+            rows = [s for s in rows if s.name == name]
+        start = page_start(q.get("nextToken"))
+        limit = int_param(q.get("limit"), 100, "limit")
+        headers = {}
+        if start + limit < len(rows):
+            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+        page = [{"snapshotID": s.id, "names": [s.name]} for s in rows[start : start + limit]]
+        return JSONResponse(page, headers=headers)
+
+    @api.delete("/templates/{ref:path}", status_code=204)
+    async def delete_snapshot(ref: str, svc: Service, who: Caller) -> Response:
+        """E2B deletes snapshots as templates: by id or name."""
+        snap = svc.snapshots.resolve(who.tenant, unquote(ref))
+        await svc.snapshots.delete(who.tenant, snap.id)
+        return Response(status_code=204)
+
+    return api
+
+
+def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
+    """An E2B create as a cella create; what cella cannot honour is refused by name."""
+    for unsupported in UNSUPPORTED:
+        if body.get(unsupported):
+            raise not_supported(unsupported)
+    timeout = int_param(body.get("timeout"), DEFAULT_TIMEOUT, "timeout")
+    if timeout < 1:
+        raise errors.InvalidArgument("timeout must be at least 1 second")
+    metadata = body.get("metadata") or {}
+    env = body.get("envVars") or {}
+    if not isinstance(metadata, dict) or not isinstance(env, dict):
+        raise errors.InvalidArgument("metadata and envVars must be objects of strings")
+    spec: Json = {
+        "ttl_seconds": timeout,
+        "ttl_action": "pause" if body.get("autoPause") else "delete",
+        "labels": {str(k): str(v) for k, v in metadata.items()},
+        "exec_defaults": ExecDefaults(env={str(k): str(v) for k, v in env.items()}),
+        "network": network_of(body),
+    }
+    template = str(body.get("templateID") or BASE)
+    with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
+        spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
+    if "snapshot" not in spec:
+        spec["template"] = "default" if template == BASE else template
+    try:
+        return SandboxCreate.model_validate(spec)
+    except ValueError as exc:
+        problems = getattr(exc, "errors", None)
+        raise errors.InvalidArgument(describe(problems()) if problems else str(exc)) from None
+
+
+def network_of(body: Json) -> NetworkPolicy:
+    """`allow_internet_access` and `network.allowOut`/`denyOut` as egress rules. Without
+    them, cella's default holds: nothing is reachable until allowed."""
+    net = body.get("network") or {}
+    if not isinstance(net, dict):
+        raise errors.InvalidArgument("network must be an object")
+    for unsupported in ("egressProxy", "dnsServers", "rules", "maskRequestHost", "httpsPorts"):
+        if net.get(unsupported):
+            raise not_supported(f"network.{unsupported}")
+    allow = [str(r) for r in net.get("allowOut") or []]
+    deny = [str(r) for r in net.get("denyOut") or []]
+    if body.get("allow_internet_access") is True or net.get("allowPublicTraffic"):
+        allow.append("*")
+    if body.get("allow_internet_access") is False:
+        allow = [r for r in allow if r != "*"]
+    deny = ["*" if r == "0.0.0.0/0" else r for r in deny]  # E2B's "everything else"
+    return NetworkPolicy(allow=allow, deny=[r for r in deny if r not in allow or r == "*"])
+
+
+def lifetime(row: SandboxRecord, body: Json) -> int:
+    """`timeout` seconds from now, as a lifetime counted from the sandbox's creation."""
+    seconds = int_param(body.get("timeout"), DEFAULT_TIMEOUT, "timeout")
+    if seconds < 1:
+        raise errors.InvalidArgument("timeout must be at least 1 second")
+    return int(row.age_seconds(time.time())) + seconds
+
+
+def metadata_filter(raw: str | None) -> dict[str, str]:
+    """The SDK sends `metadata=` as a URL-encoded query of URL-encoded keys and values."""
+    if not raw:
+        return {}
+    return {unquote(k): unquote(v) for k, v in parse_qsl(raw, keep_blank_values=True)}
+
+
+def page_start(token: str | None) -> int:
+    if not token:
+        return 0
+    try:
+        return int(base64.urlsafe_b64decode(token.encode()).decode())
+    except (ValueError, binascii.Error):
+        raise errors.InvalidArgument("nextToken is not one this server gave") from None
+
+
+def int_param(value: Any, default: int, name: str) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgument(f"{name} must be an integer") from None
+
+
+def disk_of(svc: Daemon, row: SandboxRecord) -> int:
+    with contextlib.suppress(errors.CellaError):
+        return svc.driver.template_disk_mib(row.template)
+    return 0

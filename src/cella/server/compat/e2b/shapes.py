@@ -1,0 +1,106 @@
+"""What the E2B SDK reads: its sandbox shapes, its error body, its API key header."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import Depends, Header
+from starlette.requests import HTTPConnection
+
+from cella import errors
+from cella.models import SandboxState
+from cella.server.deps import acting, daemon
+from cella.service.keys import Principal
+from cella.store import SandboxRecord
+from cella.store.records import epoch
+
+ENVD_VERSION = "0.5.7"  # what the SDK gates features on (octet-stream uploads, close_stdin)
+CLIENT_ID = "cella"
+BASE = "base"  # E2B's default template: cella's `default`
+FOREVER = timedelta(days=3650)
+# E2B's control-plane paths; under /v2/sandboxes only the bare collection and `<id>/connect`
+# (the rest of that prefix is LangSmith's)
+_PATHS = re.compile(
+    r"^/(sandboxes|snapshots|templates)(/.*)?$"
+    r"|^/v2/sandboxes/?$"
+    r"|^/v2/sandboxes/(?!boxes/|snapshots|dataplane/)[^/]+/connect$"
+)
+S = SandboxState
+
+
+def owns(path: str) -> bool:
+    return bool(_PATHS.match(path))
+
+
+def caller(
+    request: HTTPConnection,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
+    if not x_api_key:
+        raise errors.Unauthenticated("an API key is required (X-API-KEY)")
+    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
+
+
+Caller = Annotated[Principal, Depends(caller)]
+
+
+def error_response(exc: errors.CellaError) -> tuple[int, dict[str, Any]]:
+    """E2B's `{code, message}` (the SDK reads both before it looks at the status)."""
+    status = exc.status if exc.status < 500 or exc.status in (502, 503, 504) else 500
+    return status, {"code": status, "message": exc.message}
+
+
+def template_id(row: SandboxRecord) -> str:
+    return BASE if row.template == "default" else row.template
+
+
+def iso(stamp: datetime) -> str:
+    return stamp.isoformat().replace("+00:00", "Z")
+
+
+def sandbox_json(row: SandboxRecord, token: str) -> dict[str, Any]:
+    """E2B's `Sandbox`: what create, connect and fork answer."""
+    return {
+        "templateID": template_id(row),
+        "sandboxID": row.id,
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": token,
+        "alias": row.template,
+        "domain": None,
+    }
+
+
+def state_of(row: SandboxRecord) -> str:
+    """E2B knows two states; a stopped sandbox (disk kept, memory not) is its paused."""
+    return "running" if row.state in (S.running, S.creating, S.starting) else "paused"
+
+
+def detail_json(row: SandboxRecord, token: str, disk_mib: int) -> dict[str, Any]:
+    """E2B's `SandboxDetail` (get) and, without the token, `ListedSandbox` (list)."""
+    started = datetime.fromtimestamp(epoch(row.created_at), UTC)
+    ends = started + (timedelta(seconds=row.ttl_seconds) if row.ttl_seconds else FOREVER)
+    allow = row.network.allow
+    return {
+        "templateID": template_id(row),
+        "alias": row.template,
+        "sandboxID": row.id,
+        "clientID": CLIENT_ID,
+        "startedAt": iso(started),
+        "endAt": iso(ends),
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": token,
+        "cpuCount": row.vcpus,
+        "memoryMB": row.memory_mib,
+        "diskSizeMB": row.disk_mib or disk_mib,
+        "metadata": dict(row.labels),
+        "state": state_of(row),
+        "allowInternetAccess": "*" in allow,
+        "lifecycle": {
+            "autoResume": False,
+            "onTimeout": "pause" if row.ttl_action in ("pause", "stop") else "kill",
+        },
+    }

@@ -1,0 +1,250 @@
+"""E2B's official SDK (`e2b==2.63.0`, pinned, in its own environment, unchanged) driving a
+real daemon: it is pointed at cella by `E2B_API_URL`, `E2B_SANDBOX_URL` and a cella key."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cella import Client, errors
+from tests.daemon import Daemon, running_daemon
+from tests.sdk_env import run_script, sdk_python
+
+pytestmark = pytest.mark.vm
+E2B = ["e2b==2.63.0"]
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return sdk_python("e2b-2.63.0", E2B)
+
+
+@pytest.fixture(scope="module")
+def e2b_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with running_daemon(
+        tmp_path_factory.mktemp("e2b"), pool_size="1", max_sandboxes_per_tenant="8"
+    ) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cella(e2b_daemon: Daemon) -> Iterator[Client]:
+    with Client(e2b_daemon.url, e2b_daemon.admin_key) as c:
+        yield c
+
+
+def e2b(python: Path, daemon: Daemon, script: str, key: str | None = None) -> Any:
+    env = {
+        "E2B_API_URL": daemon.url,
+        "E2B_SANDBOX_URL": daemon.url,
+        "E2B_API_KEY": key or daemon.admin_key,
+    }
+    preamble = "import json\nfrom e2b import *\n"
+    return run_script(python, preamble + textwrap.dedent(script), env)
+
+
+def test_create_with_metadata_env_and_timeout(
+    python: Path, e2b_daemon: Daemon, cella: Client
+) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        sb = Sandbox.create(
+            metadata={"team": "red", "run": "7"}, envs={"FOO": "bar 1"}, timeout=120
+        )
+        info = sb.get_info()
+        print(json.dumps({"id": sb.sandbox_id, "state": str(info.state.value),
+                          "metadata": info.metadata, "cpu": info.cpu_count,
+                          "memory": info.memory_mb, "template": info.template_id,
+                          "left": (info.end_at - info.started_at).total_seconds()}))
+        """,
+    )
+    assert got["state"] == "running" and got["template"] == "base"
+    assert got["metadata"] == {"team": "red", "run": "7"}
+    assert got["cpu"] == 1 and got["memory"] == 512
+    assert 110 <= got["left"] <= 130  # the lifetime asked for
+    sb = cella.get(got["id"])  # the same sandbox, seen through cella's own API
+    assert sb.info.labels == {"team": "red", "run": "7"}
+    assert sb.exec('printf %s "$FOO"').stdout == b"bar 1"  # envVars: every command's env
+    sb.delete()
+
+
+def test_list_filters_by_metadata_and_state_in_pages(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        made = [Sandbox.create(metadata={"batch": "b1", "i": str(i)}) for i in range(3)]
+        other = Sandbox.create(metadata={"batch": "b2"})
+        made[0].pause()
+        pager = Sandbox.list(query=SandboxQuery(metadata={"batch": "b1"}), limit=2)
+        pages = []
+        while pager.has_next:
+            pages.append(sorted(s.metadata["i"] for s in pager.next_items()))
+        paused = Sandbox.list(query=SandboxQuery(metadata={"batch": "b1"},
+                                                 state=[SandboxState.PAUSED])).next_items()
+        for sb in [*made, other]:
+            sb.kill()
+        print(json.dumps({"pages": pages, "paused": [s.metadata["i"] for s in paused]}))
+        """,
+    )
+    assert [len(p) for p in got["pages"]] == [2, 1]
+    assert sorted(i for page in got["pages"] for i in page) == ["0", "1", "2"]
+    assert got["paused"] == ["0"]
+
+
+def test_pause_then_connect_keeps_memory(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
+    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+    sb = cella.get(sandbox_id)
+    sb.exec("sh -c 'sleep 1000 >/dev/null 2>&1 &'")
+    got = e2b(
+        python,
+        e2b_daemon,
+        f"""
+        sb = Sandbox.connect("{sandbox_id}")
+        first = sb.get_info().state.value
+        paused = sb.pause()
+        again = sb.pause()  # already paused: False, not an error
+        while_paused = Sandbox.get_info("{sandbox_id}").state.value
+        back = Sandbox.connect("{sandbox_id}", timeout=600)
+        print(json.dumps([first, paused, again, while_paused, back.get_info().state.value]))
+        """,
+    )
+    assert got == ["running", True, False, "paused", "running"]
+    assert b"sleep 1000" in sb.exec("ps -o args").stdout  # its processes went on
+    sb.delete()
+
+
+def test_set_timeout_is_enforced(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
+    sandbox_id = e2b(
+        python,
+        e2b_daemon,
+        """
+        sb = Sandbox.create(timeout=600)
+        sb.set_timeout(2)
+        print(json.dumps(sb.sandbox_id))
+        """,
+    )
+    assert cella.get(sandbox_id).state == "running"  # the control: there before the timeout
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            cella.get(sandbox_id)
+        except errors.NotFound:  # the reaper killed it
+            break
+        time.sleep(0.5)
+    got = e2b(
+        python,
+        e2b_daemon,
+        f"""
+        try:
+            Sandbox.get_info("{sandbox_id}")
+            print(json.dumps("still there"))
+        except NotFoundException:
+            print(json.dumps("not found"))
+        """,
+    )
+    assert got == "not found"
+
+
+def test_fork_and_snapshots(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
+    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+    cella.get(sandbox_id).files.write("/root/state.txt", "prepared")
+    got = e2b(
+        python,
+        e2b_daemon,
+        f"""
+        sb = Sandbox.connect("{sandbox_id}")
+        forks = sb.fork(count=2)
+        snap = sb.create_snapshot("prepared-env")
+        pager = Sandbox.list_snapshots(sandbox_id=sb.sandbox_id)
+        listed = [s.snapshot_id for s in pager.next_items()]
+        booted = Sandbox.create(snap.snapshot_id)
+        print(json.dumps({{"forks": [f.sandbox_id for f in forks], "snap": snap.snapshot_id,
+                           "names": snap.names, "listed": listed, "booted": booted.sandbox_id}}))
+        """,
+    )
+    assert len(got["forks"]) == 2 and got["snap"] in got["listed"]  # (the fork took one too)
+    assert got["names"] == ["prepared-env"]
+    for branch in [*got["forks"], got["booted"]]:
+        assert cella.get(branch).files.read("/root/state.txt") == b"prepared"
+        cella.get(branch).delete()
+    cella.get(sandbox_id).delete()
+    deleted = e2b(
+        python,
+        e2b_daemon,
+        f"""print(json.dumps([Sandbox.delete_snapshot("{got["snap"]}"),
+                              Sandbox.delete_snapshot("{got["snap"]}")]))""",
+    )
+    assert deleted == [True, False]
+
+
+def test_errors_the_sdk_maps(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
+    tenant_key = cella.create_key("e2b-errors")["key"]
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        out = {}
+        try:
+            Sandbox.get_info("sb-0000000000000000")
+        except NotFoundException as e:
+            out["missing"] = "NotFoundException"
+        out["kill_missing"] = Sandbox.kill("sb-0000000000000000")
+        try:
+            Sandbox.create(template="no-such-template")
+        except SandboxException as e:
+            out["template"] = [e.status_code, "no-such-template" in str(e)]
+        try:
+            Sandbox.create(metadata={"not a key": "x"})
+        except SandboxException as e:
+            out["metadata"] = str(e)[:3]
+        try:
+            Sandbox.create(mcp={"x": {}})
+        except SandboxException as e:
+            out["mcp"] = "not supported" in str(e)
+        try:
+            Sandbox.list(api_key="ck_wrong").next_items()
+        except AuthenticationException:
+            out["auth"] = "AuthenticationException"
+        print(json.dumps(out))
+        """,
+        key=tenant_key,
+    )
+    assert got["missing"] == "NotFoundException" and got["kill_missing"] is False
+    assert got["template"] == [400, True]
+    assert got["metadata"] == "400" and got["mcp"] is True
+    assert got["auth"] == "AuthenticationException"
+    # and the control: the same key works
+    assert (
+        e2b(
+            python,
+            e2b_daemon,
+            "print(json.dumps(len(Sandbox.list().next_items())))",
+            key=tenant_key,
+        )
+        == 0
+    )
+
+
+def test_the_async_sdk(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import asyncio
+        async def main():
+            sb = await AsyncSandbox.create(metadata={"async": "yes"})
+            info = await sb.get_info()
+            killed = await sb.kill()
+            return [info.metadata, killed]
+        print(json.dumps(asyncio.run(main())))
+        """,
+    )
+    assert got == [{"async": "yes"}, True]
