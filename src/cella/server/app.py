@@ -95,7 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def cella_error(request: Request, exc: errors.CellaError) -> JSONResponse:
         from cella.server.compat import e2b, langsmith
 
-        if e2b.owns(request.url.path):  # each foreign SDK reads its own shape
+        if e2b.envd.owns(request):  # each foreign SDK reads its own shape
+            return e2b.envd.error_response(request, exc)  # type: ignore[return-value]
+        if e2b.owns(request.url.path):
             status, body = e2b.error_response(exc)
             return JSONResponse(body, status_code=status)
         if request.url.path.startswith(langsmith.PREFIXES):  # its SDK reads its own shape

@@ -4,7 +4,7 @@
 
 from fastapi import FastAPI
 
-from cella.server.compat.e2b import control
+from cella.server.compat.e2b import control, envd
 from cella.server.compat.e2b.shapes import error_response, owns
 
 __all__ = ["error_response", "install", "owns"]
@@ -12,3 +12,4 @@ __all__ = ["error_response", "install", "owns"]
 
 def install(app: FastAPI) -> None:
     app.include_router(control.router())
+    app.include_router(envd.router())
