@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 
 from cella import Client, errors
@@ -248,3 +249,156 @@ def test_the_async_sdk(python: Path, e2b_daemon: Daemon) -> None:
         """,
     )
     assert got == [{"async": "yes"}, True]
+
+
+def test_commands_stream_take_stdin_fail_and_reattach(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        out = {}
+        sb = Sandbox.create()
+        r = sb.commands.run("echo hi; whoami; pwd; echo oops >&2")
+        out["run"] = [r.stdout, r.stderr, r.exit_code]
+        out["root"] = sb.commands.run("whoami", user="root", cwd="/tmp").stdout
+        seen = []
+        sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", on_stdout=seen.append)
+        out["streamed"] = seen
+        try:
+            sb.commands.run("echo partial; exit 3")
+        except CommandExitException as e:
+            out["failed"] = [e.exit_code, e.stdout]
+        h = sb.commands.run("read x; echo got:$x", background=True, stdin=True)
+        sb.commands.send_stdin(h.pid, "hello\\n")
+        out["stdin"] = h.wait().stdout
+        bg = sb.commands.run("for i in $(seq 1 50); do echo tick$i; sleep 0.1; done; sleep 600",
+                             background=True)
+        bg.disconnect()
+        again = sb.commands.connect(bg.pid)  # re-attached by pid: it ran on meanwhile
+        out["listed"] = bg.pid in [p.pid for p in sb.commands.list()]
+        import time
+        time.sleep(1.0)  # ticks still come, now to the re-attached handle
+        out["killed"] = [sb.commands.kill(bg.pid)]
+        try:
+            again.wait()
+        except CommandExitException as e:
+            out["reattached_end"] = ["tick" in e.stdout, e.exit_code]
+        out["killed"].append(sb.commands.kill(bg.pid))  # it has ended: nothing to kill
+        out["running"] = sb.is_running()
+        sb.kill()
+        out["after_kill"] = sb.is_running()
+        print(json.dumps(out))
+        """,
+    )
+    assert got["run"] == ["hi\nuser\n/home/user\n", "oops\n", 0]
+    assert got["root"] == "root\n"
+    assert got["streamed"] == ["1\n", "2\n", "3\n"]
+    assert got["failed"] == [3, "partial\n"]
+    assert got["stdin"] == "got:hello\n"
+    assert got["listed"] is True and got["killed"] == [True, False]
+    assert got["reattached_end"] == [True, -1]  # killed: no exit status of its own
+    assert got["running"] is True and got["after_kill"] is False
+
+
+def test_files(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import hashlib, io, os
+        out = {}
+        sb = Sandbox.create()
+        info = sb.files.write("notes/a.txt", "relative to home")
+        out["written"] = [info.path, info.type.value]
+        out["read"] = sb.files.read("/home/user/notes/a.txt")
+        out["owner"] = sb.commands.run("stat -c %U notes notes/a.txt").stdout.split()
+        big = os.urandom(50 << 20)
+        sb.files.write("/home/user/big.bin", io.BytesIO(big))  # octet-stream, streamed
+        back = sb.files.read("/home/user/big.bin", format="bytes")
+        same = hashlib.sha256(back).digest() == hashlib.sha256(big).digest()
+        out["big"] = [len(back), same]
+        sb.files.write("/home/user/z.txt", "zipped", gzip=True)
+        out["gzip"] = sb.files.read("/home/user/z.txt")
+        out["exists"] = [sb.files.exists("/home/user/z.txt"), sb.files.exists("/no/such")]
+        out["mkdir"] = [sb.files.make_dir("/home/user/d/e"), sb.files.make_dir("/home/user/d/e")]
+        entries = sb.files.list("/home/user/d", depth=2)
+        out["list"] = sorted((e.path, e.type.value) for e in entries)
+        out["rename"] = sb.files.rename("/home/user/z.txt", "/home/user/d/z.txt").path
+        sb.files.remove("/home/user/d")
+        out["removed"] = sb.files.exists("/home/user/d/z.txt")
+        try:
+            sb.files.read("/home/user/missing.txt")
+        except FileNotFoundException:
+            out["missing"] = "FileNotFoundException"
+        entry = sb.files.get_info("/home/user/notes/a.txt")
+        out["info"] = [entry.name, entry.size, entry.permissions, entry.owner]
+        sb.kill()
+        print(json.dumps(out))
+        """,
+    )
+    assert got["written"] == ["/home/user/notes/a.txt", "file"]
+    assert got["read"] == "relative to home"
+    assert got["owner"] == ["user", "user"]  # made as the user the SDK acts as
+    assert got["big"] == [50 << 20, True]
+    assert got["gzip"] == "zipped"
+    assert got["exists"] == [True, False]
+    assert got["mkdir"] == [True, False]
+    assert got["list"] == [["/home/user/d/e", "dir"]]
+    assert got["rename"] == "/home/user/d/z.txt"
+    assert got["removed"] is False
+    assert got["missing"] == "FileNotFoundException"
+    assert got["info"] == ["a.txt", 16, "-rw-r--r--", "user"]
+
+
+def test_envd_refuses_a_wrong_token_and_unknown_sandboxes(python: Path, e2b_daemon: Daemon) -> None:
+    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+    detail = httpx2.get(
+        f"{e2b_daemon.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": e2b_daemon.admin_key}
+    ).json()
+
+    def stat(sandbox: str, token: str) -> httpx2.Response:
+        return httpx2.post(
+            f"{e2b_daemon.url}/filesystem.Filesystem/Stat",
+            json={"path": "/home/user"},
+            headers={"E2b-Sandbox-Id": sandbox, "X-Access-Token": token},
+        )
+
+    good = stat(sandbox_id, detail["envdAccessToken"])
+    assert good.status_code == 200 and good.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+    forged = stat(sandbox_id, "forged")
+    assert forged.status_code == 401 and forged.json()["code"] == "unauthenticated"
+    other = stat("sb-0000000000000000", detail["envdAccessToken"])
+    assert other.status_code == 502 and "was not found" in other.text
+    got = e2b(
+        python,
+        e2b_daemon,
+        f"""
+        sb = Sandbox.connect("{sandbox_id}")
+        sb.kill()
+        try:
+            sb.commands.run("true")
+        except SandboxException as e:
+            print(json.dumps(type(e).__name__))
+        """,
+    )
+    assert got == "SandboxNotRunningException"
+
+
+def test_the_async_sdk_runs_commands_and_files(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import asyncio
+        async def main():
+            sb = await AsyncSandbox.create()
+            seen = []
+            r = await sb.commands.run("echo a; echo b", on_stdout=seen.append)
+            await sb.files.write("/home/user/x.txt", "async")
+            text = await sb.files.read("/home/user/x.txt")
+            await sb.kill()
+            return [r.stdout, "".join(seen), text]
+        print(json.dumps(asyncio.run(main())))
+        """,
+    )
+    assert got == ["a\nb\n", "a\nb\n", "async"]
