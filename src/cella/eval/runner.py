@@ -90,12 +90,17 @@ async def run_task(client: AsyncClient, task: Task, snapshot_id: str, out_dir: P
         if sb is not None:
             try:
                 await sb.delete()
-            except errors.CellaError as exc:
+            except errors.CellaError as exc:  # said in the result, never lost with it
                 result.error = result.error or f"delete failed: {exc.message}"
-            trace = where / "trace.jsonl"
-            events = await client.events(sb.id)
-            trace.write_text("".join(e.model_dump_json() + "\n" for e in events))
-            result.trace = str(trace)
+                result.error_code = result.error_code or exc.code
+            try:
+                trace = where / "trace.jsonl"
+                events = await client.events(sb.id)
+                trace.write_text("".join(e.model_dump_json() + "\n" for e in events))
+                result.trace = str(trace)
+            except errors.CellaError as exc:
+                result.error = result.error or f"trace not kept: {exc.message}"
+                result.error_code = result.error_code or exc.code
     result.duration_ms = round((time.monotonic() - start) * 1000, 1)
     (where / "result.json").write_text(result.model_dump_json(indent=2) + "\n")
     return result
