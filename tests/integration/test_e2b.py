@@ -402,3 +402,43 @@ def test_the_async_sdk_runs_commands_and_files(python: Path, e2b_daemon: Daemon)
         """,
     )
     assert got == ["a\nb\n", "a\nb\n", "async"]
+
+
+def test_watch_a_directory(python: Path, e2b_daemon: Daemon) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import asyncio, time
+        out = {}
+        sb = Sandbox.create()
+        sb.files.make_dir("/home/user/w")
+        handle = sb.files.watch_dir("/home/user/w")
+        sb.files.write("/home/user/w/new.txt", "one")
+        time.sleep(1)
+        first = handle.get_new_events()
+        sb.commands.run("echo more >> /home/user/w/new.txt; sleep 0.1; rm /home/user/w/new.txt")
+        time.sleep(1)
+        later = handle.get_new_events()
+        handle.stop()
+        out["sync"] = [[e.name, e.type.value] for e in first + later]
+        async def watch():
+            a = await AsyncSandbox.connect(sb.sandbox_id)
+            seen = []
+            h = await a.files.watch_dir("/home/user/w", on_event=seen.append)
+            await a.files.write("/home/user/w/b.txt", "b")
+            for _ in range(50):
+                if seen:
+                    break
+                await asyncio.sleep(0.1)
+            await h.stop()
+            return [[e.name, e.type.value] for e in seen]
+        out["async"] = asyncio.run(watch())
+        sb.kill()
+        print(json.dumps(out))
+        """,
+    )
+    kinds = [kind for _, kind in got["sync"]]
+    assert got["sync"][0] == ["new.txt", "create"], got
+    assert "write" in kinds and kinds[-1] == "remove"
+    assert got["async"][:1] == [["b.txt", "create"]]

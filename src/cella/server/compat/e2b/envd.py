@@ -24,6 +24,7 @@ from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import ExecRequest, SandboxState
 from cella.server.compat.e2b import connect
+from cella.server.compat.e2b.watch import Watchers
 from cella.server.deps import daemon
 from cella.service.daemon import Daemon
 from cella.service.processes import Process, ProcessSpec
@@ -105,6 +106,21 @@ def router() -> APIRouter:
         if handler is None:
             raise errors.InvalidArgument(f"not supported by cella: process.Process/{method}")
         return await handler(where, request)
+
+    @api.post("/filesystem.Filesystem/WatchDir")
+    async def watch_dir(request: Request) -> Response:
+        """The async SDK's watch: a stream of events."""
+        where = target(request)
+        [body] = [m async for m in connect.read_stream(request)][:1] or [{}]
+        watcher = await WATCHERS.create(
+            where.svc.files,
+            where.tenant,
+            where.sandbox_id,
+            where.path(body.get("path")),
+            bool(body.get("recursive")),
+        )
+        every = connect.keepalive_interval(request)
+        return connect.stream(WATCHERS.stream(watcher), {"keepalive": {}}, every)
 
     @api.post("/filesystem.Filesystem/{method}")
     async def filesystem(method: str, request: Request) -> Response:
@@ -394,12 +410,38 @@ async def remove(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+WATCHERS = Watchers()
+
+
+async def create_watcher(where: Target, body: dict[str, Any]) -> dict[str, Any]:
+    watcher = await WATCHERS.create(
+        where.svc.files,
+        where.tenant,
+        where.sandbox_id,
+        where.path(body.get("path")),
+        bool(body.get("recursive")),
+    )
+    return {"watcherId": watcher.id}
+
+
+async def watcher_events(where: Target, body: dict[str, Any]) -> dict[str, Any]:
+    return {"events": WATCHERS.take(where.sandbox_id, str(body.get("watcherId")))}
+
+
+async def remove_watcher(where: Target, body: dict[str, Any]) -> dict[str, Any]:
+    await WATCHERS.remove(where.sandbox_id, str(body.get("watcherId")))
+    return {}
+
+
 FILESYSTEM = {
     "Stat": stat,
     "ListDir": list_dir,
     "MakeDir": make_dir,
     "Move": move,
     "Remove": remove,
+    "CreateWatcher": create_watcher,
+    "GetWatcherEvents": watcher_events,
+    "RemoveWatcher": remove_watcher,
 }
 
 

@@ -1,0 +1,127 @@
+"""Watching a directory for E2B's SDK: the guest's listing is polled (the agent has no
+inotify) and compared, so creations, writes (size or mtime changed) and removals are seen
+within a poll; a rename shows as a removal and a creation. A watcher nobody reads for
+`IDLE` seconds stops by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cella import errors
+from cella.guest.protocol import Entry
+from cella.service.files import Files
+
+POLL = 0.25
+IDLE = 600.0
+MAX_ENTRIES = 20_000
+Seen = dict[str, tuple[str, int, int]]  # relative path -> (kind, size, mtime)
+
+
+async def listing(files: Files, tenant: str, sandbox_id: str, root: str, recursive: bool) -> Seen:
+    seen: Seen = {}
+    pending = [""]
+    while pending:
+        below = pending.pop()
+        entries: list[Entry] = await files.list(tenant, sandbox_id, posixpath.join(root, below))
+        for entry in entries:
+            name = posixpath.join(below, entry.name)
+            seen[name] = (entry.kind, entry.size, entry.mtime_ns)
+            if recursive and entry.kind == "dir" and len(seen) < MAX_ENTRIES:
+                pending.append(name)
+    return seen
+
+
+def changes(before: Seen, after: Seen) -> list[dict[str, Any]]:
+    """E2B's FilesystemEvent JSON for what differs between two listings."""
+    found = []
+    for name in sorted(after.keys() - before.keys()):
+        found.append({"name": name, "type": "EVENT_TYPE_CREATE"})
+    for name in sorted(before.keys() & after.keys()):
+        if before[name] != after[name] and after[name][0] != "dir":
+            found.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+    for name in sorted(before.keys() - after.keys()):
+        found.append({"name": name, "type": "EVENT_TYPE_REMOVE"})
+    return found
+
+
+@dataclass(eq=False)
+class Watcher:
+    id: str
+    tenant: str
+    sandbox_id: str
+    root: str
+    recursive: bool
+    files: Files
+    seen: Seen
+    events: list[dict[str, Any]] = field(default_factory=list)
+    last_read: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None
+
+    async def poll(self) -> None:
+        while time.monotonic() - self.last_read < IDLE:
+            await asyncio.sleep(POLL)
+            try:
+                now = await listing(
+                    self.files, self.tenant, self.sandbox_id, self.root, self.recursive
+                )
+            except errors.CellaError:
+                return  # the directory or the sandbox went away
+            self.events += changes(self.seen, now)
+            self.seen = now
+
+
+class Watchers:
+    def __init__(self) -> None:
+        self._all: dict[str, Watcher] = {}
+
+    async def create(
+        self, files: Files, tenant: str, sandbox_id: str, root: str, recursive: bool
+    ) -> Watcher:
+        entry = await files.stat(tenant, sandbox_id, root)
+        if entry.kind != "dir":
+            raise errors.NotADirectory(f"{root} is not a directory")
+        seen = await listing(files, tenant, sandbox_id, root, recursive)
+        watcher = Watcher(secrets.token_hex(8), tenant, sandbox_id, root, recursive, files, seen)
+        watcher.task = asyncio.create_task(watcher.poll(), name=f"watch-{watcher.id}")
+        watcher.task.add_done_callback(lambda _: self._all.pop(watcher.id, None))
+        self._all[watcher.id] = watcher
+        return watcher
+
+    def get(self, sandbox_id: str, watcher_id: str) -> Watcher:
+        found = self._all.get(watcher_id)
+        if found is None or found.sandbox_id != sandbox_id:
+            raise errors.NotFound(f"no watcher {watcher_id!r}")
+        return found
+
+    def take(self, sandbox_id: str, watcher_id: str) -> list[dict[str, Any]]:
+        watcher = self.get(sandbox_id, watcher_id)
+        watcher.last_read = time.monotonic()
+        events, watcher.events = watcher.events, []
+        return events
+
+    async def remove(self, sandbox_id: str, watcher_id: str) -> None:
+        watcher = self.get(sandbox_id, watcher_id)
+        if watcher.task is not None:
+            watcher.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher.task
+
+    async def stream(self, watcher: Watcher) -> AsyncIterator[dict[str, Any]]:
+        """WatchDir: `start`, then events as they are seen, until the client leaves."""
+        yield {"start": {}}
+        try:
+            while watcher.task is not None and not watcher.task.done():
+                watcher.last_read = time.monotonic()
+                events, watcher.events = watcher.events, []
+                for event in events:
+                    yield {"filesystem": event}
+                await asyncio.sleep(POLL)
+        finally:
+            await self.remove(watcher.sandbox_id, watcher.id)
