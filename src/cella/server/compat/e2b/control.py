@@ -117,11 +117,13 @@ def router() -> APIRouter:
         body = body or {}
         row = sandbox(svc, who, sandbox_id)
         status = 200
-        if state_of(row) == "paused":
+        if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
             row = await svc.lifecycle.resume(who.tenant, row.id)
-            status = 201
-        if body.get("timeout") is not None:
             row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+            status = 201
+        elif body.get("timeout") is not None:  # a running one's is only ever extended
+            longer = max(lifetime(row, body), row.ttl_seconds or 0)
+            row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=longer)
         return JSONResponse(shown(svc, row), status_code=status)
 
     @api.post("/sandboxes/{sandbox_id}/fork", status_code=201)
