@@ -121,8 +121,8 @@ def router() -> APIRouter:
             row = await svc.lifecycle.resume(who.tenant, row.id)
             row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
             status = 201
-        elif body.get("timeout") is not None:  # a running one's is only ever extended
-            longer = max(lifetime(row, body), row.ttl_seconds or 0)
+        elif body.get("timeout") is not None and row.ttl_seconds is not None:
+            longer = max(lifetime(row, body), row.ttl_seconds)  # only ever extended
             row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=longer)
         return JSONResponse(shown(svc, row), status_code=status)
 
