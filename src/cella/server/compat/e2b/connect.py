@@ -86,6 +86,13 @@ async def read_stream(request: Request) -> AsyncIterator[dict[str, Any]]:
         raise errors.InvalidArgument("the stream ended inside a message")
 
 
+async def read_first(request: Request) -> dict[str, Any]:
+    """The one message of a server-streaming call's request."""
+    async for message in read_stream(request):
+        return message
+    return {}
+
+
 def unary(message: dict[str, Any]) -> Response:
     return JSONResponse(message)
 

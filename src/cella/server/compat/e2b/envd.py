@@ -24,7 +24,7 @@ from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import ExecRequest, SandboxState
 from cella.server.compat.e2b import connect
-from cella.server.compat.e2b.watch import Watchers
+from cella.server.compat.e2b.watch import Watcher, Watchers
 from cella.server.deps import daemon
 from cella.service.daemon import Daemon
 from cella.service.processes import Process, ProcessSpec
@@ -111,14 +111,8 @@ def router() -> APIRouter:
     async def watch_dir(request: Request) -> Response:
         """The async SDK's watch: a stream of events."""
         where = target(request)
-        [body] = [m async for m in connect.read_stream(request)][:1] or [{}]
-        watcher = await WATCHERS.create(
-            where.svc.files,
-            where.tenant,
-            where.sandbox_id,
-            where.path(body.get("path")),
-            bool(body.get("recursive")),
-        )
+        body = await connect.read_first(request)
+        watcher = await new_watcher(where, body)
         every = connect.keepalive_interval(request)
         return connect.stream(WATCHERS.stream(watcher), {"keepalive": {}}, every)
 
@@ -168,7 +162,7 @@ def router() -> APIRouter:
 
 
 async def start(where: Target, request: Request) -> Response:
-    [body] = [m async for m in connect.read_stream(request)][:1] or [{}]
+    body = await connect.read_first(request)
     config = body.get("process") or {}
     cmd = config.get("cmd")
     if not isinstance(cmd, str) or not cmd:
@@ -196,7 +190,7 @@ async def start(where: Target, request: Request) -> Response:
 
 
 async def attach(where: Target, request: Request) -> Response:
-    [body] = [m async for m in connect.read_stream(request)][:1] or [{}]
+    body = await connect.read_first(request)
     proc = selected(where, body)
     return connect.stream(
         events(proc, live=True), PROCESS_KEEPALIVE, connect.keepalive_interval(request)
@@ -413,15 +407,13 @@ async def remove(where: Target, body: dict[str, Any]) -> dict[str, Any]:
 WATCHERS = Watchers()
 
 
+async def new_watcher(where: Target, body: dict[str, Any]) -> Watcher:
+    path, recursive = where.path(body.get("path")), bool(body.get("recursive"))
+    return await WATCHERS.create(where.svc.files, where.tenant, where.sandbox_id, path, recursive)
+
+
 async def create_watcher(where: Target, body: dict[str, Any]) -> dict[str, Any]:
-    watcher = await WATCHERS.create(
-        where.svc.files,
-        where.tenant,
-        where.sandbox_id,
-        where.path(body.get("path")),
-        bool(body.get("recursive")),
-    )
-    return {"watcherId": watcher.id}
+    return {"watcherId": (await new_watcher(where, body)).id}
 
 
 async def watcher_events(where: Target, body: dict[str, Any]) -> dict[str, Any]:
