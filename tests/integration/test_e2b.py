@@ -417,9 +417,19 @@ def test_watch_a_directory(python: Path, e2b_daemon: Daemon) -> None:
         sb.files.write("/home/user/w/new.txt", "one")
         time.sleep(1)
         first = handle.get_new_events()
-        sb.commands.run("echo more >> /home/user/w/new.txt; sleep 0.1; rm /home/user/w/new.txt")
-        time.sleep(1)
-        later = handle.get_new_events()
+        # The watcher polls: each change is given time to be seen before the next.
+        def until(kind):
+            got = []
+            for _ in range(100):
+                got += handle.get_new_events()
+                if any(e.type.value == kind for e in got):
+                    break
+                time.sleep(0.1)
+            return got
+        sb.commands.run("echo more >> /home/user/w/new.txt")
+        later = until("write")
+        sb.commands.run("rm /home/user/w/new.txt")
+        later += until("remove")
         handle.stop()
         out["sync"] = [[e.name, e.type.value] for e in first + later]
         async def watch():
