@@ -452,3 +452,50 @@ def test_watch_a_directory(python: Path, e2b_daemon: Daemon) -> None:
     assert got["sync"][0] == ["new.txt", "create"], got
     assert "write" in kinds and kinds[-1] == "remove"
     assert got["async"][:1] == [["b.txt", "create"]]
+
+
+@pytest.fixture(scope="module")
+def interpreter_python() -> Path:
+    return sdk_python("e2b-code-interpreter-2.11.5", [*E2B, "e2b-code-interpreter==2.11.5"])
+
+
+def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> None:
+    """`e2b-code-interpreter` on a `code-interpreter` sandbox: results, output, errors, a
+    matplotlib PNG, state kept between runs, contexts."""
+    got = e2b(
+        interpreter_python,
+        e2b_daemon,
+        """
+        import base64
+        from e2b_code_interpreter import Sandbox as Interpreter
+        out = {}
+        sb = Interpreter.create()
+        out["sum"] = sb.run_code("1+1").text
+        seen = []
+        ex = sb.run_code("x = 21\\nprint('hello')\\nx * 2", on_stdout=lambda m: seen.append(m.line))
+        out["run"] = [ex.text, ex.logs.stdout, ex.execution_count > 0]
+        out["streamed"] = seen
+        out["state"] = sb.run_code("x").text
+        err = sb.run_code("undefined_name").error
+        out["error"] = [err.name, "undefined_name" in err.value]
+        plot = sb.run_code(
+            "import matplotlib.pyplot as plt\\nplt.plot([1, 2, 3], [1, 4, 9])\\nplt.show()"
+        )
+        png = [r.png for r in plot.results if r.png]
+        out["png"] = base64.b64decode(png[0])[:8].hex() if png else None
+        ctx = sb.create_code_context()
+        out["context"] = [sb.run_code("x", context=ctx).error.name,
+                          ctx.id in [c.id for c in sb.list_code_contexts()]]
+        out["env"] = sb.run_code("import os; os.environ['TOKEN']", envs={"TOKEN": "t1"}).text
+        sb.kill()
+        print(json.dumps(out))
+        """,
+    )
+    assert got["sum"] == "2"
+    assert got["run"] == ["42", ["hello\n"], True]
+    assert got["streamed"] == ["hello\n"]
+    assert got["state"] == "21"
+    assert got["error"] == ["NameError", True]
+    assert got["png"] == "89504e470d0a1a0a"  # a PNG's signature
+    assert got["context"] == ["NameError", True]  # a new context has its own state
+    assert got["env"] == "'t1'"

@@ -46,3 +46,15 @@ def test_cpio_newc_layout() -> None:
     data = buf.getvalue()
     assert data.startswith(b"070701") and b"TRAILER!!!" in data
     assert len(data) % 4 == 0 and b"abc" in data
+
+
+def test_a_builtin_template_carries_package_files_whole() -> None:
+    """`files_from` puts a checked program of this package into the template (and so into
+    its digest)."""
+    spec = builtin_templates()["code-interpreter"]
+    program = spec.files["/usr/local/bin/cella-interpreter"]
+    source = Path(__file__).parents[2] / "src/cella/images/guest/interpreter.py"
+    assert program == source.read_text()
+    assert "python3-ipykernel" in spec.apt_packages and spec.warm == ["start-interpreter"]
+    changed = spec.model_copy(update={"files": {**spec.files, "/x": "y"}})
+    assert changed.digest() != spec.digest()

@@ -67,10 +67,16 @@ class TemplateSpec(BaseModel):
 
 
 def builtin_templates() -> dict[str, TemplateSpec]:
+    """The templates shipped with cella. Their `files_from` name files of this package
+    (e.g. a guest program kept as checked Python) that become `files`, content and all."""
     specs = {}
-    for entry in resources.files("cella.images").joinpath("templates").iterdir():
+    package = resources.files("cella.images")
+    for entry in package.joinpath("templates").iterdir():
         if entry.name.endswith(".toml"):
-            spec = TemplateSpec.from_toml(entry.read_text())
+            data = tomllib.loads(entry.read_text())
+            for path, source in data.pop("files_from", {}).items():
+                data.setdefault("files", {})[path] = package.joinpath(source).read_text()
+            spec = TemplateSpec.model_validate(data)
             specs[spec.name] = spec
     return specs
 

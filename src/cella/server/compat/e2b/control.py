@@ -28,6 +28,7 @@ Json = dict[str, Any]
 JsonBody = Annotated[dict[str, Any], Body()]
 MaybeBody = Annotated[dict[str, Any] | None, Body()]
 DEFAULT_TIMEOUT = 300  # E2B's API default lifetime, in seconds
+TEMPLATES = {BASE: "default", "code-interpreter-v1": "code-interpreter"}  # E2B's names
 UNSUPPORTED = ("mcp", "iam", "volumeMounts", "autoResume")
 
 
@@ -202,7 +203,7 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
     with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
         spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
     if "snapshot" not in spec:
-        spec["template"] = "default" if template == BASE else template
+        spec["template"] = TEMPLATES.get(template, template)
     try:
         return SandboxCreate.model_validate(spec)
     except ValueError as exc:

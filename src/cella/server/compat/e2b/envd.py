@@ -36,12 +36,17 @@ KINDS = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FIL
 TYPE_BITS = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR, "symlink": stat_mod.S_IFLNK}
 OWNERS = {0: "root", 1000: DEFAULT_USER}
 PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+FORWARDED = {"content-type", "content-length", "accept"}
+
+
+INTERPRETER_PORT = 49999  # the code interpreter in `code-interpreter` sandboxes
 
 
 def owns(request: Request) -> bool:
     path = request.url.path
     return path.startswith(PREFIXES) or (
-        path in ("/files", "/health") and "e2b-sandbox-id" in request.headers
+        "e2b-sandbox-id" in request.headers
+        and (path in ("/files", "/health", "/execute") or path.startswith("/contexts"))
     )
 
 
@@ -93,6 +98,33 @@ def basic_user(request: Request) -> str | None:
 
 def router() -> APIRouter:
     api = APIRouter(include_in_schema=False)
+
+    @api.api_route("/execute", methods=["POST"])
+    @api.api_route("/contexts", methods=["GET", "POST"])
+    @api.api_route("/contexts/{rest:path}", methods=["POST", "DELETE"])
+    async def interpreter(request: Request) -> Response:
+        """The code interpreter's API, forwarded to its server in the guest. E2B's SDK sends
+        no access token with `/contexts` (they make and list kernels; running code needs
+        the token)."""
+        svc: Daemon = daemon(request)
+        sandbox_id = request.headers.get("e2b-sandbox-id", "")
+        row = svc.store.get_sandbox(sandbox_id) if sandbox_id else None
+        if row is None or row.state != SandboxState.running:
+            raise errors.AgentUnavailable(f"The sandbox {sandbox_id} was not found")
+        if request.url.path == "/execute":
+            svc.ports.check_access(row.id, request.headers.get("x-access-token", ""))
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
+        reply = await svc.ports.http(
+            row.tenant,
+            row.id,
+            INTERPRETER_PORT,
+            request.method,
+            target,
+            headers,
+            request.stream(),
+        )
+        return StreamingResponse(reply.body, status_code=reply.status, headers=dict(reply.headers))
 
     @api.get("/health", status_code=204)
     async def health(request: Request) -> Response:

@@ -54,7 +54,9 @@ def error_response(exc: errors.CellaError) -> tuple[int, dict[str, Any]]:
 
 
 def template_id(row: SandboxRecord) -> str:
-    return BASE if row.template == "default" else row.template
+    return {"default": BASE, "code-interpreter": "code-interpreter-v1"}.get(
+        row.template, row.template
+    )
 
 
 def iso(stamp: datetime) -> str:
