@@ -55,6 +55,6 @@ def test_a_builtin_template_carries_package_files_whole() -> None:
     program = spec.files["/usr/local/bin/cella-interpreter"]
     source = Path(__file__).parents[2] / "src/cella/images/guest/interpreter.py"
     assert program == source.read_text()
-    assert "python3-ipykernel" in spec.apt_packages and spec.warm == ["start-interpreter"]
+    assert "python3-ipykernel" in spec.apt_install and spec.warm == ["start-interpreter"]
     changed = spec.model_copy(update={"files": {**spec.files, "/x": "y"}})
     assert changed.digest() != spec.digest()
