@@ -33,8 +33,15 @@ FORMATS = {
 }
 
 
+# figures shown inline (as PNG results); the default context also loads the data stack, so
+# a sandbox restored from the warm snapshot has it in memory (and matplotlib's font cache
+# is built then, not in a user's first plot)
+INLINE = "%matplotlib inline"
+PRELOAD = "import numpy, pandas\nimport matplotlib.pyplot\n" + INLINE
+
+
 class Context:
-    def __init__(self, cwd: str) -> None:
+    def __init__(self, cwd: str, setup: str = INLINE) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.cwd = cwd
         self.lock = threading.Lock()
@@ -42,18 +49,20 @@ class Context:
         self.manager.start_kernel(cwd=cwd)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
-        self.client.wait_for_ready(timeout=120)
+        self.client.wait_for_ready(timeout=600)
+        for _ in self.run(setup, {}, quiet=True):
+            pass
 
     def shown(self) -> dict[str, str]:
         return {"id": self.id, "language": "python", "cwd": self.cwd}
 
-    def run(self, code: str, env: dict[str, str]) -> Any:
+    def run(self, code: str, env: dict[str, str], quiet: bool = False) -> Any:
         """The execution's output as E2B's lines, as they come."""
         with self.lock:
             if env:
                 setup = f"import os as _o; _o.environ.update({env!r}); del _o"
                 self.client.execute(setup, silent=True, store_history=False)
-            msg_id = self.client.execute(code)
+            msg_id = self.client.execute(code, silent=quiet, store_history=not quiet)
             while True:
                 try:
                     msg = self.client.get_iopub_msg(timeout=3600)
@@ -102,7 +111,7 @@ GUARD = threading.Lock()
 def default_context() -> Context:
     with GUARD:
         if not DEFAULT:
-            DEFAULT.append(Context(HOME))
+            DEFAULT.append(Context(HOME, PRELOAD))
         return DEFAULT[0]
 
 
@@ -185,6 +194,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def main() -> None:
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    os.environ.setdefault("MPLCONFIGDIR", f"{HOME}/.config/matplotlib")
     default_context()  # the kernel is up before the warm snapshot is taken
     ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
 
