@@ -60,6 +60,12 @@ class DaemonSettings(BaseSettings):
         default=None, description="Debian mirror for template builds (default: the host's)"
     )
     listen: str = Field(default=DEFAULT_LISTEN, description="HOST:PORT of the REST API")
+    sandbox_domain: str | None = Field(
+        default=None,
+        description="the domain whose names `{port}-{sandbox_id}.DOMAIN` reach servers in "
+        "sandboxes through this daemon (a wildcard DNS name for it; default: localhost and the "
+        "listen port, which browsers and curl resolve to loopback)",
+    )
     accel: Literal["auto", "kvm", "tcg"] = Field(default="auto", description="accelerator")
     max_vcpus: int = Field(default=16, ge=1, description="most vCPUs one sandbox may have")
     max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")
@@ -178,6 +184,10 @@ class DaemonSettings(BaseSettings):
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host or "127.0.0.1", int(port)
+
+    @property
+    def ports_domain(self) -> str:
+        return (self.sandbox_domain or f"localhost:{self.host_port[1]}").lower()
 
     def public(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

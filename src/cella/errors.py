@@ -12,7 +12,8 @@ matching class, so callers can catch by type on either side of the wire:
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
     │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
     ├── SandboxError: the guest or its VM (5xx)
-    │   └── GuestError (500), Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
+    │   ├── GuestError (500): PortClosed (502)
+    │   └── Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
     └── HostError: this host (5xx)
         ├── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
         └── NodeUnavailable (503): a fleet node does not answer
@@ -48,6 +49,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortClosed",
     "QuotaExceeded",
     "RequestError",
     "SandboxCrashed",
@@ -206,6 +208,13 @@ class GuestError(SandboxError):
 
     code = "guest_error"
     status = 500
+
+
+class PortClosed(GuestError):
+    """Nothing listens on that port in the sandbox."""
+
+    code = "port_closed"
+    status = 502
 
 
 class Timeout(SandboxError):

@@ -499,3 +499,55 @@ def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> N
     assert got["png"] == "89504e470d0a1a0a"  # a PNG's signature
     assert got["context"] == ["NameError", True]  # a new context has its own state
     assert got["env"] == "'t1'"
+
+
+def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -> None:
+    """`get_host(port)` names a server in the sandbox; the daemon routes that name to it:
+    to anyone by E2B's default, only with the traffic token when public traffic is off
+    (the probe without the token is refused where the same request with it passes)."""
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import os, urllib.request, urllib.error
+        base = os.environ["E2B_API_URL"]
+        def fetch(host, path="/hello.txt", **headers):
+            req = urllib.request.Request(base + path, headers={"Host": host, **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return [r.status, r.read().decode()]
+            except urllib.error.HTTPError as e:
+                return [e.code, ""]
+        def serve(sb):
+            sb.files.write("/home/user/hello.txt", "hi from " + sb.sandbox_id)
+            sb.commands.run("python3 -m http.server 8000", background=True, cwd="/home/user")
+            sb.commands.run("for i in $(seq 200); do curl -sf localhost:8000 >/dev/null && "
+                            "break; sleep 0.1; done")
+            return sb
+        public = serve(Sandbox.create())
+        guarded = serve(Sandbox.create(network={"allow_public_traffic": False}))
+        token = guarded.traffic_access_token
+        out = {
+            "ids": [public.sandbox_id, guarded.sandbox_id],
+            "host": public.get_host(8000),
+            "public": fetch(public.get_host(8000)),
+            "public_token": public.traffic_access_token,
+            "no_token": fetch(guarded.get_host(8000)),
+            "bad_token": fetch(guarded.get_host(8000), **{"E2B-Traffic-Access-Token": "x" * 43}),
+            "token": fetch(guarded.get_host(8000), **{"E2B-Traffic-Access-Token": token}),
+            "other_port": fetch(guarded.get_host(8001), **{"E2B-Traffic-Access-Token": token}),
+            "envd": fetch(public.get_host(49983), "/health",
+                          **{"X-Access-Token": public._envd_access_token}),
+            "envd_no_token": fetch(public.get_host(49983), "/health"),
+        }
+        public.kill(); guarded.kill()
+        print(json.dumps(out))
+        """,
+    )
+    public, guarded = got["ids"]
+    assert got["host"] == f"8000-{public}.localhost:{e2b_daemon.port}"
+    assert got["public"] == [200, f"hi from {public}"] and got["public_token"] is None
+    assert got["no_token"][0] == 403 and got["bad_token"][0] == 403
+    assert got["token"] == [200, f"hi from {guarded}"]  # the control: same path, with token
+    assert got["other_port"][0] == 502  # nothing listens there
+    assert got["envd"][0] == 204 and got["envd_no_token"][0] == 401

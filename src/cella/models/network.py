@@ -68,6 +68,11 @@ class NetworkPolicy(BaseModel):
     allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
     deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
     headers: list[HeaderRule] = Field(default_factory=list, max_length=32)
+    public_ports: bool = Field(
+        default=False,
+        description="servers in the sandbox answer anyone who knows their host name "
+        "(`{port}-{sandbox_id}.{domain}`) without a token, as E2B's sandboxes do by default",
+    )
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)

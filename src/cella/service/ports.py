@@ -63,12 +63,15 @@ class Ports:
         self._key = _load_key(key_file)
 
     async def open(self, tenant: str, sandbox_id: str, port: int) -> GuestStream:
-        """A connection to `port` on the sandbox's loopback; `GuestError` (connection
-        refused) when nothing listens there."""
+        """A connection to `port` on the sandbox's loopback; `PortClosed` when nothing
+        listens there."""
         if not 1 <= port <= 65535:
             raise errors.InvalidArgument(f"port must be 1-65535, got {port}")
         _, vm = self.registry.live(tenant, sandbox_id)
-        return await vm.agent.open_port(port)
+        try:
+            return await vm.agent.open_port(port)
+        except errors.GuestError as exc:  # the guest's connect() failed
+            raise errors.PortClosed(f"nothing answers on port {port}: {exc.message}") from None
 
     # -- service tokens -----------------------------------------------------------------
 
@@ -106,6 +109,15 @@ class Ports:
     def check_access(self, sandbox_id: str, token: str) -> None:
         if not hmac.compare_digest(token.encode(), self.access_token(sandbox_id).encode()):
             raise errors.Unauthenticated("the sandbox access token is not valid")
+
+    def traffic_token(self, sandbox_id: str) -> str:
+        """A bearer for the servers of a sandbox whose ports are not public (E2B's
+        `trafficAccessToken`), valid as long as the sandbox lives."""
+        return _b64(self._sign(f"traffic:{sandbox_id}"))
+
+    def check_traffic(self, sandbox_id: str, token: str) -> None:
+        if not hmac.compare_digest(token.encode(), self.traffic_token(sandbox_id).encode()):
+            raise errors.PermissionDenied("this sandbox's ports need its traffic access token")
 
     def _sign(self, body: str) -> bytes:
         return hmac.new(self._key, body.encode(), hashlib.sha256).digest()

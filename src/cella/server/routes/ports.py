@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -25,12 +26,15 @@ from cella import errors
 from cella.guest.client import GuestStream
 from cella.models import ExposedPort, ExposeRequest
 from cella.server.deps import Auth, Service, daemon, principal
+from cella.service.daemon import Daemon
 from cella.service.ports import ServiceToken
 
 router = APIRouter(tags=["ports"])
 PortP = Annotated[int, Path(ge=1, le=65535, description="TCP port inside the sandbox")]
 TOKEN_HEADERS = ("x-cella-service-token", "x-langsmith-sandbox-service-token")
 TOKEN_QUERY = "cella_token"
+TRAFFIC_HEADER = "e2b-traffic-access-token"
+CREDENTIALS = (*TOKEN_HEADERS, TRAFFIC_HEADER)  # for the daemon, never passed to the guest
 
 
 def service_url(request: Request | WebSocket, sandbox_id: str, port: int) -> str:
@@ -91,10 +95,43 @@ async def service(
             path=f"/v1/services/{sandbox_id}/{port}",
         )
         return redirect
+    return await _forward(request, svc, token.tenant, sandbox_id, port, path)
+
+
+@router.api_route(
+    "/v1/hosts/{sandbox_id}/{port}/{path:path}",
+    methods=SERVICE_METHODS,
+    include_in_schema=False,
+)
+async def by_host(
+    sandbox_id: str, port: PortP, path: str, request: Request, svc: Service
+) -> Response:
+    """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`)."""
+    tenant = _host_caller(svc, request, sandbox_id, port)
+    return await _forward(request, svc, tenant, sandbox_id, port, path)
+
+
+def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> str:
+    """The tenant a request to a port by host name acts for: anyone's, when the sandbox's
+    ports are public; else only with its traffic token (E2B's) or a service token."""
+    row = svc.store.get_sandbox(sandbox_id)
+    if row is None:
+        raise errors.NotFound(f"no sandbox {sandbox_id}")
+    if not row.network.public_ports:
+        if traffic := conn.headers.get(TRAFFIC_HEADER):
+            svc.ports.check_traffic(row.id, traffic)
+        else:
+            svc.ports.verify(_token(conn, sandbox_id, port) or "", sandbox_id, port)
+    return row.tenant
+
+
+async def _forward(
+    request: Request, svc: Daemon, tenant: str, sandbox_id: str, port: int, path: str
+) -> Response:
     target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in TOKEN_HEADERS]
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in CREDENTIALS]
     reply = await svc.ports.http(
-        token.tenant, sandbox_id, port, request.method, target, headers, request.stream()
+        tenant, sandbox_id, port, request.method, target, headers, request.stream()
     )
     return StreamingResponse(
         reply.body, status_code=reply.status, headers=dict(_merge(reply.headers))
@@ -113,12 +150,26 @@ def _merge(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 @router.websocket("/v1/services/{sandbox_id}/{port}/{path:path}")
 async def service_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str) -> None:
     """A WebSocket to the guest server, relayed message by message."""
+
+    def caller(svc: Daemon) -> str:
+        return svc.ports.verify(_token(ws, sandbox_id, port) or "", sandbox_id, port).tenant
+
+    await _relay(ws, sandbox_id, port, path, caller)
+
+
+@router.websocket("/v1/hosts/{sandbox_id}/{port}/{path:path}")
+async def by_host_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str) -> None:
+    await _relay(ws, sandbox_id, port, path, lambda svc: _host_caller(svc, ws, sandbox_id, port))
+
+
+async def _relay(
+    ws: WebSocket, sandbox_id: str, port: int, path: str, caller: Callable[[Daemon], str]
+) -> None:
     from cella.server.websocket_relay import relay
 
     svc = daemon(ws)
     try:
-        token = svc.ports.verify(_token(ws, sandbox_id, port) or "", sandbox_id, port)
-        stream = await svc.ports.open(token.tenant, sandbox_id, port)
+        stream = await svc.ports.open(caller(svc), sandbox_id, port)
     except errors.CellaError as exc:
         await ws.close(code=4403, reason=exc.message[:120])
         return

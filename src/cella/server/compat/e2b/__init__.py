@@ -7,7 +7,11 @@ from fastapi import FastAPI
 from cella.server.compat.e2b import control, envd
 from cella.server.compat.e2b.shapes import error_response, owns
 
-__all__ = ["error_response", "install", "owns"]
+__all__ = ["OWN_PORTS", "error_response", "install", "owns"]
+
+# the guest services E2B's SDK reaches by host name, `{port}-{sandbox_id}.{domain}`, and
+# the header that names the sandbox when it reaches them at E2B_SANDBOX_URL instead
+OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", envd.INTERPRETER_PORT: "e2b-sandbox-id"}
 
 
 def install(app: FastAPI) -> None:

@@ -18,7 +18,14 @@ from fastapi.responses import JSONResponse
 from cella import errors
 from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate
 from cella.server.app import describe
-from cella.server.compat.e2b.shapes import BASE, Caller, detail_json, sandbox_json, state_of
+from cella.server.compat.e2b.shapes import (
+    BASE,
+    Access,
+    Caller,
+    detail_json,
+    sandbox_json,
+    state_of,
+)
 from cella.server.deps import Service
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
@@ -39,8 +46,12 @@ def not_supported(what: str) -> errors.CellaError:
 def router() -> APIRouter:
     api = APIRouter(include_in_schema=False)
 
+    def access(svc: Daemon, row: SandboxRecord) -> Access:
+        traffic = None if row.network.public_ports else svc.ports.traffic_token(row.id)
+        return Access(svc.ports.access_token(row.id), traffic, svc.settings.ports_domain)
+
     def shown(svc: Daemon, row: SandboxRecord) -> Json:
-        return sandbox_json(row, svc.ports.access_token(row.id))
+        return sandbox_json(row, access(svc, row))
 
     def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
         try:
@@ -75,15 +86,13 @@ def router() -> APIRouter:
             headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
         listed = []
         for r in page:
-            item = detail_json(r, "", disk_of(svc, r))
-            item.pop("envdAccessToken")
-            listed.append(item)
+            listed.append(detail_json(r, None, disk_of(svc, r)))
         return JSONResponse(listed, headers=headers)
 
     @api.get("/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str, svc: Service, who: Caller) -> Json:
         row = sandbox(svc, who, sandbox_id)
-        return detail_json(row, svc.ports.access_token(row.id), disk_of(svc, row))
+        return detail_json(row, access(svc, row), disk_of(svc, row))
 
     @api.delete("/sandboxes/{sandbox_id}", status_code=204)
     async def kill(sandbox_id: str, svc: Service, who: Caller) -> Response:
@@ -222,12 +231,16 @@ def network_of(body: Json) -> NetworkPolicy:
             raise not_supported(f"network.{unsupported}")
     allow = [str(r) for r in net.get("allowOut") or []]
     deny = [str(r) for r in net.get("denyOut") or []]
-    if body.get("allow_internet_access") is True or net.get("allowPublicTraffic"):
+    if body.get("allow_internet_access") is True:
         allow.append("*")
     if body.get("allow_internet_access") is False:
         allow = [r for r in allow if r != "*"]
     deny = ["*" if r == "0.0.0.0/0" else r for r in deny]  # E2B's "everything else"
-    return NetworkPolicy(allow=allow, deny=[r for r in deny if r not in allow or r == "*"])
+    return NetworkPolicy(
+        allow=allow,
+        deny=[r for r in deny if r not in allow or r == "*"],
+        public_ports=net.get("allowPublicTraffic") is not False,  # E2B's default: public
+    )
 
 
 def lifetime(row: SandboxRecord, body: Json) -> int:

@@ -39,6 +39,7 @@ PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 FORWARDED = {"content-type", "content-length", "accept"}
 
 
+ENVD_PORT = 49983
 INTERPRETER_PORT = 49999  # the code interpreter in `code-interpreter` sandboxes
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -63,16 +64,27 @@ def iso(stamp: datetime) -> str:
     return stamp.isoformat().replace("+00:00", "Z")
 
 
-def sandbox_json(row: SandboxRecord, token: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Access:
+    """How a sandbox is reached: its envd token, its ports' token (none when they are
+    public) and the domain of `get_host(port)`'s names."""
+
+    token: str
+    traffic: str | None
+    domain: str
+
+
+def sandbox_json(row: SandboxRecord, access: Access) -> dict[str, Any]:
     """E2B's `Sandbox`: what create, connect and fork answer."""
     return {
         "templateID": template_id(row),
         "sandboxID": row.id,
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": token,
+        "envdAccessToken": access.token,
+        "trafficAccessToken": access.traffic,
         "alias": row.template,
-        "domain": None,
+        "domain": access.domain,
     }
 
 
@@ -81,8 +93,8 @@ def state_of(row: SandboxRecord) -> str:
     return "running" if row.state in (S.running, S.creating, S.starting) else "paused"
 
 
-def detail_json(row: SandboxRecord, token: str, disk_mib: int) -> dict[str, Any]:
-    """E2B's `SandboxDetail` (get) and, without the token, `ListedSandbox` (list)."""
+def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dict[str, Any]:
+    """E2B's `SandboxDetail` (get) and, without access, `ListedSandbox` (list)."""
     started = datetime.fromtimestamp(epoch(row.created_at), UTC)
     ends = started + (timedelta(seconds=row.ttl_seconds) if row.ttl_seconds else FOREVER)
     allow = row.network.allow
@@ -94,7 +106,8 @@ def detail_json(row: SandboxRecord, token: str, disk_mib: int) -> dict[str, Any]
         "startedAt": iso(started),
         "endAt": iso(ends),
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": token,
+        **({"envdAccessToken": access.token, "domain": access.domain} if access else {}),
+        "network": {"allowPublicTraffic": row.network.public_ports},
         "cpuCount": row.vcpus,
         "memoryMB": row.memory_mib,
         "diskSizeMB": row.disk_mib or disk_mib,
