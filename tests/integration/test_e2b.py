@@ -551,3 +551,44 @@ def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -
     assert got["token"] == [200, f"hi from {guarded}"]  # the control: same path, with token
     assert got["other_port"][0] == 502  # nothing listens there
     assert got["envd"][0] == 204 and got["envd_no_token"][0] == 401
+
+
+def test_a_terminal(python: Path, e2b_daemon: Daemon) -> None:
+    """`sandbox.pty`: an interactive login shell in a terminal that can be resized, takes
+    input, and stops a running command on Ctrl-C. (Markers are split with quotes so the
+    terminal's echo of the input line cannot stand in for the command's output.)"""
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        import threading, time
+        sb = Sandbox.create()
+        seen = []
+        h = sb.pty.create(PtySize(rows=24, cols=80), timeout=120)
+        done = {}
+        def read():
+            done["exit"] = h.wait(on_pty=lambda d: seen.append(bytes(d))).exit_code
+        reader = threading.Thread(target=read)
+        reader.start()
+        def until(marker):
+            for _ in range(600):
+                if marker in b"".join(seen).decode(errors="replace"):
+                    return True
+                time.sleep(0.1)
+            return False
+        sb.pty.resize(h.pid, PtySize(rows=40, cols=100))
+        sb.pty.send_stdin(h.pid, b"stty size; echo $((6*7)); tty\\n")
+        sb.pty.send_stdin(h.pid, b"echo st''arted; sleep 60; echo sl''ept\\n")
+        started = until("started")
+        sb.pty.send_stdin(h.pid, b"\\x03")
+        sb.pty.send_stdin(h.pid, b"echo af''ter; exit\\n")
+        reader.join(120)
+        text = b"".join(seen).decode(errors="replace")
+        sb.kill()
+        print(json.dumps({"text": text, "started": started, "exit": done.get("exit")}))
+        """,
+    )
+    text = got["text"]
+    assert got["started"] and got["exit"] == 0, got
+    assert "40 100" in text and "42" in text and "/dev/pts/" in text
+    assert "after" in text and "slept" not in text  # Ctrl-C stopped the sleep
