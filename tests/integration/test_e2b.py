@@ -592,3 +592,31 @@ def test_a_terminal(python: Path, e2b_daemon: Daemon) -> None:
     assert got["started"] and got["exit"] == 0, got
     assert "40 100" in text and "42" in text and "/dev/pts/" in text
     assert "after" in text and "slept" not in text  # Ctrl-C stopped the sleep
+
+
+@pytest.fixture(scope="module")
+def older_python() -> Path:
+    return sdk_python("e2b-2.20.0", ["e2b==2.20.0"])
+
+
+def test_an_older_client(older_python: Path, e2b_daemon: Daemon) -> None:
+    """E2B's SDK 2.20 (a year older than the pinned one) on the same daemon."""
+    got = e2b(
+        older_python,
+        e2b_daemon,
+        """
+        sb = Sandbox.create(metadata={"sdk": "2.20"})
+        out = {"run": sb.commands.run("echo $((6*7)) && whoami").stdout}
+        sb.files.write("/home/user/a.txt", "from 2.20")
+        out["read"] = sb.files.read("/home/user/a.txt")
+        out["listed"] = [s.metadata for s in Sandbox.list(
+            query=SandboxQuery(metadata={"sdk": "2.20"})).next_items()]
+        bg = sb.commands.run("sleep 30", background=True)
+        out["killed"] = sb.commands.kill(bg.pid)
+        sb.kill()
+        print(json.dumps(out))
+        """,
+    )
+    assert got["run"] == "42\nuser\n"
+    assert got["read"] == "from 2.20"
+    assert got["listed"] == [{"sdk": "2.20"}] and got["killed"] is True
