@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from cella import errors
 from cella.fleet.app import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.gateway import Gateway
-from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES, Caller, caller
+from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES
+from cella.server.deps import Caller, api_key_caller
 
 MIB = 1 << 20
 PAGE = 500  # what one node is asked for at most when the gateway pages a merged list
@@ -146,7 +147,7 @@ def dataplane(gateway: Gateway) -> APIRouter:
     @api.websocket("/{rest:path}")
     async def on_socket(ws: WebSocket, sandbox_id: str) -> None:
         try:
-            who = caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
+            who = api_key_caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
             node = await gateway.node_of(who, sandbox_id)
         except errors.CellaError as exc:
             await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))

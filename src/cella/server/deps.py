@@ -46,7 +46,19 @@ def acting(who: Principal, tenant: str | None) -> Principal:
     return Principal(tenant=tenant, admin=False)
 
 
+def api_key_caller(
+    request: HTTPConnection,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
+    """The caller of a foreign API that sends its key as `X-Api-Key` (LangSmith's, E2B's)."""
+    if not x_api_key:
+        raise errors.Unauthenticated("an API key is required (X-Api-Key)")
+    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
+
+
 Auth = Annotated[Principal, Depends(principal)]
+Caller = Annotated[Principal, Depends(api_key_caller)]
 Service = Annotated[Daemon, Depends(daemon)]
 
 

@@ -21,12 +21,11 @@ from cella.server.app import describe
 from cella.server.compat.e2b.shapes import (
     BASE,
     Access,
-    Caller,
     detail_json,
     sandbox_json,
     state_of,
 )
-from cella.server.deps import Service
+from cella.server.deps import Caller, Service
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
 from cella.store import SandboxRecord

@@ -5,15 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
-
-from fastapi import Depends, Header
-from starlette.requests import HTTPConnection
+from typing import Any
 
 from cella import errors
 from cella.models import SandboxState
-from cella.server.deps import acting, daemon
-from cella.service.keys import Principal
 from cella.store import SandboxRecord
 from cella.store.records import epoch
 
@@ -33,19 +28,6 @@ S = SandboxState
 
 def owns(path: str) -> bool:
     return bool(_PATHS.match(path))
-
-
-def caller(
-    request: HTTPConnection,
-    x_api_key: Annotated[str | None, Header()] = None,
-    x_cella_tenant: Annotated[str | None, Header()] = None,
-) -> Principal:
-    if not x_api_key:
-        raise errors.Unauthenticated("an API key is required (X-API-KEY)")
-    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
-
-
-Caller = Annotated[Principal, Depends(caller)]
 
 
 def error_response(exc: errors.CellaError) -> tuple[int, dict[str, Any]]:

@@ -18,14 +18,13 @@ from cella.models import SandboxCreate
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
     DEFAULT_IDLE_TTL,
-    Caller,
     exec_defaults,
     iso,
     not_supported,
     sandbox_json,
     snapshot_json,
 )
-from cella.server.deps import Service
+from cella.server.deps import Caller, Service
 from cella.service.daemon import Daemon
 from cella.service.lifecycle import UNSET
 from cella.store import SandboxRecord, SnapshotRecord

@@ -24,9 +24,9 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import ExecRequest, SandboxState, guest_path
-from cella.server.compat.langsmith.shapes import DATAPLANE, Caller, caller
+from cella.server.compat.langsmith.shapes import DATAPLANE
 from cella.server.compat.langsmith.yamux import YamuxSession, YamuxStream
-from cella.server.deps import Service, daemon
+from cella.server.deps import Caller, Service, api_key_caller, daemon
 from cella.service.daemon import Daemon
 from cella.service.processes import Process, ProcessSpec
 from cella.store import SandboxRecord
@@ -344,7 +344,7 @@ def outcome(proc: Process) -> Json:
 async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
     svc = daemon(ws)
     try:
-        who = caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
+        who = api_key_caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
         svc.registry.get(who.tenant, sandbox_id)
     except errors.CellaError as exc:
         await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))
@@ -479,7 +479,7 @@ TUNNEL_OK, TUNNEL_DIAL_FAILED, TUNNEL_BAD_VERSION = b"\x00", b"\x02", b"\x03"
 async def serve_tunnel(ws: WebSocket, sandbox_id: str) -> None:
     svc = daemon(ws)
     try:
-        who = caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
+        who = api_key_caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
         await awake(svc, who.tenant, sandbox_id)
     except errors.CellaError as exc:
         await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))

@@ -4,15 +4,10 @@ and errors look to its SDK (`langsmith==0.14.17`, whose source is the specificat
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
-
-from fastapi import Depends, Header
-from starlette.requests import HTTPConnection
+from typing import Any
 
 from cella import errors
 from cella.models import ExecDefaults, SandboxState
-from cella.server.deps import acting, daemon
-from cella.service.keys import Principal
 from cella.store import SandboxRecord, SnapshotRecord
 
 PREFIXES = ("/api/v2/sandboxes", "/v2/sandboxes")
@@ -29,19 +24,6 @@ STATUS = {
 }
 SNAPSHOT_STATUS = {"creating": "building", "ready": "ready", "error": "failed"}
 DEFAULT_IDLE_TTL = 600  # the SDK's documented default when a create does not say
-
-
-def caller(
-    request: HTTPConnection,
-    x_api_key: Annotated[str | None, Header()] = None,
-    x_cella_tenant: Annotated[str | None, Header()] = None,
-) -> Principal:
-    if not x_api_key:
-        raise errors.Unauthenticated("an API key is required (X-Api-Key)")
-    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
-
-
-Caller = Annotated[Principal, Depends(caller)]
 
 
 def iso(stamp: str | float | None) -> str | None:
