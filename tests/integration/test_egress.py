@@ -449,7 +449,12 @@ def test_egress_through_the_cli(egress_daemon: Daemon, client: Client, net: Net)
             != 0
         )
         changed = cli("sandbox", "network", sandbox_id, "--allow", "web.test", "--json")
-        assert json.loads(changed.stdout) == {"allow": ["web.test"], "deny": [], "headers": []}
+        assert json.loads(changed.stdout) == {
+            "allow": ["web.test"],
+            "deny": [],
+            "headers": [],
+            "public_ports": False,
+        }
         before = len(net.web_seen.requests)
         ran = cli("sandbox", "exec", sandbox_id, "--", "curl", "-sSf", "http://web.test/cli")
         assert ran.returncode == 0, ran.stderr
