@@ -10,12 +10,14 @@ import asyncio
 import time
 
 from bench._stats import report, summary_ms
+from cella.config import DaemonSettings
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
+from cella.runtime.qemu.jail import jail_ids
 
 
 async def measure(boots: int, execs: int) -> dict[str, dict[str, object]]:
-    driver = QemuDriver(Paths.default())
+    driver = QemuDriver(Paths.default(), jail=jail_ids(DaemonSettings()))  # as the daemon runs it
     choice = await driver.prepare()
     boot_times = []
     for _ in range(boots):

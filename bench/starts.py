@@ -21,8 +21,10 @@ import httpx2
 
 from bench._stats import report, summary_ms
 from cella import Client
+from cella.config import DaemonSettings
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
+from cella.runtime.qemu.jail import jail_ids
 from tests.daemon import Daemon, kill_vms_of
 
 
@@ -147,7 +149,9 @@ def measure(creates: int, forks: int) -> dict[str, dict[str, Any]]:
             kill_vms_of(d.data_dir)
 
     async def cold() -> list[float]:
-        driver = QemuDriver(Paths.default())
+        driver = QemuDriver(
+            Paths.default(), jail=jail_ids(DaemonSettings())
+        )  # as the daemon runs it
         times = []
         for _ in range(3):
             vm = await driver.boot()

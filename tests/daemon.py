@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -33,7 +34,12 @@ class Daemon:
         self.wrap = wrap or []  # a command the daemon runs under (e.g. in its own namespace)
         self.args = args or []  # more `cella serve` flags (e.g. --ray for a fleet gateway)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = (
+            ssl.create_default_context(cafile=settings["tls_cert"])
+            if "tls_cert" in settings
+            else None
+        )
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         self.settings = settings
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "daemon.log"
@@ -66,7 +72,8 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.log.read_text()[-3000:]}")
             try:
-                if httpx2.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
+                health = httpx2.get(f"{self.url}/v1/health", timeout=1, verify=self.tls or True)
+                if health.status_code == 200:
                     return self
             except httpx2.HTTPError:
                 pass

@@ -60,6 +60,37 @@ class DaemonSettings(BaseSettings):
         default=None, description="Debian mirror for template builds (default: the host's)"
     )
     listen: str = Field(default=DEFAULT_LISTEN, description="HOST:PORT of the REST API")
+    jail: bool = Field(
+        default=True,
+        description="run each QEMU in a jail: its own uid, no capabilities, namespaces "
+        "holding only its files, seccomp (see cella/runtime/qemu/jail.py)",
+    )
+    jail_id_base: int = Field(
+        default=3_000_000,
+        ge=1000,
+        description="the group of files jailed QEMUs share; VMs get the uids and gids above it",
+    )
+    jail_ids: int = Field(default=65_536, ge=1, description="how many jailed VMs at most")
+    secrets_key_file: Path | None = Field(
+        default=None,
+        description="the 0600 file with the key that seals secret values in the database "
+        "(default: secrets.key in the data directory; made on first start)",
+    )
+    secrets_key_command: str | None = Field(
+        default=None,
+        description="a command that prints the secrets key, base64 (e.g. from a KMS); "
+        "replaces the key file, and rotation is then the KMS's",
+    )
+    tls_cert: Path | None = Field(default=None, description="serve HTTPS with this certificate")
+    tls_key: Path | None = Field(default=None, description="the private key of tls_cert")
+    allow_insecure_listen: bool = Field(
+        default=False,
+        description="listen on an address other than loopback without TLS (only behind a "
+        "proxy that terminates TLS)",
+    )
+    audit_keep: int = Field(
+        default=1_000_000, ge=1000, description="entries kept in the audit log of key use"
+    )
     sandbox_domain: str | None = Field(
         default=None,
         description="the domain whose names `{port}-{sandbox_id}.DOMAIN` reach servers in "
@@ -184,6 +215,28 @@ class DaemonSettings(BaseSettings):
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host or "127.0.0.1", int(port)
+
+    @property
+    def url(self) -> str:
+        host, port = self.host_port
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
+
+    def check_listen(self) -> None:
+        """Refuses what would expose keys and secrets in clear: a non-loopback address
+        without TLS (unless allowed), half a TLS setting."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        host = self.host_port[0].strip("[]")
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback and self.tls_cert is None and not self.allow_insecure_listen:
+            raise ValueError(
+                f"{host} is not a loopback address: API keys would cross the network in "
+                "clear. Give --tls-cert and --tls-key, or --allow-insecure-listen behind a "
+                "proxy that terminates TLS"
+            )
 
     @property
     def ports_domain(self) -> str:

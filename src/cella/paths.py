@@ -17,9 +17,10 @@ from cella.config import DEFAULT_DATA_DIR, DaemonSettings
 __all__ = ["DEFAULT_DATA_DIR", "Paths", "default_data_dir", "default_image_dir", "owner_only"]
 
 
-def owner_only(root: Path) -> int:
+def owner_only(root: Path, vm_group: int | None = None) -> int:
     """Takes every group and other permission off `root` and everything under it (tenants'
-    memory, disks, secrets and logs live there); returns how many entries it changed."""
+    memory, disks, secrets and logs live there), except group access to the files jailed
+    QEMUs share (group `vm_group`); returns how many entries it changed."""
     changed = 0
     if not root.exists():
         return 0
@@ -27,8 +28,11 @@ def owner_only(root: Path) -> int:
         for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
             try:
                 st = os.lstat(name)
-                if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
-                    os.chmod(name, stat.S_IMODE(st.st_mode) & ~0o077)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                mask = 0o007 if vm_group is not None and st.st_gid == vm_group else 0o077
+                if st.st_mode & mask:
+                    os.chmod(name, stat.S_IMODE(st.st_mode) & ~mask)
                     changed += 1
             except FileNotFoundError:
                 continue  # gone meanwhile

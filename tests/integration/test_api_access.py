@@ -153,3 +153,38 @@ def test_file_api_errors(admin: Client, daemon: Daemon) -> None:
         assert sb.files.read("/workspace/../etc/hostname") == sb.files.read("/etc/hostname")
         assert sb.files.read("/workspace/keep.txt") == b"keep"
         assert sb.exec("true").exit_code == 0
+
+
+def test_a_read_only_key_looks_but_changes_nothing(
+    admin: Client, alice: Client, daemon: Daemon
+) -> None:
+    created = admin.create_key("alice", read_only=True)
+    assert created["read_only"] is True
+    with (
+        alice.create(labels={"for": "read-only"}) as sb,
+        Client(daemon.url, created["key"]) as looker,
+    ):
+        assert sb.id in [s.id for s in looker.list()]  # control: it reads alice's things
+        assert looker.get(sb.id).state == "running"
+        for attempt in (
+            lambda: looker.create(),
+            lambda: looker.get(sb.id).exec("true"),
+            lambda: looker.request("POST", f"/v1/sandboxes/{sb.id}/stop"),
+            lambda: looker.request("DELETE", f"/v1/sandboxes/{sb.id}"),
+        ):
+            with pytest.raises(errors.PermissionDenied, match="read-only"):
+                attempt()
+        # the foreign APIs hold it to the same rule
+        e2b = httpx2.post(f"{daemon.url}/sandboxes", headers={"X-API-KEY": created["key"]}, json={})
+        assert e2b.status_code == 403
+        assert alice.get(sb.id).state == "running"  # nothing changed
+        # the audit log of key use: every call above, refused ones included (admin only)
+        uses = admin.key_uses(key_id=created["id"])
+        seen = {(u.method, u.path, u.status) for u in uses}
+        assert ("GET", f"/v1/sandboxes/{sb.id}", 200) in seen
+        assert ("POST", f"/v1/sandboxes/{sb.id}/stop", 403) in seen
+        assert ("POST", "/sandboxes", 403) in seen
+        assert all(u.tenant == "alice" and u.key_id == created["id"] for u in uses)
+        assert [u.id for u in uses] == sorted((u.id for u in uses), reverse=True)
+        with pytest.raises(errors.PermissionDenied):
+            alice.key_uses()

@@ -36,6 +36,7 @@ CONNECTION_CAP = 24
 OUTPUT_CAP_MIB = 4
 CONSOLE_KIB = 256
 DISK_QUOTA_MIB = 200
+JAIL_GROUP = 3_000_000  # the default jail_id_base
 
 
 def forms(value: str, user: str = "x-access-token") -> list[str]:
@@ -250,15 +251,19 @@ def test_the_data_directory_is_owner_only(client: Client, attacked: Daemon) -> N
     snap = sb.snapshot("perm")
     try:
         entries = [attacked.data_dir, *attacked.data_dir.rglob("*")]
-        open_to_others = [
-            str(p) for p in entries if not p.is_symlink() and p.stat().st_mode & 0o077
-        ]
+        modes = {p: p.stat() for p in entries if not p.is_symlink()}
+        open_to_others = [str(p) for p, st in modes.items() if st.st_mode & 0o007]
         assert not open_to_others, open_to_others[:10]
+        # group access only for what jailed QEMUs share (a snapshot's memory and disk they
+        # restore from), and only to their group
+        grouped = {p for p, st in modes.items() if st.st_mode & 0o070}
+        assert all(modes[p].st_gid == JAIL_GROUP for p in grouped), grouped
+        assert {p.name for p in grouped} <= {"ram", "disk.qcow2"}, grouped
         # control: the walk saw the database, a snapshot's memory and a disk
         names = {p.name for p in entries}
         assert {"cella.db", "ram", "disk.qcow2", "left-by-an-older-version"} <= names
-        ram = next(p for p in entries if p.name == "ram")
-        assert stat.S_IMODE(ram.stat().st_mode) == 0o400
+        ram = next(p for p in entries if p.name == "ram" and snap.id in str(p))
+        assert stat.S_IMODE(ram.stat().st_mode) == 0o400  # not restored from yet
     finally:
         sb.delete()
         snap.delete()

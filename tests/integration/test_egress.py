@@ -496,3 +496,24 @@ def test_forks_and_resumes_keep_the_policy(client: Client, net: Net) -> None:
         sb.resume()  # a new VM, a new source address: the same rules
         assert sh(sb, "curl -sSf http://web.test/after-resume")[0] == 0
         assert "denied" in sh(sb, "curl -sS http://other.test/")[1]
+
+
+def test_secrets_are_sealed_at_rest_and_work_after_rotation(
+    client: Client, net: Net, egress_daemon: Daemon
+) -> None:
+    client.put_secret("sealed", SECRET, ["web.test"])
+    data = egress_daemon.data_dir
+    raw = b"".join(p.read_bytes() for p in data.glob("cella.db*"))
+    assert b"web.test" in raw and SECRET.encode() not in raw  # the row is there, sealed
+    key = (data / "secrets.key").read_bytes()
+    assert client.rotate_secrets_key() >= 1
+    assert (data / "secrets.key").read_bytes() != key
+    # the value still reaches its host: the proxy got it from the resealed row
+    with client.create(allow=["web.test"], secrets={"TOKEN": "sealed"}) as sb:
+        with_test_ca(sb, net)
+        before = len(net.web_seen.requests)
+        auth = '-H "Authorization: Bearer $TOKEN"'
+        code, _, err = sh(sb, f"curl -sSf --noproxy '*' {auth} http://web.test/after-rotation")
+        assert code == 0, err
+        assert net.web_seen.requests[before]["headers"]["authorization"] == f"Bearer {SECRET}"
+    client.delete_secret("sealed")

@@ -20,11 +20,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 @app.command()
 def create(
-    tenant: Annotated[str, typer.Option(help="tenant name")], json_: JsonOpt = False
+    tenant: Annotated[str, typer.Option(help="tenant name")],
+    read_only: Annotated[
+        bool, typer.Option(help="a key that may only look (GET), never change anything")
+    ] = False,
+    json_: JsonOpt = False,
 ) -> None:
     """Create a key for a tenant; it is printed once and only its hash is stored."""
     with Client() as client:
-        created = client.create_key(tenant)
+        created = client.create_key(tenant, read_only=read_only)
     if json_:
         emit_json(created)
     else:
@@ -62,3 +66,29 @@ def revoke(key_id: str) -> None:
     with Client() as client:
         client.revoke_key(key_id)
     console.print(f"revoked {key_id}")
+
+
+@app.command("uses")
+def uses(
+    key: Annotated[str | None, typer.Option(help="only this key id")] = None,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's keys")] = None,
+    limit: Annotated[int, typer.Option(help="newest entries to show")] = 50,
+    json_: JsonOpt = False,
+) -> None:
+    """The audit log of key use: who called what, when, with which outcome (newest first)."""
+    with Client() as client:
+        found = client.key_uses(key, tenant, limit)
+    if json_:
+        emit_json([u.model_dump(mode="json") for u in found])
+        return
+    table = Listing("at", "key", "tenant", "method", "path", "status", give_way={"path": 20})
+    for u in found:
+        table.add_row(
+            u.at.strftime("%Y-%m-%d %H:%M:%S"),
+            u.key_id,
+            escape(u.tenant),
+            u.method,
+            escape(u.path),
+            str(u.status),
+        )
+    out.print(table)

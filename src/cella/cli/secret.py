@@ -78,3 +78,15 @@ def rm(name: str) -> None:
     with Client() as client:
         client.delete_secret(name)
     console.print(f"deleted {name}")
+
+
+@app.command("rotate-key")
+def rotate_key(json_: JsonOpt = False) -> None:
+    """Seal every secret value under a new key (admin): the database never holds values in
+    clear, and the old key opens nothing once this returns."""
+    with Client() as client:
+        resealed = client.rotate_secrets_key()
+    if json_:
+        emit_json({"resealed": resealed})
+    else:
+        console.print(f"secrets key rotated: {resealed} values resealed")

@@ -24,6 +24,12 @@ def serve(
         Path | None,
         typer.Option(help="With --ray: where node daemons keep their data, on each node."),
     ] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Serve HTTPS: certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Serve HTTPS: its key (PEM).")] = None,
+    allow_insecure_listen: Annotated[
+        bool,
+        typer.Option(help="Listen beyond loopback without TLS (behind a TLS proxy only)."),
+    ] = False,
 ) -> None:
     """Run the cella daemon (REST API under /v1), or with --ray the gateway of a fleet.
     Settings: see cella/config.py."""
@@ -31,9 +37,22 @@ def serve(
 
     from cella.config import DaemonSettings as Settings
 
-    given = {"listen": listen, "data_dir": data_dir, "accel": accel, "log_level": log_level}
+    given = {
+        "listen": listen,
+        "data_dir": data_dir,
+        "accel": accel,
+        "log_level": log_level,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "allow_insecure_listen": allow_insecure_listen or None,
+    }
     flags = {k: v for k, v in given.items() if v is not None}
     settings = Settings(**flags)  # type: ignore[arg-type]
+    try:
+        settings.check_listen()
+    except ValueError as exc:
+        typer.echo(f"cella serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     host, port = settings.host_port
     if ray is not None:
         from cella.fleet.app import create_gateway_app
@@ -49,4 +68,6 @@ def serve(
         port=port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
     )

@@ -42,16 +42,20 @@ def _digest(*parts: bytes) -> str:
 
 def ensure_agent(paths: Paths, progress: Progress = quiet) -> Path:
     """Compiles the static guest agent if this source has not been compiled before."""
-    src = _agent_source()
-    out = paths.images / f"agent-{_digest(src)}"
+    return compile_static(paths, "agent", _agent_source(), progress)
+
+
+def compile_static(paths: Paths, name: str, src: bytes, progress: Progress = quiet) -> Path:
+    """A static binary of the C program `src`, cached by its content hash."""
+    out = paths.images / f"{name}-{_digest(src)}"
     if out.exists():
         return out
     if shutil.which("gcc") is None:
-        raise errors.ImageMissing("gcc is needed to build the guest agent: run `cella setup`")
+        raise errors.ImageMissing(f"gcc is needed to build the {name}: run `cella setup`")
     paths.ensure()
-    progress("compiling the guest agent")
-    src_file = paths.build_tmp / f"agent-{os.getpid()}.c"
-    tmp_out = paths.build_tmp / f"agent-{os.getpid()}"
+    progress(f"compiling the {name}")
+    src_file = paths.build_tmp / f"{name}-{os.getpid()}.c"
+    tmp_out = paths.build_tmp / f"{name}-{os.getpid()}"
     src_file.write_bytes(src)
     try:
         run(["gcc", "-static", "-O2", "-Wall", "-o", tmp_out, src_file])

@@ -12,11 +12,12 @@ from cella.models.exec import (
 )
 from cella.models.files import ChmodRequest, FileEntry, GuestPath, MkdirRequest, guest_path
 from cella.models.host import Capacity
-from cella.models.keys import KeyCreate, KeyCreated, KeyInfo
+from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
     EgressDecision,
     EgressLog,
     HeaderRule,
+    KeyRotation,
     NetworkPolicy,
     Secret,
     SecretList,
@@ -70,6 +71,8 @@ __all__ = [
     "KeyCreate",
     "KeyCreated",
     "KeyInfo",
+    "KeyRotation",
+    "KeyUseInfo",
     "LineageNode",
     "MkdirRequest",
     "NetworkPolicy",

@@ -13,12 +13,14 @@ class KeyCreate(BaseModel):
     model_config = {"extra": "forbid"}
 
     tenant: str = Field(pattern=TENANT)
+    read_only: bool = Field(default=False, description="GET and HEAD only: look, never change")
 
 
 class KeyCreated(BaseModel):
     id: str
     tenant: str
     key: str = Field(description="shown once; only its hash is stored")
+    read_only: bool = False
 
 
 class KeyInfo(BaseModel):
@@ -28,3 +30,19 @@ class KeyInfo(BaseModel):
     tenant: str
     created_at: datetime
     admin: bool
+    read_only: bool = False
+
+
+class KeyUseInfo(BaseModel):
+    """One request made with a key (the audit log)."""
+
+    model_config = {"from_attributes": True}
+
+    id: int
+    key_id: str
+    tenant: str
+    at: datetime
+    method: str
+    path: str
+    status: int
+    client: str | None

@@ -144,6 +144,10 @@ class SecretList(BaseModel):
     secrets: list[Secret]
 
 
+class KeyRotation(BaseModel):
+    resealed: int = Field(description="secret values now sealed under the new key")
+
+
 class EgressDecision(BaseModel):
     """One connection (or HTTP request) a sandbox tried, and what the proxy decided."""
 

@@ -68,6 +68,9 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     from cella.server.hosts import HostRouting
 
     app.add_middleware(HostRouting, domain=settings.ports_domain, own_ports=e2b.OWN_PORTS)
+    from cella.server.audit import AuditKeyUse
+
+    app.add_middleware(AuditKeyUse, keep=settings.audit_keep)
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:

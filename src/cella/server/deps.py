@@ -12,7 +12,7 @@ from starlette.requests import HTTPConnection
 from cella import errors
 from cella.models.keys import TENANT
 from cella.service.daemon import Daemon
-from cella.service.keys import Principal, require_admin
+from cella.service.keys import Principal, require_admin, require_write
 
 
 def daemon(request: HTTPConnection) -> Daemon:
@@ -33,7 +33,18 @@ def principal(
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise errors.Unauthenticated("use Authorization: Bearer <key>")
-    return acting(daemon(request).keys.authenticate(key.strip()), x_cella_tenant)
+    return admitted(request, key.strip(), x_cella_tenant)
+
+
+def admitted(conn: HTTPConnection, key: str, tenant: str | None) -> Principal:
+    """The principal of `key` for this request: a read-only key only reads (a WebSocket
+    runs commands or carries traffic: never a read), and the request is remembered for
+    the audit log of key use (`cella.server.audit`)."""
+    who = daemon(conn).keys.authenticate(key)
+    method = conn.scope.get("method") or "WEBSOCKET"
+    conn.state.key_use = who  # before any refusal: refused uses are logged too
+    require_write(who, method)
+    return acting(who, tenant)
 
 
 def acting(who: Principal, tenant: str | None) -> Principal:
@@ -43,7 +54,7 @@ def acting(who: Principal, tenant: str | None) -> Principal:
     require_admin(who, "act for another tenant (X-Cella-Tenant)")
     if not re.fullmatch(TENANT, tenant):
         raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {tenant!r}")
-    return Principal(tenant=tenant, admin=False)
+    return Principal(tenant=tenant, admin=False, key_id=who.key_id)
 
 
 def api_key_caller(
@@ -54,7 +65,7 @@ def api_key_caller(
     """The caller of a foreign API that sends its key as `X-Api-Key` (LangSmith's, E2B's)."""
     if not x_api_key:
         raise errors.Unauthenticated("an API key is required (X-Api-Key)")
-    return acting(daemon(request).keys.authenticate(x_api_key.strip()), x_cella_tenant)
+    return admitted(request, x_api_key.strip(), x_cella_tenant)
 
 
 Auth = Annotated[Principal, Depends(principal)]

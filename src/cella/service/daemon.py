@@ -38,6 +38,7 @@ from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.store import SandboxRecord, Store
+from cella.store.sealing import KeyFile, key_from_command
 from cella.telemetry.events import EventLog
 
 log = logging.getLogger("cella.daemon")
@@ -48,6 +49,7 @@ class Daemon:
         self.settings = settings
         self.store = store
         self.driver = driver
+        self.secrets_key: KeyFile | None = None  # None: the key comes from a command
         self.keys = Keys(store)
         self.events = EventLog(store)
         self._spans: Any = None
@@ -90,20 +92,44 @@ class Daemon:
         """The daemon of a data directory: its store, its local admin key and a QEMU driver
         whose VMs outlive the daemon (a restart, or a crash, re-adopts them)."""
         from cella.runtime.qemu.driver import QemuDriver
+        from cella.runtime.qemu.jail import jail_ids
 
         os.umask(0o077)  # everything the daemon (and QEMU, the proxy) makes is its own
         paths = Paths(settings.data_dir, settings.image_dir)
         paths.ensure()
+        vm_group = settings.jail_id_base if settings.jail else None
         for tree in {paths.root, paths.images}:  # made before, by setup or an older daemon
-            if fixed := owner_only(tree):
+            if fixed := owner_only(tree, vm_group):
                 log.info("%s: took group/other access off %d entries", tree, fixed)
         store = Store(paths.root / "cella.db")
+        key_file = None
+        if settings.secrets_key_command:
+            store.seal_with(key_from_command(settings.secrets_key_command))
+        else:
+            key_file = KeyFile(settings.secrets_key_file or paths.root / "secrets.key")
+            store.seal_with(key_file.load(store.opens_with))
         driver = QemuDriver(
-            paths, settings.accel, die_with_parent=False, extra_ca=settings.extra_ca_pem()
+            paths,
+            settings.accel,
+            die_with_parent=False,
+            extra_ca=settings.extra_ca_pem(),
+            jail=jail_ids(settings),
         )
         daemon = cls(settings, store, driver)
+        daemon.secrets_key = key_file
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
+
+    def rotate_secrets_key(self) -> int:
+        """Seals every secret value under a new key; returns how many were resealed."""
+        if self.secrets_key is None:
+            raise errors.InvalidArgument(
+                "the secrets key comes from secrets_key_command: rotate it there"
+            )
+        resealed: list[int] = []
+        self.secrets_key.rotate(lambda new: resealed.append(self.store.reseal(new)))
+        log.info("secrets key rotated; %d values resealed", resealed[0])
+        return resealed[0]
 
     async def start(self) -> None:
         """Recovers what the last daemon left, starts the egress proxy, makes sure the
@@ -116,10 +142,7 @@ class Daemon:
         self.pool.watch(shape)
         self.reaper.start()
         self.processes.start_sweeper()
-        host, port = self.settings.host_port
-        (self.driver.paths.root / DAEMON_FILE).write_text(
-            json.dumps({"url": f"http://{host}:{port}"})
-        )
+        (self.driver.paths.root / DAEMON_FILE).write_text(json.dumps({"url": self.settings.url}))
 
     async def shutdown(self) -> None:
         """Sandbox VMs keep running and are adopted by the next daemon; pooled VMs (nobody's

@@ -21,6 +21,8 @@ ADMIN_TENANT = "admin"
 class Principal:
     tenant: str
     admin: bool
+    read_only: bool = False  # GET and HEAD only
+    key_id: str | None = None  # None: a principal derived from another (X-Cella-Tenant)
 
 
 def hash_key(key: str) -> str:
@@ -31,11 +33,13 @@ class Keys:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def create(self, tenant: str, admin: bool = False) -> tuple[str, str]:
+    def create(self, tenant: str, admin: bool = False, read_only: bool = False) -> tuple[str, str]:
         """Creates a key; returns (key id, the key itself - never stored)."""
+        if admin and read_only:
+            raise errors.InvalidArgument("an admin key cannot be read-only")
         key = f"ck_{secrets.token_urlsafe(32)}"
         key_id = f"key-{secrets.token_hex(6)}"
-        self.store.add_key(key_id, tenant, hash_key(key), admin)
+        self.store.add_key(key_id, tenant, hash_key(key), admin, read_only)
         return key_id, key
 
     def ensure_admin_key(self, data_dir: Path) -> Path:
@@ -55,7 +59,7 @@ class Keys:
         row = self.store.key_by_hash(hash_key(key))
         if row is None:
             raise errors.Unauthenticated("unknown or revoked API key")
-        return Principal(tenant=row.tenant, admin=row.admin)
+        return Principal(row.tenant, row.admin, row.read_only, row.id)
 
     def list(self, who: Principal) -> list[KeyRecord]:
         require_admin(who)
@@ -65,6 +69,15 @@ class Keys:
         require_admin(who)
         if not self.store.revoke_key(key_id):
             raise errors.NotFound(f"no key {key_id!r}")
+
+
+def require_write(who: Principal, method: str) -> None:
+    """A read-only key may look (GET, HEAD), never change anything or run commands."""
+    if who.read_only and method not in READS:
+        raise errors.PermissionDenied(f"this key is read-only: {method} is not allowed")
+
+
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def require_admin(who: Principal, what: str = "manage keys") -> None:

@@ -4,6 +4,7 @@ from cella.store.db import Store
 from cella.store.records import (
     EventRecord,
     KeyRecord,
+    KeyUse,
     SandboxRecord,
     SecretRecord,
     SecretRef,
@@ -13,6 +14,7 @@ from cella.store.records import (
 __all__ = [
     "EventRecord",
     "KeyRecord",
+    "KeyUse",
     "SandboxRecord",
     "SecretRecord",
     "SecretRef",

@@ -11,17 +11,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cella import errors
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
 from cella.store.records import (
     EventRecord,
     KeyRecord,
+    KeyUse,
     SandboxRecord,
     SecretRecord,
     SecretRef,
     SnapshotRecord,
 )
+from cella.store.sealing import Sealer
 
 
 def now() -> str:
@@ -33,6 +36,7 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._sealer: Sealer | None = None  # set by `seal_with` before secrets are used
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -60,11 +64,39 @@ class Store:
 
     # -- keys ---------------------------------------------------------------------------
 
-    def add_key(self, key_id: str, tenant: str, key_hash: str, admin: bool = False) -> None:
+    def add_key(
+        self, key_id: str, tenant: str, key_hash: str, admin: bool = False, read_only: bool = False
+    ) -> None:
         self._exec(
-            "INSERT INTO api_keys (id, tenant, hash, admin, created_at) VALUES (?, ?, ?, ?, ?)",
-            (key_id, tenant, key_hash, int(admin), now()),
+            "INSERT INTO api_keys (id, tenant, hash, admin, read_only, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (key_id, tenant, key_hash, int(admin), int(read_only), now()),
         )
+
+    def add_key_uses(self, uses: Iterable[KeyUse], keep: int) -> None:
+        """Appends to the audit log of key use, keeping the newest `keep` entries."""
+        rows = [(u.key_id, u.tenant, u.at, u.method, u.path, u.status, u.client) for u in uses]
+        if not rows:
+            return
+        with self._lock:
+            self._db.executemany(
+                "INSERT INTO key_uses (key_id, tenant, at, method, path, status, client) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            self._db.execute(
+                "DELETE FROM key_uses WHERE id <= (SELECT MAX(id) FROM key_uses) - ?", (keep,)
+            )
+
+    def key_uses(self, key_id: str | None, tenant: str | None, limit: int) -> list[KeyUse]:
+        """The newest uses, newest first, of one key or one tenant's keys (or all)."""
+        sql, args = "SELECT * FROM key_uses WHERE 1=1", list[str]()
+        if key_id is not None:
+            sql, args = sql + " AND key_id = ?", [*args, key_id]
+        if tenant is not None:
+            sql, args = sql + " AND tenant = ?", [*args, tenant]
+        rows = self._exec(sql + " ORDER BY id DESC LIMIT ?", (*args, limit)).fetchall()
+        return [KeyUse(**dict(r)) for r in rows]
 
     def key_by_hash(self, key_hash: str) -> KeyRecord | None:
         row = self._exec(
@@ -224,8 +256,65 @@ class Store:
 
     # -- secrets (values are read only to hand them to the egress proxy) ------------------
 
+    def seal_with(self, sealer: Sealer) -> None:
+        """Values are sealed with `sealer` from now on; any an older version kept in clear
+        are sealed now."""
+        if not self.opens_with(sealer):
+            raise errors.HostError(
+                "the secrets key does not open the secrets in the database (a wrong "
+                "secrets_key_file or secrets_key_command?)"
+            )
+        self._sealer = sealer
+        rows = self._exec("SELECT tenant, name, value FROM secrets").fetchall()
+        for row in rows:
+            if not Sealer.is_sealed(row["value"]):
+                sealed = sealer.seal(row["value"], _owner(row))
+                self._exec(
+                    "UPDATE secrets SET value = ? WHERE tenant = ? AND name = ?",
+                    (sealed, row["tenant"], row["name"]),
+                )
+
+    def opens_with(self, sealer: Sealer) -> bool:
+        """Whether `sealer` opens the sealed values (true when there are none)."""
+        row = self._exec(
+            "SELECT tenant, name, value FROM secrets WHERE value LIKE 'sealed:%' LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return True
+        try:
+            sealer.open(row["value"], _owner(row))
+        except errors.HostError:
+            return False
+        return True
+
+    def reseal(self, new: Sealer) -> int:
+        """Every value under `new`, in one transaction; returns how many."""
+        old = self._sealing()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute("SELECT tenant, name, value FROM secrets").fetchall()
+                for row in rows:
+                    value = new.seal(old.open(row["value"], _owner(row)), _owner(row))
+                    self._db.execute(
+                        "UPDATE secrets SET value = ? WHERE tenant = ? AND name = ?",
+                        (value, row["tenant"], row["name"]),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        self._sealer = new
+        return len(rows)
+
+    def _sealing(self) -> Sealer:
+        if self._sealer is None:
+            raise errors.HostError("no secrets key: secrets cannot be stored or read")
+        return self._sealer
+
     def put_secret(self, record: SecretRecord) -> None:
         record.created_at = record.updated_at = now()
+        sealed = self._sealing().seal(record.value, f"{record.tenant}/{record.name}")
         self._exec(
             "INSERT INTO secrets (tenant, name, value, hosts, auth, username, inject, "
             "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -235,7 +324,7 @@ class Store:
             (
                 record.tenant,
                 record.name,
-                record.value,
+                sealed,
                 json.dumps(record.hosts),
                 record.auth,
                 record.username,
@@ -249,7 +338,7 @@ class Store:
         row = self._exec(
             "SELECT * FROM secrets WHERE tenant = ? AND name = ?", (tenant, name)
         ).fetchone()
-        return _secret(row) if row else None
+        return self._secret(row) if row else None
 
     def list_secrets(self, tenant: str | None) -> list[SecretRecord]:
         """The tenant's secrets (None: every tenant's)."""
@@ -259,7 +348,11 @@ class Store:
             rows = self._exec(
                 "SELECT * FROM secrets WHERE tenant = ? ORDER BY name", (tenant,)
             ).fetchall()
-        return [_secret(r) for r in rows]
+        return [self._secret(r) for r in rows]
+
+    def _secret(self, row: sqlite3.Row) -> SecretRecord:
+        value = self._sealing().open(row["value"], _owner(row))
+        return SecretRecord(**{**dict(row), "value": value, "hosts": json.loads(row["hosts"])})
 
     def delete_secret(self, tenant: str, name: str) -> bool:
         cur = self._exec("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))
@@ -307,9 +400,12 @@ def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
     return SnapshotRecord(**out)
 
 
-def _secret(row: sqlite3.Row) -> SecretRecord:
-    return SecretRecord(**{**dict(row), "hosts": json.loads(row["hosts"])})
+def _owner(row: sqlite3.Row) -> str:
+    """What a sealed value is bound to: its row."""
+    return f"{row['tenant']}/{row['name']}"
 
 
 def _key(row: sqlite3.Row) -> KeyRecord:
-    return KeyRecord(**{**dict(row), "admin": bool(row["admin"])})
+    return KeyRecord(
+        **{**dict(row), "admin": bool(row["admin"]), "read_only": bool(row["read_only"])}
+    )

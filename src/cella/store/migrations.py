@@ -102,4 +102,18 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (tenant, name, tag)
     );
     """,
+    """
+    ALTER TABLE api_keys ADD COLUMN read_only INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE key_uses (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        key_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        at TEXT NOT NULL,
+        method TEXT NOT NULL,
+        path TEXT NOT NULL,
+        status INTEGER NOT NULL,
+        client TEXT
+    );
+    CREATE INDEX key_uses_key ON key_uses (key_id, id);
+    """,
 ]

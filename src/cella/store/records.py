@@ -122,6 +122,21 @@ class KeyRecord:
     admin: bool
     created_at: str
     revoked_at: str | None = None
+    read_only: bool = False
+
+
+@dataclass(slots=True)
+class KeyUse:
+    """One authenticated request: the audit log of key use."""
+
+    key_id: str
+    tenant: str
+    at: str
+    method: str
+    path: str
+    status: int
+    client: str | None = None
+    id: int = 0
 
 
 @dataclass(slots=True)

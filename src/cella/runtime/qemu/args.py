@@ -32,6 +32,7 @@ class VMConfig:
     incoming: str | None = None
     # do not start the vCPUs (a snapshot helper that only loads and saves state)
     paused: bool = False
+    seccomp: bool = True  # QEMU's own system-call filter (SECCOMP)
 
 
 def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
@@ -66,6 +67,11 @@ def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = (
         if tsc_khz:
             args.append(f"tsc_early_khz={tsc_khz}")
     return " ".join([*args, *extra])
+
+
+# QEMU's own seccomp filter: no obsolete system calls, no setuid/setgid and the like, no
+# fork or exec (files reach it as descriptors), no scheduler or resource changes
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
 def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
@@ -116,6 +122,8 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         f"virtserialport,chardev=agent,name={AGENT_PORT}",
         # no NIC: the guest's connections travel as streams over the agent channel
     ]
+    if cfg.seccomp:
+        argv += ["-sandbox", SECCOMP]
     if cfg.ram_file is not None:
         share = "on" if cfg.ram_shared else "off"
         argv += [

@@ -22,6 +22,7 @@ from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.contract import VM
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
+from cella.runtime.qemu.jail import Jail, JailIds, ensure_jailer, process_uid
 from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay, image_info
@@ -54,8 +55,13 @@ class QemuDriver:
         *,
         die_with_parent: bool = True,
         extra_ca: bytes = b"",
+        jail: JailIds | None = None,
+        seccomp: bool = True,
     ) -> None:
         self.paths = paths
+        self.seccomp = seccomp
+        self.jail_ids = jail
+        self.jail: Jail | None = None  # made by prepare(), once the accelerator is known
         self.extra_ca = extra_ca  # CAs every guest trusts, from its template's warm snapshot
         self.accel_mode: AccelMode = accel
         self.die_with_parent = die_with_parent
@@ -81,6 +87,9 @@ class QemuDriver:
         self.paths.ensure()
         self._boot = ensure_boot(self.paths, progress)
         self._accel = await choose_accel(self._boot, self.accel_mode, self.paths.images)
+        if self.jail_ids is not None:
+            jailer = ensure_jailer(self.paths, progress)
+            self.jail = Jail(jailer, self.jail_ids, self._accel.accel)
         return self._accel
 
     @property
@@ -131,7 +140,7 @@ class QemuDriver:
         assert self._boot is not None and self._accel is not None
         config = self._config(directory, vcpus, memory_mib)
         config = dataclasses.replace(config, disk=directory / disk)
-        vm = QemuVM(config, die_with_parent=self.die_with_parent)
+        vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
         vm.directory = directory
         vm.accel_reason = self._accel.reason
         await vm.start(boot_timeout)
@@ -152,6 +161,10 @@ class QemuDriver:
         )
         vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory
+        if self.jail is not None and (uid := process_uid(pid)):
+            jail = self.jail
+            jail.adopt(config.name, uid)
+            vm.exit_hooks.append(lambda: jail.release(config.name))
         vm.accel_reason = self._accel.reason if self._accel else ""
         vm.exit_hooks.append(lambda: self.cpu.remove(vm.config.name))
         return vm
@@ -181,6 +194,7 @@ class QemuDriver:
             qmp_socket=files.qmp_socket,
             agent_socket=files.agent_socket,
             console_log=files.console_log,
+            seccomp=self.seccomp,
         )
 
     # -- snapshots ------------------------------------------------------------------------
@@ -206,6 +220,7 @@ class QemuDriver:
             boot_timeout,
             extra_ca=self.extra_ca,
             warm=spec.warm if (spec := builtin_templates().get(template)) else [],
+            jail=self.jail,
         )
 
     async def snapshot_vm(
@@ -231,6 +246,7 @@ class QemuDriver:
                 initrd=cfg.initrd,
                 accel=cfg.accel,
             ),
+            jail=self.jail,
         )
 
     async def restore(
@@ -253,7 +269,7 @@ class QemuDriver:
                 initrd=Path(manifest["initrd"]),
                 accel=manifest["accel"],
             )
-            vm = QemuVM(config, die_with_parent=self.die_with_parent)
+            vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
             vm.directory = directory
             vm.accel_reason = self._accel.reason if self._accel else ""
             await vm.restore(snap.state, timeout)

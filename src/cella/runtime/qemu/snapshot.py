@@ -18,6 +18,7 @@ from typing import Any
 from cella import errors
 from cella.guest.trust import trust
 from cella.runtime.qemu.args import VMConfig
+from cella.runtime.qemu.jail import Jail
 from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SnapshotDir
@@ -32,6 +33,10 @@ def _tmp_dir(dest: SnapshotDir) -> Path:
 def _finish(tmp: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any]:
     for leftover in ("console.log", "blank.qcow2"):
         (tmp / leftover).unlink(missing_ok=True)
+    # written by a jailed QEMU as its own uid: the snapshot is the daemon's, not that uid's
+    # (which a later VM gets)
+    for path in (tmp, *tmp.iterdir()):
+        os.chown(path, 0, 0)
     manifest = SnapshotDir(tmp).seal(meta)
     if dest.path.exists():  # someone else finished the same snapshot first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -49,6 +54,7 @@ async def snapshot_fresh_boot(
     *,
     extra_ca: bytes = b"",
     warm: list[str] | None = None,
+    jail: Jail | None = None,
 ) -> dict[str, Any]:
     """A template's warm snapshot: boot with RAM in a shared file, warm it, save devices.
 
@@ -61,7 +67,7 @@ async def snapshot_fresh_boot(
     try:
         create_overlay(base, tmp / "disk.qcow2")
         config: VMConfig = config_for(tmp, tmp / "ram", True)
-        vm = QemuVM(config)
+        vm = QemuVM(config, jail=jail)
         await vm.start(boot_timeout)
         if extra_ca:
             await trust(vm.agent, "cella-extra", extra_ca)
@@ -92,6 +98,7 @@ async def snapshot_running(
     dest: SnapshotDir,
     meta: dict[str, Any],
     config_for: Any,
+    jail: Jail | None = None,
 ) -> tuple[dict[str, Any], float]:
     """Snapshots a running VM; returns the manifest and how long the VM was paused.
 
@@ -120,13 +127,13 @@ async def snapshot_running(
             paused=True,
             name=f"{vm.config.name}-snap",
         )
-        helper = QemuVM(helper_cfg)
+        helper = QemuVM(helper_cfg, jail=jail)
         await helper.spawn_listening(mig_sock)
         loop = asyncio.get_running_loop()
         paused_at = loop.time()
         await vm.pause()
         try:
-            await vm.migrate_to(f"unix:{mig_sock}")
+            await vm.migrate_to(mig_sock)
             # stopped, disks flushed: the overlay is exactly what the RAM expects
             await _run(
                 "cp", "--sparse=always", "--reflink=auto", str(current), str(tmp / "disk.qcow2")

@@ -8,17 +8,21 @@ import ctypes
 import hashlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import QMPClient
 
 from cella import errors
 from cella.guest.client import AgentClient
 from cella.runtime.qemu.args import VMConfig, host_tsc_khz, qemu_argv
+
+if TYPE_CHECKING:
+    from cella.runtime.qemu.jail import Jail
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_THP_DISABLE = 41
@@ -42,9 +46,12 @@ def _no_thp_and_die_with_parent() -> None:
 class QemuVM:
     """A running microVM with its QMP monitor and guest-agent channel."""
 
-    def __init__(self, config: VMConfig, *, die_with_parent: bool = True) -> None:
+    def __init__(
+        self, config: VMConfig, *, die_with_parent: bool = True, jail: Jail | None = None
+    ) -> None:
         self.config = config
         self.die_with_parent = die_with_parent
+        self.jail = jail
         self.process: asyncio.subprocess.Process | None = None
         self._adopted_pid: int | None = None  # a QEMU started by an earlier daemon
         self.qmp: QMPClient | None = None
@@ -149,12 +156,19 @@ class QemuVM:
         for sock in (cfg.qmp_socket, cfg.agent_socket):
             sock.unlink(missing_ok=True)
         cfg.console_log.touch()
+        argv = qemu_argv(cfg, host_tsc_khz())
+        prepare = _no_thp_and_die_with_parent if self.die_with_parent else _no_thp
+        if self.jail is not None:
+            jail = self.jail
+            argv = jail.wrap(cfg, argv, self.die_with_parent)
+            prepare = _no_thp  # the jailer sets the parent-death signal after its uid change
+            self.exit_hooks.append(lambda: jail.release(cfg.name))
         self.process = await asyncio.create_subprocess_exec(
-            *qemu_argv(cfg, host_tsc_khz()),
+            *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_no_thp_and_die_with_parent if self.die_with_parent else _no_thp,
+            preexec_fn=prepare,
             start_new_session=True,
         )
 
@@ -208,7 +222,8 @@ class QemuVM:
         await self.qmp.connect(str(cfg.qmp_socket))
         self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
         await self._set_ignore_shared(True)
-        await self.qmp.execute("migrate-incoming", {"uri": f"exec:cat {_quote(state)}"})
+        await self._hand_file("state", state, os.O_RDONLY)
+        await self.qmp.execute("migrate-incoming", {"uri": "fd:state"})
         await self._wait_migration()
         await self.qmp.execute("cont")
         try:
@@ -278,15 +293,35 @@ class QemuVM:
         """
         assert self.qmp is not None
         await self._set_ignore_shared(ignore_shared)
-        await self._migrate(f"exec:cat > {_quote(dest)}")
+        await self._hand_file("state", dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        await self._migrate("fd:state")
 
-    async def migrate_to(self, uri: str) -> None:
-        """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming uri`; the VM is
-        left stopped (`resume()` lets it run on). Callers pause it first: see
-        `snapshot_running` for why."""
+    async def _hand_file(self, name: str, path: Path, flags: int) -> None:
+        """Opens `path` here and hands QEMU the descriptor as `name` (QMP `getfd`): QEMU
+        needs neither the right to open it nor a helper process (its seccomp filter forbids
+        spawning one)."""
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            await self._hand_fd(name, fd)
+        finally:
+            os.close(fd)
+
+    async def _hand_fd(self, name: str, fd: int) -> None:
+        assert self.qmp is not None
+        self.qmp.send_fd_scm(fd)
+        await self.qmp.execute("getfd", {"fdname": name})
+
+    async def migrate_to(self, socket_path: Path) -> None:
+        """Sends the whole VM (RAM included) to a QEMU waiting with `-incoming unix:PATH`;
+        the VM is left stopped (`resume()` lets it run on). Callers pause it first: see
+        `snapshot_running` for why. The daemon connects and hands QEMU the socket: a jailed
+        QEMU cannot see the other's socket path."""
         assert self.qmp is not None
         await self._set_ignore_shared(False)
-        await self._migrate(uri)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(socket_path))
+            await self._hand_fd("migration", conn.fileno())
+        await self._migrate("fd:migration")
 
     async def grow_disk(self, size_mib: int) -> None:
         """Enlarges the root disk (the guest is told at once) and its ext4 file system."""
@@ -441,12 +476,6 @@ UNTHROTTLED = 1 << 40  # bytes per second
 
 def _rotated(log: Path) -> Path:
     return log.with_name(log.name + ".1")
-
-
-def _quote(path: Path) -> str:
-    import shlex
-
-    return shlex.quote(str(path))
 
 
 def pid_alive(pid: int) -> bool:

@@ -23,6 +23,8 @@ from cella.models import (
     ExposedPort,
     FileEntry,
     HeaderRule,
+    KeyRotation,
+    KeyUseInfo,
     LineageNode,
     ProcessInfo,
     ProcessList,
@@ -256,6 +258,11 @@ class AsyncClient:
     async def delete_secret(self, name: str) -> None:
         await self.request("DELETE", f"/v1/secrets/{name}")
 
+    async def rotate_secrets_key(self) -> int:
+        """Seals every secret value under a new key (admin); returns how many."""
+        response = await self.request("POST", "/v1/secrets-key/rotate")
+        return int(KeyRotation.model_validate(response.json()).resealed)
+
     async def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
         response = await self.request("GET", "/v1/capacity")
@@ -343,10 +350,24 @@ class AsyncClient:
 
     # -- keys (admin) ----------------------------------------------------------------------
 
-    async def create_key(self, tenant: str) -> dict[str, Any]:
-        response = await self.request("POST", "/v1/keys", json={"tenant": tenant})
+    async def create_key(self, tenant: str, *, read_only: bool = False) -> dict[str, Any]:
+        """A new key for `tenant` (admin); `read_only` keys may only look (GET, HEAD)."""
+        body = {"tenant": tenant, "read_only": read_only}
+        response = await self.request("POST", "/v1/keys", json=body)
         created: dict[str, Any] = response.json()
         return created
+
+    async def key_uses(
+        self, key_id: str | None = None, tenant: str | None = None, limit: int = 100
+    ) -> builtins.list[KeyUseInfo]:
+        """The audit log of key use, newest first (admin)."""
+        params: dict[str, Any] = {"limit": limit}
+        if key_id is not None:
+            params["key_id"] = key_id
+        if tenant is not None:
+            params["tenant"] = tenant
+        response = await self.request("GET", "/v1/keys/uses", params=params)
+        return [KeyUseInfo.model_validate(u) for u in response.json()]
 
     async def list_keys(self) -> builtins.list[dict[str, Any]]:
         keys: builtins.list[dict[str, Any]] = (await self.request("GET", "/v1/keys")).json()

@@ -24,6 +24,8 @@ from cella.models import (
     ExposedPort,
     FileEntry,
     HeaderRule,
+    KeyRotation,
+    KeyUseInfo,
     LineageNode,
     ProcessInfo,
     ProcessList,
@@ -250,6 +252,11 @@ class Client:
     def delete_secret(self, name: str) -> None:
         self.request("DELETE", f"/v1/secrets/{name}")
 
+    def rotate_secrets_key(self) -> int:
+        """Seals every secret value under a new key (admin); returns how many."""
+        response = self.request("POST", "/v1/secrets-key/rotate")
+        return int(KeyRotation.model_validate(response.json()).resealed)
+
     def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
         response = self.request("GET", "/v1/capacity")
@@ -337,10 +344,24 @@ class Client:
 
     # -- keys (admin) ----------------------------------------------------------------------
 
-    def create_key(self, tenant: str) -> dict[str, Any]:
-        response = self.request("POST", "/v1/keys", json={"tenant": tenant})
+    def create_key(self, tenant: str, *, read_only: bool = False) -> dict[str, Any]:
+        """A new key for `tenant` (admin); `read_only` keys may only look (GET, HEAD)."""
+        body = {"tenant": tenant, "read_only": read_only}
+        response = self.request("POST", "/v1/keys", json=body)
         created: dict[str, Any] = response.json()
         return created
+
+    def key_uses(
+        self, key_id: str | None = None, tenant: str | None = None, limit: int = 100
+    ) -> builtins.list[KeyUseInfo]:
+        """The audit log of key use, newest first (admin)."""
+        params: dict[str, Any] = {"limit": limit}
+        if key_id is not None:
+            params["key_id"] = key_id
+        if tenant is not None:
+            params["tenant"] = tenant
+        response = self.request("GET", "/v1/keys/uses", params=params)
+        return [KeyUseInfo.model_validate(u) for u in response.json()]
 
     def list_keys(self) -> builtins.list[dict[str, Any]]:
         keys: builtins.list[dict[str, Any]] = (self.request("GET", "/v1/keys")).json()

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Query, Response
 from cella.models import (
     EgressDecision,
     EgressLog,
+    KeyRotation,
     NetworkPolicy,
     Sandbox,
     Secret,
@@ -17,6 +18,7 @@ from cella.models import (
 )
 from cella.models.network import SECRET_NAME
 from cella.server.deps import Auth, Service
+from cella.service.keys import require_admin
 
 router = APIRouter(tags=["egress"])
 SecretName = Annotated[str, Path(pattern=SECRET_NAME, description="secret name")]
@@ -52,6 +54,14 @@ async def list_secrets(svc: Service, who: Auth) -> SecretList:
 async def put_secret(name: SecretName, body: SecretPut, svc: Service, who: Auth) -> Secret:
     """Creates or replaces a secret (write-only: the value is never returned)."""
     return Secret.model_validate(svc.egress.put_secret(who.tenant, name, body))
+
+
+@router.post("/v1/secrets-key/rotate", response_model=KeyRotation)
+async def rotate_key(svc: Service, who: Auth) -> KeyRotation:
+    """Seals every secret value under a new key (admin). The old key file is replaced once
+    the database holds only values the new one opens."""
+    require_admin(who, "rotate the secrets key")
+    return KeyRotation(resealed=svc.rotate_secrets_key())
 
 
 @router.get("/v1/secrets/{name}", response_model=Secret)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Annotated
 
-from cella.models import KeyCreate, KeyCreated, KeyInfo
+from fastapi import APIRouter, Query, Response
+
+from cella.models import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.server.deps import Auth, Service
 from cella.service.keys import require_admin
 
@@ -15,8 +17,21 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"])
 async def create_key(body: KeyCreate, svc: Service, who: Auth) -> KeyCreated:
     """Creates a key for a tenant. The key is shown once; only its hash is stored."""
     require_admin(who)
-    key_id, key = svc.keys.create(body.tenant)
-    return KeyCreated(id=key_id, tenant=body.tenant, key=key)
+    key_id, key = svc.keys.create(body.tenant, read_only=body.read_only)
+    return KeyCreated(id=key_id, tenant=body.tenant, key=key, read_only=body.read_only)
+
+
+@router.get("/uses", response_model=list[KeyUseInfo])
+async def key_uses(
+    svc: Service,
+    who: Auth,
+    key_id: str | None = None,
+    tenant: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+) -> list[KeyUseInfo]:
+    """The audit log of key use, newest first (admin): every request a valid key made."""
+    require_admin(who, "read the audit log")
+    return [KeyUseInfo.model_validate(u) for u in svc.store.key_uses(key_id, tenant, limit)]
 
 
 @router.get("", response_model=list[KeyInfo])

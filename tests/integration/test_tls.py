@@ -1,0 +1,99 @@
+"""The API over TLS, and no API in clear beyond loopback: a daemon with a certificate of
+its own, the SDK and plain HTTP clients against it."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from cella import Client
+from tests.daemon import Daemon, free_port, running_daemon
+
+pytestmark = pytest.mark.vm
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cella test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file
+
+
+@pytest.fixture(scope="module")
+def tls_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    base = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed(base)
+    with running_daemon(base / "data", tls_cert=str(cert), tls_key=str(key)) as d:
+        yield d
+
+
+def test_the_api_speaks_tls_only(tls_daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert = str(tls_daemon.data_dir.parent / "cert.pem")
+    trusted = ssl.create_default_context(cafile=cert)
+    auth = {"Authorization": f"Bearer {tls_daemon.admin_key}"}
+    r = httpx2.get(f"{tls_daemon.url}/v1/sandboxes", headers=auth, verify=trusted)
+    assert tls_daemon.url.startswith("https://") and r.status_code == 200
+    with pytest.raises(httpx2.HTTPError):  # the same port in clear: no answer in HTTP
+        httpx2.get(f"http://127.0.0.1:{tls_daemon.port}/v1/health", timeout=5)
+    with pytest.raises(httpx2.HTTPError):  # a client that does not trust the certificate
+        httpx2.get(f"{tls_daemon.url}/v1/health", timeout=5)
+    # the SDK, trusting the certificate the usual way, drives a sandbox
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    with Client(tls_daemon.url, tls_daemon.admin_key) as client, client.create() as sb:
+        assert sb.exec("echo over tls").stdout == b"over tls\n"
+    daemon_file = (tls_daemon.data_dir / "daemon.json").read_text()
+    assert f'"url": "{tls_daemon.url}"' in daemon_file  # local clients find https
+
+
+def test_no_clear_text_api_beyond_loopback(tmp_path: Path) -> None:
+    """Refused before anything is bound (nothing listens beyond loopback in a test); what
+    is let through is in tests/unit/test_settings.py, and the daemons of every other test
+    are the same command on loopback."""
+    serve = [sys.executable, "-m", "cella.cli", "serve", "--data-dir", str(tmp_path)]
+    refused = subprocess.run(
+        [*serve, "--listen", f"0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "not a loopback address" in refused.stderr
+    half = subprocess.run(
+        [*serve, "--listen", f"127.0.0.1:{free_port()}", "--tls-cert", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert half.returncode == 2 and "both tls_cert and tls_key" in half.stderr
