@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx2
 import pytest
 
-from cella import Client, errors
+from cella import Client, Sandbox, errors
 from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
@@ -21,13 +21,17 @@ def bob(admin: Client, daemon: Daemon) -> Client:
     return Client(daemon.url, admin.create_key("bob")["key"])
 
 
-def test_tenants_see_only_their_own_sandboxes(alice: Client, bob: Client) -> None:
+def test_tenants_see_only_their_own_sandboxes(admin: Client, alice: Client, bob: Client) -> None:
     with alice.create(labels={"owner": "alice"}) as sb:
         assert [s.id for s in alice.list()] == [sb.id]
         assert sb.id not in [s.id for s in bob.list()]
+        with pytest.raises(errors.NotFound):
+            bob.get(sb.id)
+        # bob's key aimed straight at alice's sandbox: each call is really sent
+        as_bob = Sandbox(bob, sb.info)
         for attempt in (
-            lambda: bob.get(sb.id),
-            lambda: bob.get(sb.id).exec("true"),
+            lambda: as_bob.exec("touch /tmp/bob-was-here"),
+            lambda: as_bob.files.write("/tmp/bob-was-here", "x"),
         ):
             with pytest.raises(errors.NotFound):
                 attempt()
@@ -40,6 +44,13 @@ def test_tenants_see_only_their_own_sandboxes(alice: Client, bob: Client) -> Non
         ):
             with pytest.raises(errors.NotFound):
                 bob.request(method, f"/v1/sandboxes/{sb.id}{path}")
+        # the exec reached the daemon and was refused there; nothing ran
+        bobs = {(u.method, u.path, u.status) for u in admin.key_uses(tenant="bob")}
+        assert ("POST", f"/v1/sandboxes/{sb.id}/exec", 404) in bobs
+        assert not sb.files.exists("/tmp/bob-was-here")
+        # control: the same call with alice's key runs
+        assert Sandbox(alice, sb.info).exec("touch /tmp/alice-was-here").exit_code == 0
+        assert sb.files.exists("/tmp/alice-was-here")
         assert alice.get(sb.id).state == "running"
     with pytest.raises(errors.Forbidden):
         alice.create_key("mallory")

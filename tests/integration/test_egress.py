@@ -123,46 +123,40 @@ def wait_for(sb: Sandbox, predicate: object, timeout: float = 5.0) -> list[dict[
 
 PROBE = r"""
 import json, socket, sys, urllib.request, urllib.error
-proxy = urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"})
-via_proxy = urllib.request.build_opener(proxy)
+via_proxy = urllib.request.build_opener(
+    urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"}))
 direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 out = {}
-def http(name, opener, url):
+def http(name, opener, url, headers=None):
     try:
-        r = opener.open(url, timeout=5)
-        out[name] = f"open {r.status} {r.read(200)!r}"
+        r = opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10)
+        out[name] = f"open {r.status} {r.read(300)!r}"
     except urllib.error.HTTPError as e:
-        out[name] = f"denied {e.code} {e.read(200)!r}"
+        out[name] = f"denied {e.code} {e.read(300)!r}"
     except Exception as e:
         out[name] = f"blocked {type(e).__name__}: {e}"
-def tcp(name, family, addr):
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.settimeout(3)
+def tcp(name, host, port):
     try:
-        s.connect(addr)
+        socket.create_connection((host, port), timeout=3).close()
         out[name] = "open"
     except Exception as e:
         out[name] = f"blocked {type(e).__name__}: {e}"
-    finally:
-        s.close()
-def udp(name, addr):
+def udp(name, host, port):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(1.5)
     try:
         query = b"\x12\x34\x01\x00\x00\x01" + bytes(6) + b"\x03web\x04test\x00\x00\x01\x00\x01"
-        s.sendto(query, addr)
+        s.sendto(query, (host, port))
         out[name] = f"open {s.recv(512)!r}"
     except Exception as e:
         out[name] = f"blocked {type(e).__name__}: {e}"
     finally:
         s.close()
-for name, target in json.loads(sys.argv[1]).items():
-    kind, *args = target
-    if kind == "proxy": http(name, via_proxy, args[0])
-    elif kind == "direct": http(name, direct, args[0])
-    elif kind == "tcp": tcp(name, socket.AF_INET, (args[0], args[1]))
-    elif kind == "tcp6": tcp(name, socket.AF_INET6, (args[0], args[1]))
-    elif kind == "udp": udp(name, (args[0], args[1]))
+for name, (kind, *args) in json.loads(sys.argv[1]).items():
+    if kind == "proxy": http(name, via_proxy, *args)
+    elif kind == "direct": http(name, direct, *args)
+    elif kind == "tcp": tcp(name, *args)
+    elif kind == "udp": udp(name, *args)
 print(json.dumps(out))
 """
 
@@ -177,50 +171,77 @@ def probe(sb: Sandbox, targets: dict[str, list[object]]) -> dict[str, str]:
 
 
 def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: Daemon) -> None:
+    """Every way out of a sandbox without rules is refused by the proxy itself, and the
+    guest has no other door; the control is a sandbox whose rules open exactly these paths,
+    running the same probes, which get through."""
     api_port = int(egress_daemon.url.rsplit(":", 1)[1])
     neighbour = client.create()
-    victim = client.create()
+    victim = client.create()  # no rules: default deny
+    control = client.create(
+        allow=[
+            "web.test",
+            f"{net.web}/32:80",
+            f"127.0.0.1/32:{api_port}",
+            f"[::ffff:127.0.0.1/128]:{api_port}",
+        ]
+    )
     try:
-        # a neighbour serving a marker on its own port: nothing else can reach it
-        neighbour.exec("mkdir -p /srv && echo neighbour-marker > /srv/m && cd /srv && "
-                       "(python3 -m http.server 8000 >/dev/null 2>&1 &)")  # fmt: skip
-        targets: dict[str, list[object]] = {
+        serve = "python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1"
+        neighbour.exec(f"mkdir -p /srv && echo neighbour-marker > /srv/m && cd /srv && ({serve} &)")
+        ready = "import socket; socket.create_connection(('127.0.0.1', 8000), timeout=1)"
+        for _ in range(100):
+            if neighbour.exec(["python3", "-c", ready]).exit_code == 0:
+                break
+            time.sleep(0.2)
+        exposed = neighbour.expose(8000, expires_in_seconds=600)
+        through_proxy: dict[str, list[object]] = {
             "domain via proxy": ["proxy", "http://web.test/"],
             "domain transparently": ["direct", "http://web.test/"],
-            "host API via proxy": ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
-            "host API at the gateway": ["tcp", "10.0.2.2", api_port],
             "host service by its address": ["proxy", f"http://{net.web}/"],
-            "gateway": ["tcp", "10.0.2.2", 80],
-            "slirp DNS over TCP": ["tcp", "10.0.2.3", 53],
-            "metadata": ["tcp", "169.254.169.254", 80],
-            "metadata via proxy": ["proxy", "http://169.254.169.254/latest/meta-data/"],
-            "other sandbox": ["tcp", "10.0.2.16", 8000],
-            "other sandbox via proxy": ["proxy", "http://10.0.2.15:8000/m"],
-            "a public address": ["tcp", "192.0.2.10", 443],
-            "unforwarded port of the proxy address": ["tcp", "10.0.2.100", 22],
-            "udp to slirp DNS": ["udp", "10.0.2.3", 53],
-            "udp to the gateway": ["udp", "10.0.2.2", 53],
-            "udp to a public address": ["udp", "192.0.2.10", 53],
-            "ipv6": ["tcp6", "2001:db8::1", 80],
-            "ipv6 loopback of the host": ["tcp6", "::ffff:10.0.2.2", 80],
+            "host API via proxy": ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
+            "host API as IPv4-mapped IPv6": [
+                "proxy",
+                f"http://[::ffff:127.0.0.1]:{api_port}/v1/health",
+            ],
+            "neighbour's server by its service URL": [
+                "proxy",
+                f"{exposed.url}/m",
+                {"X-Cella-Service-Token": exposed.token},
+            ],
         }
-        outcome = probe(victim, targets)
-        print(json.dumps(outcome, indent=1))  # the list of attempts and what happened
-        for name, result in outcome.items():
-            assert result.startswith(("blocked", "denied 403")), (name, result)
-        assert "neighbour-marker" not in json.dumps(outcome)
+        # no other door in the guest: (probe, control on the same kind of socket)
+        local = {
+            "unserved TCP port of the egress address": (
+                ["tcp", "10.0.2.100", 22],
+                ["tcp", "10.0.2.100", 3128],
+            ),
+            "UDP to the egress address": (["udp", "10.0.2.100", 53], ["udp", "127.0.0.53", 53]),
+        }
+        before = len(net.web_seen.requests)
+        refused = probe(victim, through_proxy | {k: v[0] for k, v in local.items()})
+        print(json.dumps(refused, indent=1))
+        for name in through_proxy:
+            assert refused[name].startswith("denied 403"), (name, refused[name])
+            assert "cella egress" in refused[name], (name, refused[name])
+        for name in local:
+            assert refused[name].startswith("blocked"), (name, refused[name])
+        assert len(net.web_seen.requests) == before  # nothing reached a server
+        opened = probe(control, through_proxy | {k: v[1] for k, v in local.items()})
+        print(json.dumps(opened, indent=1))
+        for name, result in opened.items():
+            assert result.startswith("open"), (name, result)
+        assert "neighbour-marker" in opened["neighbour's server by its service URL"]
+        assert len(net.web_seen.requests) == before + 3
         assert sh(neighbour, "cat /srv/m")[1].strip() == "neighbour-marker"
-        log = wait_for(victim, lambda d: d["host"] == "169.254.169.254")
+        log = wait_for(victim, lambda d: d["host"] == "127.0.0.1" and d["port"] == api_port)
         denied = {(d["host"], d["port"]): d["reason"] for d in log if not d["allowed"]}
         assert denied[("web.test", 80)] == "no rule allows it"
         assert "address rule" in str(denied[(net.web, 80)])
         assert ("127.0.0.1", api_port) in denied
-        assert ("169.254.169.254", 80) in denied
         assert not any(d["allowed"] for d in log)
-        assert net.web_seen.requests == []  # nothing reached the server
     finally:
-        neighbour.delete()
-        victim.delete()
+        for sb in (neighbour, victim, control):
+            sb.delete()
 
 
 def test_allowed_domain_via_proxy_and_transparently(client: Client, net: Net) -> None:

@@ -5,6 +5,7 @@ microVMs in tests/integration.)"""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,8 +16,10 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.models import ExecRequest, SandboxCreate, SandboxState
 from cella.service.daemon import Daemon
+from cella.service.lifecycle import POOLED_SHAPE
 from cella.service.reaper import due
 from cella.service.recovery import plan
+from cella.service.warm import Shape
 from cella.store import SandboxRecord, Store
 from tests.unit.fake_runtime import FakeDriver, FakeVM
 
@@ -376,3 +379,37 @@ async def test_names_are_unique_and_exec_defaults_apply(daemon: Daemon) -> None:
     stopped = await daemon.lifecycle.stop("t", row.id)
     assert stopped.stopped_at is not None
     assert (await daemon.lifecycle.resume("t", row.id)).stopped_at is None
+
+
+async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path: Path) -> None:
+    """The pool fill gave its VM a clock and a seed already; a claim must send its own (no
+    test on real VMs can tell the two apart), and so must a fork."""
+    settings = DaemonSettings(
+        data_dir=tmp_path,
+        image_dir=tmp_path / "images",
+        pool_size=1,
+        max_host_memory_mib=4096,
+        max_host_vcpus=8,
+    )
+    driver = FakeDriver(tmp_path)
+    d = Daemon(settings, Store(tmp_path / "cella.db"), driver)
+    try:
+        await d.pool.fill(Shape("default", *POOLED_SHAPE), timeout=10)
+        (pooled,) = driver.vms
+        filled = dict(pooled.agent.identity)
+        assert filled["hostname"] == "pool" and filled["time_ns"] and filled["seed"]  # control
+        claimed_at = time.time_ns()
+        row = await d.lifecycle.create("t", SandboxCreate())
+        assert row.created_from == "pool" and fake_vm(d, row.id) is pooled
+        claimed = pooled.agent.identity  # the last call's fields only
+        assert claimed["hostname"] == row.id
+        assert claimed.get("time_ns", 0) >= claimed_at  # the claim's clock, not the fill's
+        assert len(claimed.get("seed", b"")) >= 32 and claimed["seed"] != filled["seed"]
+        (branch,) = await d.snapshots.fork("t", row.id, 1)
+        forked = fake_vm(d, branch.id).agent.identity
+        assert forked.get("time_ns", 0) >= claimed["time_ns"]
+        assert len(forked.get("seed", b"")) >= 32 and forked["seed"] != claimed["seed"]
+    finally:
+        await d.pool.close()
+        await d.registry.detach_all()
+        d.store.close()
