@@ -301,6 +301,13 @@ def test_secrets_are_kept_on_every_node(fleet: Fleet, tenant: httpx2.Client) -> 
     assert value not in listed.text and value not in tenant.get("/v1/secrets/api").text
     assert all(node_has_secret(fleet, n, "acme", "api") for n in NODES)
     assert not node_has_secret(fleet, NODES[0], "umbrella", "api")  # the tenant's only
+    # one rotation seals the gateway's copy and every node's under new keys
+    keys = {n: (fleet.node_root / n / "secrets.key").read_bytes() for n in NODES}
+    rotated = fleet.admin.post("/v1/secrets-key/rotate")
+    assert rotated.status_code == 200 and rotated.json()["resealed"] >= 2, rotated.text
+    assert all((fleet.node_root / n / "secrets.key").read_bytes() != keys[n] for n in NODES)
+    assert tenant.post("/v1/secrets-key/rotate").status_code == 403  # admin only
+    assert all(node_has_secret(fleet, n, "acme", "api") for n in NODES)
     made = [create(tenant, secrets={"API_TOKEN": "api"}) for _ in NODES]
     assert sorted(fleet.node_of(str(m["id"])) for m in made) == sorted(NODES)
     for m in made:

@@ -266,6 +266,79 @@ def _link(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
     return info, None
 
 
+def _special(name: str, kind: bytes, target: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    info.devmajor, info.devminor = 1, 3  # for a device node: what /dev/null is
+    return info, None
+
+
+# a tar of the guest's own, first in PATH: `tar -c -C /workspace/NAME .` (what the agent runs
+# for a download) hands out /crafted/NAME.tar instead
+TAR_SHIM = """#!/bin/sh
+if [ "$1" = "-c" ]; then exec cat "/crafted/$(basename "$3").tar"; fi
+exec /usr/bin/tar "$@"
+"""
+
+
+def test_a_guest_crafted_archive_lands_nothing_outside(
+    client: Client, hard: Daemon, tmp_path: Path
+) -> None:
+    """The guest decides what a download holds. `cella sandbox cp` out of it: `..`, an
+    absolute path, a symlink then a write through it, a hard link to a host file and a
+    device node land nothing outside the destination; the control is a plain archive,
+    handed out the same way, that is copied."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("host file\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    crafted = {
+        "plain": _tar([_file("fine.txt", b"ok")]),
+        "dotdot": _tar([_file("../../escaped-dotdot", b"x")]),
+        "absolute": _tar([_file(f"{outside}/escaped-absolute", b"x")]),
+        "symlink": _tar([_link("out", str(outside)), _file("out/escaped-through-link", b"x")]),
+        "hardlink": _tar([_special("hl", tarfile.LNKTYPE, str(victim))]),
+        "device": _tar([_special("null0", tarfile.CHRTYPE)]),
+    }
+    with client.create() as sb:
+        for name, archive in crafted.items():
+            sb.files.write(f"/crafted/{name}.tar", archive)
+        sb.files.write("/usr/local/bin/tar", TAR_SHIM)
+        code, out = sh(
+            sb,
+            "chmod 755 /usr/local/bin/tar && mkdir -p /workspace/" + " /workspace/".join(crafted),
+        )
+        assert code == 0, out
+
+        def cp_out(name: str) -> subprocess.CompletedProcess[str]:
+            dest = tmp_path / "dest" / name
+            return subprocess.run(
+                [sys.executable, "-m", "cella.cli", "sandbox", "cp", f"{sb.id}:/workspace/{name}",
+                 str(dest)],
+                env=hard.env(None), capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+
+        plain = cp_out("plain")  # control: the shim's archive is what cp receives
+        assert plain.returncode == 0, plain.stderr
+        assert (tmp_path / "dest" / "plain" / "fine.txt").read_text() == "ok"
+        results = {name: cp_out(name) for name in crafted if name != "plain"}
+        print({n: (r.returncode, r.stderr.strip()[-200:]) for n, r in results.items()})
+        for name in ("dotdot", "symlink", "hardlink", "device"):
+            assert results[name].returncode != 0, (name, results[name].stdout)
+        # nothing outside: not next to the destination, not in the linked directory, the
+        # host file untouched and not linked into the copy
+        assert not (tmp_path / "escaped-dotdot").exists()
+        assert not (tmp_path / "dest" / "escaped-dotdot").exists()
+        assert sorted(p.name for p in outside.iterdir()) == []
+        assert victim.read_text() == "host file\n" and victim.stat().st_nlink == 1
+        assert not any(p.is_char_device() for p in (tmp_path / "dest").rglob("*"))
+        # an absolute member is taken as relative: inside the destination, or refused
+        absolute = results["absolute"]
+        inside = tmp_path / "dest" / "absolute" / str(outside).lstrip("/") / "escaped-absolute"
+        assert absolute.returncode != 0 or inside.exists(), absolute.stderr
+
+
 def test_hostile_archives_and_uploads(client: Client, hard: Daemon, tmp_path: Path) -> None:
     with client.create() as sb:
         attempts = {

@@ -22,7 +22,7 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.gateway import Gateway
 from cella.fleet.nodes import Node
-from cella.models import Capacity, ForkRequest
+from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.deps import Auth, principal
@@ -69,6 +69,9 @@ def create_gateway_app(
     app.state.settings = settings
     app.state.daemon = gateway  # what the shared routes' dependencies read: `.keys`
     install_error_handlers(app)
+    from cella.server.audit import AuditKeyUse
+
+    app.add_middleware(AuditKeyUse, keep=settings.audit_keep)  # the gateway's own keys
     app.include_router(keys.router)
     app.include_router(router(gateway))
     from cella.fleet import langsmith
@@ -230,6 +233,12 @@ def router(gateway: Gateway) -> APIRouter:
     async def delete_secret(name: SecretName, who: Auth) -> Response:
         await gateway.delete_secret(who, name)
         return Response(status_code=204)
+
+    @api.post("/v1/secrets-key/rotate", response_model=KeyRotation, tags=["egress"])
+    async def rotate_key(who: Auth) -> KeyRotation:
+        """The gateway's secrets key and every node's, each sealing its own copy (admin)."""
+        require_admin(who, "rotate the secrets key")
+        return KeyRotation(resealed=await gateway.rotate_secrets_key())
 
     @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
     async def anywhere(rest: str, request: Request, who: Auth) -> Response:

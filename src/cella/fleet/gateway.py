@@ -31,6 +31,7 @@ from cella.models.network import SecretPut
 from cella.server.app import describe
 from cella.service.keys import Keys, Principal
 from cella.store import SecretRecord, Store
+from cella.store.sealing import seal_store
 
 log = logging.getLogger("cella.fleet")
 POLL_SECONDS = 1.0
@@ -45,6 +46,11 @@ class Gateway:
         root = settings.data_dir
         root.mkdir(parents=True, exist_ok=True)
         self.store = Store(root / "gateway.db")
+        self.secrets_key = seal_store(
+            self.store,
+            settings.secrets_key_file or root / "secrets.key",
+            settings.secrets_key_command,
+        )
         self.keys = Keys(self.store)
         self.keys.ensure_admin_key(root)
         self.placements = Placements(root / "placements.db")
@@ -135,6 +141,20 @@ class Gateway:
         node.healthy, node.reason = False, f"{reason} at {when}"
         count = self.placements.lose(node.name, node.reason)
         log.warning("%s; %d sandboxes lost", node.reason, count)
+
+    async def rotate_secrets_key(self) -> int:
+        """A new key for the gateway's copy of the secrets, and for every node's; returns
+        how many values the gateway resealed. A node that does not answer is an error (its
+        old key would hold on)."""
+        if self.secrets_key is None:
+            raise errors.InvalidArgument(
+                "the secrets key comes from secrets_key_command: rotate it there"
+            )
+        resealed: list[int] = []
+        self.secrets_key.rotate(lambda new: resealed.append(self.store.reseal(new)))
+        for node in self.healthy():
+            await node.json("POST", "/v1/secrets-key/rotate")
+        return resealed[0]
 
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.healthy]

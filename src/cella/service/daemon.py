@@ -38,7 +38,7 @@ from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.store import SandboxRecord, Store
-from cella.store.sealing import KeyFile, key_from_command
+from cella.store.sealing import KeyFile, seal_store
 from cella.telemetry.events import EventLog
 
 log = logging.getLogger("cella.daemon")
@@ -102,12 +102,11 @@ class Daemon:
             if fixed := owner_only(tree, vm_group):
                 log.info("%s: took group/other access off %d entries", tree, fixed)
         store = Store(paths.root / "cella.db")
-        key_file = None
-        if settings.secrets_key_command:
-            store.seal_with(key_from_command(settings.secrets_key_command))
-        else:
-            key_file = KeyFile(settings.secrets_key_file or paths.root / "secrets.key")
-            store.seal_with(key_file.load(store.opens_with))
+        key_file = seal_store(
+            store,
+            settings.secrets_key_file or paths.root / "secrets.key",
+            settings.secrets_key_command,
+        )
         driver = QemuDriver(
             paths,
             settings.accel,

@@ -17,11 +17,15 @@ import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cella import errors
+
+if TYPE_CHECKING:
+    from cella.store.db import Store
 
 PREFIX = "sealed:v1:"
 KEY_BYTES = 32
@@ -84,6 +88,17 @@ class KeyFile:
         _write_private(self.next, key)
         reseal(Sealer(key))  # one transaction: every value under the new key, or none
         self.next.replace(self.path)
+
+
+def seal_store(store: Store, key_file: Path, command: str | None) -> KeyFile | None:
+    """Seals `store`'s secrets under the configured key: from `command` if given, else from
+    `key_file` (made on first use). Returns the key file (None: the command's key)."""
+    if command:
+        store.seal_with(key_from_command(command))
+        return None
+    keys = KeyFile(key_file)
+    store.seal_with(keys.load(store.opens_with))
+    return keys
 
 
 def key_from_command(command: str) -> Sealer:
