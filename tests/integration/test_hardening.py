@@ -302,6 +302,7 @@ def test_a_guest_crafted_archive_lands_nothing_outside(
         "device": _tar([_special("null0", tarfile.CHRTYPE)]),
     }
     with client.create() as sb:
+        assert sh(sb, "mkdir -p /crafted")[0] == 0
         for name, archive in crafted.items():
             sb.files.write(f"/crafted/{name}.tar", archive)
         sb.files.write("/usr/local/bin/tar", TAR_SHIM)
