@@ -222,8 +222,12 @@ def cp(src: str, dst: str) -> None:
             sb = client.get(down[0])
             if sb.files.stat(down[1]).kind == "dir":
                 archive = sb.files.download_archive(down[1])
-                with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-                    tar.extractall(dst, filter="data")
+                try:
+                    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                        tar.extractall(dst, filter="data")
+                except tarfile.TarError as exc:  # what the guest sent is its to decide
+                    typer.echo(f"cella: refused the archive of {src}: {exc}", err=True)
+                    raise typer.Exit(1) from None
             else:
                 with open(dst, "wb") as f:
                     for chunk in sb.files.read_stream(down[1]):
