@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import tempfile
 import time
@@ -25,6 +24,7 @@ from cella.config import DaemonSettings
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.jail import jail_ids
+from tests.conftest import qemu_of
 from tests.daemon import Daemon, kill_vms_of
 
 
@@ -52,18 +52,6 @@ def pss_kib(pid: int) -> int:
 def disk_kib(path: Path) -> int:
     out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True).stdout
     return int(out.split()[0])
-
-
-def qemu_pid(d: Daemon, sandbox_id: str) -> int:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if cmd.startswith(b"qemu-system") and f"/vms/{sandbox_id}/".encode() in cmd:
-                return int(entry)
-    raise LookupError(sandbox_id)
 
 
 def timed(fn: Any) -> tuple[float, Any]:
@@ -110,7 +98,7 @@ def measure(creates: int, forks: int) -> dict[str, dict[str, Any]]:
                 "target": "<=150",
             }
             time.sleep(2)  # let the branches settle idle
-            pss = [pss_kib(qemu_pid(plain, b.id)) for b in branches]
+            pss = [pss_kib(qemu_of(b.id)) for b in branches]
             disk = [disk_kib(plain.data_dir / "vms" / b.id) for b in branches]
             rows["  PSS per idle branch (MiB)"] = {
                 "n": len(pss),

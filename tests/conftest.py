@@ -45,3 +45,15 @@ def qemu_pids() -> set[int]:
             except OSError:
                 continue
     return pids
+
+
+def qemu_of(sandbox_id: str) -> int:
+    """The pid of a sandbox's QEMU."""
+    for pid in qemu_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"/vms/{sandbox_id}/".encode() in f.read():
+                    return pid
+        except OSError:
+            continue
+    raise LookupError(f"no QEMU for {sandbox_id}")

@@ -18,6 +18,7 @@ from cella import Client, Sandbox
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.jail import JailIds
+from tests.conftest import qemu_of
 from tests.daemon import Daemon, running_daemon
 
 pytestmark = [pytest.mark.vm, pytest.mark.hardening]
@@ -45,18 +46,6 @@ def pair(client: Client) -> Iterator[tuple[Sandbox, Sandbox]]:
     b.delete()
 
 
-def qemu_pid(sandbox_id: str) -> int:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if cmd.startswith(b"qemu-system") and f"/vms/{sandbox_id}/".encode() in cmd:
-                return int(entry)
-    raise AssertionError(f"no QEMU for {sandbox_id}")
-
-
 def status(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
@@ -82,7 +71,7 @@ def in_jail(pid: int, *argv: str) -> subprocess.CompletedProcess[str]:
 def test_each_qemu_runs_as_its_own_user_without_privileges(
     pair: tuple[Sandbox, Sandbox],
 ) -> None:
-    pids = [qemu_pid(sb.id) for sb in pair]
+    pids = [qemu_of(sb.id) for sb in pair]
     uids = []
     for pid in pids:
         st = status(pid)
@@ -98,7 +87,7 @@ def test_each_qemu_runs_as_its_own_user_without_privileges(
 
 def test_a_jail_holds_only_its_own_files(daemon: Daemon, pair: tuple[Sandbox, Sandbox]) -> None:
     a, b = pair
-    root = Path(f"/proc/{qemu_pid(a.id)}/root")
+    root = Path(f"/proc/{qemu_of(a.id)}/root")
     data = Path(str(daemon.data_dir).lstrip("/"))
     seen = {p.relative_to(root / data) for p in (root / data).rglob("*")}
     own = Path("vms") / a.id
@@ -115,7 +104,7 @@ def test_a_helper_in_the_jail_reads_nothing_else(
     daemon: Daemon, pair: tuple[Sandbox, Sandbox]
 ) -> None:
     a, b = pair
-    pid = qemu_pid(a.id)
+    pid = qemu_of(a.id)
     vms = daemon.data_dir / "vms"
     control = in_jail(pid, "head", "-c", "3", str(vms / a.id / "disk.qcow2"))
     assert control.returncode == 0 and control.stdout.startswith("QFI"), control.stderr
