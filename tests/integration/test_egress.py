@@ -18,6 +18,7 @@ import pytest
 
 from cella import Client, Sandbox
 from tests.daemon import Daemon, running_daemon
+from tests.integration.test_hardening import serve_marker
 from tests.netservers import EchoHandler, GitHandler, Recorder, Servers, TestCA, free_loopback_block
 
 pytestmark = pytest.mark.vm
@@ -186,13 +187,7 @@ def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: 
         ]
     )
     try:
-        serve = "python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1"
-        neighbour.exec(f"mkdir -p /srv && echo neighbour-marker > /srv/m && cd /srv && ({serve} &)")
-        ready = "import socket; socket.create_connection(('127.0.0.1', 8000), timeout=1)"
-        for _ in range(100):
-            if neighbour.exec(["python3", "-c", ready]).exit_code == 0:
-                break
-            time.sleep(0.2)
+        serve_marker(neighbour)
         exposed = neighbour.expose(8000, expires_in_seconds=600)
         through_proxy: dict[str, list[object]] = {
             "domain via proxy": ["proxy", "http://web.test/"],

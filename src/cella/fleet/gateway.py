@@ -30,7 +30,7 @@ from cella.models.fleet import FleetNode, FleetStatus
 from cella.models.network import SecretPut
 from cella.server.app import describe
 from cella.service.keys import Keys, Principal
-from cella.store import SecretRecord, Store
+from cella.store import SecretRecord, Store, sealing
 from cella.store.sealing import seal_store
 
 log = logging.getLogger("cella.fleet")
@@ -146,15 +146,10 @@ class Gateway:
         """A new key for the gateway's copy of the secrets, and for every node's; returns
         how many values the gateway resealed. A node that does not answer is an error (its
         old key would hold on)."""
-        if self.secrets_key is None:
-            raise errors.InvalidArgument(
-                "the secrets key comes from secrets_key_command: rotate it there"
-            )
-        resealed: list[int] = []
-        self.secrets_key.rotate(lambda new: resealed.append(self.store.reseal(new)))
+        resealed = sealing.rotate(self.secrets_key, self.store)
         for node in self.healthy():
             await node.json("POST", "/v1/secrets-key/rotate")
-        return resealed[0]
+        return resealed
 
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.healthy]

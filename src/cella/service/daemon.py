@@ -37,7 +37,7 @@ from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
-from cella.store import SandboxRecord, Store
+from cella.store import SandboxRecord, Store, sealing
 from cella.store.sealing import KeyFile, seal_store
 from cella.telemetry.events import EventLog
 
@@ -121,14 +121,9 @@ class Daemon:
 
     def rotate_secrets_key(self) -> int:
         """Seals every secret value under a new key; returns how many were resealed."""
-        if self.secrets_key is None:
-            raise errors.InvalidArgument(
-                "the secrets key comes from secrets_key_command: rotate it there"
-            )
-        resealed: list[int] = []
-        self.secrets_key.rotate(lambda new: resealed.append(self.store.reseal(new)))
-        log.info("secrets key rotated; %d values resealed", resealed[0])
-        return resealed[0]
+        resealed = sealing.rotate(self.secrets_key, self.store)
+        log.info("secrets key rotated; %d values resealed", resealed)
+        return resealed
 
     async def start(self) -> None:
         """Recovers what the last daemon left, starts the egress proxy, makes sure the

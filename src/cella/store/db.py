@@ -26,6 +26,8 @@ from cella.store.records import (
 )
 from cella.store.sealing import Sealer
 
+AUDIT_TRIM_EVERY = 1000
+
 
 def now() -> str:
     return datetime.now(UTC).isoformat()
@@ -74,7 +76,8 @@ class Store:
         )
 
     def add_key_uses(self, uses: Iterable[KeyUse], keep: int) -> None:
-        """Appends to the audit log of key use, keeping the newest `keep` entries."""
+        """Appends to the audit log of key use, keeping the newest `keep` entries (trimmed
+        once every `AUDIT_TRIM_EVERY` entries: every request writes here)."""
         rows = [(u.key_id, u.tenant, u.at, u.method, u.path, u.status, u.client) for u in uses]
         if not rows:
             return
@@ -84,9 +87,9 @@ class Store:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
-            self._db.execute(
-                "DELETE FROM key_uses WHERE id <= (SELECT MAX(id) FROM key_uses) - ?", (keep,)
-            )
+            last = self._db.execute("SELECT MAX(id) FROM key_uses").fetchone()[0]
+            if last // AUDIT_TRIM_EVERY != (last - len(rows)) // AUDIT_TRIM_EVERY:
+                self._db.execute("DELETE FROM key_uses WHERE id <= ?", (last - keep,))
 
     def key_uses(self, key_id: str | None, tenant: str | None, limit: int) -> list[KeyUse]:
         """The newest uses, newest first, of one key or one tenant's keys (or all)."""

@@ -83,11 +83,22 @@ class KeyFile:
             _write_private(self.path, new_key())
         return Sealer(self.path.read_bytes())
 
-    def rotate(self, reseal: Callable[[Sealer], None]) -> None:
+    def rotate(self, store: Store) -> int:
+        """Every value of `store` under a new key; returns how many."""
         key = new_key()
         _write_private(self.next, key)
-        reseal(Sealer(key))  # one transaction: every value under the new key, or none
+        resealed = store.reseal(Sealer(key))  # one transaction: all under the new key, or none
         self.next.replace(self.path)
+        return resealed
+
+
+def rotate(keys: KeyFile | None, store: Store) -> int:
+    """`cella secret rotate-key` for a daemon or a gateway holding `store`."""
+    if keys is None:
+        raise errors.InvalidArgument(
+            "the secrets key comes from secrets_key_command: rotate it there"
+        )
+    return keys.rotate(store)
 
 
 def seal_store(store: Store, key_file: Path, command: str | None) -> KeyFile | None:

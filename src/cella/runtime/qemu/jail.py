@@ -73,7 +73,6 @@ class Jail:
     def __init__(self, jailer: Path, ids: JailIds, accel: str) -> None:
         self.jailer = jailer
         self.ids = ids
-        self.accel = accel
         self._kvm_gid = _group_id("kvm") if accel == "kvm" else None
         self._held: dict[str, int] = {}  # VM name -> uid
         self._lock = threading.Lock()
