@@ -220,6 +220,7 @@ class FakeDriver:
         self.vms: list[FakeVM] = []
         # VM processes that outlived a daemon: pid -> directory (for adopt and strays)
         self.orphans: dict[int, Path] = {}
+        self.flattened: list[str] = []  # snapshots flatten() was asked for
         self.killed: list[int] = []
 
     @property
@@ -295,6 +296,10 @@ class FakeDriver:
         self, vm: Any, dest: SnapshotDir, **meta: Any
     ) -> tuple[dict[str, Any], float]:
         return self._seal(dest, {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}), 0.001
+
+    async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:
+        self.flattened.append(snap.path.name)
+        return snap.manifest()
 
     def stray_pids(self, keep: set[int], directory: Path | None = None) -> list[int]:
         return [

@@ -221,6 +221,10 @@ class Driver(Protocol):
         self, vm: VM, dest: SnapshotDir, **meta: Any
     ) -> tuple[dict[str, Any], float]: ...
 
+    async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:
+        """A layered snapshot (`SnapshotDir.is_layered`) made whole; others as they are."""
+        ...
+
     def stray_pids(self, keep: set[int], directory: Path | None = None) -> list[int]:
         """VM processes of this data directory (or of one VM directory) nobody owns."""
         ...

@@ -6,6 +6,11 @@ tag points at one snapshot of a name and moves, as Docker's do; `name:tag`, a ba
 an id resolve to a snapshot), the free-space check before a snapshot and the `no_space`
 answer when the disk fills during one, fork admission, sandboxes booted from a snapshot, and
 the refcount that keeps a snapshot while sandboxes or snapshots are built on it.
+
+A snapshot of a sandbox restored from a snapshot starts as a RAM layer over its base
+(only the pages the sandbox wrote; the pause is short) and is flattened in the background;
+a fork of several branches and a move to another node wait for the flat RAM file, which
+their VMs share.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -31,6 +37,7 @@ from cella.store import SandboxRecord, SecretRef, SnapshotRecord
 
 S = SandboxState
 FORK_PARALLEL = 4  # restores at once: more only queue for the same cores
+log = logging.getLogger("cella.snapshots")
 
 
 class Snapshots:
@@ -41,6 +48,7 @@ class Snapshots:
         self.events = registry.events
         self.admission = admission
         self.lifecycle = lifecycle
+        self._flattening: dict[str, asyncio.Task[None]] = {}
 
     @property
     def root(self) -> Path:
@@ -124,6 +132,8 @@ class Snapshots:
                 size_bytes=sum(manifest["bytes"].values()),
                 paused_ms=paused_ms,
             )
+            if dest.is_layered(manifest):
+                self._flatten_soon(record.id)
             if tag:
                 self.store.set_tag(tenant, name, tag, record.id)
             self.events.emit(
@@ -152,7 +162,34 @@ class Snapshots:
     async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[SandboxRecord]:
         """Snapshots a running sandbox once, then restores `count` branches from it."""
         snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
+        if count > 1:  # one shared RAM file beats a copy of the layer in every branch
+            await self.flat(snap.id)
         return await self.fork_snapshot(tenant, snap.id, count)
+
+    def _flatten_soon(self, snapshot_id: str) -> None:
+        if snapshot_id not in self._flattening:
+            task = asyncio.create_task(self._flatten(snapshot_id), name=f"flatten-{snapshot_id}")
+            self._flattening[snapshot_id] = task
+            task.add_done_callback(lambda _: self._flattening.pop(snapshot_id, None))
+
+    async def _flatten(self, snapshot_id: str) -> None:
+        try:
+            manifest = await self.driver.flatten(SnapshotDir(self.root / snapshot_id))
+        except Exception:
+            # still whole as a layer: restores work as before, a later flat() tries again
+            log.exception("flattening snapshot %s failed", snapshot_id)
+            return
+        self.store.update_snapshot(snapshot_id, size_bytes=sum(manifest["bytes"].values()))
+
+    async def flat(self, snapshot_id: str) -> None:
+        """Waits until the snapshot has a RAM file of its own (a layer flattened)."""
+        snap = SnapshotDir(self.root / snapshot_id)
+        if snap.exists() and snap.is_layered():
+            self._flatten_soon(snapshot_id)
+        if task := self._flattening.get(snapshot_id):
+            await asyncio.shield(task)
+        if snap.exists() and snap.is_layered():
+            raise errors.SnapshotCorrupt(f"snapshot {snapshot_id} could not be flattened")
 
     async def boot(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
         """A new sandbox from `spec.snapshot` (its files, memory and processes), made as
@@ -252,13 +289,23 @@ class Snapshots:
 
     # -- moving snapshots between the nodes of a fleet -------------------------------------
 
-    def export(self, snapshot_id: str) -> SnapshotExport:
-        """What another node needs to take this snapshot in (any tenant's: nodes ask)."""
+    async def export(self, snapshot_id: str) -> SnapshotExport:
+        """What another node needs to take this snapshot in (any tenant's: nodes ask); a
+        layered snapshot is flattened first (nodes move whole RAM files)."""
+        self._ready(snapshot_id)
+        await self.flat(snapshot_id)
+        return self._export(snapshot_id)
+
+    def _ready(self, snapshot_id: str) -> SnapshotRecord:
         row = self.store.get_snapshot(snapshot_id)
         if row is None or row.state == SnapshotState.deleted:
             raise errors.NotFound(f"no snapshot {snapshot_id!r}")
         if row.state != SnapshotState.ready:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {row.state}")
+        return row
+
+    def _export(self, snapshot_id: str) -> SnapshotExport:
+        row = self._ready(snapshot_id)
         snap = SnapshotDir(self.root / snapshot_id)
         spec, secrets = self._source_of(row)
         backing = backing_file(snap.disk)
@@ -279,8 +326,8 @@ class Snapshots:
 
     def file(self, snapshot_id: str, name: str) -> Path:
         """One of a ready snapshot's files, to send to another node."""
-        self.export(snapshot_id)  # exists and is ready
-        if name not in (*FILES, "manifest.json"):
+        self._ready(snapshot_id)
+        if name not in (*SnapshotDir(self.root / snapshot_id).files(), "manifest.json"):
             raise errors.NotFound(f"a snapshot has no file {name!r}")
         return SnapshotDir(self.root / snapshot_id).path / name
 
@@ -371,6 +418,9 @@ class Snapshots:
         if sandboxes or snapshots:
             users = ", ".join([*sandboxes, *snapshots][:10])
             raise errors.InUse(f"snapshot {snapshot_id} is still used by {users}")
+        if task := self._flattening.get(snapshot_id):
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
         shutil.rmtree(self.root / snapshot_id, ignore_errors=True)
         self.store.untag_snapshot(snapshot_id)
         self.store.update_snapshot(snapshot_id, state="deleted")

@@ -3,6 +3,10 @@
 A snapshot is a directory: `ram` (guest memory, mapped copy-on-write by every VM restored
 from it, so unchanged pages are shared), `state` (device state), `disk.qcow2` (the frozen
 disk; restores get an overlay on it) and `manifest.json` with a SHA-256 of each file.
+A snapshot of a VM that was itself restored keeps its memory as a layer instead of `ram`:
+`ram.base` (a hard link to the RAM file the VM was restored from, so it lives as long as
+the layer does) and the pages written since (`ram.index`, `ram.layer`; see
+`cella.runtime.qemu.ramdiff`), until it is flattened into a `ram` of its own.
 Nothing is restored before its files match the manifest. Hashing the RAM file takes a while,
 so a verified file is remembered by (device, inode, size, mtime) and hashed again only when
 those change.
@@ -20,6 +24,8 @@ from typing import Any
 from cella import errors
 
 FILES = ("ram", "state", "disk.qcow2")
+LAYERED_FILES = ("ram.base", "ram.index", "ram.layer", "state", "disk.qcow2")
+SHARED = ("ram.base",)  # another snapshot's file: not counted as this one's, not re-moded
 _verified: dict[tuple[int, int, int, int], str] = {}
 BLOCK = 64 << 10
 _ZERO = bytes(BLOCK)
@@ -51,6 +57,13 @@ class SnapshotDir:
         node (where that sandbox's row does not exist)."""
         return self.path / "source.json"
 
+    @property
+    def ram_base(self) -> Path:
+        return self.path / "ram.base"
+
+    def is_layered(self, manifest: dict[str, Any] | None = None) -> bool:
+        return bool((manifest or self.manifest()).get("layered"))
+
     def exists(self) -> bool:
         return self.manifest_path.exists()
 
@@ -65,16 +78,46 @@ class SnapshotDir:
 
     def seal(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Hashes the files and writes the manifest last (its presence means complete)."""
+        layered = self.ram_base.exists()
+        names = LAYERED_FILES if layered else FILES
         manifest = {
-            **meta,
-            "sha256": {name: _sha256(self.path / name) for name in FILES},
-            "bytes": {name: (self.path / name).stat().st_size for name in FILES},
+            **{k: v for k, v in meta.items() if k not in ("sha256", "bytes", "layered")},
+            "sha256": {name: _sha256(self.path / name) for name in names},
+            "bytes": {
+                name: (self.path / name).stat().st_size for name in names if name not in SHARED
+            },
         }
+        if layered:
+            manifest["layered"] = True
+        self._write_manifest(manifest)
+        for name in names:
+            if name not in SHARED:
+                (self.path / name).chmod(0o400)  # read-only, and nobody else's to read
+        return manifest
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
         tmp = self.manifest_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         tmp.rename(self.manifest_path)
-        for name in FILES:
-            (self.path / name).chmod(0o400)  # read-only, and nobody else's to read
+
+    def files(self, manifest: dict[str, Any] | None = None) -> tuple[str, ...]:
+        return LAYERED_FILES if self.is_layered(manifest) else FILES
+
+    def mark_flat(self) -> dict[str, Any]:
+        """Once `ram` holds the base with the layer written over it: the manifest names
+        `ram` instead of the layer, and the layer (and this link to the base) goes."""
+        manifest = self.manifest()
+        layer = [name for name in LAYERED_FILES if name not in FILES]
+        for name in layer:
+            manifest["sha256"].pop(name, None)
+            manifest["bytes"].pop(name, None)
+        manifest.pop("layered", None)
+        manifest["sha256"]["ram"] = _sha256(self.ram)
+        manifest["bytes"]["ram"] = self.ram.stat().st_size
+        self.ram.chmod(0o400)
+        self._write_manifest(manifest)
+        for name in layer:
+            (self.path / name).unlink(missing_ok=True)
         return manifest
 
     def reseal(self, name: str) -> None:
@@ -82,13 +125,13 @@ class SnapshotDir:
         onto this node's copy of its backing file)."""
         manifest = self.manifest()
         manifest["sha256"][name] = _sha256(self.path / name)
-        self.manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        self._write_manifest(manifest)
 
     def verify(self) -> dict[str, Any]:
         """Raises SnapshotCorrupt unless every file matches its checksum."""
         manifest = self.manifest()
         expected = manifest.get("sha256", {})
-        for name in FILES:
+        for name in self.files(manifest):
             path = self.path / name
             if not path.exists():
                 raise errors.SnapshotCorrupt(f"snapshot {self.path.name}: {name} is missing")
@@ -97,6 +140,11 @@ class SnapshotDir:
                     f"snapshot {self.path.name}: {name} does not match its checksum"
                 )
         return manifest
+
+
+def sha256_of(path: Path) -> str:
+    """A file's checksum as manifests record it (remembered until the file changes)."""
+    return _sha256(path)
 
 
 def _sha256(path: Path) -> str:

@@ -33,6 +33,9 @@ class VMConfig:
     # do not start the vCPUs (a snapshot helper that only loads and saves state)
     paused: bool = False
     seccomp: bool = True  # QEMU's own system-call filter (SECCOMP)
+    # the incoming state holds devices only (`QemuVM.save_devices`), which QEMU writes
+    # without the configuration section a full migration stream starts with
+    devices_only: bool = False
 
 
 def host_tsc_khz(cpuinfo: str | None = None) -> int | None:
@@ -133,6 +136,8 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
         ]
     if cfg.incoming is not None:
         argv += ["-incoming", cfg.incoming]
+        if cfg.devices_only:
+            argv += ["-global", "migration.send-configuration=off"]
     if cfg.paused:
         argv.append("-S")
     if cfg.disk is not None:

@@ -7,9 +7,11 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import signal
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +22,18 @@ from cella.images.templates import builtin_templates, find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.contract import VM
+from cella.runtime.qemu import ramdiff
 from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.jail import Jail, JailIds, ensure_jailer, process_uid
-from cella.runtime.qemu.snapshot import snapshot_fresh_boot, snapshot_running
+from cella.runtime.qemu.snapshot import flatten_snapshot, snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay, image_info
 from cella.storage.snapshots import SnapshotDir
 
 MIN_MEMORY_MIB = 128  # the shape of an adopted VM whose command line says nothing
 DISK = "disk.qcow2"
+_RAM_FILE = re.compile(r"memory-backend-file,[^ ]*mem-path=([^, ]+),share=(on|off)")
 
 
 def _arg(argv: list[str], flag: str, default: str) -> str:
@@ -69,6 +73,8 @@ class QemuDriver:
         self._accel: AccelChoice | None = None
         self.cpu = CpuLimiter()
         self._disk_mib: dict[Path, int] = {}
+        self._restoring: Counter[Path] = Counter()  # restores in flight, per snapshot
+        self._flattening: defaultdict[Path, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def _limit(self, vm: QemuVM) -> QemuVM:
         """Puts a started VM in its own CPU cgroup, released when the VM is killed."""
@@ -158,6 +164,9 @@ class QemuDriver:
                 _arg(argv, "-kernel", str(self._boot.kernel.vmlinux if self._boot else "/"))
             ),
             initrd=Path(_arg(argv, "-initrd", str(self._boot.initrd if self._boot else "/"))),
+            # the RAM file it was restored from: a later snapshot is a layer over it
+            ram_file=Path(ram[1]) if (ram := _RAM_FILE.search(" ".join(argv))) else None,
+            ram_shared=bool(ram and ram[2] == "on"),
         )
         vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory
@@ -255,28 +264,58 @@ class QemuDriver:
         directory: Path,
         timeout: float = 30.0,
     ) -> QemuVM:
-        """A new VM from a snapshot (checked against its manifest first), on a new overlay."""
+        """A new VM from a snapshot (checked against its manifest first), on a new overlay.
+
+        A layered snapshot maps its base RAM file and has its layer written into the new
+        VM's memory before the vCPUs run."""
         await self._ensure_prepared()
+        self._restoring[snap.path] += 1
+        try:
+            return await self._restore(snap, directory, timeout)
+        finally:
+            self._restoring[snap.path] -= 1
+            if not self._restoring[snap.path]:
+                del self._restoring[snap.path]
+
+    async def _restore(self, snap: SnapshotDir, directory: Path, timeout: float) -> QemuVM:
         manifest = snap.verify()
+        layered = snap.is_layered(manifest)
+        ram = snap.ram_base if layered else snap.ram
+
+        def prefill(pid: int) -> None:
+            ramdiff.load_layer(pid, ramdiff.ram_mapping(pid, ram), snap.path)
+
         directory.mkdir(parents=True)
         try:
             create_overlay(snap.disk, directory / DISK)
             config = dataclasses.replace(
                 self._config(
-                    directory, manifest["vcpus"], manifest["memory_mib"], snap.ram, False, "defer"
+                    directory, manifest["vcpus"], manifest["memory_mib"], ram, False, "defer"
                 ),
                 kernel=Path(manifest["kernel"]),
                 initrd=Path(manifest["initrd"]),
                 accel=manifest["accel"],
+                devices_only=bool(manifest.get("devices_only")),
             )
             vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
             vm.directory = directory
             vm.accel_reason = self._accel.reason if self._accel else ""
-            await vm.restore(snap.state, timeout)
+            await vm.restore(snap.state, timeout, prefill if layered else None)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return self._limit(vm)
+
+    async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:
+        """Gives a layered snapshot a RAM file of its own (its base may go then); restores
+        from it share that file's pages instead of each holding a copy of the layer."""
+
+        async def no_restores() -> None:
+            while self._restoring.get(snap.path):
+                await asyncio.sleep(0.005)
+
+        async with self._flattening[snap.path]:
+            return await flatten_snapshot(snap, no_restores)
 
     def _snapshot_meta(self, vcpus: int, memory_mib: int, **extra: Any) -> dict[str, Any]:
         assert self._boot is not None and self._accel is not None

@@ -2,6 +2,8 @@
 
 Restored VMs map the snapshot's RAM file privately (copy-on-write), so pages they do not
 change stay shared between them, and their disks are overlays on the snapshot's frozen disk.
+A snapshot of such a VM saves only the pages it wrote, as a layer over that RAM file
+(`ramdiff`), and is flattened into a RAM file of its own afterwards (`flatten_snapshot`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from typing import Any
 
 from cella import errors
 from cella.guest.trust import trust
+from cella.runtime.qemu import ramdiff
 from cella.runtime.qemu.args import VMConfig
 from cella.runtime.qemu.jail import Jail
 from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.storage.overlay import create_overlay
-from cella.storage.snapshots import SnapshotDir
+from cella.storage.snapshots import SHARED, SnapshotDir, sha256_of
 
 
 def _tmp_dir(dest: SnapshotDir) -> Path:
@@ -36,7 +39,8 @@ def _finish(tmp: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any
     # written by a jailed QEMU as its own uid: the snapshot is the daemon's, not that uid's
     # (which a later VM gets)
     for path in (tmp, *tmp.iterdir()):
-        os.chown(path, 0, 0)
+        if path.name not in SHARED:
+            os.chown(path, 0, 0)
     manifest = SnapshotDir(tmp).seal(meta)
     if dest.path.exists():  # someone else finished the same snapshot first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -102,15 +106,29 @@ async def snapshot_running(
 ) -> tuple[dict[str, Any], float]:
     """Snapshots a running VM; returns the manifest and how long the VM was paused.
 
-    The VM is paused, its RAM sent to a helper QEMU and its disk overlay (flushed by the
-    migration) copied as the snapshot's disk; then it runs on. The helper writes the RAM into
-    a shareable file and saves the device state; forks restore from those.
+    A VM restored from a snapshot is saved as a layer over the RAM file it maps
+    (`_snapshot_layered`). Otherwise the VM is paused, its RAM sent to a helper QEMU and
+    its disk overlay (flushed by the migration) copied as the snapshot's disk; then it runs
+    on. The helper writes the RAM into a shareable file and saves the device state; forks
+    restore from those.
 
     The VM stays paused for the whole RAM transfer. Letting it run during the copy (live
     migration) produced corrupted forks under TCG here - guest kernel panics and a crashed
     init in most of a dozen forks - so it is not done.
     """
     tmp = _tmp_dir(dest)
+    base = vm.config.ram_file
+    if base is not None and not vm.config.ram_shared and vm.pid is not None:
+        try:
+            os.link(base, tmp / "ram.base")  # the layer keeps its base alive
+        except OSError:  # gone (a layer flattened since) or on another file system
+            pass
+        else:
+            try:
+                return await _snapshot_layered(vm, base, tmp, dest, meta)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     helper: QemuVM | None = None
     try:
         current = vm.config.disk
@@ -153,6 +171,56 @@ async def snapshot_running(
         raise
     finally:
         shutil.rmtree(socket_dir(tmp), ignore_errors=True)
+
+
+async def _snapshot_layered(
+    vm: QemuVM, base: Path, tmp: Path, dest: SnapshotDir, meta: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    """The VM paused only while its device state, the pages it wrote since its restore and
+    its disk overlay are copied out."""
+    assert vm.pid is not None and vm.config.disk is not None
+    pid, disk = vm.pid, vm.config.disk
+    address = ramdiff.ram_mapping(pid, base)
+    size = vm.config.memory_mib << 20
+
+    def save_layer() -> int:
+        return ramdiff.save_layer(pid, address, ramdiff.written_runs(pid, address, size), tmp)
+
+    loop = asyncio.get_running_loop()
+    paused_at = loop.time()
+    await vm.pause()
+    try:
+        await vm.save_devices(tmp / "state")
+        # stopped, disks flushed: the overlay is exactly what the RAM expects
+        layer_bytes, _ = await asyncio.gather(
+            asyncio.to_thread(save_layer),
+            _run("cp", "--sparse=always", "--reflink=auto", str(disk), str(tmp / "disk.qcow2")),
+        )
+    finally:
+        await vm.resume()
+    paused = loop.time() - paused_at
+    meta = {**meta, "devices_only": True, "layer_bytes": layer_bytes}
+    return await asyncio.to_thread(_finish, tmp, dest, meta), paused
+
+
+async def flatten_snapshot(snap: SnapshotDir, quiet_for: Any = None) -> dict[str, Any]:
+    """Makes a layered snapshot whole: `ram` is the base with the layer written over it,
+    checked against the layer's checksums first. `quiet_for()` is awaited right before the
+    files switch (restores of the layer in flight must finish opening it)."""
+    manifest = await asyncio.to_thread(snap.verify)
+    if not snap.is_layered(manifest):
+        return manifest
+    tmp = snap.path / "ram.tmp"
+    try:
+        await asyncio.to_thread(ramdiff.flatten, snap.ram_base, snap.path, tmp)
+        await asyncio.to_thread(sha256_of, tmp)  # remembered: the switch below is quick
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if quiet_for is not None:
+        await quiet_for()
+    tmp.rename(snap.ram)
+    return snap.mark_flat()
 
 
 async def _qemu_img(*args: str) -> None:

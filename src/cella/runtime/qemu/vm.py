@@ -193,16 +193,22 @@ class QemuVM:
     async def wait_incoming(self) -> None:
         await self._wait_migration()
 
-    async def restore(self, state: Path, timeout: float = 30.0) -> None:
+    async def restore(
+        self,
+        state: Path,
+        timeout: float = 30.0,
+        prefill: Callable[[int], None] | None = None,
+    ) -> None:
         """Starts from a saved device state instead of booting (config.incoming == "defer").
 
-        The agent channel is connected before the vCPUs run, so the guest never sees its
-        host end go away.
+        `prefill(pid)` runs once QEMU has mapped the guest's RAM and before the state is
+        loaded (it writes a RAM layer). The agent channel is connected before the vCPUs
+        run, so the guest never sees its host end go away.
         """
         started = time.perf_counter()
         await self._spawn()
         try:
-            await asyncio.wait_for(self._restore(state), timeout)
+            await asyncio.wait_for(self._restore(state, prefill), timeout)
         except TimeoutError:
             await self.kill()
             raise errors.AgentUnavailable(
@@ -213,14 +219,18 @@ class QemuVM:
             raise
         self.boot_seconds = time.perf_counter() - started
 
-    async def _restore(self, state: Path) -> None:
+    async def _restore(self, state: Path, prefill: Callable[[int], None] | None) -> None:
         cfg = self.config
         while not (cfg.qmp_socket.exists() and cfg.agent_socket.exists()):
             await self._check_alive()
             await asyncio.sleep(0.001)
         self.qmp = QMPClient(cfg.name)
+        # QEMU answers QMP from its main loop, after the machine (and its RAM) exists
         await self.qmp.connect(str(cfg.qmp_socket))
         self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+        if prefill is not None:
+            assert self.pid is not None
+            await asyncio.to_thread(prefill, self.pid)
         await self._set_ignore_shared(True)
         await self._hand_file("state", state, os.O_RDONLY)
         await self.qmp.execute("migrate-incoming", {"uri": "fd:state"})
@@ -295,6 +305,27 @@ class QemuVM:
         await self._set_ignore_shared(ignore_shared)
         await self._hand_file("state", dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         await self._migrate("fd:state")
+
+    async def save_devices(self, dest: Path) -> None:
+        """Writes the device state alone (no RAM) of a stopped VM to `dest`.
+
+        QEMU's `xen-save-devices-state` does exactly that (it is not Xen-specific); a VM
+        restores from it with `VMConfig.devices_only` and its RAM from elsewhere.
+        """
+        assert self.qmp is not None
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            self.qmp.send_fd_scm(fd)
+            added: Any = await self.qmp.execute("add-fd", {})
+        finally:
+            os.close(fd)
+        fdset = added["fdset-id"]
+        try:
+            await self.qmp.execute(
+                "xen-save-devices-state", {"filename": f"/dev/fdset/{fdset}", "live": False}
+            )
+        finally:
+            await self.qmp.execute("remove-fd", {"fdset-id": fdset})
 
     async def _hand_file(self, name: str, path: Path, flags: int) -> None:
         """Opens `path` here and hands QEMU the descriptor as `name` (QMP `getfd`): QEMU

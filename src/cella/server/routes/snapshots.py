@@ -69,7 +69,7 @@ class BigChunks(FileResponse):
 async def export_snapshot(snapshot_id: str, svc: Service, who: Auth) -> SnapshotExport:
     """What another node needs to take the snapshot in (any tenant's)."""
     require_admin(who, "export a snapshot")
-    return svc.snapshots.export(snapshot_id)
+    return await svc.snapshots.export(snapshot_id)
 
 
 @router.get("/v1/snapshots/{snapshot_id}/files/{name}", response_class=FileResponse)
