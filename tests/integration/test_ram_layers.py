@@ -1,0 +1,154 @@
+"""RAM layers on real microVMs: a snapshot of a restored VM saves only the pages it wrote,
+restores from the layer are exact and copy-on-write, a changed layer is refused, the base
+lives as long as the layer, and flattening gives the same machine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cella import errors
+from cella.runtime.qemu.driver import QemuDriver
+from cella.runtime.qemu.vm import QemuVM
+from cella.service.warm import Shape, WarmSnapshots
+from cella.storage.snapshots import SnapshotDir
+
+pytestmark = pytest.mark.vm
+
+# 12 MiB of random bytes in the guest's RAM (tmpfs), their checksum on its disk, a process
+SETUP = (
+    "head -c 12M /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob > /root/blob.sum"
+    " && (sleep 10000 >/dev/null 2>&1 &) && sync"
+)
+CHECK = "sha256sum -c /root/blob.sum >/dev/null && pgrep -x sleep >/dev/null && echo same"
+
+
+@pytest.fixture(scope="module")
+async def base(driver: QemuDriver) -> SnapshotDir:
+    return await WarmSnapshots(driver).ensure(Shape("default", 1, 512))
+
+
+@pytest.fixture
+async def work(driver: QemuDriver, tmp_path: Path) -> AsyncIterator[Path]:
+    yield tmp_path
+    for directory in (tmp_path / "vms").glob("*"):
+        for pid in driver.stray_pids(set(), directory):
+            await driver.kill_pid(pid, directory)
+
+
+async def restored(driver: QemuDriver, snap: SnapshotDir, where: Path) -> QemuVM:
+    return await driver.restore(snap, where / "vms" / os.urandom(4).hex())
+
+
+async def check(vm: QemuVM) -> str:
+    done = await vm.agent.exec(["/bin/sh", "-c", CHECK])
+    return done.stdout.decode().strip()
+
+
+async def test_a_layer_holds_only_what_the_vm_wrote(
+    driver: QemuDriver, base: SnapshotDir, work: Path
+) -> None:
+    parent = await restored(driver, base, work)
+    try:
+        assert (await parent.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+        snap = SnapshotDir(work / "s1")
+        manifest, _ = await driver.snapshot_vm(parent, snap)
+        assert snap.is_layered(manifest) and not snap.ram.exists()
+        # the 12 MiB written and a little more; nowhere near the 512 MiB of RAM
+        assert 12 << 20 <= manifest["layer_bytes"] < 64 << 20
+        assert os.stat(snap.ram_base).st_ino == os.stat(base.ram).st_ino
+        # control: a VM that did not write the 12 MiB has less to save
+        idle = await restored(driver, base, work)
+        idle_manifest, _ = await driver.snapshot_vm(idle, SnapshotDir(work / "s-idle"))
+        assert idle_manifest["layer_bytes"] < 12 << 20
+        await idle.kill()
+        # the parent changes on; its snapshot does not
+        await parent.agent.exec(["/bin/sh", "-c", "echo other > /dev/shm/blob; pkill -x sleep"])
+        assert await check(parent) == ""
+        children = [await restored(driver, snap, work) for _ in range(2)]
+        assert [await check(c) for c in children] == ["same", "same"]
+        # copy-on-write: what one child writes, the other does not see
+        await children[0].agent.exec(["/bin/sh", "-c", "echo mine > /dev/shm/blob"])
+        assert [await check(c) for c in children] == ["", "same"]
+        for child in children:
+            await child.kill()
+    finally:
+        await parent.kill()
+
+
+async def test_layer_survives_its_base_and_flattens_to_the_same_machine(
+    driver: QemuDriver, base: SnapshotDir, work: Path
+) -> None:
+    # a base of our own, so it can be deleted: a flat snapshot of a restored VM
+    first = await restored(driver, base, work)
+    mid = SnapshotDir(work / "mid")
+    await driver.snapshot_vm(first, mid)
+    await first.kill()
+    await driver.flatten(mid)
+    assert not mid.is_layered() and mid.ram.exists()
+
+    vm = await restored(driver, mid, work)
+    assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+    top = SnapshotDir(work / "top")
+    await driver.snapshot_vm(vm, top)
+    await vm.kill()
+    assert os.stat(top.ram_base).st_nlink == 2  # the base's name and the layer's link
+
+    # the base's RAM file loses its own name (its disk stays: the layer's disk sits on it);
+    # the layer keeps the file
+    mid.ram.unlink()
+    assert os.stat(top.ram_base).st_nlink == 1
+    child = await restored(driver, top, work)
+    assert await check(child) == "same"
+    await child.kill()
+
+    manifest = await driver.flatten(top)
+    assert not top.is_layered(manifest)
+    assert sorted(p.name for p in top.path.iterdir()) == [
+        "disk.qcow2",
+        "manifest.json",
+        "ram",
+        "state",
+    ]
+    flat = await restored(driver, top, work)
+    assert await check(flat) == "same"
+    # and a layer over the flattened snapshot restores as well
+    again = SnapshotDir(work / "again")
+    await driver.snapshot_vm(flat, again)
+    await flat.kill()
+    assert again.is_layered()
+    last = await restored(driver, again, work)
+    assert await check(last) == "same"
+    await last.kill()
+
+
+async def test_a_changed_layer_is_refused(
+    driver: QemuDriver, base: SnapshotDir, work: Path
+) -> None:
+    vm = await restored(driver, base, work)
+    assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+    snap = SnapshotDir(work / "s")
+    await driver.snapshot_vm(vm, snap)
+    await vm.kill()
+    layer = snap.path / "ram.layer"
+    layer.chmod(0o600)
+    with layer.open("r+b") as f:
+        f.seek(5 << 20)
+        byte = f.read(1)
+        f.seek(5 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(errors.SnapshotCorrupt, match=r"ram\.layer"):
+        await restored(driver, snap, work)
+    with pytest.raises(errors.SnapshotCorrupt, match=r"ram\.layer"):
+        await driver.flatten(snap)
+    assert snap.is_layered() and not snap.ram.exists()  # nothing half-flattened
+    # control: the byte put back, the same layer restores
+    with layer.open("r+b") as f:
+        f.seek(5 << 20)
+        f.write(byte)
+    child = await restored(driver, snap, work)
+    assert await check(child) == "same"
+    await child.kill()
