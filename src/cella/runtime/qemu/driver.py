@@ -36,6 +36,13 @@ DISK = "disk.qcow2"
 _RAM_FILE = re.compile(r"memory-backend-file,[^ ]*mem-path=([^, ]+),share=(on|off)")
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _arg(argv: list[str], flag: str, default: str) -> str:
     """The value after `flag` in a QEMU command line."""
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else default
@@ -167,6 +174,7 @@ class QemuDriver:
             # the RAM file it was restored from: a later snapshot is a layer over it
             ram_file=Path(ram[1]) if (ram := _RAM_FILE.search(" ".join(argv))) else None,
             ram_shared=bool(ram and ram[2] == "on"),
+            devices_only="migration.send-configuration=off" in argv,
         )
         vm = await QemuVM.adopt(config, pid, paused=paused)
         vm.directory = directory
@@ -281,6 +289,8 @@ class QemuDriver:
         manifest = snap.verify()
         layered = snap.is_layered(manifest)
         ram = snap.ram_base if layered else snap.ram
+        if layered and _same_file(origin := Path(manifest.get("ram_base", "/")), ram):
+            ram = origin  # the base under its own name, which outlives this layer's link
 
         def prefill(pid: int) -> None:
             ramdiff.load_layer(pid, ramdiff.ram_mapping(pid, ram), snap.path)

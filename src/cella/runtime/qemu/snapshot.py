@@ -144,6 +144,8 @@ async def snapshot_running(
             incoming=f"unix:{mig_sock}",
             paused=True,
             name=f"{vm.config.name}-snap",
+            # a VM restored from a device state sends no configuration section either
+            devices_only=vm.config.devices_only,
         )
         helper = QemuVM(helper_cfg, jail=jail)
         await helper.spawn_listening(mig_sock)
@@ -163,7 +165,7 @@ async def snapshot_running(
         await helper.save_state(tmp / "state", ignore_shared=True)
         await helper.kill()
         helper = None
-        return _finish(tmp, dest, meta), paused
+        return _finish(tmp, dest, {**meta, "devices_only": vm.config.devices_only}), paused
     except BaseException:
         if helper is not None:
             await helper.kill()
@@ -199,7 +201,9 @@ async def _snapshot_layered(
     finally:
         await vm.resume()
     paused = loop.time() - paused_at
-    meta = {**meta, "devices_only": True, "layer_bytes": layer_bytes}
+    # the base's own name: restores map that, so a flatten (which unlinks ram.base) leaves
+    # their RAM file with a name a later layer can link to
+    meta = {**meta, "devices_only": True, "layer_bytes": layer_bytes, "ram_base": str(base)}
     return await asyncio.to_thread(_finish, tmp, dest, meta), paused
 
 
