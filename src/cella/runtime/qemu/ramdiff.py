@@ -53,24 +53,34 @@ def written_runs(pid: int, address: int, size: int) -> Runs:
     return [(m.start(), m.end() - m.start()) for m in re.finditer(b"\x01+", ours)]
 
 
-def save_layer(pid: int, address: int, runs: Runs, directory: Path) -> int:
-    """Writes the runs' pages from the process's memory to `directory`; returns the bytes."""
-    index = array("Q", [n for run in runs for n in run])
-    (directory / "ram.index").write_bytes(index.tobytes())
+def read_layer(pid: int, address: int, runs: Runs) -> list[bytes]:
+    """The runs' pages from the process's memory (while it is stopped: fast, in memory)."""
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    out = os.open(directory / "ram.layer", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    total = 0
     try:
+        pieces = []
         for offset, length in _pieces(runs):
             data = os.pread(mem, length, address + offset)
             if len(data) != length:
                 raise OSError(f"short read of guest memory at {offset:#x}")
-            os.write(out, data)
-            total += length
+            pieces.append(data)
+        return pieces
     finally:
         os.close(mem)
-        os.close(out)
-    return total
+
+
+def write_layer(runs: Runs, pieces: list[bytes], directory: Path) -> int:
+    """Writes a layer read by `read_layer` to `directory`; returns its bytes. (Writing to
+    the file system is several times slower than reading guest memory: the VM runs on
+    meanwhile.)"""
+    (directory / "ram.index").write_bytes(array("Q", [n for run in runs for n in run]).tobytes())
+    with open(directory / "ram.layer", "wb") as out:
+        for piece in pieces:
+            out.write(piece)
+    return sum(len(p) for p in pieces)
+
+
+def layer_bytes(runs: Runs) -> int:
+    return sum(count for _, count in runs) * PAGE
 
 
 def read_index(directory: Path) -> Runs:

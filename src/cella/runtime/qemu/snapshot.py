@@ -26,6 +26,10 @@ from cella.runtime.qemu.vm import QemuVM, socket_dir
 from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SHARED, SnapshotDir, sha256_of
 
+# a layer up to this size is read into the daemon's memory while the VM is paused and
+# written out after it runs again; a larger one is written during the pause
+LAYER_IN_MEMORY = 1 << 30
+
 
 def _tmp_dir(dest: SnapshotDir) -> Path:
     tmp = dest.path.with_name(f".{dest.path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
@@ -185,8 +189,12 @@ async def _snapshot_layered(
     address = ramdiff.ram_mapping(pid, base)
     size = vm.config.memory_mib << 20
 
-    def save_layer() -> int:
-        return ramdiff.save_layer(pid, address, ramdiff.written_runs(pid, address, size), tmp)
+    def read_layer() -> tuple[ramdiff.Runs, list[bytes] | None]:
+        runs = ramdiff.written_runs(pid, address, size)
+        if ramdiff.layer_bytes(runs) > LAYER_IN_MEMORY:  # too much to hold: written now
+            ramdiff.write_layer(runs, ramdiff.read_layer(pid, address, runs), tmp)
+            return runs, None
+        return runs, ramdiff.read_layer(pid, address, runs)
 
     loop = asyncio.get_running_loop()
     paused_at = loop.time()
@@ -194,13 +202,17 @@ async def _snapshot_layered(
     try:
         await vm.save_devices(tmp / "state")
         # stopped, disks flushed: the overlay is exactly what the RAM expects
-        layer_bytes, _ = await asyncio.gather(
-            asyncio.to_thread(save_layer),
+        (runs, pieces), _ = await asyncio.gather(
+            asyncio.to_thread(read_layer),
             _run("cp", "--sparse=always", "--reflink=auto", str(disk), str(tmp / "disk.qcow2")),
         )
     finally:
         await vm.resume()
     paused = loop.time() - paused_at
+    if pieces is not None:
+        await asyncio.to_thread(ramdiff.write_layer, runs, pieces, tmp)
+    del pieces
+    layer_bytes = ramdiff.layer_bytes(runs)
     # the base's own name: restores map that, so a flatten (which unlinks ram.base) leaves
     # their RAM file with a name a later layer can link to
     meta = {**meta, "devices_only": True, "layer_bytes": layer_bytes, "ram_base": str(base)}
