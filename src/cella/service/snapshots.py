@@ -163,7 +163,8 @@ class Snapshots:
         """Snapshots a running sandbox once, then restores `count` branches from it."""
         snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
         if count > 1:  # one shared RAM file beats a copy of the layer in every branch
-            await self.flat(snap.id)
+            with contextlib.suppress(errors.SnapshotCorrupt):
+                await self.flat(snap.id)  # if it cannot be, the layer restores as it is
         return await self.fork_snapshot(tenant, snap.id, count)
 
     def _flatten_soon(self, snapshot_id: str) -> None:
