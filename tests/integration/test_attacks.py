@@ -258,7 +258,8 @@ def test_the_data_directory_is_owner_only(client: Client, attacked: Daemon) -> N
         # restore from), and only to their group
         grouped = {p for p, st in modes.items() if st.st_mode & 0o070}
         assert all(modes[p].st_gid == JAIL_GROUP for p in grouped), grouped
-        assert {p.name for p in grouped} <= {"ram", "disk.qcow2"}, grouped
+        # (`ram.base`: a RAM layer's link to the file its sandbox was restored from)
+        assert {p.name for p in grouped} <= {"ram", "ram.base", "disk.qcow2"}, grouped
         # control: the walk saw the database, a snapshot's memory and a disk
         names = {p.name for p in entries}
         assert {"cella.db", "ram", "disk.qcow2", "left-by-an-older-version"} <= names

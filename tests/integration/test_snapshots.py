@@ -24,8 +24,12 @@ COUNTER = (
 def counting(sb: object) -> bool:
     """The background counter started by COUNTER is alive in this sandbox (it moves on
     within a few seconds: a loaded host runs freshly restored branches slowly)."""
-    first = int(sb.files.read("/tmp/count"))  # type: ignore[attr-defined]
     deadline = time.monotonic() + 10
+    # a snapshot may catch the counter before its first write; the copy makes it soon after
+    while not sb.files.exists("/tmp/count"):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the counter never wrote"
+        time.sleep(0.1)
+    first = int(sb.files.read("/tmp/count"))  # type: ignore[attr-defined]
     while time.monotonic() < deadline:
         time.sleep(0.2)
         if int(sb.files.read("/tmp/count")) > first:  # type: ignore[attr-defined]

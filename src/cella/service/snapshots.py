@@ -162,9 +162,6 @@ class Snapshots:
     async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[SandboxRecord]:
         """Snapshots a running sandbox once, then restores `count` branches from it."""
         snap = await self.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
-        if count > 1:  # one shared RAM file beats a copy of the layer in every branch
-            with contextlib.suppress(errors.SnapshotCorrupt):
-                await self.flat(snap.id)  # if it cannot be, the layer restores as it is
         return await self.fork_snapshot(tenant, snap.id, count)
 
     def _flatten_soon(self, snapshot_id: str) -> None:
@@ -210,6 +207,9 @@ class Snapshots:
         if snap_row.state != SnapshotState.ready:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
         snap = SnapshotDir(self.root / snapshot_id)
+        if count > 1:  # one shared RAM file beats a copy of the layer in every branch
+            with contextlib.suppress(errors.SnapshotCorrupt):
+                await self.flat(snap_row.id)  # if it cannot be, the layer restores as it is
         snap.verify()  # refuse a corrupted snapshot before creating anything
         if spec is None:  # the same placeholders: the parent's env is copied with its memory
             spec, secrets = self._source_of(snap_row)
