@@ -250,6 +250,11 @@ def test_the_data_directory_is_owner_only(client: Client, attacked: Daemon) -> N
     sb = client.create()
     snap = sb.snapshot("perm")
     try:
+        flat = attacked.data_dir / "snapshots" / snap.id
+        deadline = time.monotonic() + 60  # its RAM layer is flattened in the background
+        while (flat / "ram.layer").exists() or not (flat / "ram").exists():
+            assert time.monotonic() < deadline, sorted(p.name for p in flat.iterdir())
+            time.sleep(0.1)
         entries = [attacked.data_dir, *attacked.data_dir.rglob("*")]
         modes = {p: p.stat() for p in entries if not p.is_symlink()}
         open_to_others = [str(p) for p, st in modes.items() if st.st_mode & 0o007]
