@@ -160,3 +160,26 @@ async def test_a_changed_layer_is_refused(
     child = await restored(driver, snap, work)
     assert await check(child) == "same"
     await child.kill()
+
+
+async def test_a_booted_vm_is_snapshotted_whole(driver: QemuDriver, work: Path) -> None:
+    # a cold boot (a stopped sandbox resumed) has no RAM file to layer over: its whole RAM
+    # migrates to a helper QEMU, whose RAM is a file
+    vm = await driver.boot(memory_mib=512, name=f"boot-{os.urandom(3).hex()}")
+    try:
+        assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+        snap = SnapshotDir(work / "booted")
+        manifest, _ = await driver.snapshot_vm(vm, snap)
+        assert not snap.is_layered(manifest) and snap.ram.exists()
+    finally:
+        await driver.destroy(vm)
+    child = await restored(driver, snap, work)
+    assert await check(child) == "same"
+    # and the child, restored, is snapshotted as a layer over that file
+    again = SnapshotDir(work / "layer-on-booted")
+    await driver.snapshot_vm(child, again)
+    await child.kill()
+    assert again.is_layered()
+    last = await restored(driver, again, work)
+    assert await check(last) == "same"
+    await last.kill()

@@ -162,7 +162,12 @@ def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemo
     parent.stop()  # the parent never depended on the snapshot
     parent.resume()
     assert parent.files.read("/workspace/state.txt") == b"v2"
+    booted = parent.snapshot("after-resume")  # booted, not restored: its whole RAM saved
+    (again,) = booted.fork(1)
+    assert again.files.read("/workspace/state.txt") == b"v2"
+    again.delete()
     parent.delete()
+    booted.delete()
 
 
 def test_corrupted_snapshot_is_refused(client: Client, pooled: Daemon) -> None:

@@ -34,7 +34,9 @@ def test_tcg_cmdline_pins_tsc_and_kvm_keeps_hardening() -> None:
 def test_argv_shape() -> None:
     argv = qemu_argv(config("tcg"), 1000)
     joined = " ".join(argv)
-    assert argv[argv.index("-machine") + 1] == "microvm,acpi=on"
+    assert argv[argv.index("-machine") + 1] == "microvm,acpi=on,memory-backend=ram"
+    # a booted VM's RAM has the name a snapshot helper's file-backed RAM has
+    assert "memory-backend-ram,id=ram,size=512M" in joined
     assert argv[argv.index("-cpu") + 1] == "qemu64,+arat"
     assert argv[argv.index("-smp") + 1] == "2" and argv[argv.index("-m") + 1] == "512M"
     assert "-no-reboot" in argv and "-nodefaults" in argv

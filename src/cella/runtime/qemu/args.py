@@ -79,9 +79,9 @@ SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 
 def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
     cpu = "host" if cfg.accel == "kvm" else "qemu64,+arat"
-    machine = "microvm,acpi=on"
-    if cfg.ram_file is not None:
-        machine += ",memory-backend=ram"
+    # RAM is always the backend "ram", file or not: a booted VM's RAM migrates to a
+    # snapshot helper whose RAM is a file, and migration matches RAM blocks by name
+    machine = "microvm,acpi=on,memory-backend=ram"
     argv = [
         QEMU,
         "-name",
@@ -134,6 +134,8 @@ def qemu_argv(cfg: VMConfig, tsc_khz: int | None = None) -> list[str]:
             f"memory-backend-file,id=ram,size={cfg.memory_mib}M,"
             f"mem-path={cfg.ram_file},share={share}",
         ]
+    else:
+        argv += ["-object", f"memory-backend-ram,id=ram,size={cfg.memory_mib}M"]
     if cfg.incoming is not None:
         argv += ["-incoming", cfg.incoming]
         if cfg.devices_only:
