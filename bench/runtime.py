@@ -63,7 +63,7 @@ async def measure(boots: int, execs: int) -> dict[str, dict[str, object]]:
     return {
         f"cold boot to agent ready [{choice.accel}]": {
             **summary_ms(boot_times),
-            "target": "p50 <= 1300",
+            "target": "p50 <= 1000",
         },
         "exec round trip of `true`": {**summary_ms(rtt), "target": "p50 <= 2, p99 <= 4"},
         "exec round trip of a static binary": summary_ms(runs["/usr/local/bin/nop-static"]),
