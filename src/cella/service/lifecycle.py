@@ -138,6 +138,9 @@ class Lifecycle:
                     await self.driver.destroy(vm)
                 self.registry.fail(sandbox_id, exc, event="create_failed")
                 raise
+            finally:
+                if origin == "pool":
+                    self.pool.refill(shape)
             self.running(sandbox_id, vm)
             self.events.emit(
                 sandbox_id,

@@ -25,6 +25,9 @@ WARM_UP = (
 )
 
 
+REFILL_GRACE = 0.25  # seconds a pool that still has VMs waits before restoring more
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     template: str
@@ -131,14 +134,20 @@ class WarmPool:
         return len(pool.ready) if pool else 0
 
     def claim(self, shape: Shape) -> VM | None:
+        """A pooled VM, if one is ready. The pool refills once the claimant calls
+        `refill()`: a restore started at once would share the cores with the claimed VM's
+        first round trips (the create's latency), on a small host most of them."""
         pool = self._pools.get(shape)
         while pool is not None and pool.ready:
             vm = pool.ready.pop(0)
-            pool.wake.set()
             if vm.usable:
                 return vm
             self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
         return None
+
+    def refill(self, shape: Shape) -> None:
+        if pool := self._pools.get(shape):
+            pool.wake.set()
 
     async def fill(self, shape: Shape, timeout: float = 120.0) -> None:
         """Waits until the pool for `shape` is full (for tests and benchmarks)."""
@@ -153,6 +162,8 @@ class WarmPool:
             if len(pool.ready) >= self.size:
                 pool.wake.clear()
                 await pool.wake.wait()
+                if pool.ready:  # not empty: no hurry, let the claimant's first calls run alone
+                    await asyncio.sleep(REFILL_GRACE)
                 continue
             try:
                 snap = await self.snapshots.ensure(pool.shape)
