@@ -20,7 +20,7 @@ from cella.guest.protocol import Entry, ExitStatus
 from cella.models.exec import ExecResult, OutputCollector
 from cella.paths import Paths
 from cella.runtime.qemu.accel import AccelChoice
-from cella.storage.snapshots import FILES, SnapshotDir
+from cella.storage.snapshots import FILES, LAYERED_FILES, SnapshotDir
 
 # A guest command: argv (or shell string) -> (exit code, stdout, stderr).
 Handler = Callable[[Sequence[str] | str], Awaitable[tuple[int, bytes, bytes]]]
@@ -221,6 +221,8 @@ class FakeDriver:
         # VM processes that outlived a daemon: pid -> directory (for adopt and strays)
         self.orphans: dict[int, Path] = {}
         self.flattened: list[str] = []  # snapshots flatten() was asked for
+        self.layers = False  # snapshot_vm makes RAM layers (flattened by flatten())
+        self.flatten_gate: asyncio.Event | None = None  # holds flatten() until set
         self.killed: list[int] = []
 
     @property
@@ -295,11 +297,22 @@ class FakeDriver:
     async def snapshot_vm(
         self, vm: Any, dest: SnapshotDir, **meta: Any
     ) -> tuple[dict[str, Any], float]:
-        return self._seal(dest, {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}), 0.001
+        meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}
+        if not self.layers:
+            return self._seal(dest, meta), 0.001
+        dest.path.mkdir(parents=True, exist_ok=True)  # a RAM layer, as a restored VM's is
+        for name in LAYERED_FILES:
+            (dest.path / name).write_bytes(name.encode())
+        return dest.seal(meta), 0.001
 
     async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:
         self.flattened.append(snap.path.name)
-        return snap.manifest()
+        if self.flatten_gate is not None:
+            await self.flatten_gate.wait()
+        if not snap.is_layered():
+            return snap.manifest()
+        snap.ram.write_bytes(b"ram")
+        return snap.mark_flat()
 
     def stray_pids(self, keep: set[int], directory: Path | None = None) -> list[int]:
         return [

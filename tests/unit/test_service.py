@@ -20,6 +20,7 @@ from cella.service.lifecycle import POOLED_SHAPE
 from cella.service.reaper import due
 from cella.service.recovery import plan
 from cella.service.warm import Shape
+from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, Store
 from tests.unit.fake_runtime import FakeDriver, FakeVM
 
@@ -175,6 +176,33 @@ async def test_fork_count_is_admitted_as_a_whole(daemon: Daemon) -> None:
     assert [f.state for f in forks] == [S.running, S.running]
     assert all(f.parent_id == row.id and f.labels == {"a": "b"} for f in forks)
     assert daemon.store.snapshot_users(forks[0].snapshot_id or "")[0] == [f.id for f in forks]
+
+
+async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk_forks(
+    daemon: Daemon,
+) -> None:
+    driver = daemon.driver
+    assert isinstance(driver, FakeDriver)
+    driver.layers = True
+    driver.flatten_gate = asyncio.Event()
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    snap = await daemon.snapshots.snapshot("t", row.id, "one")
+    where = SnapshotDir(daemon.snapshots.root / snap.id)
+    assert where.is_layered() and snap.state == "ready"
+    await asyncio.sleep(0)
+    assert driver.flattened == [snap.id]  # under way, held at the gate
+    # a single branch does not wait: it restores from the layer
+    [one] = await daemon.snapshots.fork_snapshot("t", snap.id, 1)
+    assert one.state == S.running and where.is_layered()
+    await daemon.lifecycle.delete("t", one.id)  # room for two under the quota of three
+    # two branches wait for the flat file (the same flatten, not a second one)
+    two = asyncio.create_task(daemon.snapshots.fork_snapshot("t", snap.id, 2))
+    await asyncio.sleep(0.05)
+    assert not two.done()
+    driver.flatten_gate.set()
+    assert [r.state for r in await two] == [S.running, S.running]
+    assert not where.is_layered() and driver.flattened == [snap.id]
+    assert daemon.snapshots.get("t", snap.id).size_bytes == sum(where.manifest()["bytes"].values())
 
 
 async def test_exec_is_traced_and_its_kept_output_bounded(daemon: Daemon) -> None:
