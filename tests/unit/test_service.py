@@ -203,6 +203,16 @@ async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk
     assert [r.state for r in await two] == [S.running, S.running]
     assert not where.is_layered() and driver.flattened == [snap.id]
     assert daemon.snapshots.get("t", snap.id).size_bytes == sum(where.manifest()["bytes"].values())
+    # a daemon that stops mid-flatten leaves a whole layer; the next one flattens it
+    driver.flatten_gate = asyncio.Event()
+    left = await daemon.snapshots.snapshot("t", row.id, "left")
+    await asyncio.sleep(0)
+    await daemon.snapshots.close()
+    assert SnapshotDir(daemon.snapshots.root / left.id).is_layered()
+    assert daemon.snapshots.flatten_left() == 1
+    driver.flatten_gate.set()
+    await daemon.snapshots.flat(left.id)
+    assert not SnapshotDir(daemon.snapshots.root / left.id).is_layered()
 
 
 async def test_exec_is_traced_and_its_kept_output_bounded(daemon: Daemon) -> None:

@@ -130,6 +130,7 @@ class Daemon:
         default warm snapshot exists, fills the pool and starts the reaper."""
         await self.driver.prepare()
         await self.recovery.recover()
+        self.snapshots.flatten_left()
         await self.egress.start()
         shape = Shape(self.settings.pool_template, *POOLED_SHAPE)
         await self.warm.ensure(shape)
@@ -144,6 +145,7 @@ class Daemon:
         await self.reaper.close()
         await self.processes.close()
         await self.pool.close()
+        await self.snapshots.close()
         await self.registry.detach_all()
         await self.egress.close()
         if self._spans is not None:

@@ -179,6 +179,24 @@ class Snapshots:
             return
         self.store.update_snapshot(snapshot_id, size_bytes=sum(manifest["bytes"].values()))
 
+    def flatten_left(self) -> int:
+        """Flattens, in the background, the layers a previous daemon left; returns how many."""
+        layered = [
+            row.id
+            for row in self.store.list_snapshots(None, ["ready"])
+            if (snap := SnapshotDir(self.root / row.id)).exists() and snap.is_layered()
+        ]
+        for snapshot_id in layered:
+            self._flatten_soon(snapshot_id)
+        return len(layered)
+
+    async def close(self) -> None:
+        """Stops flattening (a layer left half-flattened is whole as a layer)."""
+        tasks = list(self._flattening.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def flat(self, snapshot_id: str) -> None:
         """Waits until the snapshot has a RAM file of its own (a layer flattened)."""
         snap = SnapshotDir(self.root / snapshot_id)
