@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cella import errors
+from cella.runtime.qemu import snapshot
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.vm import QemuVM
 from cella.service.warm import Shape, WarmSnapshots
@@ -183,3 +184,19 @@ async def test_a_booted_vm_is_snapshotted_whole(driver: QemuDriver, work: Path) 
     last = await restored(driver, again, work)
     assert await check(last) == "same"
     await last.kill()
+
+
+async def test_a_layer_too_large_to_hold_is_written_during_the_pause(
+    driver: QemuDriver, base: SnapshotDir, work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(snapshot, "LAYER_IN_MEMORY", 1 << 20)  # the 12 MiB do not fit
+    vm = await restored(driver, base, work)
+    assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+    snap = SnapshotDir(work / "large")
+    manifest, _ = await driver.snapshot_vm(vm, snap)
+    await vm.kill()
+    assert manifest["layer_bytes"] >= 12 << 20
+    assert (snap.path / "ram.layer").stat().st_size == manifest["layer_bytes"]
+    child = await restored(driver, snap, work)
+    assert await check(child) == "same"
+    await child.kill()

@@ -27,8 +27,9 @@ from cella.storage.overlay import create_overlay
 from cella.storage.snapshots import SHARED, SnapshotDir, sha256_of
 
 # a layer up to this size is read into the daemon's memory while the VM is paused and
-# written out after it runs again; a larger one is written during the pause
-LAYER_IN_MEMORY = 1 << 30
+# written out after it runs again; a larger one is written during the pause (the daemon's
+# memory stays bounded when many sandboxes are snapshotted at once)
+LAYER_IN_MEMORY = 256 << 20
 
 
 def _tmp_dir(dest: SnapshotDir) -> Path:
