@@ -36,20 +36,13 @@ PARTS = (
 def breakdown(pid: int, ram_file: Path) -> dict[str, float]:
     """KiB of PSS per part (guest RAM split by clean shared vs private dirty pages)."""
     parts: dict[str, float] = defaultdict(float)
-    name, perms, fields = "", "", {}
-    with open(f"/proc/{pid}/smaps") as smaps:
-        lines = smaps.read().splitlines()
-    blocks: list[tuple[str, str, dict[str, int]]] = []
-    for line in lines:
+    blocks: list[tuple[str, str, dict[str, int]]] = []  # (path, perms, fields) per mapping
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
-        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-            if perms:
-                blocks.append((name, perms, fields))
-            perms, name, fields = head[1], head[5] if len(head) > 5 else "", {}
-        elif head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
-            fields[head[0][:-1]] = int(head[1])
-    if perms:
-        blocks.append((name, perms, fields))
+        if not head[0].endswith(":"):  # a mapping: range, perms, offset, device, inode, path
+            blocks.append((head[5] if len(head) > 5 else "", head[1], {}))
+        elif len(head) >= 2 and head[1].isdigit():  # "Pss: 12 kB" (not "VmFlags: rd wr")
+            blocks[-1][2][head[0][:-1]] = int(head[1])
     for name, perms, f in blocks:
         pss = f.get("Pss", 0)
         if name == str(ram_file):

@@ -49,6 +49,15 @@ async def check(vm: QemuVM) -> str:
     return done.stdout.decode().strip()
 
 
+async def restores_the_same(driver: QemuDriver, snap: SnapshotDir, where: Path) -> bool:
+    """A VM restored from `snap` has SETUP's blob and process (and is gone again)."""
+    vm = await restored(driver, snap, where)
+    try:
+        return await check(vm) == "same"
+    finally:
+        await vm.kill()
+
+
 async def test_a_layer_holds_only_what_the_vm_wrote(
     driver: QemuDriver, base: SnapshotDir, work: Path
 ) -> None:
@@ -113,9 +122,7 @@ async def test_layer_survives_its_base_and_flattens_to_the_same_machine(
     await driver.snapshot_vm(child, whole)
     await child.kill()
     assert not whole.is_layered() and whole.ram.exists()
-    from_whole = await restored(driver, whole, work)
-    assert await check(from_whole) == "same"
-    await from_whole.kill()
+    assert await restores_the_same(driver, whole, work)
     assert sorted(p.name for p in top.path.iterdir()) == [
         "disk.qcow2",
         "manifest.json",
@@ -129,9 +136,7 @@ async def test_layer_survives_its_base_and_flattens_to_the_same_machine(
     await driver.snapshot_vm(flat, again)
     await flat.kill()
     assert again.is_layered()
-    last = await restored(driver, again, work)
-    assert await check(last) == "same"
-    await last.kill()
+    assert await restores_the_same(driver, again, work)
 
 
 async def test_a_changed_layer_is_refused(
@@ -158,9 +163,7 @@ async def test_a_changed_layer_is_refused(
     with layer.open("r+b") as f:
         f.seek(5 << 20)
         f.write(byte)
-    child = await restored(driver, snap, work)
-    assert await check(child) == "same"
-    await child.kill()
+    assert await restores_the_same(driver, snap, work)
 
 
 async def test_a_booted_vm_is_snapshotted_whole(driver: QemuDriver, work: Path) -> None:
@@ -181,9 +184,7 @@ async def test_a_booted_vm_is_snapshotted_whole(driver: QemuDriver, work: Path) 
     await driver.snapshot_vm(child, again)
     await child.kill()
     assert again.is_layered()
-    last = await restored(driver, again, work)
-    assert await check(last) == "same"
-    await last.kill()
+    assert await restores_the_same(driver, again, work)
 
 
 async def test_a_layer_too_large_to_hold_is_written_during_the_pause(
@@ -197,6 +198,4 @@ async def test_a_layer_too_large_to_hold_is_written_during_the_pause(
     await vm.kill()
     assert manifest["layer_bytes"] >= 12 << 20
     assert (snap.path / "ram.layer").stat().st_size == manifest["layer_bytes"]
-    child = await restored(driver, snap, work)
-    assert await check(child) == "same"
-    await child.kill()
+    assert await restores_the_same(driver, snap, work)

@@ -451,3 +451,28 @@ async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path:
         await d.pool.close()
         await d.registry.detach_all()
         d.store.close()
+
+
+async def test_a_pooled_vm_found_unusable_is_replaced(tmp_path: Path) -> None:
+    settings = DaemonSettings(
+        data_dir=tmp_path,
+        image_dir=tmp_path / "images",
+        pool_size=1,
+        max_host_memory_mib=4096,
+        max_host_vcpus=8,
+    )
+    driver = FakeDriver(tmp_path)
+    d = Daemon(settings, Store(tmp_path / "cella.db"), driver)
+    shape = Shape("default", *POOLED_SHAPE)
+    try:
+        await d.pool.fill(shape, timeout=10)
+        (pooled,) = driver.vms
+        await pooled.kill()  # it died while waiting
+        row = await d.lifecycle.create("t", SandboxCreate())
+        assert row.created_from == "restore"  # not the dead one
+        await d.pool.fill(shape, timeout=10)  # and the pool has a live one again
+        assert d.pool.ready(shape) == 1
+    finally:
+        await d.pool.close()
+        await d.registry.detach_all()
+        d.store.close()

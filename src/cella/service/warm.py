@@ -143,6 +143,7 @@ class WarmPool:
             if vm.usable:
                 return vm
             self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+            pool.wake.set()  # no claimant to make room for: replace it now
         return None
 
     def refill(self, shape: Shape) -> None:

@@ -81,8 +81,8 @@ class SnapshotDir:
         layered = self.ram_base.exists()
         names = LAYERED_FILES if layered else FILES
         manifest = {
-            **{k: v for k, v in meta.items() if k not in ("sha256", "bytes", "layered")},
-            "sha256": {name: _sha256(self.path / name) for name in names},
+            **meta,
+            "sha256": {name: sha256_of(self.path / name) for name in names},
             "bytes": {
                 name: (self.path / name).stat().st_size for name in names if name not in SHARED
             },
@@ -112,7 +112,7 @@ class SnapshotDir:
             manifest["sha256"].pop(name, None)
             manifest["bytes"].pop(name, None)
         manifest.pop("layered", None)
-        manifest["sha256"]["ram"] = _sha256(self.ram)
+        manifest["sha256"]["ram"] = sha256_of(self.ram)
         manifest["bytes"]["ram"] = self.ram.stat().st_size
         self.ram.chmod(0o400)
         self._write_manifest(manifest)
@@ -124,7 +124,7 @@ class SnapshotDir:
         """Records a file's checksum again after a local, checked change (a disk rebased
         onto this node's copy of its backing file)."""
         manifest = self.manifest()
-        manifest["sha256"][name] = _sha256(self.path / name)
+        manifest["sha256"][name] = sha256_of(self.path / name)
         self._write_manifest(manifest)
 
     def verify(self) -> dict[str, Any]:
@@ -135,7 +135,7 @@ class SnapshotDir:
             path = self.path / name
             if not path.exists():
                 raise errors.SnapshotCorrupt(f"snapshot {self.path.name}: {name} is missing")
-            if _sha256(path) != expected.get(name):
+            if sha256_of(path) != expected.get(name):
                 raise errors.SnapshotCorrupt(
                     f"snapshot {self.path.name}: {name} does not match its checksum"
                 )
@@ -143,11 +143,6 @@ class SnapshotDir:
 
 
 def sha256_of(path: Path) -> str:
-    """A file's checksum as manifests record it (remembered until the file changes)."""
-    return _sha256(path)
-
-
-def _sha256(path: Path) -> str:
     """SHA-256 of the file's content, reading only where the file system says data lies.
 
     RAM files are mostly holes, so only data extents are read. The hash covers every

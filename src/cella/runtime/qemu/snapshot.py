@@ -14,6 +14,7 @@ import dataclasses
 import os
 import secrets
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,9 @@ async def _snapshot_layered(
     return await asyncio.to_thread(_finish, tmp, dest, meta), paused
 
 
-async def flatten_snapshot(snap: SnapshotDir, quiet_for: Any = None) -> dict[str, Any]:
+async def flatten_snapshot(
+    snap: SnapshotDir, quiet_for: Callable[[], Awaitable[None]] | None = None
+) -> dict[str, Any]:
     """Makes a layered snapshot whole: `ram` is the base with the layer written over it,
     checked against the layer's checksums first. `quiet_for()` is awaited right before the
     files switch (restores of the layer in flight must finish opening it)."""
