@@ -31,6 +31,9 @@ def run(
         str | None,
         typer.Option(help="run tasks as Ray tasks on this cluster's nodes (or `auto`)"),
     ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="the run's name in the web console (default: --out's)")
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
 ) -> None:
     """Run each task in its own sandbox forked from SNAPSHOT; the check's exit is the score."""
@@ -57,7 +60,13 @@ def run(
             bar.update(job, advance=1, last=f"{r.task_id}: {'pass' if r.passed else 'FAIL'}")
 
         results = run_eval(
-            tasks, snapshot, parallel=parallel, out_dir=out_dir, on_done=done, cluster=ray
+            tasks,
+            snapshot,
+            parallel=parallel,
+            out_dir=out_dir,
+            on_done=done,
+            cluster=ray,
+            name=name,
         )
     summary = summarize(results)
     if json_:

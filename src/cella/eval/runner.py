@@ -16,6 +16,7 @@ from typing import Any
 
 from cella import errors
 from cella.eval.tasks import Step, Task, TaskResult
+from cella.models.evals import EvalResult
 from cella.sdk import AsyncClient, AsyncSandbox
 
 TAIL = 4096
@@ -114,23 +115,39 @@ async def arun_eval(
     parallel: int = 4,
     out_dir: Path,
     on_done: Callable[[TaskResult], None] | None = None,
+    name: str | None = None,
 ) -> list[TaskResult]:
-    """Runs every task, at most `parallel` at once; results in task order."""
+    """Runs every task, at most `parallel` at once; results in task order. The run is
+    recorded on the daemon as it goes (`client.eval_run`, the web console's eval page);
+    its id is in `out/run.json`."""
     if parallel < 1:
         raise errors.InvalidArgument("parallel must be at least 1")
     out_dir.mkdir(parents=True, exist_ok=True)
+    run = await client.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
+    (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
     gate = asyncio.Semaphore(parallel)
 
     async def one(task: Task) -> TaskResult:
         async with gate:
             result = await run_task(client, task, snapshot_id, out_dir)
+        await client.record_eval_result(run.id, recorded(result))
         if on_done is not None:
             on_done(result)
         return result
 
-    results = list(await asyncio.gather(*(one(t) for t in tasks)))
+    try:
+        results = list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        await client.finish_eval_run(run.id)
     (out_dir / "results.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in results))
     return results
+
+
+def recorded(result: TaskResult) -> EvalResult:
+    """A task's result as the daemon keeps it (local paths of traces and artifacts stay
+    in the output directory)."""
+    local = {"snapshot_id", "trace", "artifacts"}
+    return EvalResult.model_validate(result.model_dump(exclude=local))
 
 
 def run_eval(
@@ -143,6 +160,7 @@ def run_eval(
     api_key: str | None = None,
     on_done: Callable[[TaskResult], None] | None = None,
     cluster: str | None = None,
+    name: str | None = None,
 ) -> list[TaskResult]:
     """The blocking form of `arun_eval` (a client is made from the environment). With
     `cluster` (a Ray address, or `auto`), tasks run as Ray tasks across the fleet's nodes,
@@ -164,7 +182,13 @@ def run_eval(
     async def go() -> list[TaskResult]:
         async with AsyncClient(url, api_key) as client:
             return await arun_eval(
-                client, tasks, snapshot_id, parallel=parallel, out_dir=out_dir, on_done=on_done
+                client,
+                tasks,
+                snapshot_id,
+                parallel=parallel,
+                out_dir=out_dir,
+                on_done=on_done,
+                name=name,
             )
 
     return asyncio.run(go())

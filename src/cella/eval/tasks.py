@@ -8,6 +8,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from cella import errors
+from cella.models.evals import Step
+
+__all__ = ["Step", "Task", "TaskResult", "load_tasks"]
 
 TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -28,16 +31,6 @@ class Task(BaseModel):
     workdir: str = "/workspace"
     timeout: float = Field(default=600, gt=0, description="seconds per command")
     artifacts: list[str] = Field(default_factory=list, description="guest files to keep")
-
-
-class Step(BaseModel):
-    phase: str
-    command: str
-    exit_code: int | None
-    timed_out: bool = False
-    duration_ms: float
-    stdout: str = Field(description="the last 4 KiB")
-    stderr: str = Field(description="the last 4 KiB")
 
 
 class TaskResult(BaseModel):

@@ -182,7 +182,15 @@ class LineageNode(BaseModel):
     name: str | None = None
     state: str
     created_at: datetime
+    eval: LineageEval | None = Field(default=None, description="the eval task it ran")
     children: list[LineageNode] = Field(default_factory=list)
+
+
+class LineageEval(BaseModel):
+    run_id: str
+    task_id: str
+    passed: bool
+    score: float
 
 
 class SnapshotState(StrEnum):

@@ -44,6 +44,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
 
     from cella.server.routes import (
         egress,
+        evals,
         files,
         host,
         keys,
@@ -51,6 +52,7 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
         sandboxes,
         snapshots,
         templates,
+        terminal,
     )
 
     app.include_router(sandboxes.router)
@@ -61,6 +63,8 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     app.include_router(egress.router)
     app.include_router(templates.router)
     app.include_router(host.router)
+    app.include_router(evals.router)
+    app.include_router(terminal.router)
     from cella.server.compat import e2b, langsmith
 
     langsmith.install(app)

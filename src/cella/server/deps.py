@@ -12,7 +12,11 @@ from starlette.requests import HTTPConnection
 from cella import errors
 from cella.models.keys import TENANT
 from cella.service.daemon import Daemon
-from cella.service.keys import Principal, require_admin, require_write
+from cella.service.keys import READS, Principal, require_admin, require_write
+
+SESSION_COOKIE = "cella_session"
+CSRF_HEADER = "x-csrf-token"
+CSRF_QUERY = "csrf"
 
 
 def daemon(request: HTTPConnection) -> Daemon:
@@ -29,6 +33,8 @@ def principal(
     ] = None,
 ) -> Principal:
     if not authorization:
+        if session := request.cookies.get(SESSION_COOKIE):
+            return from_session(request, session, x_cella_tenant)
         raise errors.Unauthenticated("an API key is required (Authorization: Bearer <key>)")
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
@@ -45,6 +51,32 @@ def admitted(conn: HTTPConnection, key: str, tenant: str | None) -> Principal:
     conn.state.key_use = who  # before any refusal: refused uses are logged too
     require_write(who, method)
     return acting(who, tenant)
+
+
+def from_session(conn: HTTPConnection, token: str, tenant: str | None) -> Principal:
+    """The principal of a web console session (its cookie). Whatever is not a read needs the
+    session's CSRF token (header, or `csrf` query parameter for WebSockets, which also
+    must come from this origin)."""
+    sessions = daemon(conn).sessions
+    who = sessions.principal(token)
+    method = conn.scope.get("method") or "WEBSOCKET"
+    conn.state.key_use = who
+    if method not in READS:
+        if method == "WEBSOCKET":
+            same_origin(conn)
+            given = conn.query_params.get(CSRF_QUERY)
+        else:
+            given = conn.headers.get(CSRF_HEADER)
+        sessions.check_csrf(token, given)
+    require_write(who, method)
+    return acting(who, tenant)
+
+
+def same_origin(conn: HTTPConnection) -> None:
+    origin = conn.headers.get("origin")
+    host = conn.headers.get("host")
+    if not origin or not host or origin.partition("://")[2] != host:
+        raise errors.PermissionDenied(f"a session WebSocket from another origin: {origin!r}")
 
 
 def acting(who: Principal, tenant: str | None) -> Principal:

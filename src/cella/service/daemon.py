@@ -23,6 +23,7 @@ from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress
+from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.keys import Keys
@@ -32,6 +33,7 @@ from cella.service.processes import ENTRYPOINT, Processes, ProcessSpec
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
+from cella.service.sessions import Sessions
 from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
@@ -51,6 +53,7 @@ class Daemon:
         self.driver = driver
         self.secrets_key: KeyFile | None = None  # None: the key comes from a command
         self.keys = Keys(store)
+        self.sessions = Sessions(self.keys, driver.paths.root / "session.key")
         self.events = EventLog(store)
         self._spans: Any = None
         if settings.otlp_endpoint:
@@ -72,6 +75,7 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
+        self.evals = Evals(store)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)

@@ -61,6 +61,11 @@ class Keys:
             raise errors.Unauthenticated("unknown or revoked API key")
         return Principal(row.tenant, row.admin, row.read_only, row.id)
 
+    def by_id(self, key_id: str) -> Principal | None:
+        """The holder of a key that is still valid, by the key's id."""
+        row = self.store.key_by_id(key_id)
+        return Principal(row.tenant, row.admin, row.read_only, row.id) if row else None
+
     def list(self, who: Principal) -> list[KeyRecord]:
         require_admin(who)
         return self.store.list_keys()

@@ -60,7 +60,7 @@ class HttpResponse:
 class Ports:
     def __init__(self, registry: Registry, key_file: Path) -> None:
         self.registry = registry
-        self._key = _load_key(key_file)
+        self._key = load_key(key_file)
 
     async def open(self, tenant: str, sandbox_id: str, port: int) -> GuestStream:
         """A connection to `port` on the sandbox's loopback; `PortClosed` when nothing
@@ -187,7 +187,8 @@ async def _body(conn: h11.Connection, stream: GuestStream) -> AsyncIterator[byte
         await stream.close()
 
 
-def _load_key(path: Path) -> bytes:
+def load_key(path: Path) -> bytes:
+    """A daemon's signing key: read from `path`, made (32 random bytes, 0600) if absent."""
     try:
         return path.read_bytes()
     except FileNotFoundError:

@@ -3,6 +3,7 @@ live, and the lineage tree of snapshots and forks it belongs to."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,4 +96,23 @@ class Trace:
                 "children": children,
             }
 
-        return family(root)
+        tree = family(root)
+        self._scores(tree)
+        return tree
+
+    def _scores(self, tree: dict[str, Any]) -> None:
+        """Marks the sandboxes that ran an eval task with the run, the task and its score."""
+        nodes, stack = {}, [tree]
+        while stack:
+            node = stack.pop()
+            if node["kind"] == "sandbox":
+                nodes[node["id"]] = node
+            stack.extend(node["children"])
+        for sandbox_id, (run_id, text) in self.store.eval_results_of(nodes).items():
+            result = json.loads(text)
+            nodes[sandbox_id]["eval"] = {
+                "run_id": run_id,
+                "task_id": result["task_id"],
+                "passed": result["passed"],
+                "score": result["score"],
+            }

@@ -2,6 +2,7 @@
 
 from cella.store.db import Store
 from cella.store.records import (
+    EvalRunRecord,
     EventRecord,
     KeyRecord,
     KeyUse,
@@ -12,6 +13,7 @@ from cella.store.records import (
 )
 
 __all__ = [
+    "EvalRunRecord",
     "EventRecord",
     "KeyRecord",
     "KeyUse",

@@ -16,6 +16,7 @@ from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
 from cella.store.records import (
+    EvalRunRecord,
     EventRecord,
     KeyRecord,
     KeyUse,
@@ -107,6 +108,12 @@ class Store:
         ).fetchone()
         return _key(row) if row else None
 
+    def key_by_id(self, key_id: str) -> KeyRecord | None:
+        row = self._exec(
+            "SELECT * FROM api_keys WHERE id = ? AND revoked_at IS NULL", (key_id,)
+        ).fetchone()
+        return _key(row) if row else None
+
     def list_keys(self) -> list[KeyRecord]:
         rows = self._exec("SELECT * FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at")
         return [_key(r) for r in rows.fetchall()]
@@ -117,6 +124,56 @@ class Store:
             (now(), key_id),
         )
         return cur.rowcount > 0
+
+    # -- eval runs ------------------------------------------------------------------------
+
+    def add_eval_run(self, run: EvalRunRecord) -> None:
+        self._insert("eval_runs", dataclasses.asdict(run))
+
+    def eval_run(self, run_id: str) -> EvalRunRecord | None:
+        row = self._exec("SELECT * FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
+        return EvalRunRecord(**dict(row)) if row else None
+
+    def eval_runs(self, tenant: str | None, limit: int) -> list[EvalRunRecord]:
+        sql, args = "SELECT * FROM eval_runs", list[Any]()
+        if tenant is not None:
+            sql, args = sql + " WHERE tenant = ?", [tenant]
+        rows = self._exec(sql + " ORDER BY created_at DESC LIMIT ?", (*args, limit)).fetchall()
+        return [EvalRunRecord(**dict(r)) for r in rows]
+
+    def finish_eval_run(self, run_id: str) -> None:
+        self._exec("UPDATE eval_runs SET finished_at = ? WHERE id = ?", (now(), run_id))
+
+    def delete_eval_run(self, run_id: str) -> None:
+        self._exec("DELETE FROM eval_results WHERE run_id = ?", (run_id,))
+        self._exec("DELETE FROM eval_runs WHERE id = ?", (run_id,))
+
+    def put_eval_result(
+        self, run_id: str, task_id: str, sandbox_id: str | None, passed: bool, result: str
+    ) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO eval_results "
+            "(run_id, task_id, sandbox_id, passed, result, recorded_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (run_id, task_id, sandbox_id, int(passed), result, now()),
+        )
+
+    def eval_results(self, run_id: str) -> list[str]:
+        rows = self._exec(
+            "SELECT result FROM eval_results WHERE run_id = ? ORDER BY rowid", (run_id,)
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def eval_results_of(self, sandbox_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """(run id, result JSON) by sandbox id, for the sandboxes that ran an eval task."""
+        ids = list(sandbox_ids)
+        if not ids:
+            return {}
+        marks = ", ".join("?" for _ in ids)
+        rows = self._exec(
+            f"SELECT sandbox_id, run_id, result FROM eval_results WHERE sandbox_id IN ({marks})",
+            tuple(ids),
+        ).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
 
     # -- rows with a lifecycle (sandboxes, snapshots) -------------------------------------
 

@@ -116,4 +116,27 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX key_uses_key ON key_uses (key_id, id);
     """,
+    """
+    CREATE TABLE eval_runs (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT,
+        snapshot_id TEXT NOT NULL,
+        tasks INTEGER NOT NULL,
+        created_at TEXT NOT NULL,
+        finished_at TEXT
+    );
+    CREATE INDEX eval_runs_tenant ON eval_runs (tenant, created_at);
+    CREATE TABLE eval_results (
+        run_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        sandbox_id TEXT,
+        passed INTEGER NOT NULL,
+        error TEXT,
+        result TEXT NOT NULL,
+        recorded_at TEXT NOT NULL,
+        PRIMARY KEY (run_id, task_id)
+    );
+    CREATE INDEX eval_results_sandbox ON eval_results (sandbox_id);
+    """,
 ]

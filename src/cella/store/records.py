@@ -146,3 +146,16 @@ class EventRecord:
     type: str
     at: str
     data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EvalRunRecord:
+    """An eval run: its tasks' results are kept as the JSON they were recorded in."""
+
+    id: str
+    tenant: str
+    snapshot_id: str
+    tasks: int
+    created_at: str
+    name: str | None = None
+    finished_at: str | None = None

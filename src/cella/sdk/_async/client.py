@@ -35,6 +35,7 @@ from cella.models import (
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
@@ -272,6 +273,36 @@ class AsyncClient:
         """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
         response = await self.request("GET", "/v1/fleet")
         return FleetStatus.model_validate(response.json())
+
+    # -- eval runs -----------------------------------------------------------------------
+
+    async def create_eval_run(
+        self, snapshot_id: str, tasks: int, *, name: str | None = None
+    ) -> EvalRun:
+        """Starts recording an eval run (what `run_eval` does; the web console shows it)."""
+        body = EvalRunCreate(snapshot_id=snapshot_id, tasks=tasks, name=name)
+        response = await self.request("POST", "/v1/evals", json=body.model_dump(mode="json"))
+        return EvalRun.model_validate(response.json())
+
+    async def record_eval_result(self, run_id: str, result: EvalResult) -> None:
+        await self.request(
+            "PUT",
+            f"/v1/evals/{run_id}/results/{result.task_id}",
+            json=result.model_dump(mode="json"),
+        )
+
+    async def finish_eval_run(self, run_id: str) -> EvalRun:
+        response = await self.request("POST", f"/v1/evals/{run_id}/finish")
+        return EvalRun.model_validate(response.json())
+
+    async def eval_runs(self) -> builtins.list[EvalRun]:
+        response = await self.request("GET", "/v1/evals")
+        return EvalRunList.model_validate(response.json()).runs
+
+    async def eval_run(self, run_id: str) -> EvalRun:
+        """A run with every recorded result."""
+        response = await self.request("GET", f"/v1/evals/{run_id}")
+        return EvalRun.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 

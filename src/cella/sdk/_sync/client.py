@@ -36,6 +36,7 @@ from cella.models import (
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
@@ -266,6 +267,34 @@ class Client:
         """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
         response = self.request("GET", "/v1/fleet")
         return FleetStatus.model_validate(response.json())
+
+    # -- eval runs -----------------------------------------------------------------------
+
+    def create_eval_run(self, snapshot_id: str, tasks: int, *, name: str | None = None) -> EvalRun:
+        """Starts recording an eval run (what `run_eval` does; the web console shows it)."""
+        body = EvalRunCreate(snapshot_id=snapshot_id, tasks=tasks, name=name)
+        response = self.request("POST", "/v1/evals", json=body.model_dump(mode="json"))
+        return EvalRun.model_validate(response.json())
+
+    def record_eval_result(self, run_id: str, result: EvalResult) -> None:
+        self.request(
+            "PUT",
+            f"/v1/evals/{run_id}/results/{result.task_id}",
+            json=result.model_dump(mode="json"),
+        )
+
+    def finish_eval_run(self, run_id: str) -> EvalRun:
+        response = self.request("POST", f"/v1/evals/{run_id}/finish")
+        return EvalRun.model_validate(response.json())
+
+    def eval_runs(self) -> builtins.list[EvalRun]:
+        response = self.request("GET", "/v1/evals")
+        return EvalRunList.model_validate(response.json()).runs
+
+    def eval_run(self, run_id: str) -> EvalRun:
+        """A run with every recorded result."""
+        response = self.request("GET", f"/v1/evals/{run_id}")
+        return EvalRun.model_validate(response.json())
 
     # -- templates -----------------------------------------------------------------------
 

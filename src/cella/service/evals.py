@@ -1,0 +1,94 @@
+"""Eval runs: what `cella eval run` recorded, kept so a regression is a look away.
+
+The runner creates a run, records each task's result as it ends (by task id: recording
+again replaces) and finishes the run. The tasks' traces are the sandboxes' own events,
+kept after the sandboxes are deleted; lineage shows the scores of the sandboxes that ran
+a task.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from cella import errors
+from cella.models.evals import EvalResult, EvalRun, EvalRunCreate
+from cella.store import EvalRunRecord, Store
+from cella.store.db import now
+
+MAX_RESULT_BYTES = 1 << 20
+LIST_LIMIT = 200
+
+
+class Evals:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def create(self, tenant: str, body: EvalRunCreate) -> EvalRun:
+        snap = self.store.get_snapshot(body.snapshot_id)
+        if snap is None or snap.tenant != tenant:
+            raise errors.NotFound(f"no snapshot {body.snapshot_id!r}")
+        run = EvalRunRecord(
+            id=f"ev-{secrets.token_hex(6)}",
+            tenant=tenant,
+            name=body.name,
+            snapshot_id=snap.id,
+            tasks=body.tasks,
+            created_at=now(),
+        )
+        self.store.add_eval_run(run)
+        return self._view(run, [])
+
+    def record(self, tenant: str, run_id: str, result: EvalResult) -> EvalResult:
+        run = self._owned(tenant, run_id)
+        if run.finished_at is not None:
+            raise errors.InvalidState(f"eval run {run_id} is finished")
+        text = result.model_dump_json()
+        if len(text) > MAX_RESULT_BYTES:
+            raise errors.PayloadTooLarge(f"a result of {len(text)} bytes; at most 1 MiB")
+        self.store.put_eval_result(run.id, result.task_id, result.sandbox_id, result.passed, text)
+        return result
+
+    def finish(self, tenant: str, run_id: str) -> EvalRun:
+        run = self._owned(tenant, run_id)
+        if run.finished_at is None:
+            self.store.finish_eval_run(run.id)
+        return self.get(tenant, run_id)
+
+    def get(self, tenant: str, run_id: str) -> EvalRun:
+        run = self._owned(tenant, run_id)
+        results = [EvalResult.model_validate_json(t) for t in self.store.eval_results(run.id)]
+        return self._view(run, results)
+
+    def runs(self, tenant: str | None) -> list[EvalRun]:
+        """The newest runs, with their counts but not their results."""
+        views = []
+        for run in self.store.eval_runs(tenant, LIST_LIMIT):
+            results = [EvalResult.model_validate_json(t) for t in self.store.eval_results(run.id)]
+            views.append(self._view(run, results).model_copy(update={"results": []}))
+        return views
+
+    def delete(self, tenant: str, run_id: str) -> None:
+        self.store.delete_eval_run(self._owned(tenant, run_id).id)
+
+    def _owned(self, tenant: str, run_id: str) -> EvalRunRecord:
+        run = self.store.eval_run(run_id)
+        if run is None or run.tenant != tenant:
+            raise errors.NotFound(f"no eval run {run_id!r}")
+        return run
+
+    @staticmethod
+    def _view(run: EvalRunRecord, results: list[EvalResult]) -> EvalRun:
+        return EvalRun.model_validate(
+            {
+                "id": run.id,
+                "name": run.name,
+                "snapshot_id": run.snapshot_id,
+                "tasks": run.tasks,
+                "created_at": run.created_at,
+                "finished_at": run.finished_at,
+                "passed": sum(r.passed for r in results),
+                "failed": sum(not r.passed and r.error is None for r in results),
+                "errors": sum(r.error is not None for r in results),
+                "results": results,
+            }
+        )
