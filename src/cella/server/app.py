@@ -69,6 +69,9 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
 
     langsmith.install(app)
     e2b.install(app)
+    from cella.server import ui
+
+    ui.install(app)
     from cella.server.hosts import HostRouting
 
     app.add_middleware(HostRouting, domain=settings.ports_domain, own_ports=e2b.OWN_PORTS)

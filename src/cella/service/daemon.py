@@ -193,4 +193,5 @@ class Daemon:
             "accel_reason": accel.reason,
             "pool": self.pool.status(),
             "pool_size": self.pool.size,
+            "proxy": {"running": self.egress.proxy.pid is not None, "port": self.egress.proxy.port},
         }

@@ -1,0 +1,107 @@
+// One sandbox: overview (limits, usage, labels, network, ports), terminal, files, trace
+// and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
+import { api } from "../api.js";
+import { badge, h, mib, toast } from "../dom.js";
+import { actionButtons } from "./actions.js";
+import * as files from "./files.js";
+import * as lineage from "./lineage.js";
+import * as terminal from "./terminal.js";
+import * as trace from "./trace.js";
+
+const TABS = { overview: null, terminal, files, trace, lineage };
+
+export async function render(main, [id, tab], params) {
+  tab = tab && tab in TABS ? tab : "overview";
+  const tenant = params.get("tenant") || undefined;
+  const suffix = tenant ? `?tenant=${encodeURIComponent(tenant)}` : "";
+  const sb = await load(id, tenant);
+  if (sb.state === "deleted" && !["trace", "lineage"].includes(tab)) tab = "trace";
+  const nav = h("nav", { class: "tabs", "aria-label": "Sandbox" }, Object.keys(TABS).map((t) =>
+    h("a", { href: `#/sandboxes/${id}/${t}${suffix}`, "aria-current": t === tab ? "page" : false }, t)));
+  const head = h("div", { class: "bar" },
+    h("h1", {}, sb.name || sb.id), badge(sb.state), h("span", { class: "muted mono" }, sb.id),
+    actionButtons(sb, () => render(main.replaceChildren() || main, [id, tab], params)));
+  const body = h("section", { id: "tab", "aria-label": tab });
+  main.append(head, nav, body);
+  if (tab === "overview") return overview(body, sb);
+  return TABS[tab].render(body, sb);
+}
+
+// A deleted sandbox keeps its trace and its place in the lineage: shown from those.
+async function load(id, tenant) {
+  try {
+    return await api("GET", `/v1/sandboxes/${id}`, { tenant });
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    await api("GET", `/v1/sandboxes/${id}/events?limit=1`, { tenant }); // 404 here too: unknown
+    return { id, tenant, state: "deleted", labels: {} };
+  }
+}
+
+function row(name, ...value) {
+  return h("tr", {}, h("th", { scope: "row" }, name), h("td", {}, ...value));
+}
+
+async function overview(body, sb) {
+  const usage = h("tbody");
+  const rules = sb.network || {};
+  body.append(
+    h("div", { class: "cols" },
+      h("table", { class: "kv" }, h("caption", {}, "Sandbox"), h("tbody", {},
+        row("template", sb.template),
+        row("tenant", sb.tenant || ""),
+        row("created", `${sb.created_at} (${sb.created_from || ""})`),
+        row("limits", `${sb.vcpus} vCPU · ${sb.memory_mib} MiB · disk ${sb.disk_mib ? `${sb.disk_mib} MiB` : "template's"}`),
+        row("wall clock", sb.ttl_seconds ? `${sb.ttl_seconds} s, then ${sb.ttl_action}` : "none"),
+        row("idle", sb.idle_timeout_seconds ? `${sb.idle_timeout_seconds} s, then ${sb.idle_action}` : "none"),
+        row("labels", Object.entries(sb.labels || {}).map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
+        row("egress", `allow: ${(rules.allow || []).join(", ") || "nothing"}; deny: ${(rules.deny || []).join(", ") || "–"}`),
+        row("secrets", Object.keys(sb.secrets || {}).join(", ") || "none"),
+        row("parent", sb.parent_id ? h("a", { href: `#/sandboxes/${sb.parent_id}` }, sb.parent_id) : "–"),
+        row("accelerator", `${sb.accel || ""} ${sb.accel_reason ? `(${sb.accel_reason})` : ""}`),
+        sb.error ? row("error", h("span", { class: "error" }, sb.error)) : null)),
+      h("table", { class: "kv" }, h("caption", {}, "Usage"), usage)),
+    ports(sb));
+  async function refresh() {
+    try {
+      const u = await api("GET", `/v1/sandboxes/${sb.id}/usage`, { tenant: sb.tenant });
+      usage.replaceChildren(
+        row("CPU time", u.cpu_seconds != null ? `${u.cpu_seconds.toFixed(2)} s` : "–"),
+        row("guest memory", `${mib(u.guest_memory_used_mib)} of ${mib(u.guest_memory_total_mib)}`),
+        row("guest disk", `${mib(u.guest_disk_used_mib)} of ${mib(u.guest_disk_total_mib)}`),
+        row("host memory (PSS)", mib(u.host_memory_mib)),
+        row("host disk", mib(u.disk_allocated_mib)),
+        row("processes", u.pids ?? "–"),
+        row("wall clock left", u.ttl_remaining_seconds != null ? `${Math.round(u.ttl_remaining_seconds)} s` : "–"));
+    } catch (e) {
+      usage.replaceChildren(row("usage", e.message));
+    }
+  }
+  await refresh();
+  const timer = setInterval(() => { if (!document.hidden) refresh(); }, 3000);
+  return () => clearInterval(timer);
+}
+
+// A server listening in the sandbox, opened through a service URL in a new tab.
+function ports(sb) {
+  const port = h("input", { id: "port", type: "number", min: 1, max: 65535, value: 8000, "aria-label": "Port" });
+  const out = h("span", { class: "muted" });
+  const open = h("button", { type: "submit", disabled: sb.state !== "running" }, "Open port");
+  const form = h("form", { class: "bar", "aria-label": "Ports" }, h("h2", {}, "Ports"),
+    h("label", { for: "port" }, "A server in the sandbox on port"), port, open, out);
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const win = window.open("about:blank", "_blank");
+    try {
+      const r = await api("POST", `/v1/sandboxes/${sb.id}/ports/${Number(port.value)}/expose`,
+        { tenant: sb.tenant, json: { expires_in_seconds: 3600 } });
+      out.textContent = `service URL valid until ${new Date(r.expires_at).toLocaleTimeString()}`;
+      if (win) { win.opener = null; win.location = r.browser_url; }
+    } catch (e) {
+      if (win) win.close();
+      toast(e.message, true);
+    }
+  });
+  return form;
+}
+

@@ -1,0 +1,390 @@
+"""The web console in a real browser (Debian's chromium, driven by Playwright) against a
+real daemon with real sandboxes: log in, the live list, a terminal, files, the live trace,
+the lineage picture, eval runs, tenants kept apart, CSRF. Each page's screenshot is saved
+under the test's temp dir (and under `$CELLA_SCREENSHOTS`, when set, for docs/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from cella import Client, Sandbox
+from cella.eval import Task, run_eval
+from tests.daemon import Daemon, running_daemon
+
+playwright = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.vm
+
+CHROMIUM = shutil.which("chromium")
+WIDTH, HEIGHT = 1280, 800
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with running_daemon(tmp_path_factory.mktemp("console"), pool_size="0") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def keys(daemon: Daemon) -> dict[str, str]:
+    with Client(daemon.url, daemon.admin_key) as admin:
+        return {t: admin.create_key(t)["key"] for t in ("alpha", "beta")}
+
+
+@pytest.fixture(scope="module")
+def alpha(daemon: Daemon, keys: dict[str, str]) -> Iterator[Client]:
+    with Client(daemon.url, keys["alpha"]) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def box(alpha: Client) -> Iterator[Sandbox]:
+    """The sandbox most tests look at (alpha's)."""
+    sb = alpha.create(labels={"team": "console"})
+    yield sb
+    sb.delete()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed (scripts/test installs Debian's package)")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("screenshots")
+
+
+def screenshot(page: Any, shots: Path, name: str) -> None:
+    page.wait_for_timeout(150)  # let the last rows render
+    path = shots / f"{name}.png"
+    page.screenshot(path=str(path))
+    if docs := os.environ.get("CELLA_SCREENSHOTS"):
+        Path(docs).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(docs) / path.name)
+
+
+def logged_in(browser: Any, daemon: Daemon, key: str) -> Any:
+    context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT})
+    page = context.new_page()
+    page.goto(f"{daemon.url}/ui/")
+    page.fill("#key", key)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#who:not(:empty)")
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(browser: Any, daemon: Daemon, keys: dict[str, str]) -> Iterator[Any]:
+    page = logged_in(browser, daemon, keys["alpha"])
+    yield page
+    page.context.close()
+
+
+def rows_text(page: Any) -> list[str]:
+    """The terminal's screen, a line each (xterm.js's DOM renderer)."""
+    lines: list[str] = page.eval_on_selector_all(
+        ".xterm-rows > div", "rows => rows.map(r => r.textContent.replace(/\\s+$/, ''))"
+    )
+    return lines
+
+
+def wait_line(page: Any, line: str, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        screen = rows_text(page)
+        if line in screen:
+            return screen
+        page.wait_for_timeout(100)
+    raise AssertionError(f"{line!r} never shown; the screen:\n" + "\n".join(rows_text(page)))
+
+
+def test_login(browser: Any, daemon: Daemon, keys: dict[str, str], shots: Path) -> None:
+    context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT})
+    page = context.new_page()
+    response = page.goto(f"{daemon.url}/ui/")
+    assert page.url.endswith("/ui/login")
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "frame-ancestors 'none'" in csp
+    screenshot(page, shots, "login")
+    page.fill("#key", "ck_not-a-key")
+    page.click("button[type=submit]")
+    assert "unknown or revoked API key" in page.inner_text("[role=alert]")
+    assert not context.cookies()
+    page.fill("#key", keys["alpha"])
+    page.click("button[type=submit]")
+    page.wait_for_selector("#who:not(:empty)")
+    assert page.inner_text("#who") == "alpha"
+    (cookie,) = context.cookies()
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert keys["alpha"] not in cookie["value"]  # the session names the key, never holds it
+    assert page.evaluate("document.cookie") == ""  # no script reads it
+    context.close()
+
+
+def test_list_shows_a_new_sandbox_within_a_second(
+    page: Any, alpha: Client, box: Sandbox, shots: Path
+) -> None:
+    page.goto(page.url.split("#")[0] + "#/sandboxes")
+    page.wait_for_selector(f"#sandboxes tr[data-id='{box.id}']")
+    sb = alpha.create(name="fresh-one", labels={"purpose": "list-test"})
+    try:
+        created = time.monotonic()
+        page.wait_for_selector(f"#sandboxes tr[data-id='{sb.id}']", timeout=1000)
+        print(f"shown {1000 * (time.monotonic() - created):.0f} ms after the create returned")
+        row = page.inner_text(f"#sandboxes tr[data-id='{sb.id}']")
+        assert "fresh-one" in row and "running" in row and "purpose=list-test" in row
+        page.fill("#search", "list-test")  # search narrows the list
+        page.wait_for_function("document.querySelectorAll('#sandboxes tbody tr').length === 1")
+        page.fill("#search", "")
+        page.wait_for_selector(f"#sandboxes tr[data-id='{sb.id}'] td:nth-child(5):has-text(' s')")
+        screenshot(page, shots, "sandboxes")
+        # an action asks first: cancelled, nothing happens; confirmed, it is done
+        page.click(f"#sandboxes tr[data-id='{sb.id}'] button[data-action=pause]")
+        page.click("#confirm button[value=cancel]")
+        assert alpha.get(sb.id).state == "running"
+        page.click(f"#sandboxes tr[data-id='{sb.id}'] button[data-action=pause]")
+        page.click("#confirm-ok")
+        page.wait_for_selector(f"#sandboxes tr[data-id='{sb.id}'][data-state=paused]")
+        assert alpha.get(sb.id).state == "paused"
+    finally:
+        sb.delete()
+    page.wait_for_selector(f"#sandboxes tr[data-id='{sb.id}']", state="detached")
+
+
+def test_terminal(page: Any, box: Sandbox, shots: Path) -> None:
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/terminal")
+    page.wait_for_selector("#terminal-status:has-text('connected')")
+    page.click("#terminal")
+    page.keyboard.type("echo hi\n")
+    wait_line(page, "hi")
+    page.keyboard.type("echo héllo ✓\n")  # UTF-8 both ways
+    wait_line(page, "héllo ✓")
+    page.keyboard.type("sleep 30; echo not-interrupted\n")
+    page.wait_for_timeout(700)
+    page.keyboard.press("Control+C")
+    page.keyboard.type("echo rc=$?\n")
+    screen = wait_line(page, "rc=130")  # the shell saw SIGINT end the sleep
+    assert "not-interrupted" not in screen
+    page.keyboard.type("echo before $(stty size)\n")
+    (before,) = wait_lines_matching(page, r"before \d+ \d+")
+    page.set_viewport_size({"width": 900, "height": 600})
+    page.wait_for_timeout(300)
+    page.keyboard.type("echo after $(stty size)\n")
+    (after,) = wait_lines_matching(page, r"after \d+ \d+")
+    assert before.split()[1:] != after.split()[1:], (before, after)  # the guest's PTY resized
+    page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
+    page.keyboard.type("clear; ls / | head -5; echo hi\n")
+    wait_line(page, "hi")
+    screenshot(page, shots, "terminal")
+
+
+def wait_lines_matching(page: Any, pattern: str, timeout: float = 20.0) -> list[str]:
+    import re
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [line for line in rows_text(page) if re.fullmatch(pattern, line)]
+        if found:
+            return found
+        page.wait_for_timeout(100)
+    raise AssertionError(f"no line like {pattern!r}:\n" + "\n".join(rows_text(page)))
+
+
+def test_files(page: Any, box: Sandbox, shots: Path) -> None:
+    box.files.write("/srv/readme.txt", "made by the SDK\n", parents=True)
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/files")
+    page.wait_for_selector("a[data-path='/srv'][data-kind=dir]")
+    page.fill("#files-path", "/srv")
+    page.press("#files-path", "Enter")
+    page.click("a[data-path='/srv/readme.txt']")
+    assert page.inner_text("#viewer pre") == "made by the SDK\n"
+    payload = "uploaded in the browser ✓\n".encode() + bytes(range(256))
+    page.set_input_files(
+        "#upload",
+        files=[{"name": "up.bin", "mimeType": "application/octet-stream", "buffer": payload}],
+    )
+    page.wait_for_selector("a[data-path='/srv/up.bin']")
+    assert box.files.read("/srv/up.bin") == payload  # in the guest, byte for byte
+    screenshot(page, shots, "files")
+
+
+def test_trace_follows_a_command_run_through_the_sdk(page: Any, box: Sandbox, shots: Path) -> None:
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/trace")
+    page.wait_for_selector("#timeline li[data-type=created]")
+    marker = f"traced-{time.time_ns()}"
+    assert not page.query_selector(f"#timeline li:has-text('{marker}')")
+    box.exec(f"echo {marker}; exit 3")
+    item = page.wait_for_selector(f"#timeline li[data-type=exec]:has-text('echo {marker}')")
+    assert "exit 3" in item.inner_text()
+    page.uncheck("input[data-group=lifecycle]")  # filtering by type
+    assert not page.is_visible("#timeline li[data-type=created]")
+    assert item.is_visible()
+    page.check("input[data-group=lifecycle]")
+    screenshot(page, shots, "trace")
+
+
+def test_lineage_of_a_snapshot_forked_three_times(
+    page: Any, alpha: Client, box: Sandbox, shots: Path
+) -> None:
+    snap = box.snapshot("console")
+    branches = snap.fork(3)
+    try:
+        page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/lineage")
+        page.wait_for_selector("#lineage")
+        forks = page.eval_on_selector_all(
+            f"#lineage a.node[data-parent='{snap.id}']", "nodes => nodes.map(n => n.dataset.id)"
+        )
+        assert sorted(forks) == sorted(b.id for b in branches)
+        assert page.query_selector(f"#lineage a.node[data-id='{snap.id}'][data-parent='{box.id}']")
+        screenshot(page, shots, "lineage")
+        page.click(f"#lineage a.node[data-id='{branches[0].id}']")  # click through to a node
+        page.wait_for_selector(f"h1:has-text('{branches[0].id}')")
+    finally:
+        for b in branches:
+            b.delete()
+
+
+def test_eval_run_marks_the_failing_task(
+    page: Any, daemon: Daemon, keys: dict[str, str], box: Sandbox, tmp_path: Path, shots: Path
+) -> None:
+    snap = box.snapshot("eval-base")
+    tasks = [
+        Task(id="passes", check="test 1 -eq 1"),
+        Task(id="fails", commands=["echo trying"], check="echo 'expected 2, got 3'; exit 1"),
+    ]
+    with ThreadPoolExecutor(1) as pool:  # the eval's own event loop, beside Playwright's
+        results = pool.submit(
+            run_eval,
+            tasks,
+            snap.id,
+            parallel=2,
+            out_dir=tmp_path / "nightly",
+            url=daemon.url,
+            api_key=keys["alpha"],
+        ).result()
+    assert [r.passed for r in results] == [True, False]
+    page.goto(page.url.split("#")[0] + "#/evals")
+    page.click("#evals a:has-text('nightly')")
+    page.wait_for_selector("#results")
+    assert page.get_attribute("#results tr[data-task=fails]", "data-result") == "fail"
+    assert "FAIL" in page.inner_text("#results tr[data-task=fails]")
+    assert page.get_attribute("#results tr[data-task=passes]", "data-result") == "pass"
+    screenshot(page, shots, "eval-run")
+    page.click("#results tr[data-task=fails] a:has-text('trace')")  # the task's trace
+    page.wait_for_selector("#timeline li[data-type=exec]:has-text('expected 2, got 3')")
+    page.goto(page.url.split("#")[0] + "#/evals")
+    page.wait_for_selector("#evals")
+    screenshot(page, shots, "evals")
+    # the lineage shows the branches' scores
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/lineage")
+    failed = results[1].sandbox_id
+    assert page.wait_for_selector(f"#lineage a.node.fail[data-id='{failed}']")
+
+
+def test_another_tenant_sees_none_of_it(
+    browser: Any, page: Any, daemon: Daemon, keys: dict[str, str], box: Sandbox
+) -> None:
+    page.goto(page.url.split("#")[0] + "#/sandboxes")
+    page.wait_for_selector(f"#sandboxes tr[data-id='{box.id}']")  # control: alpha sees it
+    other = logged_in(browser, daemon, keys["beta"])
+    try:
+        other.wait_for_selector("#sandboxes")
+        other.wait_for_timeout(1200)  # a couple of list refreshes
+        assert other.inner_text("#who") == "beta"
+        assert other.eval_on_selector_all("#sandboxes tbody tr", "rows => rows.length") == 0
+        other.goto(other.url.split("#")[0] + f"#/sandboxes/{box.id}")
+        assert "no sandbox" in other.wait_for_selector("#toast.show").inner_text()
+        other.goto(other.url.split("#")[0] + "#/evals")
+        other.wait_for_selector("main p:has-text('No eval runs yet')")
+    finally:
+        other.context.close()
+
+
+def test_changes_need_the_csrf_token(page: Any, daemon: Daemon, box: Sandbox) -> None:
+    request = page.context.request  # the browser's cookie jar
+    session = request.get(f"{daemon.url}/ui/session").json()
+    refused = request.post(f"{daemon.url}/v1/sandboxes/{box.id}/pause")
+    assert refused.status == 403 and "CSRF" in refused.json()["error"]["message"]
+    forged = request.post(
+        f"{daemon.url}/v1/sandboxes/{box.id}/pause", headers={"x-csrf-token": "forged"}
+    )
+    assert forged.status == 403
+    assert request.get(f"{daemon.url}/v1/sandboxes/{box.id}").json()["state"] == "running"
+    paused = request.post(  # control: the page's own token works
+        f"{daemon.url}/v1/sandboxes/{box.id}/pause", headers={"x-csrf-token": session["csrf"]}
+    )
+    assert paused.status == 200 and paused.json()["state"] == "paused"
+    resumed = request.post(
+        f"{daemon.url}/v1/sandboxes/{box.id}/resume", headers={"x-csrf-token": session["csrf"]}
+    )
+    assert resumed.json()["state"] == "running"
+    # reads need no token; a terminal WebSocket needs it, and this origin
+    cookie = next(c for c in page.context.cookies() if c["name"] == "cella_session")
+    ws_url = daemon.url.replace("http", "ws") + f"/v1/sandboxes/{box.id}/terminal"
+    headers = {"cookie": f"cella_session={cookie['value']}", "origin": daemon.url}
+    assert ws_refusal(ws_url, headers) == 403
+    assert ws_refusal(f"{ws_url}?csrf=forged", headers) == 403
+    evil = {**headers, "origin": "http://evil.test"}
+    assert ws_refusal(f"{ws_url}?csrf={session['csrf']}", evil) == 403
+    assert ws_refusal(f"{ws_url}?csrf={session['csrf']}", headers) is None  # control
+
+
+def ws_refusal(url: str, headers: dict[str, str]) -> int | None:
+    """The HTTP status the daemon refuses a WebSocket handshake with, or None when it opens
+    (a refusal before the handshake is accepted reaches the client as a 403)."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    from websockets.sync.client import connect
+
+    try:
+        with connect(url, additional_headers=headers, open_timeout=20) as ws:
+            ws.recv(timeout=20)  # the shell's first output, or the refusal
+            return None
+    except ConnectionClosed as exc:
+        return exc.rcvd.code if exc.rcvd else -1
+    except InvalidStatus as exc:
+        return exc.response.status_code
+
+
+def test_host_page(browser: Any, daemon: Daemon, shots: Path) -> None:
+    page = logged_in(browser, daemon, daemon.admin_key)
+    try:
+        page.goto(page.url.split("#")[0] + "#/host")
+        text = page.wait_for_selector("#health").inner_text()
+        assert "running on 127.0.0.1:" in text  # the egress proxy
+        capacity = page.wait_for_selector("#capacity").inner_text()
+        with httpx2.Client() as http:
+            cap = http.get(
+                f"{daemon.url}/v1/capacity", headers={"authorization": f"Bearer {daemon.admin_key}"}
+            ).json()
+        assert f"of {cap['memory_mib']} MiB committed" in capacity
+        screenshot(page, shots, "host")
+        # an admin sees every tenant's sandboxes (alpha's among them)
+        page.goto(page.url.split("#")[0] + "#/sandboxes")
+        page.wait_for_selector("#sandboxes tbody tr")
+        assert "alpha" in page.inner_text("#sandboxes")
+    finally:
+        page.context.close()
+
+
+def test_sandbox_overview(page: Any, box: Sandbox, shots: Path) -> None:
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}")
+    page.wait_for_selector("table.kv caption:has-text('Usage')")
+    page.wait_for_selector("table.kv td:has-text(' of ')")
+    assert "team=console" in page.inner_text("#tab")
+    screenshot(page, shots, "sandbox")
+    assert json.dumps(page.evaluate("typeof window.Terminal")) == '"function"'
