@@ -388,3 +388,46 @@ def test_sandbox_overview(page: Any, box: Sandbox, shots: Path) -> None:
     assert "team=console" in page.inner_text("#tab")
     screenshot(page, shots, "sandbox")
     assert json.dumps(page.evaluate("typeof window.Terminal")) == '"function"'
+
+
+def test_eval_runs_api_refuses_bad_input(
+    daemon: Daemon, keys: dict[str, str], alpha: Client, box: Sandbox
+) -> None:
+    from cella.models.evals import EvalResult
+
+    snap = box.snapshot("eval-api")
+    run = alpha.create_eval_run("eval-api", 2, name="api")  # a name resolves to the id
+    assert run.snapshot_id == snap.id and run.tasks == 2
+    with httpx2.Client(base_url=daemon.url) as http:
+
+        def call(method: str, path: str, key: str = keys["alpha"], **kw: Any) -> Any:
+            return http.request(method, path, headers={"authorization": f"Bearer {key}"}, **kw)
+
+        result = {"task_id": "t1", "passed": True, "score": 1.0}
+        assert call("PUT", f"/v1/evals/{run.id}/results/t1", json=result).status_code == 200
+        assert call("PUT", f"/v1/evals/{run.id}/results/t2", json=result).status_code == 400
+        assert call("PUT", f"/v1/evals/{run.id}/results/-bad%20id", json=result).status_code == 400
+        bad = call("PUT", f"/v1/evals/{run.id}/results/t1", json={**result, "score": "x"})
+        assert bad.status_code == 400
+        assert call("PUT", "/v1/evals/ev-nope/results/t1", json=result).status_code == 404
+        assert (
+            call("POST", "/v1/evals", json={"snapshot_id": "snap-nope", "tasks": 1}).status_code
+            == 404
+        )
+        assert (
+            call("POST", "/v1/evals", json={"snapshot_id": snap.id, "tasks": -1}).status_code == 400
+        )
+        # another tenant neither sees nor writes the run
+        assert call("GET", f"/v1/evals/{run.id}", keys["beta"]).status_code == 404
+        assert (
+            call("PUT", f"/v1/evals/{run.id}/results/t1", keys["beta"], json=result).status_code
+            == 404
+        )
+        assert run.id not in call("GET", "/v1/evals", keys["beta"]).text
+        assert run.id in call("GET", "/v1/evals").text  # control
+    alpha.record_eval_result(run.id, EvalResult(task_id="t2", passed=False, error="it broke"))
+    done = alpha.finish_eval_run(run.id)
+    assert (done.passed, done.failed, done.errors) == (1, 0, 1) and done.finished_at
+    with pytest.raises(Exception, match="finished"):
+        alpha.record_eval_result(run.id, EvalResult(task_id="t3"))
+    assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]

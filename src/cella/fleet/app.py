@@ -57,8 +57,9 @@ def create_gateway_app(
         finally:
             await gateway.shutdown()
 
+    from cella.server import ui
     from cella.server.app import install_error_handlers
-    from cella.server.routes import keys
+    from cella.server.routes import evals, keys
 
     app = FastAPI(
         title="cella fleet gateway",
@@ -73,7 +74,9 @@ def create_gateway_app(
 
     app.add_middleware(AuditKeyUse, keep=settings.audit_keep)  # the gateway's own keys
     app.include_router(keys.router)
+    app.include_router(evals.router)  # runs are kept by the gateway (before the catch-all)
     app.include_router(router(gateway))
+    ui.install(app)
     from cella.fleet import langsmith
 
     langsmith.install(app, gateway)

@@ -29,7 +29,9 @@ from cella.models import Capacity, SandboxCreate
 from cella.models.fleet import FleetNode, FleetStatus
 from cella.models.network import SecretPut
 from cella.server.app import describe
+from cella.service.evals import Evals
 from cella.service.keys import Keys, Principal
+from cella.service.sessions import Sessions
 from cella.store import SecretRecord, Store, sealing
 from cella.store.sealing import seal_store
 
@@ -53,6 +55,8 @@ class Gateway:
         )
         self.keys = Keys(self.store)
         self.keys.ensure_admin_key(root)
+        self.sessions = Sessions(self.keys, root / "session.key")  # the web console's
+        self.evals = Evals(self.store)  # eval runs are recorded here, not on a node
         self.placements = Placements(root / "placements.db")
         self.node_root = str(node_root or root / "nodes")
         self.nodes: dict[str, Node] = {}
@@ -346,6 +350,11 @@ class Gateway:
         if chosen["state"] != "ready":
             raise errors.InvalidState(f"snapshot {chosen['id']} is {chosen['state']}")
         return chosen, {name for name, a in answers if a["id"] == chosen["id"]}
+
+    async def snapshot_id(self, who: Principal, ref: str) -> str:
+        """The id of the caller's snapshot `ref`, wherever in the fleet it is."""
+        snap, _ = await self.resolve_snapshot(who, ref)
+        return str(snap["id"])
 
     async def ship(self, snapshot_id: str, holders: set[str], dest: Node) -> None:
         """Has `dest` pull the snapshot from a node that holds it (once: then it is cached)."""

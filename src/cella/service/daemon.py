@@ -26,7 +26,7 @@ from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
-from cella.service.keys import Keys
+from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessSpec
@@ -122,6 +122,10 @@ class Daemon:
         daemon.secrets_key = key_file
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
+
+    async def snapshot_id(self, who: Principal, ref: str) -> str:
+        """The id of the caller's snapshot `ref` (an id, name or name:tag)."""
+        return self.snapshots.resolve(who.tenant, ref).id
 
     def rotate_secrets_key(self) -> int:
         """Seals every secret value under a new key; returns how many were resealed."""

@@ -23,15 +23,14 @@ class Evals:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def create(self, tenant: str, body: EvalRunCreate) -> EvalRun:
-        snap = self.store.get_snapshot(body.snapshot_id)
-        if snap is None or snap.tenant != tenant:
-            raise errors.NotFound(f"no snapshot {body.snapshot_id!r}")
+    def create(self, tenant: str, body: EvalRunCreate, snapshot_id: str) -> EvalRun:
+        """A run over forks of `snapshot_id`: the caller's snapshot (`body.snapshot_id`)
+        resolved by whoever holds snapshots (a daemon, or a fleet's nodes)."""
         run = EvalRunRecord(
             id=f"ev-{secrets.token_hex(6)}",
             tenant=tenant,
             name=body.name,
-            snapshot_id=snap.id,
+            snapshot_id=snapshot_id,
             tasks=body.tasks,
             created_at=now(),
         )

@@ -16,8 +16,9 @@ router = APIRouter(prefix="/v1/evals", tags=["evals"])
 
 @router.post("", status_code=201, response_model=EvalRun)
 async def create_run(body: EvalRunCreate, svc: Service, who: Auth) -> EvalRun:
-    """Starts recording an eval run over forks of `snapshot_id`."""
-    return svc.evals.create(who.tenant, body)
+    """Starts recording an eval run over forks of `snapshot_id` (an id, name or name:tag)."""
+    snapshot_id = await svc.snapshot_id(who, body.snapshot_id)
+    return svc.evals.create(who.tenant, body, snapshot_id)
 
 
 @router.get("", response_model=EvalRunList)
