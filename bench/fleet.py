@@ -30,6 +30,7 @@ import httpx2
 from bench._stats import report, summary_ms
 from cella import Client
 from cella.eval import Task, run_eval
+from cella.fleet.tls import trusting
 from tests.daemon import Daemon, kill_vms_of
 from tests.raycluster import LocalCluster, quiet_ray_env
 
@@ -97,17 +98,25 @@ def eval_rate(
 def shipping(fleet_root: Path, urls: dict[str, str], snapshot_id: str) -> dict[str, Any]:
     """n2 pulls the snapshot from n1 (node to node), files checked against the manifest."""
     key = {n: (fleet_root / n / "admin.key").read_text().strip() for n in ("n1", "n2")}
+    cert = {n: (fleet_root / n / "tls" / "node.crt").read_text() for n in ("n1", "n2")}
     manifest = httpx2.get(
         f"{urls['n1']}/v1/snapshots/{snapshot_id}/export",
         headers={"authorization": f"Bearer {key['n1']}"},
+        verify=trusting(cert["n1"]),
     ).json()["manifest"]
     size = sum(manifest["bytes"].values())
     t = time.perf_counter()
     answer = httpx2.post(
         f"{urls['n2']}/v1/snapshots/import",
         headers={"authorization": f"Bearer {key['n2']}"},
-        json={"source_url": urls["n1"], "source_key": key["n1"], "snapshot_id": snapshot_id},
+        json={
+            "source_url": urls["n1"],
+            "source_key": key["n1"],
+            "source_ca": cert["n1"],
+            "snapshot_id": snapshot_id,
+        },
         timeout=600,
+        verify=trusting(cert["n2"]),
     )
     seconds = time.perf_counter() - t
     assert answer.status_code == 201, answer.text
@@ -134,6 +143,8 @@ def measure(calls: int, tasks: int) -> Tables:
         with Client(gateway.url, gateway.admin_key) as gw:
             urls = {n.name: str(n.url) for n in gw.fleet().nodes}
             n1_key = (root / "nodes" / "n1" / "admin.key").read_text().strip()
+            # the direct client trusts the node's own certificate (node daemons speak TLS)
+            os.environ["SSL_CERT_FILE"] = str(root / "nodes" / "n1" / "tls" / "node.crt")
             with Client(urls["n1"], n1_key) as direct:
                 tables: Tables = {"the gateway's cost (ms)": overhead(gw, direct, calls)}
             evals = tables["eval throughput, nodes of one cluster"] = {}

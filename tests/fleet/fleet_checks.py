@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,8 @@ from langsmith.sandbox import SandboxClientError as LangSmithError
 from websockets.sync.client import connect
 
 from cella import Client, errors
-from cella.eval import Task, TaskResult, run_eval
+from cella.eval import Task, TaskResult
+from cella.fleet.tls import trusting
 from cella.sdk import Sandbox
 from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
 from tests.integration.test_langsmith import SERVER as LS_SERVER
@@ -189,8 +189,10 @@ def test_a_snapshot_forks_on_other_nodes_shipped_once_then_cached(
             b.delete()
         # forked there again: the cached copy is used as it is
         again = snap.fork(4)
-        assert {fleet.node_of(b.id) for b in again} - {origin} <= set(shipped_to) | set(NODES)
-        assert {n: p.stat().st_mtime_ns for n, p in ram.items()} == mtimes
+        where_again = {fleet.node_of(b.id) for b in again}
+        assert where_again - {origin}, where_again  # spilled again: the cache is looked at
+        assert where_again <= {origin, *shipped_to}, (where_again, shipped_to)  # holders win
+        assert {n: p.stat().st_mtime_ns for n, p in ram.items()} == mtimes  # not shipped again
         for b in again:
             b.delete()
         # a create from the snapshot by name, and the snapshot listed once
@@ -207,12 +209,26 @@ def test_a_snapshot_forks_on_other_nodes_shipped_once_then_cached(
 
 
 def test_a_fork_bigger_than_the_fleet_is_refused_whole(fleet: Fleet, tenant: httpx2.Client) -> None:
-    sb = create(tenant)
-    answer = tenant.post(f"/v1/sandboxes/{sb['id']}/fork", json={"count": 3 * len(NODES)})
-    assert answer.status_code in (409, 429), answer.text
+    """Within the tenant's quota but beyond the fleet's room: 512 MiB branches fit once on
+    each other node and not beside the parent, so 3 are refused and 2 are made."""
+    sb = create(tenant, memory_mib=512)
+    snapshots_before = {s["id"] for s in tenant.get("/v1/snapshots").json()["snapshots"]}
+    answer = tenant.post(f"/v1/sandboxes/{sb['id']}/fork", json={"count": 3})
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "capacity_exceeded", (
+        answer.text
+    )
     live = [s for s in tenant.get("/v1/sandboxes").json()["sandboxes"] if s["state"] == "running"]
     assert [s["id"] for s in live] == [sb["id"]]  # nothing half made
+    snapshots_after = {s["id"] for s in tenant.get("/v1/snapshots").json()["snapshots"]}
+    assert snapshots_after == snapshots_before  # nor a snapshot left behind
+    made = tenant.post(f"/v1/sandboxes/{sb['id']}/fork", json={"count": 2})  # the control
+    assert made.status_code == 201, made.text
+    assert {fleet.node_of(b["id"]) for b in made.json()["sandboxes"]} == set(NODES) - {
+        fleet.node_of(str(sb["id"]))
+    }
     delete_all(tenant)
+    for snap in tenant.get("/v1/snapshots").json()["snapshots"]:
+        tenant.delete(f"/v1/snapshots/{snap['id']}")
 
 
 def test_quotas_hold_across_nodes(fleet: Fleet, tenant: httpx2.Client) -> None:
@@ -234,7 +250,8 @@ def test_quotas_hold_across_nodes(fleet: Fleet, tenant: httpx2.Client) -> None:
 def test_a_gateway_restart_loses_nothing(fleet: Fleet, tenant: httpx2.Client) -> None:
     made = [create(tenant, name=f"keep-{i}") for i in range(2)]
     run(tenant, str(made[0]["id"]), "echo before > /root/mark")
-    fleet.restart_gateway()
+    fleet.gateway.kill9()  # no clean shutdown: what it knows is rebuilt from the nodes
+    fleet.gateway.start(timeout=120)
     listed = {s["id"]: s for s in tenant.get("/v1/sandboxes").json()["sandboxes"]}
     assert set(listed) == {s["id"] for s in made}
     assert all(s["state"] == "running" for s in listed.values())
@@ -283,12 +300,25 @@ def test_the_langsmith_sdk_through_the_gateway(fleet: Fleet, tenant: httpx2.Clie
 
 def node_has_secret(fleet: Fleet, node: str, tenant: str, name: str) -> bool:
     url = next(n["url"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["name"] == node)
+    assert url.startswith("https://")  # node daemons speak TLS only
     key = (fleet.node_root / node / "admin.key").read_text().strip()
     got = httpx2.get(
         f"{url}/v1/secrets/{name}",
         headers={"authorization": f"Bearer {key}", "x-cella-tenant": tenant},
+        verify=trusting((fleet.node_root / node / "tls" / "node.crt").read_text()),
     )
     return got.status_code == 200
+
+
+def test_node_daemons_speak_tls_with_their_own_certificate(fleet: Fleet) -> None:
+    for node in fleet.admin.get("/v1/fleet").json()["nodes"]:
+        cert = (fleet.node_root / node["name"] / "tls" / "node.crt").read_text()
+        assert node["url"].startswith("https://127.0.0.1:")
+        assert httpx2.get(f"{node['url']}/v1/health", verify=trusting(cert)).status_code == 200
+        with pytest.raises(httpx2.HTTPError):  # not trusted by default: it is the node's own
+            httpx2.get(f"{node['url']}/v1/health", timeout=5)
+        with pytest.raises(httpx2.HTTPError):  # and no API in clear on that port
+            httpx2.get(node["url"].replace("https", "http") + "/v1/health", timeout=5)
 
 
 def test_secrets_are_kept_on_every_node(fleet: Fleet, tenant: httpx2.Client) -> None:
@@ -382,24 +412,29 @@ def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: P
     assert fleet.node_of(str(survivor["id"])) != "n4"
 
     tasks = [
-        Task(id=f"t{i}", check="sleep 3; test -f /root/work/ok", workdir="/root/work")
+        Task(
+            id=f"t{i}",
+            check="sleep 3; test -f /root/work/ok",
+            workdir="/root/work",
+            artifacts=["/root/work/ok"],
+        )
         for i in range(7)
     ] + [Task(id="fails", check="sleep 3; false", workdir="/root/work")]
-    results: list[TaskResult] = []
-    runner = threading.Thread(
-        target=lambda: results.extend(
-            run_eval(
-                tasks,
-                snap.json()["id"],
-                parallel=3,
-                out_dir=tmp_path / "eval",
-                url=fleet.gateway.url,
-                api_key=key,
-                cluster=fleet.cluster.address,
-            )
-        )
+    tasks_file = tmp_path / "tasks.jsonl"
+    tasks_file.write_text("".join(t.model_dump_json() + "\n" for t in tasks))
+    # the CLI, as documented: cella eval run TASKS --snapshot S --ray ADDRESS --parallel N
+    command = [
+        sys.executable, "-m", "cella.cli", "eval", "run", str(tasks_file),
+        "--snapshot", snap.json()["id"], "--ray", fleet.cluster.address, "--parallel", "3",
+        "--out", str(tmp_path / "eval"), "--name", "fleet-eval", "--json",
+    ]  # fmt: skip
+    runner = subprocess.Popen(
+        command,
+        env=fleet.gateway.env(key),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    runner.start()
     # kill n4 while one of the eval's sandboxes runs there
     n4_vms = fleet.node_root / "n4" / "vms"
     wait_for(
@@ -408,8 +443,9 @@ def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: P
         what="an eval task on n4",
     )
     fleet.cluster.kill("n4")
-    runner.join(600)
-    assert not runner.is_alive()
+    out, err = runner.communicate(timeout=600)
+    assert runner.returncode == 0, err[-3000:]
+    results = [TaskResult.model_validate(r) for r in json.loads(out)["results"]]
 
     assert [r.task_id for r in results] == [t.id for t in tasks]  # complete, in order
     assert all(r.error is None for r in results), [(r.task_id, r.error) for r in results]
@@ -419,6 +455,12 @@ def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: P
         assert r.trace and Path(r.trace).is_relative_to(tmp_path / "eval")
         assert '"type":"exec"' in Path(r.trace).read_text().replace(" ", "")
     assert len((tmp_path / "eval" / "results.jsonl").read_text().splitlines()) == len(tasks)
+    for r in results[:7]:  # each task's artifact, collected from its node
+        assert Path(r.artifacts["/root/work/ok"]).read_text() == "ready\n"
+        assert Path(r.artifacts["/root/work/ok"]).is_relative_to(tmp_path / "eval")
+    recorded = fleet.client(key).get("/v1/evals").json()["runs"]  # kept by the gateway
+    kept = next(r for r in recorded if r["name"] == "fleet-eval")
+    assert (kept["passed"], kept["failed"], kept["errors"]) == (7, 1, 0) and kept["finished_at"]
 
     lost = tenant.get(f"/v1/sandboxes/{doomed['id']}").json()
     assert lost["state"] == "lost" and "n4" in lost["error"], lost
@@ -434,4 +476,58 @@ def test_a_node_killed_mid_eval(fleet: Fleet, tenant: httpx2.Client, tmp_path: P
     after = create(tenant)
     assert fleet.node_of(str(after["id"])) != "n4"
     assert tenant.delete(f"/v1/sandboxes/{doomed['id']}").status_code == 204  # forgotten
+    delete_all(tenant)
+
+
+def test_a_node_lost_while_the_gateway_is_down(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """The gateway's view is rebuilt on start: a node that left while it was down (killed
+    with it) turns its sandboxes lost; the other nodes' sandboxes are as they were."""
+    fleet.cluster.add("n5", **NODE_SETTINGS)
+    wait_for(
+        lambda: any(
+            n["name"] == "n5" and n["healthy"] for n in fleet.admin.get("/v1/fleet").json()["nodes"]
+        ),
+        what="n5 to join",
+    )
+    doomed = tenant.post("/v1/sandboxes", json=SHAPE, headers={"X-Cella-Node": "n5"}).json()
+    assert fleet.node_of(doomed["id"]) == "n5"
+    survivor = create(tenant)
+    fleet.gateway.kill9()
+    fleet.cluster.kill("n5")
+    fleet.gateway.start(timeout=120)
+    lost = wait_for(
+        lambda: (
+            (got := tenant.get(f"/v1/sandboxes/{doomed['id']}").json())["state"] == "lost" and got
+        ),
+        what="the sandbox of n5 to be lost",
+    )
+    assert "n5" in lost["error"], lost
+    status = fleet.admin.get("/v1/fleet").json()
+    n5 = next(n for n in status["nodes"] if n["name"] == "n5")
+    assert not n5["healthy"] and "n5" in n5["reason"]
+    assert run(tenant, str(survivor["id"]), "echo here")["stdout"] == "here\n"  # the control
+    assert tenant.get(f"/v1/sandboxes/{survivor['id']}").json()["state"] == "running"
+    tenant.delete(f"/v1/sandboxes/{doomed['id']}")
+    delete_all(tenant)
+
+
+def test_the_web_console_through_the_gateway(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """The gateway serves /ui: a session cookie from a key, the fleet's sandboxes through
+    it, changes refused without the CSRF token (the browser tests run on one daemon)."""
+    key = tenant.headers["authorization"].split()[1]
+    sb = create(tenant)
+    with httpx2.Client(base_url=fleet.gateway.url) as browser:
+        assert browser.get("/ui/").status_code == 303
+        login = browser.post("/ui/login", data={"key": key})
+        assert login.status_code == 303 and "cella_session" in browser.cookies
+        page = browser.get("/ui/")
+        assert page.status_code == 200 and "app.js" in page.text
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        csrf = browser.get("/ui/session").json()["csrf"]
+        listed = browser.get("/v1/sandboxes").json()["sandboxes"]
+        assert [s["id"] for s in listed] == [sb["id"]]
+        refused = browser.post(f"/v1/sandboxes/{sb['id']}/pause")
+        assert refused.status_code == 403
+        paused = browser.post(f"/v1/sandboxes/{sb['id']}/pause", headers={"x-csrf-token": csrf})
+        assert paused.status_code == 200 and paused.json()["state"] == "paused"
     delete_all(tenant)

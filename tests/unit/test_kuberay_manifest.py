@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from cella.config import DaemonSettings
@@ -87,6 +88,16 @@ def test_the_head_runs_the_gateway_and_no_sandboxes() -> None:
     assert flags["--ray"] == "auto"
     assert flags["--node-root"] == "/var/lib/cella/nodes"
     port = int(flags["--listen"].rsplit(":", 1)[1])
+    # the gateway starts: its settings pass the listen check (TLS on a pod address)
+    settings = DaemonSettings(
+        listen=flags["--listen"], tls_cert=flags["--tls-cert"], tls_key=flags["--tls-key"]
+    )
+    settings.check_listen()
+    with pytest.raises(ValueError, match="not a loopback address"):  # control: without TLS
+        DaemonSettings(listen=flags["--listen"]).check_listen()
+    for flag in ("--tls-cert", "--tls-key"):
+        mounted = next(m for path, m in mounts(gateway).items() if flags[flag].startswith(path))
+        assert "secret" in volumes(pod)[mounted]
     assert port in [p["containerPort"] for p in gateway["ports"]]
     # a driver beside the head's raylet: they share the Ray session directory
     assert mounts(gateway)["/tmp/ray"] == mounts(container(pod, "ray-head"))["/tmp/ray"]

@@ -177,6 +177,7 @@ def run_eval(
             url=url,
             api_key=api_key,
             on_done=on_done,
+            name=name,
         )
 
     async def go() -> list[TaskResult]:

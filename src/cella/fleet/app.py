@@ -290,7 +290,7 @@ async def relay_websocket(
     }
     headers.update(node.headers(who, langsmith))
     try:
-        upstream = await connect(url, additional_headers=headers, max_size=16 << 20)
+        upstream = await connect(url, additional_headers=headers, max_size=16 << 20, ssl=node.ssl)
     except (InvalidStatus, OSError) as exc:
         await ws.close(code=1011, reason=f"node {node.name}: {exc}"[:120])
         return

@@ -15,10 +15,11 @@ from typing import Any
 
 import ray
 
+from cella.eval.runner import recorded
 from cella.eval.tasks import Task, TaskResult
 from cella.fleet import cluster
 from cella.fleet.node import RESOURCE, node_name
-from cella.sdk import AsyncClient
+from cella.sdk import AsyncClient, Client
 from cella.sdk._base import resolve
 
 RETRIED = {"sandbox_lost", "node_unavailable"}
@@ -87,11 +88,36 @@ def run_on_ray(
     url: str | None = None,
     api_key: str | None = None,
     on_done: Callable[[TaskResult], None] | None = None,
+    name: str | None = None,
 ) -> list[TaskResult]:
-    """Every task as a Ray task, at most `parallel` at once; results in task order."""
+    """Every task as a Ray task, at most `parallel` at once; results in task order. The
+    run is recorded by the gateway as results come in (the web console's eval page)."""
     url, api_key = resolve(url, api_key)
     cluster.connect(address)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with Client(url, api_key) as gateway:
+        run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
+        (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
+
+        def record(result: TaskResult) -> None:
+            gateway.record_eval_result(run.id, recorded(result))
+
+        try:
+            return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, on_done, record)
+        finally:
+            gateway.finish_eval_run(run.id)
+
+
+def _run_all(
+    tasks: list[Task],
+    snapshot_id: str,
+    parallel: int,
+    out_dir: Path,
+    url: str,
+    api_key: str,
+    on_done: Callable[[TaskResult], None] | None,
+    record: Callable[[TaskResult], None],
+) -> list[TaskResult]:
     todo = list(tasks)
     running: dict[Any, Task] = {}
     done: dict[str, TaskResult] = {}
@@ -112,6 +138,7 @@ def run_on_ray(
                 task_id=task.id, snapshot_id=snapshot_id, error=f"{type(cause).__name__}: {cause}"
             )
         done[task.id] = result
+        record(result)
         if on_done is not None:
             on_done(result)
     results = [done[t.id] for t in tasks]

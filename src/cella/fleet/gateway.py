@@ -114,6 +114,14 @@ class Gateway:
             if node.healthy and (now is None or now.node_id != node.node_id):
                 dead = any(n.node_id == node.node_id and not n.alive for n in found)
                 self._lose(node, f"node {name} {'died' if dead else 'left the cluster'}")
+        # nodes recorded before this gateway started that are gone from the cluster (the
+        # gateway was down when they went): their sandboxes are lost all the same
+        for name in self.placements.holding() - alive.keys() - self.nodes.keys():
+            when = datetime.now(UTC).isoformat(timespec="seconds")
+            reason = f"node {name} is not in the cluster (seen at {when})"
+            count = self.placements.lose(name, reason)
+            self.failures.setdefault(name, reason)
+            log.warning("%s; %d sandboxes lost", reason, count)
         if wait and joins:
             await asyncio.gather(*joins, return_exceptions=True)
 
@@ -123,7 +131,9 @@ class Gateway:
             info = await asyncio.to_thread(cluster.daemon_of, ray_node, self.node_root)
             if not info["alive"]:
                 raise errors.NodeUnavailable(str(info.get("reason") or "its daemon is down"))
-            node = Node(name, ray_node.node_id, info["url"], info["admin_key"])
+            node = Node(
+                name, ray_node.node_id, info["url"], info["admin_key"], info.get("ca_pem", "")
+            )
             node.restarts = int(info.get("restarts") or 0)
             await self._push_secrets(node)
             listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
@@ -365,7 +375,12 @@ class Gateway:
         await dest.json(
             "POST",
             "/v1/snapshots/import",
-            json={"source_url": source.url, "source_key": source.key, "snapshot_id": snapshot_id},
+            json={
+                "source_url": source.url,
+                "source_key": source.key,
+                "source_ca": source.ca_pem or None,
+                "snapshot_id": snapshot_id,
+            },
         )
 
     async def fork_snapshot(
@@ -420,7 +435,12 @@ class Gateway:
             who,
             json={"name": f"fork of {sandbox_id}"},
         )
-        return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer)
+        try:
+            return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer)
+        except BaseException:  # refused or failed whole: no snapshot left behind either
+            with contextlib.suppress(errors.CellaError):
+                await self.delete_snapshot(who, snap["id"])  # and copies shipped meanwhile
+            raise
 
     async def list_snapshots(self, who: Principal, all_tenants: bool = False) -> list[Any]:
         seen: dict[str, dict[str, Any]] = {}

@@ -9,7 +9,8 @@ same data directory, where recovery picks up what the last one left.
 
 Node settings come from the node's Ray labels: `cella/node-name` names the node (and its
 data directory; Ray's NodeID changes when a raylet restarts), and `cella/<setting>` sets a
-daemon setting (e.g. `cella/pool_size: "0"`, see `cella.config`).
+daemon setting (e.g. `cella/pool_size: "0"`, see `cella.config`). The daemon speaks TLS
+only, with a certificate of its own for the node's address (`cella.fleet.tls`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import httpx2
 import ray
+
+from cella.fleet.tls import node_certificate, trusting
 
 NAMESPACE = "cella"
 RESOURCE = "cella_node"  # the custom resource marking a Ray node that runs sandboxes
@@ -66,6 +69,7 @@ class NodeDaemon:
             self.env.pop(var, None)
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.ca_pem = ""  # the daemon's own certificate: what its clients trust
         self.restarts = -1
         self._up = threading.Event()
         self._failure = ""
@@ -91,6 +95,8 @@ class NodeDaemon:
     def _start(self) -> None:
         self._kill_stale()
         port = self._port()
+        cert, key = node_certificate(self.data_dir / "tls", self.ip, self.name)
+        self.ca_pem = cert.read_text()
         log = (self.data_dir / "daemon.log").open("ab")
         self.proc = subprocess.Popen(
             [
@@ -106,6 +112,10 @@ class NodeDaemon:
                 f"{self.ip}:{port}",
                 "--data-dir",
                 str(self.data_dir),
+                "--tls-cert",
+                str(cert),
+                "--tls-key",
+                str(key),
             ],
             env=self.env,
             stdout=log,
@@ -113,13 +123,15 @@ class NodeDaemon:
         )
         (self.data_dir / "node.pid").write_text(str(self.proc.pid))
         self.restarts += 1
-        url = f"http://{self.ip}:{port}"
+        url = f"https://{self.ip}:{port}"
+        trusted = trusting(self.ca_pem)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the daemon exited with {self.proc.returncode}")
             with contextlib.suppress(httpx2.HTTPError):
-                if httpx2.get(f"{url}/v1/health", timeout=2).status_code == 200:
+                health = httpx2.get(f"{url}/v1/health", timeout=2, verify=trusted)
+                if health.status_code == 200:
                     self.url = url
                     return
             time.sleep(0.1)
@@ -156,6 +168,7 @@ class NodeDaemon:
             "name": self.name,
             "node_id": self.node_id,
             "url": self.url,
+            "ca_pem": self.ca_pem,
             "admin_key": key_file.read_text().strip() if key_file.exists() else "",
             "alive": alive,
             "pid": self.proc.pid if self.proc else None,

@@ -3,12 +3,14 @@ calls on behalf of a tenant (`X-Cella-Tenant`, which node daemons honour for adm
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
 
 from cella import errors
+from cella.fleet.tls import trusting
 from cella.service.keys import Principal
 
 TIMEOUT = httpx2.Timeout(30.0, read=600.0)
@@ -42,6 +44,7 @@ class Node:
     node_id: str
     url: str
     key: str
+    ca_pem: str = ""  # the daemon's own certificate (its URL is https), else plain HTTP
     healthy: bool = True
     reason: str | None = None
     restarts: int = 0
@@ -49,7 +52,13 @@ class Node:
     client: httpx2.AsyncClient = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = httpx2.AsyncClient(base_url=self.url, timeout=TIMEOUT)
+        verify = self.ssl or True
+        self.client = httpx2.AsyncClient(base_url=self.url, timeout=TIMEOUT, verify=verify)
+
+    @property
+    def ssl(self) -> ssl.SSLContext | None:
+        """A client context trusting the node's certificate (None: plain HTTP)."""
+        return trusting(self.ca_pem) if self.ca_pem else None
 
     def headers(self, who: Principal | None, langsmith: bool = False) -> dict[str, str]:
         """The node's admin key (as the LangSmith API takes keys, with `langsmith`), acting

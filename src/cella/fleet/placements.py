@@ -88,6 +88,15 @@ class Placements:
             tenant,
         )
 
+    def holding(self) -> set[str]:
+        """The nodes that hold sandboxes not known to be lost."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT node FROM placements WHERE lost IS NULL "
+                "AND json_extract(body, '$.state') != 'deleted'"
+            ).fetchall()
+        return {r[0] for r in rows}
+
     def lose(self, node: str, reason: str) -> int:
         """Marks every sandbox of the node lost; returns how many."""
         with self._lock:

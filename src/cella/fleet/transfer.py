@@ -1,4 +1,4 @@
-"""Pulling a snapshot's files from another node daemon, node to node over HTTP.
+"""Pulling a snapshot's files from another node daemon, node to node over HTTPS.
 
 Files are streamed to disk as they arrive; all-zero pieces are not written, so a RAM file
 stays about as sparse as it was on the source. The destination checks every file against the
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
 
 from cella import errors
+from cella.fleet.tls import trusting
 from cella.models.fleet import SnapshotExport
 
 BLOCK = 64 << 10
@@ -26,10 +28,22 @@ _ZERO = bytes(BLOCK)
 class NodeSource:
     url: str
     key: str
+    ca_pem: str | None = None  # the source's own certificate, trusted for its https URL
+
+    def _verify(self) -> ssl.SSLContext | bool:
+        if not self.ca_pem:
+            return True
+        try:
+            return trusting(self.ca_pem)
+        except ssl.SSLError as exc:
+            raise errors.InvalidArgument(f"source_ca is not a PEM certificate: {exc}") from None
 
     def _client(self) -> httpx2.AsyncClient:
         return httpx2.AsyncClient(
-            base_url=self.url, headers={"authorization": f"Bearer {self.key}"}, timeout=TIMEOUT
+            base_url=self.url,
+            headers={"authorization": f"Bearer {self.key}"},
+            timeout=TIMEOUT,
+            verify=self._verify(),
         )
 
     async def export(self, snapshot_id: str) -> SnapshotExport:
@@ -46,7 +60,9 @@ class NodeSource:
     def _pull(self, snapshot_id: str, name: str, dest: Path) -> None:
         headers = {"authorization": f"Bearer {self.key}"}
         url = f"{self.url}/v1/snapshots/{snapshot_id}/files/{name}"
-        with httpx2.stream("GET", url, headers=headers, timeout=TIMEOUT) as response:
+        with httpx2.stream(
+            "GET", url, headers=headers, timeout=TIMEOUT, verify=self._verify()
+        ) as response:
             if response.status_code != 200:
                 response.read()
                 _raise_for(response, snapshot_id)

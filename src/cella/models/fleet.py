@@ -39,6 +39,11 @@ class SnapshotImport(BaseModel):
 
     source_url: str = Field(pattern=r"^https?://", description="the node daemon holding it")
     source_key: str = Field(min_length=1, description="an admin key of that daemon")
+    source_ca: str | None = Field(
+        default=None,
+        max_length=65536,
+        description="PEM certificate to trust for an https source_url (a node's own)",
+    )
     snapshot_id: str = Field(pattern=r"^snap-[0-9a-f]{16}$")
 
 

@@ -86,7 +86,7 @@ async def import_snapshot(body: SnapshotImport, svc: Service, who: Auth) -> Snap
     from cella.fleet.transfer import NodeSource
 
     require_admin(who, "import a snapshot")
-    source = NodeSource(body.source_url, body.source_key)
+    source = NodeSource(body.source_url, body.source_key, body.source_ca)
     export = await source.export(body.snapshot_id)
     row = await svc.snapshots.take_in(export, source.export, source.pull)
     return Snapshot.model_validate(row)
