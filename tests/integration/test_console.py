@@ -431,3 +431,64 @@ def test_eval_runs_api_refuses_bad_input(
     with pytest.raises(Exception, match="finished"):
         alpha.record_eval_result(run.id, EvalResult(task_id="t3"))
     assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]
+
+
+def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None:
+    box.files.write("/srv/www/index.html", "<h1>served from the sandbox</h1>", parents=True)
+    box.exec("cd /srv/www && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}")
+    page.fill("#port", "8000")
+    deadline = time.monotonic() + 20
+    while True:  # until the server listens (the first open may find the port closed)
+        with page.context.expect_page() as opened:
+            page.click("button:has-text('Open port')")
+        tab = opened.value
+        tab.wait_for_load_state()
+        if "served from the sandbox" in tab.content() or time.monotonic() > deadline:
+            break
+        tab.close()
+        page.wait_for_timeout(500)
+    assert tab.inner_text("h1") == "served from the sandbox"
+    assert "/v1/services/" in tab.url
+    tab.close()
+
+
+def test_secret_values_are_never_rendered(
+    page: Any, alpha: Client, daemon: Daemon, keys: dict[str, str]
+) -> None:
+    value = f"s3cr3t-{time.time_ns()}"
+    alpha.put_secret("console-token", value, ["api.test"])
+    sb = alpha.create(secrets={"API_TOKEN": "console-token"})
+    try:
+        sb.exec("echo token is $API_TOKEN")  # the trace holds the placeholder, redacted
+        seen = []
+        for tab in ("", "/trace"):
+            page.goto(page.url.split("#")[0] + f"#/sandboxes/{sb.id}{tab}")
+            page.wait_for_selector("#tab table, #timeline li[data-type=exec]")
+            page.wait_for_timeout(300)
+            seen.append(page.content())
+        assert "console-token" in seen[0]  # the control: the secret's name is shown
+        assert "[secret:console-token]" in seen[1]
+        assert not any(value in html for html in seen)
+    finally:
+        sb.delete()
+
+
+def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
+    unlabelled = """() => [...document.querySelectorAll('input, select, button, textarea')]
+        .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
+                      && !el.textContent.trim() && el.type !== 'hidden')
+        .map(el => el.outerHTML)"""
+    for view in ("#/sandboxes", f"#/sandboxes/{box.id}", f"#/sandboxes/{box.id}/files",
+                 f"#/sandboxes/{box.id}/trace", "#/snapshots", "#/evals"):  # fmt: skip
+        page.goto(page.url.split("#")[0] + view)
+        page.wait_for_timeout(500)
+        assert page.evaluate(unlabelled) == [], view
+    page.goto(page.url.split("#")[0] + "#/sandboxes")  # and the keyboard reaches the list
+    page.wait_for_selector("#sandboxes tbody tr")
+    page.focus("#search")
+    page.keyboard.press("Tab")
+    page.keyboard.press("Tab")
+    page.keyboard.press("Tab")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.closest('#sandboxes') !== null")

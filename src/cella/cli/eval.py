@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -59,15 +61,18 @@ def run(
         def done(r: TaskResult) -> None:
             bar.update(job, advance=1, last=f"{r.task_id}: {'pass' if r.passed else 'FAIL'}")
 
-        results = run_eval(
-            tasks,
-            snapshot,
-            parallel=parallel,
-            out_dir=out_dir,
-            on_done=done,
-            cluster=ray,
-            name=name,
-        )
+        # with --json, stdout carries the JSON only (Ray's messages go to stderr)
+        quiet = contextlib.redirect_stdout(sys.stderr) if json_ else contextlib.nullcontext()
+        with quiet:
+            results = run_eval(
+                tasks,
+                snapshot,
+                parallel=parallel,
+                out_dir=out_dir,
+                on_done=done,
+                cluster=ray,
+                name=name,
+            )
     summary = summarize(results)
     if json_:
         emit_json({"summary": summary, "results": [r.model_dump(mode="json") for r in results]})

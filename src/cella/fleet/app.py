@@ -39,7 +39,7 @@ HOP_BY_HOP = {
     "transfer-encoding",
     "upgrade",
 }
-NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "x-cella-tenant"}
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "x-cella-tenant", "x-forwarded-proto"}
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -89,6 +89,7 @@ async def forward(
     """The request, streamed to `node` as `who`, and its answer streamed back."""
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
     headers += list(node.headers(who, langsmith).items())
+    headers.append(("x-forwarded-proto", request.url.scheme))  # URLs the node hands out
     upstream = node.client.build_request(
         request.method,
         request.url.path,
@@ -289,6 +290,7 @@ async def relay_websocket(
         and k.lower() not in ("host", "content-length")
     }
     headers.update(node.headers(who, langsmith))
+    headers["x-forwarded-proto"] = "https" if ws.url.scheme == "wss" else "http"
     try:
         upstream = await connect(url, additional_headers=headers, max_size=16 << 20, ssl=node.ssl)
     except (InvalidStatus, OSError) as exc:

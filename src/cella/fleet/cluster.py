@@ -26,10 +26,11 @@ class RayNode:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def connect(address: str) -> None:
-    """Joins the cluster as a driver (`auto`: the cluster this host belongs to)."""
+def connect(address: str) -> bool:
+    """Joins the cluster as a driver (`auto`: the cluster this host belongs to); False when
+    this process already was one."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
         address=address,
@@ -38,6 +39,7 @@ def connect(address: str) -> None:
         logging_level=logging.WARNING,
         configure_logging=False,
     )
+    return True
 
 
 def nodes() -> list[RayNode]:

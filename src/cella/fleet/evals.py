@@ -8,8 +8,9 @@ retried). Results, traces and artifacts come back to the caller and land in one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,9 @@ def run_on_ray(
     """Every task as a Ray task, at most `parallel` at once; results in task order. The
     run is recorded by the gateway as results come in (the web console's eval page)."""
     url, api_key = resolve(url, api_key)
-    cluster.connect(address)
+    joined = cluster.connect(address)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with Client(url, api_key) as gateway:
+    with Client(url, api_key) as gateway, _leaving(joined):
         run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
         (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
 
@@ -106,6 +107,16 @@ def run_on_ray(
             return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, on_done, record)
         finally:
             gateway.finish_eval_run(run.id)
+
+
+@contextlib.contextmanager
+def _leaving(joined: bool) -> Iterator[None]:
+    """Leaves the cluster afterwards if this run joined it (no Ray threads left printing)."""
+    try:
+        yield
+    finally:
+        if joined:
+            ray.shutdown()
 
 
 def _run_all(

@@ -64,7 +64,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
                     langsmith=True,
                     json=body,
                     params=request.query_params,
-                    headers={"host": request.headers.get("host", "")},
+                    headers=_host(request),
                 )
             if answer.is_success:
                 made = answer.json()
@@ -158,8 +158,9 @@ def dataplane(gateway: Gateway) -> APIRouter:
 
 
 def _host(request: Request) -> dict[str, str]:
-    """The caller's Host: URLs a node builds (data plane, service URLs) name the gateway."""
-    return {"host": request.headers.get("host", "")}
+    """The caller's Host and scheme: URLs a node builds (data plane, service URLs) name the
+    gateway as its callers reach it."""
+    return {"host": request.headers.get("host", ""), "x-forwarded-proto": request.url.scheme}
 
 
 def _relay(answer: Any) -> Response:

@@ -78,6 +78,9 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
     from cella.server.audit import AuditKeyUse
 
     app.add_middleware(AuditKeyUse, keep=settings.audit_keep)
+    from cella.server.forwarded import ForwardedProto
+
+    app.add_middleware(ForwardedProto)
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
