@@ -220,6 +220,9 @@ def test_files(page: Any, box: Sandbox, shots: Path) -> None:
     )
     page.wait_for_selector("a[data-path='/srv/up.bin']")
     assert box.files.read("/srv/up.bin") == payload  # in the guest, byte for byte
+    with page.expect_download() as got:  # and back to the browser
+        page.click("#files tr:has(a[data-path='/srv/up.bin']) button:has-text('download')")
+    assert Path(got.value.path()).read_bytes() == payload
     screenshot(page, shots, "files")
 
 
@@ -443,6 +446,7 @@ def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None
         with page.context.expect_page() as opened:
             page.click("button:has-text('Open port')")
         tab = opened.value
+        tab.wait_for_url("**/v1/services/**")
         tab.wait_for_load_state()
         if "served from the sandbox" in tab.content() or time.monotonic() > deadline:
             break

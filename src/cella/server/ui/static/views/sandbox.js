@@ -56,7 +56,7 @@ async function overview(body, sb) {
         row("idle", sb.idle_timeout_seconds ? `${sb.idle_timeout_seconds} s, then ${sb.idle_action}` : "none"),
         row("labels", Object.entries(sb.labels || {}).map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
         row("egress", `allow: ${(rules.allow || []).join(", ") || "nothing"}; deny: ${(rules.deny || []).join(", ") || "–"}`),
-        row("secrets", Object.keys(sb.secrets || {}).join(", ") || "none"),
+        row("secrets", Object.entries(sb.secrets || {}).map(([env, name]) => `${env} ← ${name}`).join(", ") || "none"),
         row("parent", sb.parent_id ? h("a", { href: `#/sandboxes/${sb.parent_id}` }, sb.parent_id) : "–"),
         row("accelerator", `${sb.accel || ""} ${sb.accel_reason ? `(${sb.accel_reason})` : ""}`),
         sb.error ? row("error", h("span", { class: "error" }, sb.error)) : null)),
