@@ -133,6 +133,17 @@ def test_login(browser: Any, daemon: Daemon, keys: dict[str, str], shots: Path) 
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert keys["alpha"] not in cookie["value"]  # the session names the key, never holds it
     assert page.evaluate("document.cookie") == ""  # no script reads it
+    with httpx2.Client(base_url=daemon.url) as http:
+        forged = http.post(
+            "/ui/login", data={"key": keys["alpha"]}, headers={"origin": "http://evil.test"}
+        )
+        assert forged.status_code == 403 and "cella_session" not in forged.cookies
+        copied = {"cella_session": cookie["value"]}
+        assert http.get("/ui/session", cookies=copied).status_code == 200
+        page.click("#logout")
+        page.wait_for_url("**/ui/login")
+        assert not context.cookies()
+        assert http.get("/ui/session", cookies=copied).status_code == 401  # ended for good
     context.close()
 
 
@@ -255,6 +266,11 @@ def test_lineage_of_a_snapshot_forked_three_times(
         assert sorted(forks) == sorted(b.id for b in branches)
         assert page.query_selector(f"#lineage a.node[data-id='{snap.id}'][data-parent='{box.id}']")
         screenshot(page, shots, "lineage")
+        page.goto(page.url.split("#")[0] + "#/snapshots")
+        page.wait_for_selector(f"#snapshots tr[data-id='{snap.id}']")
+        screenshot(page, shots, "snapshots")
+        page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/lineage")
+        page.wait_for_selector("#lineage")
         page.click(f"#lineage a.node[data-id='{branches[0].id}']")  # click through to a node
         page.wait_for_selector(f"h1:has-text('{branches[0].id}')")
     finally:
@@ -340,16 +356,16 @@ def test_changes_need_the_csrf_token(page: Any, daemon: Daemon, box: Sandbox) ->
     cookie = next(c for c in page.context.cookies() if c["name"] == "cella_session")
     ws_url = daemon.url.replace("http", "ws") + f"/v1/sandboxes/{box.id}/terminal"
     headers = {"cookie": f"cella_session={cookie['value']}", "origin": daemon.url}
-    assert ws_refusal(ws_url, headers) == 403
-    assert ws_refusal(f"{ws_url}?csrf=forged", headers) == 403
+    assert ws_refusal(ws_url, headers) == 4403
+    assert ws_refusal(f"{ws_url}?csrf=forged", headers) == 4403
     evil = {**headers, "origin": "http://evil.test"}
-    assert ws_refusal(f"{ws_url}?csrf={session['csrf']}", evil) == 403
+    assert ws_refusal(f"{ws_url}?csrf={session['csrf']}", evil) == 4403
     assert ws_refusal(f"{ws_url}?csrf={session['csrf']}", headers) is None  # control
 
 
 def ws_refusal(url: str, headers: dict[str, str]) -> int | None:
-    """The HTTP status the daemon refuses a WebSocket handshake with, or None when it opens
-    (a refusal before the handshake is accepted reaches the client as a 403)."""
+    """The close code (4000 + HTTP status) the daemon refuses a WebSocket with, or None
+    when it opens."""
     from websockets.exceptions import ConnectionClosed, InvalidStatus
     from websockets.sync.client import connect
 
@@ -363,7 +379,7 @@ def ws_refusal(url: str, headers: dict[str, str]) -> int | None:
         return exc.response.status_code
 
 
-def test_host_page(browser: Any, daemon: Daemon, shots: Path) -> None:
+def test_host_page(browser: Any, daemon: Daemon, box: Sandbox, shots: Path) -> None:
     page = logged_in(browser, daemon, daemon.admin_key)
     try:
         page.goto(page.url.split("#")[0] + "#/host")
@@ -380,6 +396,14 @@ def test_host_page(browser: Any, daemon: Daemon, shots: Path) -> None:
         page.goto(page.url.split("#")[0] + "#/sandboxes")
         page.wait_for_selector("#sandboxes tbody tr")
         assert "alpha" in page.inner_text("#sandboxes")
+        # and works in it: alpha's sandbox's terminal, opened from the admin's list
+        page.click(f"#sandboxes a[href*='{box.id}']")
+        page.wait_for_selector(f"h1:has-text('{box.id}')")
+        page.click("nav.tabs a:has-text('terminal')")
+        page.wait_for_selector("#terminal-status:has-text('connected')")
+        page.click("#terminal")
+        page.keyboard.type("echo admin-$((40+2))\n")
+        wait_line(page, "admin-42")
     finally:
         page.context.close()
 
@@ -412,6 +436,22 @@ def test_eval_runs_api_refuses_bad_input(
         assert call("PUT", f"/v1/evals/{run.id}/results/-bad%20id", json=result).status_code == 400
         bad = call("PUT", f"/v1/evals/{run.id}/results/t1", json={**result, "score": "x"})
         assert bad.status_code == 400
+        nan = http.put(
+            f"/v1/evals/{run.id}/results/t1",
+            content=b'{"task_id": "t1", "score": NaN}',
+            headers={
+                "authorization": f"Bearer {keys['alpha']}",
+                "content-type": "application/json",
+            },
+        )
+        assert nan.status_code == 400
+        with Client(daemon.url, keys["beta"]) as beta, beta.create() as theirs:
+            borrowed = {**result, "sandbox_id": theirs.id}  # a score on beta's lineage
+            claim = call("PUT", f"/v1/evals/{run.id}/results/t1", json=borrowed)
+            assert claim.status_code == 404
+            assert beta.get(theirs.id).lineage().eval is None
+        mine = call("PUT", f"/v1/evals/{run.id}/results/t1", json={**result, "sandbox_id": box.id})
+        assert mine.status_code == 200  # the control: its own sandbox
         assert call("PUT", "/v1/evals/ev-nope/results/t1", json=result).status_code == 404
         assert (
             call("POST", "/v1/evals", json={"snapshot_id": "snap-nope", "tasks": 1}).status_code
@@ -436,9 +476,26 @@ def test_eval_runs_api_refuses_bad_input(
     assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]
 
 
+ECHO_SERVER = """
+import http.server
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("<h1>served from the sandbox</h1><pre id=headers>"
+                + str(self.headers).replace("<", "&lt;") + "</pre>").encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", 8000), Echo).serve_forever()
+"""
+
+
 def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None:
-    box.files.write("/srv/www/index.html", "<h1>served from the sandbox</h1>", parents=True)
-    box.exec("cd /srv/www && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    """Through a service URL, in a page that cannot act as the console: the guest's server
+    never gets the session cookie, and the page runs in an opaque origin."""
+    box.files.write("/srv/echo.py", ECHO_SERVER, parents=True)
+    box.exec("nohup python3 /srv/echo.py >/dev/null 2>&1 &")
     page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}")
     page.fill("#port", "8000")
     deadline = time.monotonic() + 20
@@ -454,6 +511,14 @@ def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None
         page.wait_for_timeout(500)
     assert tab.inner_text("h1") == "served from the sandbox"
     assert "/v1/services/" in tab.url
+    seen = tab.inner_text("#headers").lower()
+    assert "user-agent" in seen  # the control: the browser's headers reach the guest
+    assert "cella_session" not in seen and "cella_service_" not in seen
+    assert tab.evaluate("window.origin") == "null"  # sandboxed: not the daemon's origin
+    stolen = tab.evaluate(
+        "fetch('/ui/session', {credentials: 'include'}).then(r => r.text(), e => 'refused')"
+    )
+    assert stolen == "refused"
     tab.close()
 
 

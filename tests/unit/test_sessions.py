@@ -66,3 +66,20 @@ def test_csrf_tokens_belong_to_one_session(keys: Keys, tmp_path: Path) -> None:
     for given in (None, "", sessions.csrf_token(second), "x" * 43):
         with pytest.raises(errors.PermissionDenied):
             sessions.check_csrf(first, given)
+
+
+def test_a_logged_out_session_stays_out_and_odd_input_is_refused(
+    keys: Keys, tmp_path: Path
+) -> None:
+    _, key = keys.create("alpha")
+    sessions = Sessions(keys, tmp_path / "session.key")
+    token, _ = sessions.login(key)
+    other, _ = sessions.login(key)
+    sessions.logout(token)
+    with pytest.raises(errors.Unauthenticated, match="logged out"):
+        sessions.principal(token)
+    assert sessions.principal(other).tenant == "alpha"  # the control: only that one ended
+    with pytest.raises(errors.Unauthenticated):
+        sessions.principal(other.rpartition(".")[0] + ".ünïcödé\udcff")
+    with pytest.raises(errors.PermissionDenied):
+        sessions.check_csrf(other, "ünïcödé\ud800")

@@ -77,6 +77,9 @@ def create_gateway_app(
     app.include_router(evals.router)  # runs are kept by the gateway (before the catch-all)
     app.include_router(router(gateway))
     ui.install(app)
+    from cella.server.forwarded import ForwardedProto
+
+    app.add_middleware(ForwardedProto)  # behind a proxy that terminates TLS
     from cella.fleet import langsmith
 
     langsmith.install(app, gateway)
@@ -257,6 +260,18 @@ def router(gateway: Gateway) -> APIRouter:
             node = await gateway.node_of(who, sandbox_id)
         except errors.CellaError as exc:
             await ws.close(code=4403, reason=exc.message[:120])
+            return
+        await relay_websocket(ws, node, who)
+
+    @api.websocket("/v1/sandboxes/{sandbox_id}/terminal")
+    async def terminal(ws: WebSocket, sandbox_id: str) -> None:
+        """The web console's terminal, relayed to the sandbox's node."""
+        try:
+            who = principal(ws, ws.headers.get("authorization"), ws.query_params.get("tenant"))
+            node = await gateway.node_of(who, sandbox_id)
+        except errors.CellaError as exc:
+            await ws.accept()
+            await ws.close(code=4000 + exc.status, reason=exc.message[:120])
             return
         await relay_websocket(ws, node, who)
 

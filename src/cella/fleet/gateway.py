@@ -56,8 +56,10 @@ class Gateway:
         self.keys = Keys(self.store)
         self.keys.ensure_admin_key(root)
         self.sessions = Sessions(self.keys, root / "session.key")  # the web console's
-        self.evals = Evals(self.store)  # eval runs are recorded here, not on a node
         self.placements = Placements(root / "placements.db")
+        self.evals = Evals(  # eval runs are recorded here, not on a node
+            self.store, lambda sid: where.tenant if (where := self.placements.get(sid)) else None
+        )
         self.node_root = str(node_root or root / "nodes")
         self.nodes: dict[str, Node] = {}
         self.failures: dict[str, str] = {}  # nodes that could not join, and why

@@ -10,6 +10,8 @@ TASK_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 class Step(BaseModel):
+    model_config = {"allow_inf_nan": False}
+
     phase: str
     command: str
     exit_code: int | None
@@ -30,6 +32,8 @@ class EvalRunCreate(BaseModel):
 class EvalResult(BaseModel):
     """One task's outcome; its trace stays readable by `sandbox_id`."""
 
+    model_config = {"allow_inf_nan": False}
+
     task_id: str = Field(pattern=TASK_ID)
     sandbox_id: str | None = None
     passed: bool = False
@@ -43,6 +47,7 @@ class EvalResult(BaseModel):
 
 class EvalRun(BaseModel):
     id: str
+    tenant: str | None = Field(default=None, description="whose it is")
     name: str | None = None
     snapshot_id: str
     tasks: int

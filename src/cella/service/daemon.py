@@ -75,7 +75,9 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
-        self.evals = Evals(store)
+        self.evals = Evals(
+            store, lambda sid: row.tenant if (row := store.get_sandbox(sid)) else None
+        )
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
@@ -122,6 +124,10 @@ class Daemon:
         daemon.secrets_key = key_file
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
+
+    def _tenant_of(self, sandbox_id: str) -> str | None:
+        row = self.store.get_sandbox(sandbox_id)
+        return row.tenant if row else None
 
     async def snapshot_id(self, who: Principal, ref: str) -> str:
         """The id of the caller's snapshot `ref` (an id, name or name:tag)."""

@@ -9,6 +9,7 @@ a task.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from cella import errors
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate
@@ -20,8 +21,12 @@ LIST_LIMIT = 200
 
 
 class Evals:
-    def __init__(self, store: Store) -> None:
+    """`sandbox_tenant(id)` says whose a sandbox is (None: unknown): a result names only
+    a sandbox of the run's tenant."""
+
+    def __init__(self, store: Store, sandbox_tenant: Callable[[str], str | None]) -> None:
         self.store = store
+        self.sandbox_tenant = sandbox_tenant
 
     def create(self, tenant: str, body: EvalRunCreate, snapshot_id: str) -> EvalRun:
         """A run over forks of `snapshot_id`: the caller's snapshot (`body.snapshot_id`)
@@ -35,16 +40,20 @@ class Evals:
             created_at=now(),
         )
         self.store.add_eval_run(run)
-        return self._view(run, [])
+        return self._view(run)
 
     def record(self, tenant: str, run_id: str, result: EvalResult) -> EvalResult:
         run = self._owned(tenant, run_id)
         if run.finished_at is not None:
             raise errors.InvalidState(f"eval run {run_id} is finished")
+        if result.sandbox_id is not None and self.sandbox_tenant(result.sandbox_id) != tenant:
+            raise errors.NotFound(f"no sandbox {result.sandbox_id!r}")
         text = result.model_dump_json()
         if len(text) > MAX_RESULT_BYTES:
             raise errors.PayloadTooLarge(f"a result of {len(text)} bytes; at most 1 MiB")
-        self.store.put_eval_result(run.id, result.task_id, result.sandbox_id, result.passed, text)
+        self.store.put_eval_result(
+            run.id, result.task_id, result.sandbox_id, result.passed, result.error, text
+        )
         return result
 
     def finish(self, tenant: str, run_id: str) -> EvalRun:
@@ -53,41 +62,39 @@ class Evals:
             self.store.finish_eval_run(run.id)
         return self.get(tenant, run_id)
 
-    def get(self, tenant: str, run_id: str) -> EvalRun:
+    def get(self, tenant: str | None, run_id: str) -> EvalRun:
+        """A run with its results (`tenant` None: anyone's, for admin keys)."""
         run = self._owned(tenant, run_id)
         results = [EvalResult.model_validate_json(t) for t in self.store.eval_results(run.id)]
         return self._view(run, results)
 
     def runs(self, tenant: str | None) -> list[EvalRun]:
         """The newest runs, with their counts but not their results."""
-        views = []
-        for run in self.store.eval_runs(tenant, LIST_LIMIT):
-            results = [EvalResult.model_validate_json(t) for t in self.store.eval_results(run.id)]
-            views.append(self._view(run, results).model_copy(update={"results": []}))
-        return views
+        return [self._view(run) for run in self.store.eval_runs(tenant, LIST_LIMIT)]
 
     def delete(self, tenant: str, run_id: str) -> None:
         self.store.delete_eval_run(self._owned(tenant, run_id).id)
 
-    def _owned(self, tenant: str, run_id: str) -> EvalRunRecord:
+    def _owned(self, tenant: str | None, run_id: str) -> EvalRunRecord:
         run = self.store.eval_run(run_id)
-        if run is None or run.tenant != tenant:
+        if run is None or (tenant is not None and run.tenant != tenant):
             raise errors.NotFound(f"no eval run {run_id!r}")
         return run
 
-    @staticmethod
-    def _view(run: EvalRunRecord, results: list[EvalResult]) -> EvalRun:
+    def _view(self, run: EvalRunRecord, results: list[EvalResult] | None = None) -> EvalRun:
+        passed, failed, failures = self.store.eval_counts(run.id)
         return EvalRun.model_validate(
             {
                 "id": run.id,
+                "tenant": run.tenant,
                 "name": run.name,
                 "snapshot_id": run.snapshot_id,
                 "tasks": run.tasks,
                 "created_at": run.created_at,
                 "finished_at": run.finished_at,
-                "passed": sum(r.passed for r in results),
-                "failed": sum(not r.passed and r.error is None for r in results),
-                "errors": sum(r.error is not None for r in results),
-                "results": results,
+                "passed": passed,
+                "failed": failed,
+                "errors": failures,
+                "results": results or [],
             }
         )

@@ -30,6 +30,7 @@ class Sessions:
         self.keys = keys
         self.lifetime = lifetime
         self._key = load_key(key_file)
+        self.store = keys.store
 
     def login(self, api_key: str) -> tuple[str, Principal]:
         """A session for the holder of `api_key` (refused as the key would be)."""
@@ -42,27 +43,40 @@ class Sessions:
         """The key holder a session token speaks for, while it is valid and its key is."""
         body, _, signature = token.rpartition(".")
         parts = body.split(".")
-        if len(parts) != 3 or not hmac.compare_digest(signature, self._sign(body)):
+        if len(parts) != 3 or not _same(signature, self._sign(body)):
             raise errors.Unauthenticated("not a session of this daemon: log in again")
-        key_id, expires, _ = parts
+        key_id, expires, nonce = parts
         if not expires.isdigit() or int(expires) < time.time():
             raise errors.Unauthenticated("the session has expired: log in again")
+        if self.store.session_ended(nonce):
+            raise errors.Unauthenticated("the session was logged out: log in again")
         who = self.keys.by_id(key_id)
         if who is None:
             raise errors.Unauthenticated("the session's API key was revoked: log in again")
         return who
 
+    def logout(self, token: str) -> None:
+        """Ends the session for good (its cookie may have been copied)."""
+        self.principal(token)
+        _, expires, nonce = token.rpartition(".")[0].split(".")
+        self.store.end_session(nonce, int(expires))
+
     def csrf_token(self, token: str) -> str:
         return self._sign("csrf:" + token)
 
     def check_csrf(self, token: str, given: str | None) -> None:
-        if not given or not hmac.compare_digest(given, self.csrf_token(token)):
+        if not given or not _same(given, self.csrf_token(token)):
             raise errors.PermissionDenied(
                 "a request made with a session cookie needs its CSRF token (X-CSRF-Token)"
             )
 
     def _sign(self, text: str) -> str:
         return _b64(hmac.new(self._key, text.encode(), hashlib.sha256).digest())
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time comparison of any text (non-ASCII included) with what is expected."""
+    return hmac.compare_digest(given.encode(errors="surrogatepass"), expected.encode())
 
 
 def _b64(data: bytes) -> str:

@@ -97,10 +97,10 @@ class Trace:
             }
 
         tree = family(root)
-        self._scores(tree)
+        self._scores(tenant, tree)
         return tree
 
-    def _scores(self, tree: dict[str, Any]) -> None:
+    def _scores(self, tenant: str, tree: dict[str, Any]) -> None:
         """Marks the sandboxes that ran an eval task with the run, the task and its score."""
         nodes, stack = {}, [tree]
         while stack:
@@ -108,7 +108,7 @@ class Trace:
             if node["kind"] == "sandbox":
                 nodes[node["id"]] = node
             stack.extend(node["children"])
-        for sandbox_id, (run_id, text) in self.store.eval_results_of(nodes).items():
+        for sandbox_id, (run_id, text) in self.store.eval_results_of(tenant, nodes).items():
             result = json.loads(text)
             nodes[sandbox_id]["eval"] = {
                 "run_id": run_id,

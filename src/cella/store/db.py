@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -125,6 +126,20 @@ class Store:
         )
         return cur.rowcount > 0
 
+    # -- web console sessions ended before they expired -----------------------------------
+
+    def end_session(self, nonce: str, expires: int) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO ended_sessions (nonce, expires) VALUES (?, ?)",
+                (nonce, expires),
+            )
+            self._db.execute("DELETE FROM ended_sessions WHERE expires < ?", (int(time.time()),))
+
+    def session_ended(self, nonce: str) -> bool:
+        row = self._exec("SELECT 1 FROM ended_sessions WHERE nonce = ?", (nonce,)).fetchone()
+        return row is not None
+
     # -- eval runs ------------------------------------------------------------------------
 
     def add_eval_run(self, run: EvalRunRecord) -> None:
@@ -149,13 +164,28 @@ class Store:
         self._exec("DELETE FROM eval_runs WHERE id = ?", (run_id,))
 
     def put_eval_result(
-        self, run_id: str, task_id: str, sandbox_id: str | None, passed: bool, result: str
+        self,
+        run_id: str,
+        task_id: str,
+        sandbox_id: str | None,
+        passed: bool,
+        error: str | None,
+        result: str,
     ) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO eval_results "
-            "(run_id, task_id, sandbox_id, passed, result, recorded_at) VALUES (?, ?, ?, ?, ?, ?)",
-            (run_id, task_id, sandbox_id, int(passed), result, now()),
+            "INSERT OR REPLACE INTO eval_results (run_id, task_id, sandbox_id, passed, error, "
+            "result, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, task_id, sandbox_id, int(passed), error, result, now()),
         )
+
+    def eval_counts(self, run_id: str) -> tuple[int, int, int]:
+        """(passed, failed, errors) of a run's recorded results."""
+        row = self._exec(
+            "SELECT COALESCE(SUM(passed), 0), COALESCE(SUM(NOT passed AND error IS NULL), 0), "
+            "COALESCE(SUM(error IS NOT NULL), 0) FROM eval_results WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        return int(row[0]), int(row[1]), int(row[2])
 
     def eval_results(self, run_id: str) -> list[str]:
         rows = self._exec(
@@ -163,15 +193,20 @@ class Store:
         ).fetchall()
         return [r[0] for r in rows]
 
-    def eval_results_of(self, sandbox_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
-        """(run id, result JSON) by sandbox id, for the sandboxes that ran an eval task."""
+    def eval_results_of(
+        self, tenant: str, sandbox_ids: Iterable[str]
+    ) -> dict[str, tuple[str, str]]:
+        """(run id, result JSON) by sandbox id, for the sandboxes that ran a task of one of
+        the tenant's eval runs."""
         ids = list(sandbox_ids)
         if not ids:
             return {}
         marks = ", ".join("?" for _ in ids)
         rows = self._exec(
-            f"SELECT sandbox_id, run_id, result FROM eval_results WHERE sandbox_id IN ({marks})",
-            tuple(ids),
+            "SELECT r.sandbox_id, r.run_id, r.result FROM eval_results r "
+            "JOIN eval_runs e ON e.id = r.run_id "
+            f"WHERE e.tenant = ? AND r.sandbox_id IN ({marks})",
+            (tenant, *ids),
         ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
 

@@ -139,4 +139,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX eval_results_sandbox ON eval_results (sandbox_id);
     """,
+    """
+    CREATE TABLE ended_sessions (
+        nonce TEXT PRIMARY KEY,
+        expires INTEGER NOT NULL
+    );
+    """,
 ]

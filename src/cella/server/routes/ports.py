@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -35,6 +35,11 @@ TOKEN_HEADERS = ("x-cella-service-token", "x-langsmith-sandbox-service-token")
 TOKEN_QUERY = "cella_token"
 TRAFFIC_HEADER = "e2b-traffic-access-token"
 CREDENTIALS = (*TOKEN_HEADERS, TRAFFIC_HEADER)  # for the daemon, never passed to the guest
+OWN_COOKIES = ("cella_session", "cella_service_")  # the daemon's cookies, kept from guests
+# A page served under the daemon's own origin must not act as the daemon's origin: without
+# `allow-same-origin` it runs in an opaque origin that cannot read the console's session
+# nor send it (servers that need an origin of their own are reached by host name).
+SANDBOXED = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
 
 
 def service_url(request: Request | WebSocket, sandbox_id: str, port: int) -> str:
@@ -85,7 +90,9 @@ async def service(
     token = svc.ports.verify(_token(request, sandbox_id, port) or "", sandbox_id, port)
     if TOKEN_QUERY in request.query_params:  # a browser: the cookie, then the clean URL
         clean = URL(str(request.url)).remove_query_params(TOKEN_QUERY)
-        redirect = RedirectResponse(str(clean), status_code=303)
+        redirect = RedirectResponse(
+            str(clean), status_code=303, headers={"content-security-policy": SANDBOXED}
+        )
         redirect.set_cookie(
             _cookie(sandbox_id, port),
             token.token,
@@ -129,13 +136,30 @@ async def _forward(
     request: Request, svc: Daemon, tenant: str, sandbox_id: str, port: int, path: str
 ) -> Response:
     target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in CREDENTIALS]
+    headers = guest_headers(request.headers.items())
     reply = await svc.ports.http(
         tenant, sandbox_id, port, request.method, target, headers, request.stream()
     )
     return StreamingResponse(
         reply.body, status_code=reply.status, headers=dict(_merge(reply.headers))
     )
+
+
+def guest_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A request's headers as the guest's server gets them: without the daemon's
+    credentials (tokens, and its own cookies: the console's session among them)."""
+    kept = []
+    for key, value in headers:
+        name = key.lower()
+        if name in CREDENTIALS:
+            continue
+        if name == "cookie":
+            pairs = [p.strip() for p in value.split(";")]
+            value = "; ".join(p for p in pairs if p and not p.startswith(OWN_COOKIES))
+            if not value:
+                continue
+        kept.append((key, value))
+    return kept
 
 
 def _merge(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

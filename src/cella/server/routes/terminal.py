@@ -29,10 +29,18 @@ MAX_SIZE = 1000
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/terminal")
-async def terminal(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 24) -> None:
+async def terminal(
+    ws: WebSocket,
+    sandbox_id: str,
+    cols: int = 80,
+    rows: int = 24,
+    tenant: str | None = None,
+) -> None:
+    """`tenant`: an admin key acting for that tenant (a browser cannot set headers on a
+    WebSocket); a refusal is a close with code 4000 + the HTTP status, and its reason."""
     svc = daemon(ws)
     try:
-        who = principal(ws, ws.headers.get("authorization"))
+        who = principal(ws, ws.headers.get("authorization"), tenant)
         if not (1 <= cols <= MAX_SIZE and 1 <= rows <= MAX_SIZE):
             raise errors.InvalidArgument(f"cols and rows must be 1-{MAX_SIZE}")
         spec = ProcessSpec(
@@ -46,6 +54,7 @@ async def terminal(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 2
             who.tenant, sandbox_id, f"terminal-{secrets.token_hex(6)}", spec
         )
     except errors.CellaError as exc:
+        await ws.accept()  # then closed with the reason: a browser sees no refused handshake's
         await ws.close(code=4000 + exc.status, reason=exc.message[:120])
         return
     await ws.accept()

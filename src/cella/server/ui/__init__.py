@@ -9,6 +9,7 @@ that allows scripts from this origin only (no inline script), and forbids framin
 
 from __future__ import annotations
 
+import contextlib
 import html
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,11 @@ async def login_page() -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    """Takes the key from the form; sets the session cookie (HttpOnly, SameSite=Strict)."""
+    """Takes the key from the form; sets the session cookie (HttpOnly, SameSite=Strict).
+    Only from this origin's own form: another site cannot log a browser into its tenant."""
+    origin = request.headers.get("origin")
+    if origin is not None and origin.partition("://")[2] != request.headers.get("host"):
+        return HTMLResponse(_login_html("log in from this console's own page"), status_code=403)
     body = await request.body()
     if len(body) > MAX_LOGIN_BODY:
         return HTMLResponse(_login_html("the form is too large"), status_code=413)
@@ -126,7 +131,10 @@ async def login(request: Request) -> Response:
 async def logout(request: Request) -> Response:
     token = request.cookies.get(SESSION_COOKIE)
     if token:
-        _sessions(request).check_csrf(token, request.headers.get(CSRF_HEADER))
+        sessions = _sessions(request)
+        sessions.check_csrf(token, request.headers.get(CSRF_HEADER))
+        with contextlib.suppress(errors.Unauthenticated):  # already over
+            sessions.logout(token)
     response = JSONResponse({"ok": True})
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response

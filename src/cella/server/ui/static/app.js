@@ -17,8 +17,10 @@ const routes = [
 ];
 
 let cleanup = null;
+let shown = 0; // which navigation is current: a view that finishes late is dropped
 
 async function show() {
+  const mine = ++shown;
   const [path, qs] = (location.hash.slice(1) || "/sandboxes").split("?");
   const params = new URLSearchParams(qs || "");
   const main = document.getElementById("main");
@@ -33,9 +35,11 @@ async function show() {
       else a.removeAttribute("aria-current");
     }
     try {
-      cleanup = (await view.render(main, m.slice(1), params)) || null;
+      const done = (await view.render(main, m.slice(1), params)) || null;
+      if (mine === shown) cleanup = done;
+      else if (done) done(); // the page moved on meanwhile
     } catch (e) {
-      toast(e.message, true);
+      if (mine === shown) toast(e.message, true);
     }
     return;
   }

@@ -26,6 +26,7 @@ async function runs(main) {
 
 async function run(main, runId) {
   const r = await api("GET", `/v1/evals/${runId}`);
+  const tenant = session.admin && r.tenant !== session.tenant ? `?tenant=${encodeURIComponent(r.tenant)}` : "";
   main.append(
     h("div", { class: "bar" }, h("h1", {}, r.name || r.id), h("span", { class: "muted" },
       `${r.passed} passed · ${r.failed} failed · ${r.errors} errors of ${r.tasks} · snapshot ${r.snapshot_id}`)),
@@ -41,7 +42,7 @@ async function run(main, runId) {
           h("td", {}, `${(t.duration_ms / 1000).toFixed(2)} s`),
           h("td", {}, check ? h("details", {}, h("summary", {}, `exit ${check.exit_code}: `, h("code", {}, check.command)),
             h("pre", {}, (check.stdout + check.stderr).slice(-2000) || "(no output)")) : "–"),
-          h("td", {}, t.sandbox_id ? h("a", { href: `#/sandboxes/${t.sandbox_id}/trace` }, "trace") : "–"));
+          h("td", {}, t.sandbox_id ? h("a", { href: `#/sandboxes/${t.sandbox_id}/trace${tenant}` }, "trace") : "–"));
       }))));
   return null;
 }

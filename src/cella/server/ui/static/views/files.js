@@ -42,13 +42,24 @@ export async function render(body, sb) {
     }
   }
 
+  let viewing = 0;
   async function view(path, entry) {
+    const mine = ++viewing;
+    try {
+      await show(path, entry, () => mine === viewing);
+    } catch (e) {
+      toast(e.message, true);
+    }
+  }
+
+  async function show(path, entry, current) {
     viewer.replaceChildren(h("h2", {}, path));
     if (entry.size > VIEW_MAX) {
       viewer.append(h("p", {}, `${bytes(entry.size)}: too large to show here; download it.`));
       return;
     }
     const data = new Uint8Array(await (await raw("GET", `${base}/content${query({ path })}`, { tenant })).arrayBuffer());
+    if (!current()) return; // another file was asked for meanwhile
     let text;
     try {
       text = new TextDecoder("utf-8", { fatal: true }).decode(data);

@@ -27,7 +27,7 @@ export async function render(body, sb, here = sb.id) {
   const cols = Math.max(1, ...out.map((i) => i.x + 1));
   const rows = Math.max(1, ...out.map((i) => i.depth + 1));
   const width = cols * (W + GAP_X), height = rows * (H + GAP_Y);
-  const svg = s("svg", { id: "lineage", viewBox: `0 0 ${width} ${height}`, width, height, role: "img", "aria-label": `Lineage of ${sb.id}` });
+  const svg = s("svg", { id: "lineage", viewBox: `0 0 ${width} ${height}`, width, height, role: "group", "aria-label": `Lineage of ${sb.id}` });
   const pos = (i) => [i.x * (W + GAP_X) + GAP_X / 2, i.depth * (H + GAP_Y) + GAP_Y / 2];
   for (const item of out) {
     const [x, y] = pos(item);

@@ -20,7 +20,7 @@ export async function render(main, [id, tab], params) {
     h("a", { href: `#/sandboxes/${id}/${t}${suffix}`, "aria-current": t === tab ? "page" : false }, t)));
   const head = h("div", { class: "bar" },
     h("h1", {}, sb.name || sb.id), badge(sb.state), h("span", { class: "muted mono" }, sb.id),
-    actionButtons(sb, () => render(main.replaceChildren() || main, [id, tab], params)));
+    actionButtons(sb, async () => window.dispatchEvent(new HashChangeEvent("hashchange"))));
   const body = h("section", { id: "tab", "aria-label": tab });
   main.append(head, nav, body);
   if (tab === "overview") return overview(body, sb);
@@ -57,7 +57,7 @@ async function overview(body, sb) {
         row("labels", Object.entries(sb.labels || {}).map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
         row("egress", `allow: ${(rules.allow || []).join(", ") || "nothing"}; deny: ${(rules.deny || []).join(", ") || "–"}`),
         row("secrets", Object.entries(sb.secrets || {}).map(([env, name]) => `${env} ← ${name}`).join(", ") || "none"),
-        row("parent", sb.parent_id ? h("a", { href: `#/sandboxes/${sb.parent_id}` }, sb.parent_id) : "–"),
+        row("parent", sb.parent_id ? h("a", { href: `#/sandboxes/${sb.parent_id}${sb.tenant ? `?tenant=${encodeURIComponent(sb.tenant)}` : ""}` }, sb.parent_id) : "–"),
         row("accelerator", `${sb.accel || ""} ${sb.accel_reason ? `(${sb.accel_reason})` : ""}`),
         sb.error ? row("error", h("span", { class: "error" }, sb.error)) : null)),
       h("table", { class: "kv" }, h("caption", {}, "Usage"), usage)),

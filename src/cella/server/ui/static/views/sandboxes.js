@@ -29,6 +29,8 @@ export async function render(main) {
   const usage = new Map();
   let rows = [];
   let stopped = false;
+  let drawn = ""; // what the table shows: redrawn only when that changes (focus stays put)
+  let busy = false;
 
   function matches(sb) {
     const q = search.value.trim().toLowerCase();
@@ -39,6 +41,12 @@ export async function render(main) {
 
   function draw() {
     const shown = rows.filter(matches);
+    const view = JSON.stringify([search.value, shown, shown.map((sb) => usage.get(sb.id) || null)]);
+    if (view === drawn) {
+      for (const cell of body.querySelectorAll("td[data-created]")) cell.textContent = age(cell.dataset.created);
+      return;
+    }
+    drawn = view;
     count.textContent = `${shown.length} of ${rows.length}`;
     body.replaceChildren(...shown.map((sb) => {
       const u = usage.get(sb.id) || {};
@@ -52,12 +60,14 @@ export async function render(main) {
         h("td", {}, u.guest_memory_used_mib != null ? `${mib(u.guest_memory_used_mib)} / ${mib(u.guest_memory_total_mib)}` : "–"),
         h("td", {}, u.guest_disk_used_mib != null ? `${mib(u.guest_disk_used_mib)} / ${mib(u.guest_disk_total_mib)}` : "–"),
         h("td", {}, Object.entries(sb.labels || {}).map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
-        h("td", { title: sb.created_at }, age(sb.created_at)),
+        h("td", { title: sb.created_at, dataset: { created: sb.created_at } }, age(sb.created_at)),
         h("td", {}, actionButtons(sb, refresh)));
     }));
   }
 
   async function refresh() {
+    if (busy) return; // a slow answer is not overtaken by the next poll
+    busy = true;
     try {
       const all = session.admin ? { all_tenants: true } : {};
       const data = await api("GET", `/v1/sandboxes${query({ ...all, state: state.value || undefined })}`);
@@ -65,6 +75,8 @@ export async function render(main) {
       draw();
     } catch (e) {
       toast(e.message, true);
+    } finally {
+      busy = false;
     }
   }
 

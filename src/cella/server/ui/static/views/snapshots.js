@@ -8,10 +8,14 @@ export async function render(main, _args, params) {
     h("table", { class: "list", id: "snapshots" },
       h("thead", {}, h("tr", {}, ["Snapshot", "State", "Source", "Template", "Size", "Paused", "Age", "Actions"].map((c) => h("th", { scope: "col" }, c)))), body));
   const highlight = params.get("highlight");
+  let drawn = "";
 
   async function refresh() {
     const all = session.admin ? "?all_tenants=true" : "";
     const data = await api("GET", `/v1/snapshots${all}`);
+    const state = JSON.stringify(data.snapshots.map((sn) => [sn.id, sn.state]));
+    if (state === drawn) return; // unchanged: what is typed in the table stays
+    drawn = state;
     body.replaceChildren(...data.snapshots.filter((sn) => sn.state !== "deleted").map((sn) => {
       const count = h("input", { type: "number", min: 1, max: 64, value: 3, class: "count", "aria-label": `branches of ${sn.id}` });
       const tenant = session.admin && sn.tenant !== session.tenant ? sn.tenant : undefined;
