@@ -138,12 +138,12 @@ def test_login(browser: Any, daemon: Daemon, keys: dict[str, str], shots: Path) 
             "/ui/login", data={"key": keys["alpha"]}, headers={"origin": "http://evil.test"}
         )
         assert forged.status_code == 403 and "cella_session" not in forged.cookies
-        copied = {"cella_session": cookie["value"]}
-        assert http.get("/ui/session", cookies=copied).status_code == 200
+        copied = {"cookie": f"cella_session={cookie['value']}"}
+        assert http.get("/ui/session", headers=copied).status_code == 200
         page.click("#logout")
         page.wait_for_url("**/ui/login")
         assert not context.cookies()
-        assert http.get("/ui/session", cookies=copied).status_code == 401  # ended for good
+        assert http.get("/ui/session", headers=copied).status_code == 401  # ended for good
     context.close()
 
 

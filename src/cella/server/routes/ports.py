@@ -102,7 +102,9 @@ async def service(
             path=f"/v1/services/{sandbox_id}/{port}",
         )
         return redirect
-    return await _forward(request, svc, token.tenant, sandbox_id, port, path)
+    reply = await _forward(request, svc, token.tenant, sandbox_id, port, path)
+    reply.headers.append("content-security-policy", SANDBOXED)  # beside any of its own
+    return reply
 
 
 @router.api_route(

@@ -34,7 +34,7 @@ CSP = (
 HEADERS = {
     "content-security-policy": CSP,
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    "referrer-policy": "same-origin",  # no-referrer would make form posts say `Origin: null`
     "x-frame-options": "DENY",
     "cache-control": "no-store",
 }
