@@ -128,6 +128,13 @@ class DaemonSettings(BaseSettings):
     default_max_pids: int = Field(default=4096, ge=16, description="guest processes per sandbox")
     reaper_interval: float = Field(default=0.5, gt=0, description="seconds between TTL checks")
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
+    pool_spares: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="QEMUs started ahead per pool shape, waiting for a restore's state: a "
+        "create that finds the pool empty only loads the state",
+    )
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")
     otlp_endpoint: str | None = Field(

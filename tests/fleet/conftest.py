@@ -22,7 +22,7 @@ from tests.daemon import Daemon, kill_vms_of
 from tests.raycluster import LocalCluster, quiet_ray_env
 
 NODES = ("n1", "n2", "n3")
-NODE_SETTINGS = {"pool_size": "0", "max_host_memory_mib": "768"}  # three 256 MiB sandboxes
+NODE_SETTINGS = {"pool_size": "0", "pool_spares": "0", "max_host_memory_mib": "768"}  # 3 of 256 MiB
 SHAPE = {"memory_mib": 256}
 QUOTA = 5  # the gateway's limit of live sandboxes per tenant, across nodes
 

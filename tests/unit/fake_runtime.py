@@ -19,6 +19,7 @@ from cella.guest.client import ExecEvent, Output, Started
 from cella.guest.protocol import Entry, ExitStatus
 from cella.models.exec import ExecResult, OutputCollector
 from cella.paths import Paths
+from cella.runtime.contract import VM
 from cella.runtime.qemu.accel import AccelChoice
 from cella.storage.snapshots import FILES, LAYERED_FILES, SnapshotDir
 
@@ -160,6 +161,7 @@ class FakeVM:
         self._memory_mib = memory_mib
         self._agent = FakeAgent()
         self._ended = asyncio.Event()
+        self.spare_of: Path | None = None
         self.paused = False
         self.stopped_cleanly = False
         self.disk_mib: int | None = None
@@ -222,6 +224,7 @@ class FakeDriver:
         self.orphans: dict[int, Path] = {}
         self.flattened: list[str] = []  # snapshots flatten() was asked for
         self.layers = False  # snapshot_vm makes RAM layers (flattened by flatten())
+        self.spares_used = 0  # restores that finished a prespawned VM
         self.flatten_gate: asyncio.Event | None = None  # holds flatten() until set
         self.killed: list[int] = []
 
@@ -263,9 +266,22 @@ class FakeDriver:
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
+        spare: VM | None = None,
     ) -> FakeVM:
         manifest = snap.verify()
+        if spare is not None:
+            assert isinstance(spare, FakeVM) and spare.directory == directory
+            assert spare.spare_of == snap.path, "a spare restored from another snapshot"
+            spare.spare_of = None
+            self.spares_used += 1
+            return spare
         return self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
+
+    async def prespawn(self, snap: SnapshotDir, directory: Path) -> FakeVM:
+        manifest = snap.verify()
+        vm = self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
+        vm.spare_of = snap.path
+        return vm
 
     async def adopt(self, directory: Path, pid: int, paused: bool = False) -> FakeVM:
         if self.orphans.get(pid) != directory:

@@ -426,6 +426,7 @@ async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path:
         data_dir=tmp_path,
         image_dir=tmp_path / "images",
         pool_size=1,
+        pool_spares=0,
         max_host_memory_mib=4096,
         max_host_vcpus=8,
     )
@@ -458,6 +459,7 @@ async def test_a_pooled_vm_found_unusable_is_replaced(tmp_path: Path) -> None:
         data_dir=tmp_path,
         image_dir=tmp_path / "images",
         pool_size=1,
+        pool_spares=0,
         max_host_memory_mib=4096,
         max_host_vcpus=8,
     )
@@ -472,6 +474,45 @@ async def test_a_pooled_vm_found_unusable_is_replaced(tmp_path: Path) -> None:
         assert row.created_from == "restore"  # not the dead one
         await d.pool.fill(shape, timeout=10)  # and the pool has a live one again
         assert d.pool.ready(shape) == 1
+    finally:
+        await d.pool.close()
+        await d.registry.detach_all()
+        d.store.close()
+
+
+async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> None:
+    """A spare QEMU waits for the warm snapshot's state: the create only loads it, under
+    the spare's name, and a new spare is started for the next create."""
+    settings = DaemonSettings(
+        data_dir=tmp_path,
+        image_dir=tmp_path / "images",
+        pool_size=0,
+        pool_spares=1,
+        max_host_memory_mib=4096,
+        max_host_vcpus=8,
+    )
+    driver = FakeDriver(tmp_path)
+    d = Daemon(settings, Store(tmp_path / "cella.db"), driver)
+    shape = Shape("default", *POOLED_SHAPE)
+    try:
+        d.pool.watch(shape)
+        async with asyncio.timeout(10):
+            while not d.pool.spares()["default/1/512"]:
+                await asyncio.sleep(0.01)
+        (spare,) = [vm for vm in driver.vms if vm.spare_of is not None]
+        assert d.pool.committed() == (0, 0)  # a spare holds no guest memory of its own
+        row = await d.lifecycle.create("t", SandboxCreate())
+        assert spare.directory is not None and row.id == spare.directory.name
+        assert driver.spares_used == 1 and spare.spare_of is None
+        assert d.store.events(row.id, 0, 10, ["created"])[0].data["spare"] is True
+        async with asyncio.timeout(10):  # refilled after the create
+            while not d.pool.spares()["default/1/512"]:
+                await asyncio.sleep(0.01)
+        await spare.kill()  # a spare found dead is not used: the create restores instead
+        (second,) = [vm for vm in driver.vms if vm.spare_of is not None]
+        await second.kill()
+        other = await d.lifecycle.create("t", SandboxCreate())
+        assert driver.spares_used == 1 and other.created_from == "restore"
     finally:
         await d.pool.close()
         await d.registry.detach_all()

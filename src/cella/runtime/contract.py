@@ -203,7 +203,16 @@ class Driver(Protocol):
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
-    ) -> VM: ...
+        spare: VM | None = None,
+    ) -> VM:
+        """A VM from `snap` in `directory`; with `spare` (from `prespawn(snap, directory)`)
+        only the state is left to load."""
+        ...
+
+    async def prespawn(self, snap: SnapshotDir, directory: Path) -> VM:
+        """A VM process started ahead for a later `restore(snap, directory, spare=...)`:
+        everything but the state (a pool of these makes restores shorter)."""
+        ...
 
     async def adopt(self, directory: Path, pid: int, paused: bool = False) -> VM: ...
 

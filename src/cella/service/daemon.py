@@ -64,7 +64,7 @@ class Daemon:
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.egress = SandboxEgress(settings, self.registry)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.pool = WarmPool(driver, self.warm, settings.pool_size)
+        self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.admission = Admission(settings, self.registry, self.pool.committed)
         self.lifecycle = Lifecycle(
             settings, self.registry, self.admission, self.egress, self.warm, self.pool
@@ -203,5 +203,6 @@ class Daemon:
             "accel_reason": accel.reason,
             "pool": self.pool.status(),
             "pool_size": self.pool.size,
+            "spares": self.pool.spares(),
             "proxy": {"running": self.egress.proxy.pid is not None, "port": self.egress.proxy.port},
         }

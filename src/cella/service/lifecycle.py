@@ -123,12 +123,18 @@ class Lifecycle:
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
-            sandbox_id = vm.directory.name if vm is not None and vm.directory else new_sandbox_id()
+            spare = self.pool.claim_spare(shape) if vm is None else None
+            held = vm if vm is not None else spare[1] if spare is not None else None
+            sandbox_id = held.directory.name if held and held.directory else new_sandbox_id()
             origin = "pool" if vm is not None else "restore"
             row = self.registry.insert(new_record(tenant, sandbox_id, req, secret_refs, origin))
         async with self.registry.lock(sandbox_id):
             try:
-                if vm is None:  # the pool is empty: restore, never cold-boot
+                if spare is not None:  # a QEMU waiting for the warm snapshot's state
+                    snap, waiting = spare
+                    directory = self.registry.directory(sandbox_id)
+                    vm = await self.driver.restore(snap, directory, spare=waiting)
+                elif vm is None:  # the pool is empty: restore, never cold-boot
                     vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
                 await self.ready(vm, row)
                 if req.disk_mib is not None:
@@ -139,7 +145,7 @@ class Lifecycle:
                 self.registry.fail(sandbox_id, exc, event="create_failed")
                 raise
             finally:
-                if origin == "pool":
+                if origin == "pool" or spare is not None:
                     self.pool.refill(shape)
             self.running(sandbox_id, vm)
             self.events.emit(
@@ -148,6 +154,7 @@ class Lifecycle:
                 {
                     "template": req.template,
                     "from": origin,
+                    "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
                 },
             )

@@ -100,12 +100,16 @@ class WarmSnapshots:
 class _Pool:
     shape: Shape
     ready: list[VM] = field(default_factory=list)
+    spares: list[tuple[SnapshotDir, VM]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
 
 class WarmPool:
-    """Restored VMs waiting to be claimed, one pool per shape.
+    """Restored VMs waiting to be claimed, one pool per shape; and spares: QEMUs started
+    for the shape's warm snapshot that wait for its state (`Driver.prespawn`), so a create
+    that finds the pool empty only loads the state. Spares hold no guest memory of their
+    own (the snapshot's RAM is mapped, not read) and are not counted as committed.
 
     A pooled VM belongs to no sandbox: it has no egress until a create claims it.
     """
@@ -115,16 +119,19 @@ class WarmPool:
         driver: Driver,
         snapshots: WarmSnapshots,
         size: int,
+        spares: int = 0,
     ) -> None:
         self.driver = driver
         self.snapshots = snapshots
         self.size = size
+        self.spare_count = spares
         self._pools: dict[Shape, _Pool] = {}
         self._reaping: set[asyncio.Task[None]] = set()
 
     def watch(self, shape: Shape) -> None:
-        """Keeps a pool of `size` VMs of this shape (filled in the background)."""
-        if self.size <= 0 or shape in self._pools:
+        """Keeps a pool of `size` VMs of this shape, and its spares (filled in the
+        background)."""
+        if (self.size <= 0 and self.spare_count <= 0) or shape in self._pools:
             return
         pool = self._pools[shape] = _Pool(shape)
         pool.task = asyncio.create_task(self._refill(pool), name=f"pool-{shape.template}")
@@ -146,6 +153,17 @@ class WarmPool:
             pool.wake.set()  # no claimant to make room for: replace it now
         return None
 
+    def claim_spare(self, shape: Shape) -> tuple[SnapshotDir, VM] | None:
+        """A spare QEMU (and the snapshot it waits for), if one is up; refilled after the
+        claimant's `refill()`."""
+        pool = self._pools.get(shape)
+        while pool is not None and pool.spares:
+            snap, vm = pool.spares.pop(0)
+            if vm.usable:
+                return snap, vm
+            self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+        return None
+
     def refill(self, shape: Shape) -> None:
         if pool := self._pools.get(shape):
             pool.wake.set()
@@ -160,14 +178,19 @@ class WarmPool:
     async def _refill(self, pool: _Pool) -> None:
         failures = 0
         while True:
-            if len(pool.ready) >= self.size:
+            if len(pool.ready) >= self.size and len(pool.spares) >= self.spare_count:
                 pool.wake.clear()
                 await pool.wake.wait()
-                if pool.ready:  # not empty: no hurry, let the claimant's first calls run alone
+                if pool.ready or pool.spares:  # no hurry: let the claimant's first calls run
                     await asyncio.sleep(REFILL_GRACE)
                 continue
             try:
                 snap = await self.snapshots.ensure(pool.shape)
+                if len(pool.spares) < self.spare_count:  # cheap, and what an empty pool uses
+                    directory = self.driver.paths.vms / new_sandbox_id()
+                    pool.spares.append((snap, await self.driver.prespawn(snap, directory)))
+                    failures = 0
+                    continue
                 directory = self.driver.paths.vms / new_sandbox_id()
                 vm = await self.driver.restore(snap, directory)
                 try:
@@ -206,9 +229,10 @@ class WarmPool:
                 pool.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pool.task
-            for vm in pool.ready:
+            for vm in [*pool.ready, *(vm for _, vm in pool.spares)]:
                 await self.driver.destroy(vm)
             pool.ready.clear()
+            pool.spares.clear()
 
     def committed(self) -> tuple[int, int]:
         """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity."""
@@ -220,5 +244,11 @@ class WarmPool:
             f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.ready) for s, p in self._pools.items()
         }
 
+    def spares(self) -> dict[str, int]:
+        return {
+            f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.spares) for s, p in self._pools.items()
+        }
+
     def directories(self) -> set[Path]:
-        return {vm.directory for p in self._pools.values() for vm in p.ready if vm.directory}
+        vms = [vm for p in self._pools.values() for vm in [*p.ready, *(v for _, v in p.spares)]]
+        return {vm.directory for vm in vms if vm.directory}

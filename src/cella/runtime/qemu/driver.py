@@ -271,12 +271,16 @@ class QemuDriver:
         snap: SnapshotDir,
         directory: Path,
         timeout: float = 30.0,
+        spare: VM | None = None,
     ) -> QemuVM:
         """A new VM from a snapshot (checked against its manifest first), on a new overlay.
 
         A layered snapshot maps its base RAM file and has its layer written into the new
-        VM's memory before the vCPUs run."""
+        VM's memory before the vCPUs run. `spare`: a QEMU `prespawn` started for this
+        snapshot in `directory`, which only has the state left to load."""
         await self._ensure_prepared()
+        if spare is not None:
+            return await self._finish_spare(snap, directory, spare, timeout)
         self._restoring[snap.path] += 1
         try:
             return await self._restore(snap, directory, timeout)
@@ -284,6 +288,62 @@ class QemuDriver:
             self._restoring[snap.path] -= 1
             if not self._restoring[snap.path]:
                 del self._restoring[snap.path]
+
+    async def prespawn(self, snap: SnapshotDir, directory: Path) -> QemuVM:
+        """A QEMU started ahead for a later restore of `snap` into `directory`: its disk
+        overlay made, the snapshot's RAM mapped, QMP and the agent channel connected,
+        waiting for the state (what a restore spends most of its time on before loading).
+        Whole snapshots only: a layer is written into RAM just before its state loads."""
+        await self._ensure_prepared()
+        manifest = snap.verify()
+        if snap.is_layered(manifest):
+            raise errors.InvalidArgument(f"{snap.path.name} is layered: no spare for it")
+        vm = self._incoming(snap, manifest, directory, snap.ram)
+        try:
+            await vm.await_incoming()
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        vm.spare_of = snap.path
+        return vm
+
+    async def _finish_spare(
+        self, snap: SnapshotDir, directory: Path, spare: VM, timeout: float
+    ) -> QemuVM:
+        assert isinstance(spare, QemuVM)
+        if spare.spare_of != snap.path or spare.directory != directory or not spare.usable:
+            await self.destroy(spare)
+            raise errors.InvalidArgument(f"the spare QEMU is not one for {snap.path.name}")
+        snap.verify()  # the files may have changed since the spare mapped them
+        spare.spare_of = None
+        try:
+            await spare.load(snap.state, timeout)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return self._limit(spare)
+
+    def _incoming(
+        self, snap: SnapshotDir, manifest: dict[str, Any], directory: Path, ram: Path
+    ) -> QemuVM:
+        """A VM (not started) that will wait for `snap`'s state, on a new overlay."""
+        directory.mkdir(parents=True)
+        try:
+            create_overlay(snap.disk, directory / DISK)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        config = dataclasses.replace(
+            self._config(directory, manifest["vcpus"], manifest["memory_mib"], ram, False, "defer"),
+            kernel=Path(manifest["kernel"]),
+            initrd=Path(manifest["initrd"]),
+            accel=manifest["accel"],
+            devices_only=bool(manifest.get("devices_only")),
+        )
+        vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
+        vm.directory = directory
+        vm.accel_reason = self._accel.reason if self._accel else ""
+        return vm
 
     async def _restore(self, snap: SnapshotDir, directory: Path, timeout: float) -> QemuVM:
         manifest = snap.verify()
@@ -295,21 +355,8 @@ class QemuDriver:
         def prefill(pid: int) -> None:
             ramdiff.load_layer(pid, ramdiff.ram_mapping(pid, ram), snap.path)
 
-        directory.mkdir(parents=True)
+        vm = self._incoming(snap, manifest, directory, ram)
         try:
-            create_overlay(snap.disk, directory / DISK)
-            config = dataclasses.replace(
-                self._config(
-                    directory, manifest["vcpus"], manifest["memory_mib"], ram, False, "defer"
-                ),
-                kernel=Path(manifest["kernel"]),
-                initrd=Path(manifest["initrd"]),
-                accel=manifest["accel"],
-                devices_only=bool(manifest.get("devices_only")),
-            )
-            vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
-            vm.directory = directory
-            vm.accel_reason = self._accel.reason if self._accel else ""
             await vm.restore(snap.state, timeout, prefill if layered else None)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)

@@ -60,6 +60,7 @@ class QemuVM:
         self.directory: Path | None = None
         self.exit_hooks: list[Callable[[], None]] = []
         self.accel_reason = ""
+        self.spare_of: Path | None = None  # the snapshot a spare QEMU waits to load
 
     @property
     def accel(self) -> str:
@@ -206,9 +207,42 @@ class QemuVM:
         run, so the guest never sees its host end go away.
         """
         started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout):
+                await self.await_incoming()
+        except TimeoutError:
+            await self.kill()
+            raise errors.AgentUnavailable(f"QEMU was not up within {timeout:.0f} s") from None
+        await self.load(state, timeout, prefill)
+        self.boot_seconds = time.perf_counter() - started
+
+    async def await_incoming(self) -> None:
+        """Spawns QEMU waiting for its state (config.incoming == "defer"), connected: the
+        part of a restore that does not depend on the state, done ahead by a spare."""
         await self._spawn()
         try:
-            await asyncio.wait_for(self._restore(state, prefill), timeout)
+            cfg = self.config
+            while not (cfg.qmp_socket.exists() and cfg.agent_socket.exists()):
+                await self._check_alive()
+                await asyncio.sleep(0.001)
+            self.qmp = QMPClient(cfg.name)
+            # QEMU answers QMP from its main loop, after the machine (and its RAM) exists
+            await self.qmp.connect(str(cfg.qmp_socket))
+            self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def load(
+        self,
+        state: Path,
+        timeout: float = 30.0,
+        prefill: Callable[[int], None] | None = None,
+    ) -> None:
+        """Loads the state into a QEMU waiting for it (`await_incoming`) and runs it."""
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._load(state, prefill), timeout)
         except TimeoutError:
             await self.kill()
             raise errors.AgentUnavailable(
@@ -219,15 +253,8 @@ class QemuVM:
             raise
         self.boot_seconds = time.perf_counter() - started
 
-    async def _restore(self, state: Path, prefill: Callable[[int], None] | None) -> None:
-        cfg = self.config
-        while not (cfg.qmp_socket.exists() and cfg.agent_socket.exists()):
-            await self._check_alive()
-            await asyncio.sleep(0.001)
-        self.qmp = QMPClient(cfg.name)
-        # QEMU answers QMP from its main loop, after the machine (and its RAM) exists
-        await self.qmp.connect(str(cfg.qmp_socket))
-        self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+    async def _load(self, state: Path, prefill: Callable[[int], None] | None) -> None:
+        assert self.qmp is not None and self._agent is not None
         if prefill is not None:
             assert self.pid is not None
             await asyncio.to_thread(prefill, self.pid)
