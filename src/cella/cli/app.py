@@ -113,6 +113,10 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
         f"({report['winner_fix']}); kept running, remove it with `cella sandbox rm "
         f"{report['winner']}`"
     )
+    console.print(
+        f"its trace and lineage in the web console (with `cella serve` running): "
+        f"{report['console']}"
+    )
 
 
 from cella.cli import eval as eval_cli  # noqa: E402

@@ -165,4 +165,5 @@ def run_demo(template: str, progress: Callable[[str], None]) -> dict[str, Any]:
         "winner": winner.id,
         "winner_fix": next(r["fix"] for r in report_branches if r["branch"] == winner.id),
         "trace": trace,
+        "console": f"{client.url}/ui/#/sandboxes/{winner.id}/lineage",
     }

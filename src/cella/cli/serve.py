@@ -35,6 +35,7 @@ def serve(
     Settings: see cella/config.py."""
     import uvicorn
 
+    from cella.config import ADMIN_KEY_FILE
     from cella.config import DaemonSettings as Settings
 
     given = {
@@ -54,6 +55,11 @@ def serve(
         typer.echo(f"cella serve: {exc}", err=True)
         raise typer.Exit(2) from None
     host, port = settings.host_port
+    typer.echo(
+        f"cella serve: the API at {settings.url}/v1, the web console at {settings.url}/ui "
+        f"(the admin key is in {settings.data_dir / ADMIN_KEY_FILE})",
+        err=True,
+    )
     if ray is not None:
         from cella.fleet.app import create_gateway_app
 
