@@ -150,6 +150,7 @@ def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, client: 
     assert report["winner_fix"] == "mean of the two middles"
     assert {s["step"] for s in report["steps"]} >= {"snapshot", "fork 3 branches"}
     assert any("unittest" in line and "exit 0" in line for line in report["trace"])
+    assert report["console"] == f"{daemon.url}/ui/#/sandboxes/{report['winner']}/lineage"
     live = {s.id for s in client.list()}
     assert report["winner"] in live  # kept
     assert not live & {b["branch"] for b in report["branches"] if b["tests_exit"] != 0}
