@@ -52,6 +52,7 @@ def test_every_node_joined_with_its_daemon(fleet: Fleet) -> None:
     for node in status["nodes"]:
         assert node["healthy"], node
         assert node["capacity"]["memory_mib"] == 768
+        assert node["proxy_running"] is True  # each node's egress proxy, as its health says
         assert "default" in node["templates"]
     capacity = fleet.admin.get("/v1/capacity").json()
     assert capacity["memory_mib"] == 768 * len(NODES)

@@ -540,6 +540,8 @@ class Gateway:
                 update={
                     "capacity": Capacity.model_validate(capacity),
                     "accel": health.get("accel"),
+                    "pool": health.get("pool") or {},
+                    "proxy_running": (health.get("proxy") or {}).get("running"),
                     "snapshots": [s["id"] for s in snaps["snapshots"] if s["state"] == "ready"],
                     "templates": [
                         t["name"] for t in templates["templates"] if t.get("built", True)

@@ -60,6 +60,8 @@ class FleetNode(BaseModel):
     snapshots: list[str] = Field(default_factory=list, description="snapshots held (ids)")
     templates: list[str] = Field(default_factory=list, description="templates built")
     accel: str | None = None
+    pool: dict[str, int] = Field(default_factory=dict, description="warm VMs ready per shape")
+    proxy_running: bool | None = Field(default=None, description="its egress proxy is up")
 
 
 class FleetStatus(BaseModel):

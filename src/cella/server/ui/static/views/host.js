@@ -29,12 +29,14 @@ export async function render(main) {
   try {
     const fleet = await api("GET", "/v1/fleet");
     main.append(h("section", { id: "fleet" }, h("h2", {}, "Fleet"), h("table", { class: "list" },
-      h("thead", {}, h("tr", {}, ["Node", "Health", "Memory", "vCPUs", "Sandboxes", "Snapshots"].map((c) => h("th", { scope: "col" }, c)))),
+      h("thead", {}, h("tr", {}, ["Node", "Health", "Memory", "vCPUs", "Sandboxes", "Warm pool", "Egress proxy", "Snapshots"].map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, (fleet.nodes || []).map((n) => h("tr", {},
         h("td", {}, n.name), h("td", {}, n.healthy ? "healthy" : `down: ${n.reason || ""}`),
         h("td", {}, n.capacity ? `${n.capacity.memory_mib_committed} / ${n.capacity.memory_mib} MiB` : "–"),
         h("td", {}, n.capacity ? `${n.capacity.vcpus_committed} / ${n.capacity.vcpus}` : "–"),
         h("td", {}, String(n.sandboxes ?? "–")),
+        h("td", {}, Object.entries(n.pool || {}).map(([shape, count]) => `${shape}: ${count}`).join(", ") || "–"),
+        h("td", {}, n.proxy_running == null ? "–" : n.proxy_running ? "running" : "NOT RUNNING"),
         h("td", {}, String((n.snapshots || []).length))))))));
   } catch (_) { /* a single host: no fleet */ }
   return null;
