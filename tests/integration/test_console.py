@@ -16,12 +16,12 @@ from typing import Any
 
 import httpx2
 import pytest
+from playwright.sync_api import sync_playwright
 
 from cella import Client, Sandbox
 from cella.eval import Task, run_eval
 from tests.daemon import Daemon, running_daemon
 
-playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.vm
 
 CHROMIUM = shutil.which("chromium")
@@ -58,7 +58,7 @@ def box(alpha: Client) -> Iterator[Sandbox]:
 def browser() -> Iterator[Any]:
     if CHROMIUM is None:
         pytest.fail("chromium is not installed (scripts/test installs Debian's package)")
-    with playwright.sync_playwright() as p:
+    with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield b
         b.close()
