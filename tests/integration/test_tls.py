@@ -3,8 +3,6 @@ its own, the SDK and plain HTTP clients against it."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import ssl
 import subprocess
 import sys
@@ -13,58 +11,24 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from cella import Client
+from cella.fleet.tls import node_certificate
 from tests.daemon import Daemon, free_port, running_daemon
 
 pytestmark = pytest.mark.vm
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cella test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_file, key_file
-
-
 @pytest.fixture(scope="module")
 def tls_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     base = tmp_path_factory.mktemp("tls")
-    cert, key = self_signed(base)
+    cert, key = node_certificate(base, "127.0.0.1", "test")  # self-signed, for 127.0.0.1
     with running_daemon(base / "data", tls_cert=str(cert), tls_key=str(key)) as d:
         yield d
 
 
 def test_the_api_speaks_tls_only(tls_daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    cert = str(tls_daemon.data_dir.parent / "cert.pem")
+    cert = str(tls_daemon.data_dir.parent / "node.crt")
     trusted = ssl.create_default_context(cafile=cert)
     auth = {"Authorization": f"Bearer {tls_daemon.admin_key}"}
     r = httpx2.get(f"{tls_daemon.url}/v1/sandboxes", headers=auth, verify=trusted)
