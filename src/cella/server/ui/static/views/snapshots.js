@@ -44,6 +44,12 @@ export async function render(main, _args, params) {
     }));
   }
   await refresh();
+  const marked = highlight && body.querySelector(`tr[data-id="${CSS.escape(highlight)}"]`);
+  if (marked) { // arrived from a lineage node: that snapshot, in view and focused
+    marked.tabIndex = -1;
+    marked.scrollIntoView({ block: "center" });
+    marked.focus();
+  }
   const timer = setInterval(() => { if (!document.hidden) refresh().catch(() => {}); }, 3000);
   return () => clearInterval(timer);
 }
