@@ -271,6 +271,11 @@ def test_lineage_of_a_snapshot_forked_three_times(
         screenshot(page, shots, "snapshots")
         page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/lineage")
         page.wait_for_selector("#lineage")
+        page.click(f"#lineage a.node[data-id='{snap.id}']")  # a snapshot: its row, focused
+        page.wait_for_selector(f"#snapshots tr.highlight[data-id='{snap.id}']")
+        assert page.evaluate("document.activeElement.dataset.id") == snap.id
+        page.go_back()
+        page.wait_for_selector("#lineage")
         page.click(f"#lineage a.node[data-id='{branches[0].id}']")  # click through to a node
         page.wait_for_selector(f"h1:has-text('{branches[0].id}')")
     finally:
