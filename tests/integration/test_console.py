@@ -318,6 +318,7 @@ def test_eval_run_marks_the_failing_task(
     page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/lineage")
     failed = results[1].sandbox_id
     assert page.wait_for_selector(f"#lineage a.node.fail[data-id='{failed}']")
+    screenshot(page, shots, "lineage-eval")
 
 
 def test_another_tenant_sees_none_of_it(
