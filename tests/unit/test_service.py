@@ -513,6 +513,9 @@ async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> 
         await second.kill()
         other = await d.lifecycle.create("t", SandboxCreate())
         assert driver.spares_used == 1 and other.created_from == "restore"
+        async with asyncio.timeout(10):  # and the dead ones are replaced
+            while not d.pool.spares()["default/1/512"]:
+                await asyncio.sleep(0.01)
     finally:
         await d.pool.close()
         await d.registry.detach_all()

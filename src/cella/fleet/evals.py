@@ -100,11 +100,13 @@ def run_on_ray(
         run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
         (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
 
-        def record(result: TaskResult) -> None:
+        def done(result: TaskResult) -> None:
             gateway.record_eval_result(run.id, recorded(result))
+            if on_done is not None:
+                on_done(result)
 
         try:
-            return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, on_done, record)
+            return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, done)
         finally:
             gateway.finish_eval_run(run.id)
 
@@ -126,8 +128,7 @@ def _run_all(
     out_dir: Path,
     url: str,
     api_key: str,
-    on_done: Callable[[TaskResult], None] | None,
-    record: Callable[[TaskResult], None],
+    on_done: Callable[[TaskResult], None],
 ) -> list[TaskResult]:
     todo = list(tasks)
     running: dict[Any, Task] = {}
@@ -149,9 +150,7 @@ def _run_all(
                 task_id=task.id, snapshot_id=snapshot_id, error=f"{type(cause).__name__}: {cause}"
             )
         done[task.id] = result
-        record(result)
-        if on_done is not None:
-            on_done(result)
+        on_done(result)
     results = [done[t.id] for t in tasks]
     (out_dir / "results.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in results))
     return results

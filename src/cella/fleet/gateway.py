@@ -119,11 +119,7 @@ class Gateway:
         # nodes recorded before this gateway started that are gone from the cluster (the
         # gateway was down when they went): their sandboxes are lost all the same
         for name in self.placements.holding() - alive.keys() - self.nodes.keys():
-            when = datetime.now(UTC).isoformat(timespec="seconds")
-            reason = f"node {name} is not in the cluster (seen at {when})"
-            count = self.placements.lose(name, reason)
-            self.failures.setdefault(name, reason)
-            log.warning("%s; %d sandboxes lost", reason, count)
+            self.failures.setdefault(name, self._lose_sandboxes(name, f"node {name} is gone"))
         if wait and joins:
             await asyncio.gather(*joins, return_exceptions=True)
 
@@ -153,10 +149,14 @@ class Gateway:
             self._joining.discard(name)
 
     def _lose(self, node: Node, reason: str) -> None:
-        when = datetime.now(UTC).isoformat(timespec="seconds")
-        node.healthy, node.reason = False, f"{reason} at {when}"
-        count = self.placements.lose(node.name, node.reason)
-        log.warning("%s; %d sandboxes lost", node.reason, count)
+        node.healthy, node.reason = False, self._lose_sandboxes(node.name, reason)
+
+    def _lose_sandboxes(self, name: str, reason: str) -> str:
+        """Marks the node's sandboxes lost; returns the reason with its time."""
+        dated = f"{reason} at {datetime.now(UTC).isoformat(timespec='seconds')}"
+        count = self.placements.lose(name, dated)
+        log.warning("%s; %d sandboxes lost", dated, count)
+        return dated
 
     async def rotate_secrets_key(self) -> int:
         """A new key for the gateway's copy of the secrets, and for every node's; returns

@@ -75,9 +75,7 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
-        self.evals = Evals(
-            store, lambda sid: row.tenant if (row := store.get_sandbox(sid)) else None
-        )
+        self.evals = Evals(store, self._tenant_of)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)

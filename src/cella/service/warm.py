@@ -162,6 +162,7 @@ class WarmPool:
             if vm.usable:
                 return snap, vm
             self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+            pool.wake.set()  # no claimant to make room for: replace it now
         return None
 
     def refill(self, shape: Shape) -> None:
@@ -240,15 +241,17 @@ class WarmPool:
         return (sum(s.vcpus * n for s, n in vms), sum(s.memory_mib * n for s, n in vms))
 
     def status(self) -> dict[str, int]:
-        return {
-            f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.ready) for s, p in self._pools.items()
-        }
+        """Ready VMs per shape (`template/vcpus/memory_mib`)."""
+        return {_label(s): len(p.ready) for s, p in self._pools.items()}
 
     def spares(self) -> dict[str, int]:
-        return {
-            f"{s.template}/{s.vcpus}/{s.memory_mib}": len(p.spares) for s, p in self._pools.items()
-        }
+        """Spare QEMUs per shape."""
+        return {_label(s): len(p.spares) for s, p in self._pools.items()}
 
     def directories(self) -> set[Path]:
         vms = [vm for p in self._pools.values() for vm in [*p.ready, *(v for _, v in p.spares)]]
         return {vm.directory for vm in vms if vm.directory}
+
+
+def _label(shape: Shape) -> str:
+    return f"{shape.template}/{shape.vcpus}/{shape.memory_mib}"

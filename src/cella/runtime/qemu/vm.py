@@ -213,7 +213,8 @@ class QemuVM:
         except TimeoutError:
             await self.kill()
             raise errors.AgentUnavailable(f"QEMU was not up within {timeout:.0f} s") from None
-        await self.load(state, timeout, prefill)
+        left = max(0.0, timeout - (time.perf_counter() - started))  # one budget for both
+        await self.load(state, left, prefill)
         self.boot_seconds = time.perf_counter() - started
 
     async def await_incoming(self) -> None:
