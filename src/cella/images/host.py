@@ -13,9 +13,15 @@ HOST_PACKAGES = (
     "qemu-utils",  # qemu-img: overlays and base images
     "debootstrap",  # template root file systems
     "e2fsprogs",  # mkfs.ext4 -d
-    "lz4",  # unpacking the kernel payload
-    "gcc",  # building the guest agent
+    "gcc",  # building the guest agent and kernel
     "libc6-dev",  # static libc for the agent
+    "make",  # the rest builds the guest kernel from Debian's source package
+    "bc",
+    "bison",
+    "flex",
+    "libelf-dev",
+    "libssl-dev",
+    "xz-utils",
     "ca-certificates",
     "python3-venv",  # the egress proxy's own environment
     "git",

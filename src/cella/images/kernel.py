@@ -1,46 +1,41 @@
-"""The guest kernel: Debian's linux-image-cloud-amd64, unpacked to a bootable ELF.
+"""The guest kernel: built here from Debian's kernel source package for the microvm.
 
-Booting the uncompressed `vmlinux` through PVH on `-M microvm` skips the in-guest LZ4
-decompression, which is slow under TCG. The virtio drivers are modules in this kernel, so the
-few we need (and what they depend on) are kept next to it for the initramfs.
+`make allnoconfig` with `microvm.config` forced on gives a kernel with every driver the
+microvm, the agent and the templates use built in and nothing else, so a cold boot under
+emulation spends no time on initcalls of hardware that is not there or on loading modules.
+The ELF `vmlinux` boots through PVH. It is cached by the source package's version and the
+configuration's digest: a new Debian kernel or a changed configuration builds again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import tarfile
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from cella import errors
 from cella._proc import Progress, quiet, run
 from cella.paths import Paths
 
-META_PACKAGE = "linux-image-cloud-amd64"
-MODULES_TAR = "modules.tar"  # the package's whole /lib/modules/VERSION, for templates
-LZ4_LEGACY_MAGIC = bytes([0x02, 0x21, 0x4C, 0x18])
-# Loaded in this order by the initramfs (dependencies are added in front automatically).
-WANTED_MODULES = (
-    "virtio_mmio",
-    "virtio_blk",
-    "virtio_console",
-    "virtio_net",
-    "virtio_rng",
-    "vmw_vsock_virtio_transport",
-)
+SOURCE_META_PACKAGE = "linux-source"  # depends on linux-source-X.Y, the newest of the suite
+LOCALVERSION = "-cella"
+MODULES_TAR = "modules.tar"  # /lib/modules/VERSION (the built-in modules' index), for templates
 
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
     version: str
     vmlinux: Path
-    modules: list[Path]  # in load order
     sha256: str
+    config_sha256: str
 
     @classmethod
     def load(cls, paths: Paths) -> Kernel:
@@ -48,36 +43,51 @@ class Kernel:
         if not meta.exists():
             raise errors.ImageMissing("no guest kernel yet: run `cella setup`")
         data = json.loads(meta.read_text())
+        if "config_sha256" not in data:  # Debian's prebuilt kernel, cached by older releases
+            raise errors.ImageMissing("the guest kernel is out of date: run `cella setup`")
         return cls(
             version=data["version"],
             vmlinux=paths.kernel / "vmlinux",
-            modules=[paths.kernel / "modules" / m for m in data["modules"]],
             sha256=data["sha256"],
+            config_sha256=data["config_sha256"],
         )
 
 
+def config_fragment() -> bytes:
+    return resources.files("cella.images").joinpath("microvm.config").read_bytes()
+
+
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
-    """Downloads and unpacks the kernel once; later calls return the cached one."""
+    """Builds the kernel once; later calls return the cached one while its configuration
+    is unchanged."""
+    fragment = config_fragment()
+    wanted = hashlib.sha256(fragment).hexdigest()
     try:
-        return Kernel.load(paths)
+        kernel = Kernel.load(paths)
+        if kernel.config_sha256 == wanted:
+            return kernel
+        progress("the guest kernel's configuration changed: building it again")
     except errors.ImageMissing:
         pass
     paths.ensure()
     with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="kernel-") as tmp_s:
         tmp = Path(tmp_s)
-        root = _unpack_package(_resolve_package(), tmp, progress)
-        vmlinuz = next((root / "boot").glob("vmlinuz-*"))
-        version = vmlinuz.name.removeprefix("vmlinuz-")
+        package, source_version = _resolve_source()
+        tree = _unpack_source(package, tmp, progress)
         stage = tmp / "kernel"
-        (stage / "modules").mkdir(parents=True)
-        progress("extracting the uncompressed kernel (vmlinux)")
-        extract_vmlinux(vmlinuz, stage / "vmlinux")
-        progress("resolving virtio modules")
-        modules = _copy_modules(root, version, stage / "modules")
-        _save_tree(root, version, stage / MODULES_TAR)
+        stage.mkdir()
+        version = build(tree, fragment, stage, progress)
         digest = hashlib.sha256((stage / "vmlinux").read_bytes()).hexdigest()
         (stage / "kernel.json").write_text(
-            json.dumps({"version": version, "modules": modules, "sha256": digest}, indent=2)
+            json.dumps(
+                {
+                    "version": version,
+                    "source": f"{package} {source_version}",
+                    "sha256": digest,
+                    "config_sha256": wanted,
+                },
+                indent=2,
+            )
         )
         # swap in the finished directory whole: a failed run leaves nothing half-written
         if paths.kernel.exists():
@@ -87,103 +97,114 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     return Kernel.load(paths)
 
 
+def build(tree: Path, fragment: bytes, dest: Path, progress: Progress = quiet) -> str:
+    """Configures and compiles the kernel source `tree`; puts `vmlinux`, `config` and the
+    module index (MODULES_TAR) into `dest`. Returns the kernel's release string."""
+    (tree / "cella.config").write_bytes(fragment)
+    make = ["make", "-C", str(tree), f"LOCALVERSION={LOCALVERSION}"]
+    progress("configuring the guest kernel")
+    run([*make, "allnoconfig", "KCONFIG_ALLCONFIG=cella.config"])
+    unmet = unmet_options(fragment.decode(), (tree / ".config").read_text())
+    if unmet:
+        raise errors.BuildFailed(
+            "the kernel configuration does not take these options (a dependency is missing): "
+            + ", ".join(unmet)
+        )
+    jobs = str(os.cpu_count() or 1)
+    compiled = 0
+
+    def count(line: str) -> None:
+        nonlocal compiled
+        if line.lstrip().startswith("CC "):
+            compiled += 1
+            if compiled % 100 == 0:
+                progress(f"compiling the guest kernel: {compiled} files")
+
+    progress(f"compiling the guest kernel on {jobs} cores (minutes; done once)")
+    run([*make, f"-j{jobs}", "vmlinux", "modules"], progress=count)
+    mods = dest / "modroot"
+    run([*make, "modules_install", f"INSTALL_MOD_PATH={mods}", "DEPMOD=true"])
+    version = run([*make, "-s", "kernelrelease"]).strip().splitlines()[-1]
+    shutil.copy2(tree / "vmlinux", dest / "vmlinux")
+    shutil.copy2(tree / ".config", dest / "config")
+    _save_tree(mods / "lib" / "modules" / version, dest / MODULES_TAR)
+    shutil.rmtree(mods)
+    return version
+
+
+def unmet_options(fragment: str, config: str) -> list[str]:
+    """The fragment's options that the resolved `.config` does not have as asked."""
+    have: dict[str, str] = {}
+    for line in config.splitlines():
+        if line.startswith("CONFIG_"):
+            key, _, value = line.partition("=")
+            have[key] = value
+        elif m := re.fullmatch(r"# (CONFIG_\w+) is not set", line):
+            have[m.group(1)] = "n"
+    unmet = []
+    for line in fragment.splitlines():
+        if not line.startswith("CONFIG_"):
+            continue
+        key, _, value = line.strip().partition("=")
+        if have.get(key, "n") != value:
+            unmet.append(f"{key}={value}")
+    return unmet
+
+
 def install_modules(paths: Paths, rootfs: Path, progress: Progress = quiet) -> str:
-    """Puts the guest kernel's whole module tree (and its index) into a root file system,
-    for templates whose programs load modules (Docker: overlay, bridge, netfilter...); the
-    root must have kmod, whose depmod indexes them.
-    Returns the kernel version."""
+    """Puts the guest kernel's module index into a root file system, for templates whose
+    programs load modules (Docker: overlay, bridge, netfilter...): all are built in, and with
+    the index `modprobe` finds them so. The root must have kmod. Returns the kernel version."""
     kernel = Kernel.load(paths)
-    tree = paths.kernel / MODULES_TAR
-    if not tree.exists():  # a kernel cached before the tree was kept: fetch it once more
-        with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="modules-") as tmp_s:
-            root = _unpack_package(f"linux-image-{kernel.version}", Path(tmp_s), progress)
-            _save_tree(root, kernel.version, tree)
-    progress(f"adding the modules of kernel {kernel.version}")
+    progress(f"adding the module index of kernel {kernel.version}")
     (rootfs / "lib" / "modules").mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tree) as tar:
+    with tarfile.open(paths.kernel / MODULES_TAR) as tar:
         tar.extractall(rootfs / "lib" / "modules", filter="tar")
     run(["chroot", rootfs, "depmod", kernel.version])  # the root's own kmod (hosts may lack it)
     return kernel.version
 
 
-def _unpack_package(package: str, tmp: Path, progress: Progress) -> Path:
-    """Downloads a Debian package with apt into `tmp` and unpacks it; returns its root."""
+def _resolve_source() -> tuple[str, str]:
+    """The kernel source package of the host's suite and its version."""
+    for attempt in range(2):
+        out = subprocess.run(
+            ["apt-cache", "depends", SOURCE_META_PACKAGE],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        match = re.search(r"Depends: (linux-source-[\w.+-]+)", out)
+        if match:
+            package = match.group(1)
+            policy = subprocess.run(
+                ["apt-cache", "policy", package], capture_output=True, text=True, check=False
+            ).stdout
+            version = re.search(r"Candidate: (\S+)", policy)
+            return package, version.group(1) if version else "unknown"
+        if attempt == 0:
+            run(["apt-get", "update", "-q"])
+    raise errors.BuildFailed(f"cannot resolve {SOURCE_META_PACKAGE} from the apt sources")
+
+
+def _unpack_source(package: str, tmp: Path, progress: Progress) -> Path:
+    """Downloads the source package with apt and unpacks its tarball; returns the tree."""
     progress(f"downloading {package}")
-    run(["apt-get", "download", package], cwd=tmp, progress=None)
+    run(["apt-get", "download", package], cwd=tmp)
     deb = next(tmp.glob("*.deb"))
-    progress(f"unpacking {deb.name}")
-    root = tmp / "root"
+    root = tmp / "pkg"
     run(["dpkg-deb", "-x", deb, root])
-    return root
+    deb.unlink()
+    tarball = next((root / "usr" / "src").glob("linux-source-*.tar.*"))
+    progress(f"unpacking {tarball.name}")
+    run(["tar", "-xf", tarball, "-C", tmp])
+    shutil.rmtree(root)
+    return next(p for p in tmp.glob("linux-source-*") if p.is_dir())
 
 
-def _save_tree(root: Path, version: str, dest: Path) -> None:
+def _save_tree(moddir: Path, dest: Path) -> None:
+    # without `build` and `source`: links into the build tree, which is gone afterwards
+    links = {f"{moddir.name}/build", f"{moddir.name}/source"}
     tmp = dest.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
-        tar.add(root / "lib" / "modules" / version, arcname=version)
+        tar.add(moddir, arcname=moddir.name, filter=lambda m: None if m.name in links else m)
     tmp.rename(dest)
-
-
-def _resolve_package() -> str:
-    out = subprocess.run(
-        ["apt-cache", "depends", META_PACKAGE], capture_output=True, text=True, check=False
-    ).stdout
-    match = re.search(r"Depends: (linux-image-[\w.+-]+)", out)
-    if not match:
-        run(["apt-get", "update", "-q"])
-        out = subprocess.run(
-            ["apt-cache", "depends", META_PACKAGE], capture_output=True, text=True, check=False
-        ).stdout
-        match = re.search(r"Depends: (linux-image-[\w.+-]+)", out)
-    if not match:
-        raise errors.BuildFailed(f"cannot resolve {META_PACKAGE} from the apt sources")
-    return match.group(1)
-
-
-def extract_vmlinux(vmlinuz: Path, dest: Path) -> None:
-    """Finds the LZ4 payload in a bzImage and decompresses it to the ELF kernel."""
-    data = vmlinuz.read_bytes()
-    offset = data.find(LZ4_LEGACY_MAGIC)
-    if offset < 0:
-        raise errors.BuildFailed(f"{vmlinuz.name}: no LZ4 payload found")
-    with dest.open("wb") as out:
-        # lz4 exits non-zero on the bzImage trailer after the stream; the ELF check decides
-        subprocess.run(["lz4", "-dc"], input=data[offset:], stdout=out, check=False)
-    with dest.open("rb") as f:
-        if f.read(4) != b"\x7fELF":
-            raise errors.BuildFailed(f"{vmlinuz.name}: decompressed payload is not an ELF")
-
-
-def _copy_modules(root: Path, version: str, dest: Path) -> list[str]:
-    """Copies the wanted modules and everything they depend on, in load order.
-
-    Dependencies come from each module's own `.modinfo` (`depends=`), so no depmod is needed.
-    """
-    moddir = root / "lib" / "modules" / version
-    index = {_modname(p.name): p for p in moddir.rglob("*.ko")}
-    order: list[Path] = []
-
-    def visit(name: str) -> None:
-        ko = index.get(_modname(name))
-        if ko is None:
-            raise errors.BuildFailed(f"kernel {version} has no module {name}")
-        if ko in order:
-            return
-        for dep in _depends(ko):
-            visit(dep)
-        order.append(ko)
-
-    for name in WANTED_MODULES:
-        visit(name)
-    for ko in order:
-        shutil.copy2(ko, dest / ko.name)
-    return [ko.name for ko in order]
-
-
-def _modname(name: str) -> str:
-    return name.removesuffix(".ko").replace("-", "_")
-
-
-def _depends(ko: Path) -> list[str]:
-    match = re.search(rb"\x00depends=([^\x00]*)\x00", ko.read_bytes())
-    return [d for d in match.group(1).decode().split(",") if d] if match else []

@@ -44,7 +44,7 @@ class TemplateSpec(BaseModel):
     pip_packages: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # absolute guest path -> content
     setup: list[str] = Field(default_factory=list)  # shell commands run in the new root
-    kernel_modules: bool = False  # the guest kernel's module tree goes into /lib/modules
+    kernel_modules: bool = False  # the guest kernel's module index goes into /lib/modules
     warm: list[str] = Field(
         default_factory=list,
         description="shell commands run in the booted guest before its warm snapshot is "
@@ -53,7 +53,7 @@ class TemplateSpec(BaseModel):
     disk_mib: int = Field(default=4096, ge=512, le=1 << 20)
 
     def digest(self, kernel: str = "") -> str:
-        """Of everything that goes into the image (`kernel`: the module tree's kernel)."""
+        """Of everything that goes into the image (`kernel`: the module index's kernel)."""
         fields = {"builder": BUILDER_VERSION, **self.model_dump(), "kernel": kernel}
         for later in ("apt_install", "kernel_modules", "warm", "kernel"):  # added unset: the
             if not fields[later]:  # digests (and images) of templates without them stay

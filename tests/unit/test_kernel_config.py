@@ -1,0 +1,35 @@
+"""The guest kernel's configuration fragment, checked against a resolved `.config`."""
+
+from cella.images.kernel import config_fragment, unmet_options
+
+FRAGMENT = """# a comment
+CONFIG_VIRTIO_BLK=y
+CONFIG_NR_CPUS=64
+CONFIG_FTRACE=n
+"""
+
+
+def test_every_option_taken_means_nothing_unmet() -> None:
+    config = "CONFIG_VIRTIO_BLK=y\nCONFIG_NR_CPUS=64\n# CONFIG_FTRACE is not set\n"
+    assert unmet_options(FRAGMENT, config) == []
+
+
+def test_an_option_dropped_for_a_missing_dependency_is_named() -> None:
+    # allnoconfig leaves out an option whose dependency is off: it is not in .config at all
+    config = "CONFIG_NR_CPUS=64\n"
+    assert unmet_options(FRAGMENT, config) == ["CONFIG_VIRTIO_BLK=y"]
+
+
+def test_an_option_forced_on_by_another_is_named() -> None:
+    config = "CONFIG_VIRTIO_BLK=y\nCONFIG_NR_CPUS=8\nCONFIG_FTRACE=y\n"
+    assert unmet_options(FRAGMENT, config) == ["CONFIG_NR_CPUS=64", "CONFIG_FTRACE=n"]
+
+
+def test_the_shipped_fragment_builds_in_what_the_guest_needs() -> None:
+    fragment = config_fragment().decode()
+    options = dict(
+        line.split("=", 1) for line in fragment.splitlines() if line.startswith("CONFIG_")
+    )
+    for needed in ("PVH", "VIRTIO_MMIO", "VIRTIO_BLK", "VIRTIO_CONSOLE", "EXT4_FS", "CGROUPS"):
+        assert options[f"CONFIG_{needed}"] == "y", needed
+    assert "=m" not in fragment  # nothing for an initramfs to load
