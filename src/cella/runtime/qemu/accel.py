@@ -1,8 +1,8 @@
 """Choosing the accelerator: KVM only when a guest really boots under it, else TCG.
 
-`/dev/kvm` existing is not enough: a paravirtual nested KVM (`kvm_pvm`) opens fine but a stock
-kernel hangs or dies under it. So the probe boots the real kernel and initramfs to a marker
-within a deadline, and kills QEMU if it does not get there.
+`/dev/kvm` existing is not enough: a paravirtual nested KVM (`kvm_pvm`) opens fine but a
+kernel not built for PVM hangs or dies under it. So the probe boots the real kernel and
+initramfs to a marker within a deadline, and kills QEMU if it does not get there.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ async def choose_accel(
         if problem is None:
             cached = AccelChoice("kvm", f"a guest booted under KVM ({flavour})")
         else:
-            note = " (kvm_pvm is a paravirtual nested KVM that cannot run a stock guest kernel)"
+            note = " (kvm_pvm is a paravirtual nested KVM: it runs only kernels built for PVM)"
             cached = AccelChoice(
                 "tcg",
                 f"{problem}{note if flavour == 'kvm_pvm' else ''}: using TCG software emulation",
