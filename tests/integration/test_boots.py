@@ -1,9 +1,11 @@
-"""Many cold boots in a row: none may hang (the tsc_early_khz fix in the kernel command line)."""
+"""Cold boots: many in a row, none may hang (the tsc_early_khz fix in the kernel command
+line); the kernel that boots is the one built from its configuration."""
 
 from __future__ import annotations
 
 import pytest
 
+from cella.images.kernel import Kernel, config_fragment, unmet_options
 from cella.runtime.qemu.driver import QemuDriver
 from tests.conftest import qemu_pids
 
@@ -27,3 +29,22 @@ async def test_fifty_cold_boots_in_a_row(driver: QemuDriver) -> None:
     assert len(times) == BOOTS
     assert qemu_pids() == before
     assert driver.leftovers() == dirs_before
+
+
+async def test_the_guest_runs_the_kernel_built_from_its_configuration(
+    driver: QemuDriver,
+) -> None:
+    """The booted kernel is the one `microvm.config` describes (its own /proc/config.gz),
+    with every driver built in: no module is loaded at boot."""
+    vm = await driver.boot(boot_timeout=30)
+    try:
+        config = await vm.agent.exec(["zcat", "/proc/config.gz"])
+        release = await vm.agent.exec(["uname", "-r"])
+        modules = await vm.agent.exec(["cat", "/proc/modules"])
+    finally:
+        await driver.destroy(vm)
+    assert config.exit_code == 0, config.stderr
+    assert unmet_options(config_fragment().decode(), config.stdout.decode()) == []
+    assert release.stdout.decode().strip() == Kernel.load(driver.paths).version
+    assert release.stdout.decode().strip().endswith("-cella")
+    assert modules.exit_code == 0 and modules.stdout == b""
