@@ -32,7 +32,7 @@ def test_lifecycle_through_the_sync_sdk(admin: Client, daemon: Daemon) -> None:
     disk = daemon.data_dir / "vms" / sb.id / "disk.qcow2"
     assert disk.exists()
     r = sb.exec(["uname", "-r"])
-    assert r.exit_code == 0 and r.text.strip().endswith("cloud-amd64")
+    assert r.exit_code == 0 and r.text.strip().endswith("-cella")
     for path, content in PKG_FILES.items():
         sb.files.write(path, content, parents=True)
     sb.exec(PIP_INSTALL, check=True, timeout=300)

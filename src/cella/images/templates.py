@@ -88,10 +88,11 @@ def template_image(paths: Paths, spec: TemplateSpec) -> Path:
 def _digest(paths: Paths, spec: TemplateSpec) -> str:
     if not spec.kernel_modules:
         return spec.digest()
-    from cella.images.kernel import Kernel  # a new kernel means new modules: a new image
+    from cella.images.kernel import Kernel
 
-    try:
-        return spec.digest(Kernel.load(paths).sha256)
+    try:  # the module index follows the kernel's release and configuration, not its bytes
+        kernel = Kernel.load(paths)
+        return spec.digest(f"{kernel.version} {kernel.config_sha256}")
     except errors.ImageMissing:
         return spec.digest("none")
 
