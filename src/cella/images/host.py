@@ -22,6 +22,7 @@ HOST_PACKAGES = (
     "libelf-dev",
     "libssl-dev",
     "xz-utils",
+    "patch",
     "ca-certificates",
     "python3-venv",  # the egress proxy's own environment
     "git",

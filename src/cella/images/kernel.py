@@ -3,8 +3,9 @@
 `make allnoconfig` with `microvm.config` forced on gives a kernel with every driver the
 microvm, the agent and the templates use built in and nothing else, so a cold boot under
 emulation spends no time on initcalls of hardware that is not there or on loading modules.
+The patches in `kernel-patches/` go on first (a boot parameter that skips a calibration).
 The ELF `vmlinux` boots through PVH. It is cached by the source package's version and the
-configuration's digest: a new Debian kernel or a changed configuration builds again.
+digest of the configuration and patches: a change to either builds again.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Kernel:
     version: str
     vmlinux: Path
     sha256: str
-    config_sha256: str
+    build_sha256: str
 
     @classmethod
     def load(cls, paths: Paths) -> Kernel:
@@ -43,13 +44,13 @@ class Kernel:
         if not meta.exists():
             raise errors.ImageMissing("no guest kernel yet: run `cella setup`")
         data = json.loads(meta.read_text())
-        if "config_sha256" not in data:  # Debian's prebuilt kernel, cached by older releases
+        if "build_sha256" not in data:  # cached by an older release: a different kernel
             raise errors.ImageMissing("the guest kernel is out of date: run `cella setup`")
         return cls(
             version=data["version"],
             vmlinux=paths.kernel / "vmlinux",
             sha256=data["sha256"],
-            config_sha256=data["config_sha256"],
+            build_sha256=data["build_sha256"],
         )
 
 
@@ -57,16 +58,31 @@ def config_fragment() -> bytes:
     return resources.files("cella.images").joinpath("microvm.config").read_bytes()
 
 
+def patches() -> list[tuple[str, bytes]]:
+    """The patches applied to the kernel source before it is configured, in name order."""
+    folder = resources.files("cella.images").joinpath("kernel-patches")
+    found = [p for p in folder.iterdir() if p.name.endswith(".patch")]
+    return [(p.name, p.read_bytes()) for p in sorted(found, key=lambda p: p.name)]
+
+
+def build_digest() -> str:
+    """What decides the built kernel: its configuration and its patches."""
+    h = hashlib.sha256(config_fragment())
+    for name, data in patches():
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     """Builds the kernel once; later calls return the cached one while its configuration
     is unchanged."""
     fragment = config_fragment()
-    wanted = hashlib.sha256(fragment).hexdigest()
+    wanted = build_digest()
     try:
         kernel = Kernel.load(paths)
-        if kernel.config_sha256 == wanted:
+        if kernel.build_sha256 == wanted:
             return kernel
-        progress("the guest kernel's configuration changed: building it again")
+        progress("the guest kernel's configuration or patches changed: building it again")
     except errors.ImageMissing:
         pass
     paths.ensure()
@@ -84,7 +100,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
                     "version": version,
                     "source": f"{package} {source_version}",
                     "sha256": digest,
-                    "config_sha256": wanted,
+                    "build_sha256": wanted,
                 },
                 indent=2,
             )
@@ -98,8 +114,15 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
 
 
 def build(tree: Path, fragment: bytes, dest: Path, progress: Progress = quiet) -> str:
-    """Configures and compiles the kernel source `tree`; puts `vmlinux`, `config` and the
-    module index (MODULES_TAR) into `dest`. Returns the kernel's release string."""
+    """Patches, configures and compiles the pristine kernel source `tree`; puts `vmlinux`,
+    `config` and the module index (MODULES_TAR) into `dest`. Returns the kernel's release."""
+    for name, patch in patches():
+        progress(f"applying {name}")
+        done = subprocess.run(
+            ["patch", "-p1", "--forward"], input=patch, cwd=tree, capture_output=True
+        )
+        if done.returncode != 0:
+            raise errors.BuildFailed(f"{name} does not apply:\n{done.stdout.decode()[-2000:]}")
     (tree / "cella.config").write_bytes(fragment)
     make = ["make", "-C", str(tree), f"LOCALVERSION={LOCALVERSION}"]
     progress("configuring the guest kernel")

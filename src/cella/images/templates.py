@@ -92,7 +92,7 @@ def _digest(paths: Paths, spec: TemplateSpec) -> str:
 
     try:  # the module index follows the kernel's release and configuration, not its bytes
         kernel = Kernel.load(paths)
-        return spec.digest(f"{kernel.version} {kernel.config_sha256}")
+        return spec.digest(f"{kernel.version} {kernel.build_sha256}")
     except errors.ImageMissing:
         return spec.digest("none")
 
