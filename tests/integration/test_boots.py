@@ -35,14 +35,21 @@ async def test_the_guest_runs_the_kernel_built_from_its_configuration(
     driver: QemuDriver,
 ) -> None:
     """The booted kernel is the one `microvm.config` describes (its own /proc/config.gz),
-    with every driver built in: no module is loaded at boot."""
+    with every driver built in (no module is loaded at boot) and cella's patches in: it
+    knows every parameter of its command line (an unknown one would be named in its log)."""
     vm = await driver.boot(boot_timeout=30)
     try:
         config = await vm.agent.exec(["zcat", "/proc/config.gz"])
         release = await vm.agent.exec(["uname", "-r"])
         modules = await vm.agent.exec(["cat", "/proc/modules"])
+        log = await vm.agent.exec(["dmesg"])
+        cmdline = await vm.agent.read_file("/proc/cmdline")
     finally:
         await driver.destroy(vm)
+    assert b"Kernel command line:" in log.stdout  # the log is there to be searched
+    assert b"Unknown kernel command line parameters" not in log.stdout
+    if vm.accel == "tcg":
+        assert b"lapic_timer_period=" in cmdline and b"noreplace-smp" in cmdline
     assert config.exit_code == 0, config.stderr
     assert unmet_options(config_fragment().decode(), config.stdout.decode()) == []
     assert release.stdout.decode().strip() == Kernel.load(driver.paths).version

@@ -1,5 +1,7 @@
 """The guest kernel's configuration fragment, checked against a resolved `.config`."""
 
+import pytest
+
 from cella.images.kernel import config_fragment, unmet_options
 
 FRAGMENT = """# a comment
@@ -33,3 +35,14 @@ def test_the_shipped_fragment_builds_in_what_the_guest_needs() -> None:
     for needed in ("PVH", "VIRTIO_MMIO", "VIRTIO_BLK", "VIRTIO_CONSOLE", "EXT4_FS", "CGROUPS"):
         assert options[f"CONFIG_{needed}"] == "y", needed
     assert "=m" not in fragment  # nothing for an initramfs to load
+
+
+def test_the_build_digest_covers_the_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cella.images import kernel
+
+    shipped = kernel.patches()
+    assert [name for name, _ in shipped] == ["lapic-timer-period.patch"]
+    before = kernel.build_digest()
+    changed = [(name, data + b"\n") for name, data in shipped]
+    monkeypatch.setattr(kernel, "patches", lambda: changed)
+    assert kernel.build_digest() != before
