@@ -85,6 +85,13 @@ static int port = -1;
 static int port_hup = 0;
 static int have_cgroups = 0;
 static char sandbox_id[64] = "";
+/*
+ * Kept open from boot, so a restored guest's identity call rewrites them without a path
+ * walk or a file creation: right after a restore every kernel path the guest runs is new to
+ * its QEMU's translation cache, and under emulation each costs milliseconds.
+ */
+static int sandbox_id_fd = -1; /* /run/cella/sandbox-id */
+static int pids_max_fd = -1;   /* CGROUP_ROOT/pids.max */
 
 static void logf_(const char *fmt, ...) {
     va_list ap;
@@ -1034,19 +1041,18 @@ static void handle_identity(uint32_t chan, const uint8_t *p, uint32_t len) {
     if ((f = find_field(fs, n, F_SANDBOX_ID)) && f->len < sizeof sandbox_id) {
         memcpy(sandbox_id, f->val, f->len);
         sandbox_id[f->len] = 0;
-        mkdir("/run/cella", 0755);
-        int fd = open("/run/cella/sandbox-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd >= 0) {
-            if (write(fd, sandbox_id, f->len) < 0) { /* best effort */ }
-            close(fd);
+        if (sandbox_id_fd >= 0 && (pwrite(sandbox_id_fd, sandbox_id, f->len, 0) < 0 ||
+                                   ftruncate(sandbox_id_fd, (off_t)f->len))) {
+            /* best effort: the variable in every exec's environment is what counts */
         }
     }
-    if ((f = find_field(fs, n, F_PIDS_MAX)) && have_cgroups) {
-        char v[32];
+    if ((f = find_field(fs, n, F_PIDS_MAX)) && pids_max_fd >= 0) {
+        char v[24];
         uint64_t max = field_u64(f);
         if (max) snprintf(v, sizeof v, "%llu", (unsigned long long)max);
         else snprintf(v, sizeof v, "max");
-        write_file(CGROUP_ROOT "/pids.max", v);
+        if (pwrite(pids_max_fd, v, strlen(v), 0) < 0)
+            return send_error(chan, errno, "pids.max: %s", strerror(errno));
     }
     if ((f = find_field(fs, n, F_SEED)) && f->len > 0 && f->len <= 512) {
         struct { int entropy_count; int buf_size; uint8_t buf[512]; } ent;
@@ -1535,6 +1541,7 @@ static void initramfs_stage(void) {
  */
 static void limit_execs(void) {
     write_file("/sys/fs/cgroup/cgroup.subtree_control", "+pids +memory");
+    pids_max_fd = open(CGROUP_ROOT "/pids.max", O_WRONLY | O_CLOEXEC);
     FILE *f = fopen("/proc/meminfo", "re");
     long long total_kb = 0;
     char line[256];
@@ -1569,6 +1576,8 @@ static void init_system(void) {
     }
     if (have_cgroups) limit_execs();
     sethostname("cella", 5);
+    mkdir("/run/cella", 0755);
+    sandbox_id_fd = open("/run/cella/sandbox-id", O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     bring_up_loopback();
     bring_up_network();
     struct rlimit rl = {65536, 65536};

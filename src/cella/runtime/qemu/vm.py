@@ -230,6 +230,7 @@ class QemuVM:
             # QEMU answers QMP from its main loop, after the machine (and its RAM) exists
             await self.qmp.connect(str(cfg.qmp_socket))
             self._agent = await AgentClient.connect(cfg.agent_socket, on_lost=self._lost_reason)
+            await self._set_ignore_shared(True)  # how the state will come: set ahead too
         except BaseException:
             await self.kill()
             raise
@@ -259,7 +260,6 @@ class QemuVM:
         if prefill is not None:
             assert self.pid is not None
             await asyncio.to_thread(prefill, self.pid)
-        await self._set_ignore_shared(True)
         await self._hand_file("state", state, os.O_RDONLY)
         await self.qmp.execute("migrate-incoming", {"uri": "fd:state"})
         await self._wait_migration()
