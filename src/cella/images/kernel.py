@@ -75,7 +75,7 @@ def build_digest() -> str:
 
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     """Builds the kernel once; later calls return the cached one while its configuration
-    is unchanged."""
+    and patches are unchanged."""
     fragment = config_fragment()
     wanted = build_digest()
     try:
