@@ -1,8 +1,12 @@
 """The guest kernel's configuration fragment, checked against a resolved `.config`."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cella.images.kernel import config_fragment, unmet_options
+from cella.paths import Paths
 
 FRAGMENT = """# a comment
 CONFIG_VIRTIO_BLK=y
@@ -46,3 +50,51 @@ def test_the_build_digest_covers_the_patches(monkeypatch: pytest.MonkeyPatch) ->
     changed = [(name, data + b"\n") for name, data in shipped]
     monkeypatch.setattr(kernel, "patches", lambda: changed)
     assert kernel.build_digest() != before
+
+
+class _Rebuilt(Exception):
+    pass
+
+
+def _cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available: str) -> Paths:
+    from cella.images import kernel
+
+    paths = Paths(tmp_path)
+    paths.kernel.mkdir(parents=True)
+    (paths.kernel / "vmlinux").write_bytes(b"\x7fELF")
+    (paths.kernel / "kernel.json").write_text(
+        json.dumps(
+            {
+                "version": "6.1.192-cella",
+                "source": "linux-source-6.1 6.1.192-3",
+                "sha256": "x",
+                "build_sha256": kernel.build_digest(),
+            }
+        )
+    )
+    monkeypatch.setattr(kernel, "_resolve_source", lambda: tuple(available.split()))
+
+    def unpack(*_: object) -> Path:
+        raise _Rebuilt
+
+    monkeypatch.setattr(kernel, "_unpack_source", unpack)
+    return paths
+
+
+def test_a_cached_kernel_of_the_available_source_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cella.images.kernel import ensure_kernel
+
+    paths = _cached(tmp_path, monkeypatch, "linux-source-6.1 6.1.192-3")
+    assert ensure_kernel(paths).version == "6.1.192-cella"
+
+
+def test_a_newer_debian_source_builds_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cella.images.kernel import ensure_kernel
+
+    paths = _cached(tmp_path, monkeypatch, "linux-source-6.1 6.1.193-1")
+    with pytest.raises(_Rebuilt):
+        ensure_kernel(paths)

@@ -37,6 +37,7 @@ class Kernel:
     vmlinux: Path
     sha256: str
     build_sha256: str
+    source: str  # "linux-source-X.Y VERSION" it was built from
 
     @classmethod
     def load(cls, paths: Paths) -> Kernel:
@@ -51,6 +52,7 @@ class Kernel:
             vmlinux=paths.kernel / "vmlinux",
             sha256=data["sha256"],
             build_sha256=data["build_sha256"],
+            source=data.get("source", ""),
         )
 
 
@@ -74,15 +76,19 @@ def build_digest() -> str:
 
 
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
-    """Builds the kernel once; later calls return the cached one while its configuration
-    and patches are unchanged."""
+    """Builds the kernel once; later calls return the cached one while its source package's
+    version (a Debian security update), configuration and patches are unchanged."""
     fragment = config_fragment()
     wanted = build_digest()
     try:
         kernel = Kernel.load(paths)
-        if kernel.build_sha256 == wanted:
+        try:
+            available = " ".join(_resolve_source())
+        except errors.BuildFailed:  # no apt sources to ask: what is built stays
+            available = kernel.source
+        if kernel.build_sha256 == wanted and kernel.source == available:
             return kernel
-        progress("the guest kernel's configuration or patches changed: building it again")
+        progress(f"the guest kernel is out of date ({available}, configuration, patches)")
     except errors.ImageMissing:
         pass
     paths.ensure()
