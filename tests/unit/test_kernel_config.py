@@ -98,3 +98,9 @@ def test_a_newer_debian_source_builds_again(
     paths = _cached(tmp_path, monkeypatch, "linux-source-6.1 6.1.193-1")
     with pytest.raises(_Rebuilt):
         ensure_kernel(paths)
+
+
+def test_the_apic_period_given_at_boot_follows_the_kernels_hz() -> None:
+    from cella.runtime.qemu.args import GUEST_HZ
+
+    assert f"CONFIG_HZ_{GUEST_HZ}=y" in config_fragment().decode().splitlines()

@@ -1,10 +1,10 @@
 """Boot artifacts: the guest agent (compiled from source here) and the initramfs.
 
-The agent is the initramfs's /init: it mounts the root disk, moves into it and stays PID 1.
-The kernel has every driver built in, so `modules/order` is empty (its presence tells the
-agent it runs from the initramfs). Both artifacts are cached by content hash, so editing the
-agent rebuilds them on the next start (about a second) and an unchanged tree never does. The agent
-rides in the initramfs, not the template, so templates never need a rebuild for it.
+The agent is the initramfs's /init: it mounts the root disk, moves into it and stays PID 1
+(the kernel has every driver built in; `cella-initramfs` tells the agent where it runs).
+Both artifacts are cached by content hash, so editing the agent rebuilds them on the next
+start (about a second) and an unchanged tree never does. The agent rides in the
+initramfs, not the template, so templates never need a rebuild for it.
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ def ensure_boot(paths: Paths, progress: Progress = quiet) -> BootImage:
             cpio.directory("proc"),
             cpio.directory("sys"),
             cpio.directory("newroot"),
-            cpio.directory("modules"),
-            cpio.file("modules/order", b"", 0o644),
+            cpio.file("cella-initramfs", b"", 0o644),
             cpio.file("init", agent_bytes),
         ]
         tmp = initrd.with_suffix(f".tmp{os.getpid()}")

@@ -78,33 +78,35 @@ def build_digest() -> str:
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     """Builds the kernel once; later calls return the cached one while its source package's
     version (a Debian security update), configuration and patches are unchanged."""
-    fragment = config_fragment()
     wanted = build_digest()
     try:
-        kernel = Kernel.load(paths)
-        try:
-            available = " ".join(_resolve_source())
-        except errors.BuildFailed:  # no apt sources to ask: what is built stays
-            available = kernel.source
-        if kernel.build_sha256 == wanted and kernel.source == available:
-            return kernel
-        progress(f"the guest kernel is out of date ({available}, configuration, patches)")
+        cached: Kernel | None = Kernel.load(paths)
     except errors.ImageMissing:
-        pass
+        cached = None
+    try:
+        package, source_version = _resolve_source()
+    except errors.BuildFailed:
+        if cached is None:
+            raise
+        return cached  # no apt sources to ask: what is built stays
+    source = f"{package} {source_version}"
+    if cached is not None:
+        if cached.build_sha256 == wanted and cached.source == source:
+            return cached
+        progress(f"the guest kernel is out of date ({source}, configuration, patches)")
     paths.ensure()
     with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="kernel-") as tmp_s:
         tmp = Path(tmp_s)
-        package, source_version = _resolve_source()
         tree = _unpack_source(package, tmp, progress)
         stage = tmp / "kernel"
         stage.mkdir()
-        version = build(tree, fragment, stage, progress)
+        version = build(tree, stage, progress)
         digest = hashlib.sha256((stage / "vmlinux").read_bytes()).hexdigest()
         (stage / "kernel.json").write_text(
             json.dumps(
                 {
                     "version": version,
-                    "source": f"{package} {source_version}",
+                    "source": source,
                     "sha256": digest,
                     "build_sha256": wanted,
                 },
@@ -119,7 +121,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     return Kernel.load(paths)
 
 
-def build(tree: Path, fragment: bytes, dest: Path, progress: Progress = quiet) -> str:
+def build(tree: Path, dest: Path, progress: Progress = quiet) -> str:
     """Patches, configures and compiles the pristine kernel source `tree`; puts `vmlinux`,
     `config` and the module index (MODULES_TAR) into `dest`. Returns the kernel's release."""
     for name, patch in patches():
@@ -129,6 +131,7 @@ def build(tree: Path, fragment: bytes, dest: Path, progress: Progress = quiet) -
         )
         if done.returncode != 0:
             raise errors.BuildFailed(f"{name} does not apply:\n{done.stdout.decode()[-2000:]}")
+    fragment = config_fragment()
     (tree / "cella.config").write_bytes(fragment)
     make = ["make", "-C", str(tree), f"LOCALVERSION={LOCALVERSION}"]
     progress("configuring the guest kernel")

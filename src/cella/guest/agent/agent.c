@@ -54,6 +54,7 @@
 #define STREAM_BIT 0x80000000u /* channels of streams the guest opened */
 #define MAX_STREAMS 1024
 #define CGROUP_ROOT "/sys/fs/cgroup/cella"
+#define INITRAMFS_MARK "/cella-initramfs" /* only the initramfs has it (images/boot.py) */
 /* The guest's only way out: the agent listens on these ports of EGRESS_ADDR (on loopback;
    the VM has no NIC) and carries each connection to the host as a stream, where the daemon
    hands it to cella's egress proxy. Every name resolves to EGRESS_ADDR. */
@@ -1489,8 +1490,8 @@ static int cmdline_has(const char *word) {
 }
 
 /*
- * Stage one, as the initramfs's /init: load the virtio modules, mount the root disk and move
- * into it. Doing this here rather than in a shell script saves a process per module.
+ * Stage one, as the initramfs's /init (INITRAMFS_MARK is there): mount the root disk and move
+ * into it. The kernel has every driver built in, so there is nothing to load first.
  */
 static void initramfs_stage(void) {
     mount_fs("proc", "/proc", "proc", 0, NULL);
@@ -1503,18 +1504,6 @@ static void initramfs_stage(void) {
         fflush(stdout);
         halt_with("probe done");
     }
-    FILE *order = fopen("/modules/order", "re");
-    char name[256];
-    while (order && fgets(name, sizeof name, order)) {
-        name[strcspn(name, "\n")] = 0;
-        char path[300];
-        snprintf(path, sizeof path, "/modules/%s", name);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) && errno != EEXIST))
-            logf_("load %s: %s", name, strerror(errno));
-        if (fd >= 0) close(fd);
-    }
-    if (order) fclose(order);
     struct stat st;
     for (int i = 0; stat("/dev/vda", &st); i++) {
         if (i > 2000) halt_with("no root disk (/dev/vda)");
@@ -1586,7 +1575,7 @@ static void init_system(void) {
 
 int main(void) {
     if (getpid() == 1) {
-        if (access("/modules/order", F_OK) == 0) initramfs_stage();
+        if (access(INITRAMFS_MARK, F_OK) == 0) initramfs_stage();
         init_system();
     }
     signal(SIGPIPE, SIG_IGN);

@@ -71,7 +71,7 @@ def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = (
         # zeroing every allocation buys nothing against a neighbour. KVM keeps all of them.
         args += ["tsc=reliable", "norandmaps", "mitigations=off", "init_on_alloc=0"]
         # a one-vCPU kernel rewrites every LOCK prefix in its text at boot (UP patching):
-        # under emulation that is ~0.2 s of a cold boot, for an unmeasurable gain after
+        # under emulation a large share of a cold boot, for no gain worth it afterwards
         args.append("noreplace-smp")
         # without it a fraction of TCG boots hang after PIT calibration fails
         if tsc_khz:
