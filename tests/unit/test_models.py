@@ -17,18 +17,18 @@ from cella.models.exec import MAX_COMMAND_BYTES
 
 
 @pytest.mark.parametrize(
-    "command",
+    ("command", "why"),
     [
-        [],
-        "",
-        "   ",
-        ["a\x00b"],
-        "x" * (MAX_COMMAND_BYTES + 1),
-        ["y"] * (MAX_COMMAND_BYTES // 1 + 1),
+        ([], "empty"),
+        ("", "empty"),
+        ("   ", "empty"),
+        (["a\x00b"], "NUL"),
+        ("x" * (MAX_COMMAND_BYTES + 1), "at most"),
+        (["y"] * (MAX_COMMAND_BYTES // 1 + 1), "at most"),
     ],
 )
-def test_bad_commands_are_refused(command: object) -> None:
-    with pytest.raises(ValidationError):
+def test_bad_commands_are_refused(command: object, why: str) -> None:
+    with pytest.raises(ValidationError, match=why):
         ExecRequest(command=command)  # type: ignore[arg-type]
 
 
@@ -72,13 +72,18 @@ def test_the_collector_keeps_a_bounded_part_and_counts_the_rest() -> None:
 
 def test_paths_are_absolute_normalised_and_nul_free() -> None:
     assert MkdirRequest(path="/a/./b/../c//d").path == "/a/c/d"
-    for bad in ("relative", "", "/a\x00b"):
-        with pytest.raises(ValidationError):
+    for bad, why in (("relative", "absolute"), ("", "at least 1"), ("/a\x00b", "NUL")):
+        with pytest.raises(ValidationError, match=why):
             ChmodRequest(path=bad, mode=0o644)
 
 
 def test_labels_are_checked_once() -> None:
     assert SandboxCreate(labels={"task.id/x-1": "v"}).labels == {"task.id/x-1": "v"}
-    for labels in ({"": "v"}, {"bad key": "v"}, {"k": "v" * 256}, {"x" * 64: "v"}):
-        with pytest.raises(ValidationError):
+    for labels, why in (
+        ({"": "v"}, "invalid label key"),
+        ({"bad key": "v"}, "invalid label key"),
+        ({"k": "v" * 256}, "longer than 255"),
+        ({"x" * 64: "v"}, "invalid label key"),
+    ):
+        with pytest.raises(ValidationError, match=why):
             SandboxCreate(labels=labels)

@@ -29,7 +29,7 @@ def test_oversize_frame_from_guest_is_refused() -> None:
 
 
 def test_host_refuses_to_build_oversize_frames() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"exceeds {MAX_FRAME}"):
         frame(1, Msg.WDATA, bytes(MAX_FRAME + 1))
 
 

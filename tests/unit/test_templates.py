@@ -24,7 +24,7 @@ def test_default_template_is_declared_as_data() -> None:
 def test_toml_spec_validation() -> None:
     spec = TemplateSpec.from_toml('name = "x"\npip_packages = ["requests"]\ndisk_mib = 1024\n')
     assert spec.pip_packages == ["requests"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="disk_mib"):
         TemplateSpec.from_toml('name = "x"\ndisk_mib = 10\n')
 
 
