@@ -7,8 +7,10 @@ directories share it: it defaults to the default data directory's `images/`.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,26 +19,84 @@ from cella.config import DEFAULT_DATA_DIR, DaemonSettings
 __all__ = ["DEFAULT_DATA_DIR", "Paths", "default_data_dir", "default_image_dir", "owner_only"]
 
 
-def owner_only(root: Path, vm_group: int | None = None) -> int:
-    """Takes every group and other permission off `root` and everything under it (tenants'
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ENTRY = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC  # the entry itself, never a link's target
+# an entry that vanished, refuses even root (a mounted /proc), or was swapped meanwhile
+_PASS_OVER = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR})
+
+
+def owner_only(root: Path, vm_group: int | None = None, *, skip: Collection[Path] = ()) -> int:
+    """Takes every group and other permission off `root` and what is under it (tenants'
     memory, disks, secrets and logs live there), except group access to the files jailed
-    QEMUs share (group `vm_group`); returns how many entries it changed."""
-    changed = 0
-    if not root.exists():
-        return 0
-    for top, dirs, files in os.walk(root):
-        for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+    QEMUs share (group `vm_group`); returns how many entries it changed.
+
+    Every start runs it, beside other processes using the same trees, so it descends only
+    into directories that were open to others (nothing under a closed one is reachable, and
+    it was walked when it was closed: later starts look at the top alone), never into
+    `skip` (build scratch: a running build's chroot), never across a mount point or through
+    a link, and passes over entries that vanish or refuse."""
+    try:  # the root is the operator's (it may be a link); what is under it is walked
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _PASS_OVER:
+            return 0
+        raise
+    device = os.fstat(top).st_dev
+    was_open, changed = _tighten(top, vm_group)
+    frames = [(top, root, iter(_names(top) if was_open else []))]
+    try:
+        while frames:
+            dir_fd, path, names = frames[-1]
+            name = next(names, None)
+            if name is None:
+                os.close(frames.pop()[0])
+                continue
             try:
-                st = os.lstat(name)
-                if stat.S_ISLNK(st.st_mode):
+                entry = os.open(name, _ENTRY, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno in _PASS_OVER:
                     continue
-                mask = 0o007 if vm_group is not None and st.st_gid == vm_group else 0o077
-                if st.st_mode & mask:
-                    os.chmod(name, stat.S_IMODE(st.st_mode) & ~mask)
-                    changed += 1
-            except FileNotFoundError:
-                continue  # gone meanwhile
+                raise
+            try:
+                st = os.fstat(entry)
+                if stat.S_ISLNK(st.st_mode) or st.st_dev != device:
+                    continue  # a link, or another file system mounted here
+                was_open, tightened = _tighten(entry, vm_group)
+                changed += tightened
+                if was_open and stat.S_ISDIR(st.st_mode) and path / name not in skip:
+                    sub = os.open(".", _DIR, dir_fd=entry)  # the very directory checked
+                    frames.append((sub, path / name, iter(_names(sub))))
+            finally:
+                os.close(entry)
+    finally:
+        for dir_fd, _, _ in frames:
+            os.close(dir_fd)
     return changed
+
+
+def _tighten(fd: int, vm_group: int | None) -> tuple[bool, int]:
+    """Takes group/other bits off what `fd` holds; whether it had any, and whether they
+    went (a file system may refuse)."""
+    st = os.fstat(fd)
+    mask = 0o007 if vm_group is not None and st.st_gid == vm_group else 0o077
+    if not st.st_mode & mask:
+        return False, 0
+    try:  # through the descriptor: a name could be swapped for a link meanwhile
+        os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) & ~mask)
+    except OSError as exc:
+        if exc.errno not in _PASS_OVER:
+            raise
+        return True, 0
+    return True, 1
+
+
+def _names(dir_fd: int) -> list[str]:
+    try:
+        return os.listdir(dir_fd)
+    except OSError as exc:
+        if exc.errno in _PASS_OVER:
+            return []
+        raise
 
 
 def default_data_dir() -> Path:

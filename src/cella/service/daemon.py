@@ -103,7 +103,7 @@ class Daemon:
         paths.ensure()
         vm_group = settings.jail_id_base if settings.jail else None
         for tree in {paths.root, paths.images}:  # made before, by setup or an older daemon
-            if fixed := owner_only(tree, vm_group):
+            if fixed := owner_only(tree, vm_group, skip={paths.build_tmp}):
                 log.info("%s: took group/other access off %d entries", tree, fixed)
         store = Store(paths.root / "cella.db")
         key_file = seal_store(
