@@ -12,7 +12,7 @@ import pytest
 from cella import Client
 from tests.daemon import Daemon, running_daemon
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,11 +9,12 @@ from cella.images.kernel import Kernel, config_fragment, unmet_options
 from cella.runtime.qemu.driver import QemuDriver
 from tests.conftest import qemu_pids
 
-pytestmark = [pytest.mark.vm, pytest.mark.slow]
+pytestmark = pytest.mark.vm
 
 BOOTS = 50
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(BOOTS * 30)
 async def test_fifty_cold_boots_in_a_row(driver: QemuDriver) -> None:
     before = qemu_pids()
