@@ -87,11 +87,21 @@ def create_gateway_app(
 
 
 async def forward(
-    request: Request, node: Node, who: Principal | None, langsmith: bool = False
+    request: Request,
+    node: Node,
+    who: Principal | None,
+    langsmith: bool = False,
+    *,
+    node_key: bool = True,
 ) -> Response:
-    """The request, streamed to `node` as `who`, and its answer streamed back."""
+    """The request, streamed to `node` as `who` (with the node's key, unless `node_key` is
+    false: the request carries its own credential), and its answer streamed back."""
+    if any(part in (".", "..") for part in request.url.path.split("/")):
+        # the HTTP client resolves them: the node would be asked for another route
+        raise errors.InvalidArgument("a path with `.` or `..` segments is not relayed")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
-    headers += list(node.headers(who, langsmith).items())
+    if node_key:
+        headers += list(node.headers(who, langsmith).items())
     headers.append(("x-forwarded-proto", request.url.scheme))  # URLs the node hands out
     upstream = node.client.build_request(
         request.method,
@@ -184,12 +194,13 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.api_route("/v1/services/{sandbox_id}/{rest:path}", methods=METHODS, tags=["ports"])
     async def service(sandbox_id: str, rest: str, request: Request) -> Response:
-        """A forwarded port: its own token authenticates it, on the node."""
+        """A forwarded port: its own token authenticates it, on the node (the node's key
+        is not lent to a caller without one)."""
         where = gateway.placements.get(sandbox_id)
         node = gateway.nodes.get(where.node) if where and not where.lost else None
         if node is None or not node.healthy:
             raise errors.NotFound(f"no service of sandbox {sandbox_id!r}")
-        return await forward(request, node, None)
+        return await forward(request, node, None, node_key=False)
 
     @api.get("/v1/snapshots", tags=["snapshots"])
     async def list_snapshots(who: Auth, all_tenants: bool = False) -> dict[str, Any]:
@@ -282,15 +293,21 @@ def router(gateway: Gateway) -> APIRouter:
         if node is None or not node.healthy:
             await ws.close(code=4404, reason=f"no service of sandbox {sandbox_id}")
             return
-        await relay_websocket(ws, node, None)
+        await relay_websocket(ws, node, None, node_key=False)
 
     return api
 
 
 async def relay_websocket(
-    ws: WebSocket, node: Node, who: Principal | None, langsmith: bool = False
+    ws: WebSocket,
+    node: Node,
+    who: Principal | None,
+    langsmith: bool = False,
+    *,
+    node_key: bool = True,
 ) -> None:
-    """The client's WebSocket joined to the same path on the node, message by message."""
+    """The client's WebSocket joined to the same path on the node, message by message
+    (with the node's key acting for `who`, unless `node_key` is false)."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -304,7 +321,8 @@ async def relay_websocket(
         and not k.lower().startswith("sec-websocket")
         and k.lower() not in ("host", "content-length")
     }
-    headers.update(node.headers(who, langsmith))
+    if node_key:
+        headers.update(node.headers(who, langsmith))
     headers["x-forwarded-proto"] = "https" if ws.url.scheme == "wss" else "http"
     try:
         upstream = await connect(url, additional_headers=headers, max_size=16 << 20, ssl=node.ssl)
