@@ -6,7 +6,8 @@ matching class, so callers can catch by type on either side of the wire:
     CellaError (internal, 500)
     ├── RequestError: the caller's request (4xx)
     │   ├── InvalidArgument (400) ── UnknownUser (400)
-    │   ├── Unauthenticated (401), PermissionDenied (403), NotFound (404)
+    │   ├── Unauthenticated (401), PermissionDenied (403): DestinationForbidden,
+    │   ├── NotFound (404)
     │   ├── PayloadTooLarge (413), CommandFailed (422), QuotaExceeded (429)
     │   ├── SandboxLost (410): its fleet node died or left
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
@@ -34,6 +35,7 @@ __all__ = [
     "CellaError",
     "CommandFailed",
     "Conflict",
+    "DestinationForbidden",
     "DirectoryNotEmpty",
     "Forbidden",
     "GuestError",
@@ -103,10 +105,17 @@ class Unauthenticated(RequestError):
 
 
 class PermissionDenied(RequestError):
-    """The one 403: a key without the right (admin), or a guest path the guest refuses."""
+    """403: a key without the right (admin), or a guest path the guest refuses."""
 
     code = "permission_denied"
     status = 403
+
+
+class DestinationForbidden(PermissionDenied):
+    """An egress rule naming addresses only the operator may open (the host's, its
+    networks', the fleet's)."""
+
+    code = "destination_forbidden"
 
 
 Forbidden = PermissionDenied  # the name earlier SDKs caught

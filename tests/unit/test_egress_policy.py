@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cella.policy.egress import Policy, host_matches, parse_rule
+from cella.policy.egress import Boundary, Policy, host_matches, parse_rule
 
 ip = ipaddress.ip_address
 PUBLIC = [ip("93.184.216.34")]
@@ -73,19 +73,85 @@ def test_raw_ips_need_address_rules() -> None:
 
 
 def test_non_public_addresses_are_guarded() -> None:
-    p = Policy.parse(["internal.example", "0.0.0.0/0"])
-    for addr in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "192.168.1.1", "::1"):
+    p = Policy.parse(["internal.example", "0.0.0.0/0", "::/0"])
+    for addr in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "192.168.1.1", "::1",
+                 "::ffff:127.0.0.1", "fd00::2", "fec0::1", "100.64.0.1", "2002:7f00:1::1",
+                 "64:ff9b::a9fe:a9fe"):  # fmt: skip
         decision = p.decide("internal.example", 80, [ip(addr)])
         assert not decision.allowed, addr
-        assert "non-public" in decision.reason
+        assert "non-public" in decision.reason and "only the operator" in decision.reason
         assert not p.decide(addr, 80).allowed  # /0 does not open the host's own addresses
-    # the operator's override table, or a narrow address rule, may open them
+    # control: public addresses, also in IPv6 forms that carry them
+    for addr in ("93.184.216.34", "::ffff:93.184.216.34", "2606:4700::1111"):
+        assert p.decide("internal.example", 80, [ip(addr)]).allowed, addr
+        assert p.decide(addr, 80).allowed, addr
+    # the operator's host table opens them
     assert p.decide("internal.example", 80, [ip("10.1.2.3")], trusted=True).allowed
+    # a tenant's narrow address rule does not, unless the operator's tenant networks hold it
     narrow = Policy.parse(["internal.example", "10.0.0.0/8"])
-    assert narrow.decide("internal.example", 80, [ip("10.1.2.3")]).allowed
-    assert narrow.decide("10.1.2.3", 5432).allowed
+    assert not narrow.decide("internal.example", 80, [ip("10.1.2.3")]).allowed
+    assert not narrow.decide("10.1.2.3", 5432).allowed
+    opened = Boundary(tenant_networks=(ipaddress.ip_network("10.1.0.0/16"),))
+    assert narrow.decide("internal.example", 80, [ip("10.1.2.3")], boundary=opened).allowed
+    assert narrow.decide("10.1.2.3", 5432, boundary=opened).allowed
+    assert not narrow.decide("10.2.0.1", 5432, boundary=opened).allowed  # outside the network
+    # inside the operator's network a tenant's rule is still needed
+    assert (
+        not Policy.parse(["internal.example"])
+        .decide("internal.example", 80, [ip("10.1.2.3")], boundary=opened)
+        .allowed
+    )
     # a trusted name is not a way to reach a literal address
     assert not p.decide("127.0.0.1", 80, trusted=True).allowed
+
+
+def test_the_hosts_and_the_fleets_own_addresses_are_closed_even_if_public() -> None:
+    host = ip("93.184.216.34")
+    boundary = Boundary(protected=frozenset({host}))
+    p = Policy.parse(["example.com", "93.184.216.0/24"])
+    refused = p.decide("example.com", 443, [host], boundary=boundary)
+    assert not refused.allowed and "this host or of a fleet node" in refused.reason
+    assert not p.decide("93.184.216.34", 443, boundary=boundary).allowed
+    assert not p.decide("::ffff:93.184.216.34", 443, boundary=boundary).allowed
+    # control: its neighbour in the same public network
+    assert p.decide("93.184.216.35", 443, boundary=boundary).allowed
+    assert p.decide("example.com", 443, [ip("93.184.216.35")], boundary=boundary).allowed
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["127.0.0.1", "127.0.0.1/32:8420", "10.0.0.0/8", "169.254.169.254:80", "192.168.0.0/16",
+     "100.64.0.0/10", "[::1]", "[fd00::/8]", "[fe80::/10]", "[fec0::1]", "[::ffff:127.0.0.1]",
+     "[::ffff:10.0.0.0/104]", "[2002:7f00::/24]", "[64:ff9b::a9fe:a9fe]", "localhost",
+     "*.localhost:80"],
+)  # fmt: skip
+def test_tenant_rules_naming_restricted_addresses_are_refused(text: str) -> None:
+    why = Boundary().refusal(parse_rule(text))
+    assert why is not None and repr(text) in why
+    assert "operator" in str(why)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0.0.0.0/0", "[::/0]", "0.0.0.0/1", "10.0.0.0/7", "93.184.216.34", "[2606:4700::1]",
+     "[::ffff:93.184.216.34]", "pypi.org", "*.github.com:443", "*"],
+)  # fmt: skip
+def test_rules_that_reach_public_addresses_stay(text: str) -> None:
+    assert Boundary().refusal(parse_rule(text)) is None
+
+
+def test_the_operator_opens_networks_and_names() -> None:
+    host = ip("93.184.216.34")
+    boundary = Boundary(
+        protected=frozenset({host}),
+        tenant_networks=(ipaddress.ip_network("10.1.0.0/16"), ipaddress.ip_network("::1/128")),
+        names=frozenset({"localhost"}),
+    )
+    for opened in ("10.1.0.0/16", "10.1.2.3:5432", "[::ffff:10.1.2.3]", "[::1]", "localhost"):
+        assert boundary.refusal(parse_rule(opened)) is None, opened
+    for closed in ("10.0.0.0/8", "10.2.0.1", "93.184.216.34", "127.0.0.1", "a.localhost"):
+        assert boundary.refusal(parse_rule(closed)) is not None, closed
+    assert Boundary.from_json(boundary.to_json()) == boundary
 
 
 def test_names_must_resolve_and_have_a_name() -> None:
@@ -102,9 +168,10 @@ def test_lookups_only_when_they_matter() -> None:
     assert not p.needs_addresses("1.2.3.4", 80)
     # an address rule allows no name: names the guest makes up are never looked up
     by_address = Policy.parse(["10.0.0.0/8", "0.0.0.0/0"])
+    inside = Boundary(tenant_networks=(ipaddress.ip_network("10.0.0.0/8"),))
     assert not by_address.needs_addresses("db.internal", 5432)
     assert not by_address.needs_addresses("c2VjcmV0.attacker.example", 443)
-    assert not by_address.decide("db.internal", 5432, [ip("10.1.2.3")]).allowed
+    assert not by_address.decide("db.internal", 5432, [ip("10.1.2.3")], boundary=inside).allowed
     # unless the name is the operator's (its addresses come from the table, not DNS)
     assert by_address.decide("db.internal", 5432, [ip("10.1.2.3")], trusted=True).allowed
 

@@ -65,6 +65,15 @@ def nodes() -> list[RayNode]:
 def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str, Any]:
     """The node daemon's `info()` (started there if it is not running yet)."""
     actor = NodeDaemon.options(  # type: ignore[attr-defined]
+def addresses() -> set[str]:
+    """The address of every node Ray knows, sandbox nodes or not (the head runs the GCS)."""
+    return {
+        str(n["NodeManagerAddress"])
+        for n in ray.nodes()  # type: ignore[no-untyped-call]
+        if n.get("NodeManagerAddress")
+    }
+
+
         name=actor_name(node.node_id),
         namespace=NAMESPACE,
         lifetime="detached",

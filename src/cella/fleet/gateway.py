@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -28,6 +29,7 @@ from cella.fleet.placements import Placement, Placements
 from cella.models import Capacity, SandboxCreate
 from cella.models.fleet import FleetNode, FleetStatus
 from cella.models.network import SecretPut
+from cella.network.interfaces import host_addresses
 from cella.server.app import describe
 from cella.service.evals import Evals
 from cella.service.keys import Keys, Principal
@@ -123,6 +125,25 @@ class Gateway:
         if wait and joins:
             await asyncio.gather(*joins, return_exceptions=True)
 
+        wanted = await self._fleet_addresses()
+        for node in self.healthy():
+            try:
+                await self._tell_fleet(node, wanted)
+            except Exception as exc:  # told again at the next poll
+                log.warning("node %s was not told the fleet's addresses: %s", node.name, exc)
+
+    async def _fleet_addresses(self, *joining: Node) -> list[str]:
+        """Every Ray node's address, every node daemon's and the gateway host's own: no
+        tenant's rule reaches them from a sandbox."""
+        found = await asyncio.to_thread(cluster.addresses)
+        found |= {str(a) for a in host_addresses()}
+        found |= {urlsplit(n.url).hostname or "" for n in [*self.nodes.values(), *joining]}
+        return sorted(found - {""})
+
+    async def _tell_fleet(self, node: Node, wanted: list[str]) -> None:
+        if node.told_addresses != wanted:
+            await node.json("PUT", "/v1/egress/boundary/fleet", json={"addresses": wanted})
+            node.told_addresses = wanted
     async def _join(self, ray_node: cluster.RayNode) -> None:
         name = ray_node.name
         try:
@@ -135,6 +156,7 @@ class Gateway:
             node.restarts = int(info.get("restarts") or 0)
             await self._push_secrets(node)
             listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
+            await self._tell_fleet(node, await self._fleet_addresses(node))
             self.placements.resync(name, listed["sandboxes"])
             old = self.nodes.get(name)
             self.nodes[name] = node

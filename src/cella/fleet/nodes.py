@@ -49,6 +49,7 @@ class Node:
     reason: str | None = None
     restarts: int = 0
     stale: bool = False  # it stopped answering: its daemon may be back elsewhere (a new port)
+    told_addresses: list[str] = field(default_factory=list)  # the fleet's, as last sent
     client: httpx2.AsyncClient = field(init=False)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
     EgressDecision,
+    EgressBoundary,
     EgressLog,
     HeaderRule,
     KeyRotation,
@@ -55,6 +56,7 @@ __all__ = [
     "ChmodRequest",
     "EgressDecision",
     "EgressLog",
+    "EgressBoundary",
     "Event",
     "EventList",
     "ExecDefaults",

@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, IPvAnyAddress, field_validator, model_validator
 
 from cella.policy.egress import MAX_RULES, parse_rule
 
@@ -146,6 +146,24 @@ class SecretList(BaseModel):
 
 class KeyRotation(BaseModel):
     resealed: int = Field(description="secret values now sealed under the new key")
+
+
+class EgressBoundary(BaseModel):
+    """The operator's line around every tenant's egress rules: addresses not public and
+    `protected` ones are reached only through `names` (the operator's host table) or inside
+    `tenant_networks`."""
+
+    protected: list[str] = Field(description="the host's own and the fleet nodes' addresses")
+    tenant_networks: list[str] = Field(description="non-public networks tenants may open")
+    names: list[str] = Field(description="names in the operator's host table (egress_hosts)")
+
+
+class FleetAddresses(BaseModel):
+    """Every fleet node's address, as the gateway sees the cluster."""
+
+    model_config = {"extra": "forbid"}
+
+    addresses: list[IPvAnyAddress] = Field(max_length=65536)
 
 
 class EgressDecision(BaseModel):

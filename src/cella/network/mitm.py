@@ -7,13 +7,16 @@ CELLA_EGRESS_FD), one JSON object a line:
 
   daemon -> proxy  {"op": "set", "addr", "sandbox", "allow", "deny", "secrets": [...]}
                    {"op": "drop", "addr"}      {"op": "reset"}
+                   {"op": "boundary", "protected", "tenant_networks", "names"}
   proxy -> daemon  {"op": "ready"}             {"op": "decision", ...}
 
 A connection's sandbox is the loopback address it comes from: QEMU's forward for that VM
 binds it, and the guest cannot choose it. TLS is intercepted only toward hosts a secret of
 the sandbox is bound to; everything else passes through untouched (and is still decided by
 policy, by SNI or CONNECT host). Every upstream connection goes through `server_connect`,
-which resolves the name on the host, decides, and pins the address it decided on.
+which resolves the name on the host, decides, and pins the address it decided on; the
+operator's `Boundary` (restricted addresses, tenant networks) is checked there again for
+every connection, whatever rules a sandbox carries.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
-from cella.policy.egress import Decision, IPAddress, Policy, Rule, host_matches, parse_rule
+from cella.policy.egress import (
+    Boundary,
+    Decision,
+    IPAddress,
+    Policy,
+    Rule,
+    host_matches,
+    parse_rule,
+)
 from cella.policy.secrets import Redactor, secret_forms
 
 log = logging.getLogger("cella.egress")
@@ -153,6 +164,7 @@ class Egress:
         self.overrides = {
             name.lower(): [ipaddress.ip_address(a) for a in addrs] for name, addrs in hosts.items()
         }
+        self.boundary = Boundary(names=frozenset(self.overrides))  # until the daemon's arrives
         self._resolved: dict[str, tuple[float, list[IPAddress]]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -182,6 +194,8 @@ class Egress:
                     self.nets.pop(msg["addr"], None)
                 elif msg["op"] == "reset":
                     self.nets.clear()
+                elif msg["op"] == "boundary":
+                    self.boundary = Boundary.from_json(msg)
             except (KeyError, ValueError) as exc:
                 log.error("bad control message %s: %s", msg.get("op"), exc)
         os._exit(0)  # the daemon is gone: so is its proxy
@@ -251,7 +265,8 @@ class Egress:
         trusted = host.lower().rstrip(".") in self.overrides  # from the table: no lookup
         if trusted or net.policy.needs_addresses(host, port):
             addresses = await self._resolve(host)
-        return net.policy.decide(host, port, addresses, trusted=trusted), addresses
+        decision = net.policy.decide(host, port, addresses, trusted=trusted, boundary=self.boundary)
+        return decision, addresses
 
     # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
 

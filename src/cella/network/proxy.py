@@ -26,6 +26,7 @@ import cella
 from cella import errors
 from cella.network.install import mitmdump
 from cella.paths import Paths
+from cella.policy.egress import Boundary
 
 log = logging.getLogger("cella.egress")
 ADDON = Path(__file__).with_name("addon.py")
@@ -84,6 +85,7 @@ class EgressProxy:
         self.addresses = Addresses()
         self.port = port or self._stored_port()
         self._state: dict[str, dict[str, Any]] = {}
+        self._boundary: dict[str, Any] = {"op": "boundary", **Boundary().to_json()}
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -184,6 +186,7 @@ class EgressProxy:
                 f"the egress proxy did not start; see {self.dir / 'proxy.log'}"
             ) from None
         self._send({"op": "reset"})
+        self._send(self._boundary)
         for msg in self._state.values():
             self._send(msg)
         log.info("egress proxy on 127.0.0.1:%d (pid %s)", self.port, self._proc.pid)
@@ -281,6 +284,11 @@ class EgressProxy:
         }
         self._state[addr] = msg
         self._send(msg)
+
+    def guard(self, boundary: Boundary) -> None:
+        """The operator's line around every sandbox's rules (sent again after a restart)."""
+        self._boundary = {"op": "boundary", **boundary.to_json()}
+        self._send(self._boundary)
 
     def drop(self, addr: str) -> None:
         """The VM at `addr` is gone: its address reaches nothing and is free again."""

@@ -5,11 +5,16 @@ A rule is `host[:port]`: an exact domain (`pypi.org`), a wildcard for its subdom
 (`10.1.0.0/16`), or `*` for every name (`*:443`: every name on one port). No port means any
 port. Default deny; deny rules win over allow rules.
 
-Names are resolved on the host, never in the guest. A name allowed by a domain rule is still
-refused when it resolves to a non-public address (loopback, private, link-local: the host's
-own services and the metadata endpoint) unless a CIDR rule allows that address or the name
-comes from the operator's override table. A raw IP is judged by CIDR rules only, so the
-address of an allowed domain is not reachable by its number alone.
+Names are resolved on the host, never in the guest. A raw IP is judged by CIDR rules only,
+so the address of an allowed domain is not reachable by its number alone.
+
+Rules are the tenant's; the `Boundary` is the operator's. Restricted addresses (everything
+not public: loopback, private and shared ranges, link-local with every metadata endpoint,
+unique- and site-local IPv6, IPv4 addresses embedded in IPv6 forms of these; plus the host's
+own interface addresses and every fleet node's) are reached only through the operator: a
+name in the operator's host table, or an address inside the operator's tenant networks that
+a tenant's CIDR rule also covers. A tenant's rule that could only name restricted addresses
+is refused when it is set (`Boundary.refusal`); the same check runs again at every connect.
 """
 
 from __future__ import annotations
@@ -48,16 +53,6 @@ class Rule:
 
     def _port_ok(self, port: int) -> bool:
         return self.port is None or self.port == port
-
-    def opens(self, address: IPAddress, port: int) -> bool:
-        """Covers the address, and may open it even if non-public: only a rule at least as
-        narrow as a /8 (IPv6: /16) can, so `0.0.0.0/0` never reaches the host's loopback."""
-        if not self.covers(address, port):
-            return False
-        assert self.network is not None
-        return address.is_global or self.network.prefixlen >= (
-            8 if self.network.version == 4 else 16
-        )
 
 
 def parse_rule(text: str) -> Rule:
@@ -115,6 +110,126 @@ def _address(host: str) -> IPAddress | None:
         return None
 
 
+# What "not public" means here: IANA's special-purpose blocks that are not globally
+# reachable, and multicast; spelled out rather than left to a Python version's `is_global`
+# (3.11 calls site-local IPv6 global).
+NOT_PUBLIC: tuple[IPNetwork, ...] = tuple(
+    ipaddress.collapse_addresses(
+        ipaddress.IPv4Network(n)
+        for n in (
+            "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+            "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24",
+            "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
+            "224.0.0.0/4", "240.0.0.0/4",
+        )
+    )
+) + tuple(
+    ipaddress.collapse_addresses(
+        ipaddress.IPv6Network(n)
+        for n in (
+            "::/128", "::1/128", "64:ff9b:1::/48", "100::/64", "2001::/23", "2001:db8::/32",
+            "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+        )
+    )
+)  # fmt: skip
+# IPv6 prefixes that carry an IPv4 address, and the bit where it starts: the host's kernel
+# (or a NAT64/6to4 gateway) turns them into IPv4, so they are judged as that IPv4 address
+_EMBEDDING = (
+    (ipaddress.IPv6Network("::ffff:0:0/96"), 96),  # IPv4-mapped
+    (ipaddress.IPv6Network("::/96"), 96),  # IPv4-compatible (deprecated)
+    (ipaddress.IPv6Network("64:ff9b::/96"), 96),  # NAT64
+    (ipaddress.IPv6Network("2002::/16"), 16),  # 6to4
+)
+_LOOPBACK_V6 = ipaddress.IPv6Network("::/127")  # :: and ::1 are not IPv4-compatible forms
+
+
+def as_ipv4(network: IPNetwork) -> IPNetwork:
+    """The IPv4 network an IPv6 form stands for (mapped, compatible, NAT64, 6to4), else the
+    network itself."""
+    if network.version == 6:
+        for prefix, start in _EMBEDDING:
+            if network.subnet_of(prefix) and not network.subnet_of(_LOOPBACK_V6):
+                bits = int(network.network_address) >> (96 - start) & 0xFFFFFFFF
+                length = min(max(network.prefixlen - start, 0), 32)
+                return ipaddress.IPv4Network((bits, length), strict=False)
+    return network
+
+
+def _single(address: IPAddress) -> IPNetwork:
+    return ipaddress.ip_network(address)
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """The operator's line around tenants' rules.
+
+    `protected`: addresses beyond the non-public ranges that sandboxes never reach by a
+    tenant's rule (the host's own interface addresses, every fleet node's);
+    `tenant_networks`: the non-public networks the operator lets tenants' CIDR rules open;
+    `names`: the operator's host table (its names may resolve anywhere)."""
+
+    protected: frozenset[IPAddress] = frozenset()
+    tenant_networks: tuple[IPNetwork, ...] = ()
+    names: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_json(cls, data: dict[str, list[str]]) -> Boundary:
+        return cls(
+            frozenset(ipaddress.ip_address(a) for a in data.get("protected", ())),
+            tuple(ipaddress.ip_network(n, strict=False) for n in data.get("tenant_networks", ())),
+            frozenset(n.lower() for n in data.get("names", ())),
+        )
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {
+            "protected": sorted(map(str, self.protected)),
+            "tenant_networks": [str(n) for n in self.tenant_networks],
+            "names": sorted(self.names),
+        }
+
+    def closed(self, address: IPAddress) -> str | None:
+        """Why a tenant's rule alone cannot reach `address` (None: it is public)."""
+        v4 = as_ipv4(_single(address))
+        if address in self.protected or v4.network_address in self.protected:
+            return f"{address}, an address of this host or of a fleet node"
+        if any(_within(v4, block) for block in NOT_PUBLIC):
+            return f"non-public address {address}"
+        return None
+
+    def opened(self, address: IPAddress) -> bool:
+        """Inside a network the operator lets tenants open."""
+        return any(_within(as_ipv4(_single(address)), as_ipv4(n)) for n in self.tenant_networks)
+
+    def refusal(self, rule: Rule) -> str | None:
+        """Why a tenant may not set this allow rule (None: it may): it names only
+        restricted addresses, outside the operator's tenant networks. A wider rule (say
+        `0.0.0.0/0`) stays: it opens only what is public."""
+        setting = "egress_tenant_networks"
+        if rule.network is not None:
+            net = as_ipv4(rule.network)
+            single = rule.network.num_addresses == 1
+            if single and self.closed(rule.network.network_address) is None:
+                return None
+            if not single and not any(_within(net, block) for block in NOT_PUBLIC):
+                return None
+            if any(_within(net, as_ipv4(n)) for n in self.tenant_networks):
+                return None
+            opened = ", ".join(map(str, self.tenant_networks)) or "none"
+            return (
+                f"rule {rule.text!r} names addresses that are not public; only the operator "
+                f"opens those: {setting} lists the networks tenants may open (now: {opened}), "
+                "egress_hosts the internal hosts"
+            )
+        name = rule.domain or ""
+        if (name == "localhost" or name.endswith(".localhost")) and name not in self.names:
+            return f"rule {rule.text!r} names the host's loopback; only the operator opens it"
+        return None
+
+
+def _within(network: IPNetwork, block: IPNetwork) -> bool:
+    return network.version == block.version and network.subnet_of(block)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     allow: tuple[Rule, ...] = ()
@@ -146,10 +261,12 @@ class Policy:
         addresses: Sequence[IPAddress] = (),
         *,
         trusted: bool = False,
+        boundary: Boundary = Boundary(),
     ) -> Decision:
         """`addresses`: what the host resolves `host` to; `trusted`: the name comes from the
-        operator's override table (its non-public addresses are intended, and address rules
-        may allow it: its addresses come from the table, not from DNS)."""
+        operator's host table (its addresses are the operator's choice, and address rules
+        may allow it); `boundary`: what tenants' rules may open (default: nothing that is
+        not public)."""
         name = host.lower().rstrip(".")
         if not name:
             return Decision(False, "no destination name (TLS without SNI?)")
@@ -159,26 +276,39 @@ class Policy:
         for rule in self.deny:
             if rule.matches_name(name, port) or any(rule.covers(a, port) for a in addresses):
                 return Decision(False, f"denied by rule {rule.text}")
-        by_cidr = next(
-            (r for r in self.allow if addresses and all(r.opens(a, port) for a in addresses)),
-            None,
-        )
         if literal is not None:
-            if by_cidr is not None:
-                return Decision(True, f"allowed by rule {by_cidr.text}")
-            return Decision(False, "an IP address is allowed only by an address rule")
+            by_address = next((r for r in self.allow if r.covers(literal, port)), None)
+            if by_address is None:
+                return Decision(False, "an IP address is allowed only by an address rule")
+            return self._guarded(literal, port, boundary) or Decision(
+                True, f"allowed by rule {by_address.text}"
+            )
         by_name = next((r for r in self.allow if r.matches_name(name, port)), None)
         if by_name is None:
+            by_cidr = next(
+                (r for r in self.allow if addresses and all(r.covers(a, port) for a in addresses)),
+                None,
+            )
             if by_cidr is not None and trusted:
                 return Decision(True, f"allowed by rule {by_cidr.text}")
             return Decision(False, "no rule allows it")
         if not addresses:
             return Decision(False, f"{name} does not resolve")
-        for a in addresses:
-            guarded = not a.is_global and not trusted
-            if guarded and not any(r.opens(a, port) for r in self.allow):
-                return Decision(False, f"{name} resolves to non-public address {a}")
+        for a in addresses if not trusted else ():
+            refused = self._guarded(a, port, boundary)
+            if refused is not None:
+                return Decision(False, f"{name} resolves to {refused.reason}")
         return Decision(True, f"allowed by rule {by_name.text}")
+
+    def _guarded(self, address: IPAddress, port: int, boundary: Boundary) -> Decision | None:
+        """A refusal if `address` is restricted and neither inside the operator's tenant
+        networks nor covered there by an address rule of the tenant's."""
+        why = boundary.closed(address)
+        if why is None:
+            return None
+        if boundary.opened(address) and any(r.covers(address, port) for r in self.allow):
+            return None
+        return Decision(False, f"{why}, which only the operator opens")
 
 
 def host_matches(patterns: Iterable[Rule], host: str) -> bool:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import ipaddress
+import json
 import logging
 import secrets as tokens
 import time
@@ -18,13 +20,16 @@ from cella.guest.client import GuestStream
 from cella.guest.protocol import EGRESS_ADDR, PROXY_PORT
 from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
+from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service.registry import Registry
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
 REFUSAL_EVENT_SECONDS = 10.0
+BOUNDARY_REFRESH_SECONDS = 30.0  # the host's interface addresses can change (DHCP, hotplug)
 
 
 def proxy_env() -> dict[str, str]:
@@ -56,6 +61,14 @@ class SandboxEgress:
             upstream_ca=self.extra_ca + upstream,
             on_decision=self._record,
         )
+        self.tenant_networks = tuple(
+            ipaddress.ip_network(n, strict=False) for n in settings.egress_tenant_networks
+        )
+        self.host_names = frozenset(settings.egress_host_table())
+        self._fleet_file = registry.driver.paths.root / "egress" / "fleet-addresses.json"
+        self.fleet_addresses = self._stored_fleet_addresses()
+        self.boundary = self._boundary()
+        self._refresher: asyncio.Task[None] | None = None
         self._ca: bytes | None = None
         self.max_connections = settings.max_connections_per_sandbox
         self._addresses: dict[VM, str] = {}
@@ -64,9 +77,60 @@ class SandboxEgress:
 
     async def start(self) -> None:
         await self.proxy.start()
+        self.proxy.guard(self.boundary)
+        self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
         await self.proxy.close()
+
+    # -- the operator's boundary ----------------------------------------------------------
+
+    def _boundary(self) -> Boundary:
+        return Boundary(
+            protected=host_addresses() | self.fleet_addresses,
+            tenant_networks=self.tenant_networks,
+            names=self.host_names,
+        )
+
+    def refresh_boundary(self) -> None:
+        boundary = self._boundary()
+        if boundary != self.boundary:
+            self.boundary = boundary
+            self.proxy.guard(boundary)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(BOUNDARY_REFRESH_SECONDS)
+            try:
+                self.refresh_boundary()
+            except Exception:  # psutil hiccups must not end the loop
+                log.exception("reading the host's addresses failed")
+
+    def set_fleet_addresses(self, addresses: frozenset[IPAddress]) -> None:
+        """Every fleet node's address (told by the gateway): closed like the host's own,
+        and kept for the next start (before the gateway tells it again)."""
+        self._fleet_file.parent.mkdir(parents=True, exist_ok=True)
+        temp = self._fleet_file.with_suffix(".tmp")
+        temp.write_text(json.dumps(sorted(map(str, addresses))))
+        temp.replace(self._fleet_file)
+        self.fleet_addresses = addresses
+        self.refresh_boundary()
+
+    def _stored_fleet_addresses(self) -> frozenset[IPAddress]:
+        try:
+            return frozenset(map(ipaddress.ip_address, json.loads(self._fleet_file.read_text())))
+        except (OSError, ValueError, TypeError):
+            return frozenset()
+
+    def check_rules(self, policy: NetworkPolicy) -> None:
+        """A tenant's allow rules stay inside the operator's boundary (an admin key acting
+        for a tenant is a tenant here); the proxy checks again at every connect."""
+        for text in policy.allow:
+            why = self.boundary.refusal(parse_rule(text))
+            if why is not None:
+                raise errors.DestinationForbidden(why)
 
     def _record(self, decision: dict[str, Any]) -> None:
         sandbox_id = decision.pop("sandbox", None)
@@ -185,8 +249,10 @@ class SandboxEgress:
                 out.append({**rendered, "secrets": used})
         return out
 
-    def check_headers(self, tenant: str, policy: NetworkPolicy) -> None:
-        """Every secret a header rule names must exist."""
+    def check_policy(self, tenant: str, policy: NetworkPolicy) -> None:
+        """The rules stay inside the boundary, and every secret a header rule names
+        exists."""
+        self.check_rules(policy)
         for rule in policy.headers:
             for name in rule.secrets:
                 if self.store.get_secret(tenant, name) is None:
@@ -264,7 +330,7 @@ class SandboxEgress:
         """Changes where a sandbox may connect; a running one gets it for its next
         connection."""
         self.registry.get(tenant, sandbox_id)
-        self.check_headers(tenant, policy)
+        self.check_policy(tenant, policy)
         self.registry.update(sandbox_id, network=policy)
         row = self.registry.get(tenant, sandbox_id)
         vm = self.registry.vm(sandbox_id)

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from cella.models import (
+    EgressBoundary,
     EgressDecision,
     EgressLog,
     KeyRotation,
@@ -16,7 +17,7 @@ from cella.models import (
     SecretList,
     SecretPut,
 )
-from cella.models.network import SECRET_NAME
+from cella.models.network import SECRET_NAME, FleetAddresses
 from cella.server.deps import Auth, Service
 from cella.service.keys import require_admin
 
@@ -41,6 +42,22 @@ async def egress_log(
     """Every connection the sandbox tried: host, port, allowed or denied and why, bytes."""
     rows = svc.egress.log(who.tenant, sandbox_id, after, limit)
     return EgressLog(decisions=[EgressDecision.model_validate(r) for r in rows])
+
+
+@router.get("/v1/egress/boundary", response_model=EgressBoundary)
+async def egress_boundary(svc: Service, who: Auth) -> EgressBoundary:
+    """What tenants' egress rules can never open by themselves (admin keys)."""
+    require_admin(who, "read the egress boundary")
+    return EgressBoundary.model_validate(svc.egress.boundary.to_json())
+
+
+@router.put("/v1/egress/boundary/fleet", response_model=EgressBoundary)
+async def set_fleet_addresses(body: FleetAddresses, svc: Service, who: Auth) -> EgressBoundary:
+    """Every fleet node's address, closed to sandboxes like the host's own (admin keys: the
+    fleet gateway tells each node when the cluster changes)."""
+    require_admin(who, "set the fleet's addresses")
+    svc.egress.set_fleet_addresses(frozenset(body.addresses))
+    return EgressBoundary.model_validate(svc.egress.boundary.to_json())
 
 
 @router.get("/v1/secrets", response_model=SecretList)

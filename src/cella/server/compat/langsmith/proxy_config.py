@@ -29,9 +29,6 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
     unknown = set(config) - {"rules", "access_control", "no_proxy", "description"}
     if unknown:
         raise not_supported(f"proxy_config fields {sorted(unknown)}")
-    headers: list[HeaderRule] = []
-    for rule in config.get("rules") or []:
-        headers += header_rules(rule, svc, tenant)
     access = config.get("access_control") or {}
     allow = list(access.get("allow_list") or [])
     deny = list(access.get("deny_list") or [])
@@ -41,6 +38,11 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
     if deny and not allow:
         allow = ["*"]
     try:
+        # the rules are checked before any opaque header value is stored as a secret
+        svc.egress.check_rules(NetworkPolicy(allow=allow, deny=deny))
+        headers: list[HeaderRule] = []
+        for rule in config.get("rules") or []:
+            headers += header_rules(rule, svc, tenant)
         return NetworkPolicy(allow=allow, deny=deny, headers=headers)
     except ValueError as exc:
         raise errors.InvalidArgument(f"proxy_config: {exc}") from None
