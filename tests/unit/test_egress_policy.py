@@ -151,6 +151,16 @@ def test_the_operator_opens_networks_and_names() -> None:
         assert boundary.refusal(parse_rule(opened)) is None, opened
     for closed in ("10.0.0.0/8", "10.2.0.1", "93.184.216.34", "127.0.0.1", "a.localhost"):
         assert boundary.refusal(parse_rule(closed)) is not None, closed
+    # a node inside a network the operator opened stays closed (only the host table opens it)
+    node = ip("10.1.0.5")
+    fleet = Boundary(protected=frozenset({node}), tenant_networks=boundary.tenant_networks)
+    assert "fleet node" in str(fleet.refusal(parse_rule("10.1.0.5")))
+    assert fleet.refusal(parse_rule("10.1.0.0/24")) is None  # its network: the rest of it
+    p = Policy.parse(["10.1.0.0/24", "db.internal"])
+    assert not p.decide("10.1.0.5", 6379, boundary=fleet).allowed
+    assert not p.decide("db.internal", 6379, [node], boundary=fleet).allowed
+    assert p.decide("10.1.0.6", 6379, boundary=fleet).allowed
+    assert p.decide("db.internal", 6379, [node], trusted=True, boundary=fleet).allowed
     assert Boundary.from_json(boundary.to_json()) == boundary
 
 

@@ -15,6 +15,8 @@ own interface addresses and every fleet node's) are reached only through the ope
 name in the operator's host table, or an address inside the operator's tenant networks that
 a tenant's CIDR rule also covers. A tenant's rule that could only name restricted addresses
 is refused when it is set (`Boundary.refusal`); the same check runs again at every connect.
+The host's and the fleet's own addresses stay closed inside tenant networks too: only the
+host table reaches them.
 """
 
 from __future__ import annotations
@@ -189,16 +191,25 @@ class Boundary:
 
     def closed(self, address: IPAddress) -> str | None:
         """Why a tenant's rule alone cannot reach `address` (None: it is public)."""
-        v4 = as_ipv4(_single(address))
-        if address in self.protected or v4.network_address in self.protected:
+        if self._protects(address):
             return f"{address}, an address of this host or of a fleet node"
-        if any(_within(v4, block) for block in NOT_PUBLIC):
+        if any(_within(as_ipv4(_single(address)), block) for block in NOT_PUBLIC):
             return f"non-public address {address}"
         return None
 
     def opened(self, address: IPAddress) -> bool:
-        """Inside a network the operator lets tenants open."""
-        return any(_within(as_ipv4(_single(address)), as_ipv4(n)) for n in self.tenant_networks)
+        """Inside a network the operator lets tenants open. The host's and the fleet's own
+        addresses never are (a corporate network opened to tenants must not open the Ray
+        ports of the nodes in it): only a name in the operator's host table reaches them."""
+        if self._protects(address):
+            return False
+        v4 = as_ipv4(_single(address))
+        return any(_within(v4, as_ipv4(n)) for n in self.tenant_networks)
+
+    def _protects(self, address: IPAddress) -> bool:
+        return address in self.protected or (
+            as_ipv4(_single(address)).network_address in self.protected
+        )
 
     def refusal(self, rule: Rule) -> str | None:
         """Why a tenant may not set this allow rule (None: it may): it names only
@@ -207,13 +218,19 @@ class Boundary:
         setting = "egress_tenant_networks"
         if rule.network is not None:
             net = as_ipv4(rule.network)
-            single = rule.network.num_addresses == 1
-            if single and self.closed(rule.network.network_address) is None:
-                return None
-            if not single and not any(_within(net, block) for block in NOT_PUBLIC):
-                return None
-            if any(_within(net, as_ipv4(n)) for n in self.tenant_networks):
-                return None
+            if rule.network.num_addresses == 1:
+                address = rule.network.network_address
+                if self.closed(address) is None or self.opened(address):
+                    return None
+                if self._protects(address):
+                    return (
+                        f"rule {rule.text!r} names {address}, an address of this host or of a "
+                        "fleet node: only a name in the operator's egress_hosts reaches it"
+                    )
+            elif not any(_within(net, block) for block in NOT_PUBLIC) or any(
+                _within(net, as_ipv4(n)) for n in self.tenant_networks
+            ):
+                return None  # it reaches public addresses, or opened ones
             opened = ", ".join(map(str, self.tenant_networks)) or "none"
             return (
                 f"rule {rule.text!r} names addresses that are not public; only the operator "
