@@ -80,7 +80,8 @@ def egress_daemon(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterato
     with running_daemon(
         tmp_path_factory.mktemp("egress-daemon"),
         pool_size="1",
-        egress_hosts=json.dumps(hosts),
+        egress_hosts=json.dumps({**hosts, "api.test": "127.0.0.1"}),
+        egress_tenant_networks=json.dumps([f"{net.web}/32"]),  # tenants may open web's address
         egress_upstream_ca=str(net.ca.cert),
     ) as d:
         yield d
@@ -178,32 +179,36 @@ def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: 
     api_port = int(egress_daemon.url.rsplit(":", 1)[1])
     neighbour = client.create()
     victim = client.create()  # no rules: default deny
-    control = client.create(
-        allow=[
-            "web.test",
-            f"{net.web}/32:80",
-            f"127.0.0.1/32:{api_port}",
-            f"[::ffff:127.0.0.1/128]:{api_port}",
-        ]
-    )
+    # the control reaches the host's loopback only through the operator's doors: a name in
+    # its host table, an address in the network it lets tenants open
+    control = client.create(allow=["web.test", f"{net.web}/32:80", f"api.test:{api_port}"])
     try:
         serve_marker(neighbour)
         exposed = neighbour.expose(8000, expires_in_seconds=600)
-        through_proxy: dict[str, list[object]] = {
-            "domain via proxy": ["proxy", "http://web.test/"],
-            "domain transparently": ["direct", "http://web.test/"],
-            "host service by its address": ["proxy", f"http://{net.web}/"],
-            "host API via proxy": ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
-            "host API as IPv4-mapped IPv6": [
-                "proxy",
-                f"http://[::ffff:127.0.0.1]:{api_port}/v1/health",
-            ],
-            "neighbour's server by its service URL": [
-                "proxy",
-                f"{exposed.url}/m",
-                {"X-Cella-Service-Token": exposed.token},
-            ],
+        api = f"http://api.test:{api_port}/v1/health"
+        # (the victim's probe, the control's probe of the same server)
+        pairs: dict[str, tuple[list[object], list[object]]] = {
+            "domain via proxy": (["proxy", "http://web.test/"],) * 2,
+            "domain transparently": (["direct", "http://web.test/"],) * 2,
+            "host service by its address": (["proxy", f"http://{net.web}/"],) * 2,
+            "host API via proxy": (
+                ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
+                ["proxy", api],
+            ),
+            "host API as IPv4-mapped IPv6": (
+                ["proxy", f"http://[::ffff:127.0.0.1]:{api_port}/v1/health"],
+                ["proxy", api],
+            ),
+            "neighbour's server by its service URL": (
+                ["proxy", f"{exposed.url}/m", {"X-Cella-Service-Token": exposed.token}],
+                [
+                    "proxy",
+                    f"{exposed.url.replace('127.0.0.1', 'api.test')}/m",
+                    {"X-Cella-Service-Token": exposed.token},
+                ],
+            ),
         }
+        through_proxy = {k: v[0] for k, v in pairs.items()}
         # no other door in the guest: (probe, control on the same kind of socket)
         local = {
             "unserved TCP port of the egress address": (
@@ -221,7 +226,9 @@ def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: 
         for name in local:
             assert refused[name].startswith("blocked"), (name, refused[name])
         assert len(net.web_seen.requests) == before  # nothing reached a server
-        opened = probe(control, through_proxy | {k: v[1] for k, v in local.items()})
+        opened = probe(
+            control, {k: v[1] for k, v in pairs.items()} | {k: v[1] for k, v in local.items()}
+        )
         print(json.dumps(opened, indent=1))
         for name, result in opened.items():
             assert result.startswith("open"), (name, result)

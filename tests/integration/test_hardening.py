@@ -46,7 +46,9 @@ def hard(tmp_path_factory: pytest.TempPathFactory, web: tuple[str, Any]) -> Iter
         tmp_path_factory.mktemp("hard"),
         pool_size="0",
         max_upload_mib="8",
-        egress_hosts=json.dumps({"web.test": web[0]}),
+        # the operator's two doors, for the controls: names, and a network tenants may open
+        egress_hosts=json.dumps({"web.test": web[0], "api.test": "127.0.0.1"}),
+        egress_tenant_networks=json.dumps([f"{web[0]}/32"]),
     ) as d:
         yield d
 
@@ -141,30 +143,27 @@ def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, web: tuple[
     api_port = int(hard.url.rsplit(":", 1)[1])
     neighbour = client.create()
     victim = client.create(allow=["0.0.0.0/0", "::/0"])
-    control = client.create(
-        allow=[
-            "web.test",
-            f"{web[0]}/32:80",
-            f"127.0.0.1/32:{api_port}",
-            f"[::ffff:127.0.0.1/128]:{api_port}",
-        ]
-    )
+    control = client.create(allow=["web.test", f"{web[0]}/32:80", f"api.test:{api_port}"])
     try:
         serve_marker(neighbour)
         exposed = neighbour.expose(8000, expires_in_seconds=600)
-        reach: dict[str, list[object]] = {
-            "a name no rule allows": ["proxy", "http://web.test/escape"],
-            "a loopback test server by address": ["proxy", f"http://{web[0]}/escape"],
-            "the daemon API": ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
-            "the daemon API as IPv4-mapped IPv6": [
-                "proxy",
-                f"http://[::ffff:127.0.0.1]:{api_port}/v1/health",
-            ],
-            "the neighbour's server by its service URL": [
-                "proxy",
-                f"{exposed.url}/m",
-                {"X-Cella-Service-Token": exposed.token},
-            ],
+        by_name = exposed.url.replace("127.0.0.1", "api.test")
+        # (the victim's probe, the control's probe of the same server)
+        reach: dict[str, tuple[list[object], list[object]]] = {
+            "a name no rule allows": (["proxy", "http://web.test/escape"],) * 2,
+            "a loopback test server by address": (["proxy", f"http://{web[0]}/escape"],) * 2,
+            "the daemon API": (
+                ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
+                ["proxy", f"http://api.test:{api_port}/v1/health"],
+            ),
+            "the daemon API as IPv4-mapped IPv6": (
+                ["proxy", f"http://[::ffff:127.0.0.1]:{api_port}/v1/health"],
+                ["proxy", f"http://api.test:{api_port}/v1/health"],
+            ),
+            "the neighbour's server by its service URL": (
+                ["proxy", f"{exposed.url}/m", {"X-Cella-Service-Token": exposed.token}],
+                ["proxy", f"{by_name}/m", {"X-Cella-Service-Token": exposed.token}],
+            ),
         }
         local: dict[str, list[object]] = {
             "a port of the egress address nothing serves": ["tcp", "10.0.2.100", api_port],
