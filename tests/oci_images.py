@@ -4,12 +4,15 @@ loopback (Debian's docker-registry) to push them to."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import ssl
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
@@ -103,6 +106,108 @@ def static_image(layout: Path, tag: str = "static") -> None:
     run("umoci", "config", "--image", image, "--config.env", "FOO=static",
         "--config.workingdir", "/srv", "--config.user", "1234",
         "--config.cmd", "/hello")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One member of a hand-made layer: a file, a directory, or a symbolic or hard link."""
+
+    name: str
+    type: bytes = tarfile.REGTYPE
+    data: bytes = b""
+    link: str = ""
+
+
+def write_tar(archive: Path, entries: list[Entry]) -> None:
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for e in entries:
+            info = tarfile.TarInfo(e.name)
+            info.type = e.type
+            info.linkname = e.link
+            info.mode = 0o755 if e.type in (tarfile.DIRTYPE, tarfile.SYMTYPE) else 0o644
+            info.size = len(e.data) if e.type == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(e.data) if info.size else None)
+
+
+def add_layer(image: str, entries: list[Entry], scratch: Path) -> None:
+    """Appends a layer whose tar archive holds exactly `entries`, as written (names and
+    link targets included: nothing is cleaned up on the way)."""
+    archive = scratch / "layer.tar"
+    write_tar(archive, entries)
+    try:
+        run("umoci", "raw", "add-layer", "--image", image, archive)
+    finally:
+        archive.unlink()
+
+
+def on_busybox(layout: Path, tag: str) -> str:
+    """A new image `tag` that starts as the busybox image (made first by busybox_image)."""
+    run("umoci", "tag", "--image", f"{layout}:busybox", tag)
+    return f"{layout}:{tag}"
+
+
+def hostile_tmp_image(layout: Path, host_dir: Path, host_file: Path, tag: str) -> None:
+    """Busybox whose `tmp` is a link to a host directory and whose `etc/hosts` and
+    `etc/resolv.conf` are links to a host file: what the import prepares or writes there
+    must stay in the image."""
+    image = on_busybox(layout, tag)
+    add_layer(image, [
+        Entry("tmp", tarfile.SYMTYPE, link=str(host_dir)),
+        Entry("etc/hosts", tarfile.SYMTYPE, link=str(host_file)),
+        Entry("etc/resolv.conf", tarfile.SYMTYPE, link=str(host_file)),
+    ], layout.parent)  # fmt: skip
+
+
+def hostile_nested_image(layout: Path, host_dir: Path, host_file: Path, tag: str) -> None:
+    """Busybox with a link that climbs out by `a/../..` to a host directory, and a second
+    layer that writes through it, replaces a link to a host file and names a path that
+    climbs out by itself."""
+    image = on_busybox(layout, tag)
+    climb = "a/../../../../../../.." + str(host_dir)
+    add_layer(image, [
+        Entry("a", tarfile.DIRTYPE),
+        Entry("up", tarfile.SYMTYPE, link=climb),
+        Entry("etc/hosts", tarfile.SYMTYPE, link=str(host_file)),
+    ], layout.parent)  # fmt: skip
+    add_layer(image, [
+        Entry("up/planted", data=b"written through the link\n"),
+        Entry("etc/hosts", data=b"the image's own hosts\n"),
+        Entry("a/../../escaped", data=b"a name that climbs\n"),
+    ], layout.parent)  # fmt: skip
+
+
+def many_files_image(layout: Path, files: int, tag: str) -> None:
+    """Busybox with a layer of `files` empty files."""
+    image = on_busybox(layout, tag)
+    add_layer(image, [Entry(f"many/{i}") for i in range(files)], layout.parent)
+
+
+def sparse_image(layout: Path, size: int, tag: str) -> None:
+    """Busybox with a layer holding one sparse file of `size` bytes (a few KiB of tar)."""
+    image = on_busybox(layout, tag)
+    work = layout.parent / f"sparse-{tag}"
+    work.mkdir()
+    try:
+        with open(work / "hole", "wb") as f:
+            f.truncate(size)
+        run("tar", "--sparse", "--format=posix", "-cf", work / "layer.tar", "-C", work, "hole")
+        run("umoci", "raw", "add-layer", "--image", image, work / "layer.tar")
+    finally:
+        shutil.rmtree(work)
+
+
+def escaping_archive(archive: Path, host_dir: Path, levels: int = 8) -> None:
+    """An "OCI archive" whose links each stay inside on paper (`e1 -> s/..` with `s -> .`)
+    but chain, on disk, `levels` directories above wherever it is unpacked; then a file
+    written through the chain into `host_dir`."""
+    entries = [Entry("s0", tarfile.SYMTYPE, link=".")]
+    for i in range(1, levels + 1):
+        entries.append(Entry(f"e{i}", tarfile.SYMTYPE, link=f"s{i - 1}/.."))
+        entries.append(Entry(f"s{i}", tarfile.SYMTYPE, link=f"e{i}/."))
+    entries.append(Entry(f"e{levels}{host_dir}/planted", data=b"written out of the archive\n"))
+    entries.append(Entry("oci-layout", data=b'{"imageLayoutVersion": "1.0.0"}'))
+    entries.append(Entry("index.json", data=b'{"schemaVersion": 2, "manifests": []}'))
+    write_tar(archive, entries)
 
 
 class Registry:

@@ -59,6 +59,16 @@ class DaemonSettings(BaseSettings):
     debian_mirror: str | None = Field(
         default=None, description="Debian mirror for template builds (default: the host's)"
     )
+    image_max_layers: int = Field(default=128, ge=1, description="most layers of an image import")
+    image_max_download_mib: int = Field(
+        default=16384, ge=1, description="most compressed layer bytes one image import fetches"
+    )
+    image_max_unpacked_mib: int = Field(
+        default=65536, ge=1, description="most bytes an image's layers may unpack to"
+    )
+    image_max_files: int = Field(
+        default=2_000_000, ge=1, description="most entries an image's layers may unpack to"
+    )
     listen: str = Field(default=DEFAULT_LISTEN, description="HOST:PORT of the REST API")
     jail: bool = Field(
         default=True,

@@ -13,24 +13,60 @@ any libc, any user.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
 import tarfile
+import tempfile
+import threading
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from cella import errors
 from cella._proc import Progress, quiet, run
+from cella.config import DaemonSettings
+from cella.images import beneath, layers
 from cella.models import ImageConfig
 from cella.paths import Paths
 
 HEADROOM_MIB = 256  # free space a new sandbox's file system starts with
 MIN_DISK_MIB = 512
+WATCH_SECONDS = 0.25  # how often a fetch's growth is looked at
+PARTIAL_BLOBS = "oci-put-blob*"  # skopeo's blobs being written, beside index.json
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+JSON_MAX = 4 << 20  # an index, manifest or config
+LAYOUT_TAG = "image"  # the one image of a layout copied out of a builder
+GuestRead = Callable[[str], Awaitable[AsyncIterator[bytes]]]  # a guest path -> its bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ImportLimits:
+    """What one image import may fetch and unpack: the operator's `image_max_*` settings."""
+
+    layers: int
+    download_mib: int
+    unpacked_mib: int
+    files: int
+
+    @classmethod
+    def of(cls, settings: DaemonSettings) -> ImportLimits:
+        return cls(
+            settings.image_max_layers,
+            settings.image_max_download_mib,
+            settings.image_max_unpacked_mib,
+            settings.image_max_files,
+        )
 
 
 class TemplateMeta(BaseModel):
@@ -98,20 +134,80 @@ def build_from_image(
     credentials: str | None = None,
     kind: Literal["image", "dockerfile"] = "image",
     source: str | None = None,
+    limits: ImportLimits | None = None,
 ) -> TemplateMeta:
     """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
     same image digest already built as this name is a cache hit. `cert_dir` holds CA
-    certificates (`*.crt`) registries are checked against; `credentials` is `user:password`."""
+    certificates (`*.crt`) registries are checked against; `credentials` is `user:password`.
+    An image over `limits` (default: the settings') is refused before it is unpacked."""
+    limits = limits or ImportLimits.of(DaemonSettings())
     layout = paths.images / "oci"
     layout.mkdir(parents=True, exist_ok=True)
     with open(layout.parent / "oci.lock", "w") as lock:  # one build at a time edits the layout
         fcntl.flock(lock, fcntl.LOCK_EX)
         label = source or ref
-        meta = _build(paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials)
+        meta = _build(
+            paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials, limits
+        )
         if meta.kind != kind:  # a cache hit of an image built the other way
             meta = meta.model_copy(update={"kind": kind})
             _write_meta(paths, meta)
         return meta
+
+
+async def copy_layout(read: GuestRead, source: str, dest: Path, limits: ImportLimits) -> str:
+    """Copies the one image of the OCI layout `source` in a builder sandbox (`read` reads
+    its files) into the new layout `dest`, blob by blob: every name on the host is made here
+    from a checked digest, every blob is hashed as it comes, and the layers are held to
+    `limits`. Returns the reference skopeo reads it by."""
+    index_file = dest / "index.json"
+    await _copy(read, f"{source}/index.json", index_file, JSON_MAX)
+    images = json.loads(index_file.read_text()).get("manifests") or []
+    if len(images) != 1:
+        raise errors.BuildFailed(f"the builder's layout holds {len(images)} images, not one")
+    (dest / "blobs" / "sha256").mkdir(parents=True)
+    manifest_file = await _copy_blob(read, source, dest, images[0]["digest"], JSON_MAX)
+    manifest = json.loads(manifest_file.read_text())
+    layer_digests = [layer["digest"] for layer in manifest.get("layers") or []]
+    if len(layer_digests) > limits.layers:
+        raise errors.PayloadTooLarge(
+            f"the image has {len(layer_digests)} layers; image_max_layers is {limits.layers}"
+        )
+    await _copy_blob(read, source, dest, manifest["config"]["digest"], JSON_MAX)
+    budget = limits.download_mib << 20
+    for digest in layer_digests:
+        try:
+            budget -= (await _copy_blob(read, source, dest, digest, budget)).stat().st_size
+        except errors.PayloadTooLarge:
+            raise errors.PayloadTooLarge(
+                f"the image's layers are more than image_max_download_mib "
+                f"({limits.download_mib} MiB)"
+            ) from None
+    (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    own = {**images[0], "annotations": {"org.opencontainers.image.ref.name": LAYOUT_TAG}}
+    index_file.write_text(json.dumps({"schemaVersion": 2, "manifests": [own]}))
+    return f"oci:{dest}:{LAYOUT_TAG}"
+
+
+async def _copy_blob(read: GuestRead, source: str, dest: Path, digest: str, most: int) -> Path:
+    """The blob `digest` of the guest's layout, copied and checked against its digest."""
+    target = _blob(dest, str(digest))
+    await _copy(read, f"{source}/blobs/sha256/{target.name}", target, most)
+    with target.open("rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != target.name:
+            raise errors.BuildFailed(f"the builder's blob {digest[:19]} is not what it names")
+    return target
+
+
+async def _copy(read: GuestRead, path: str, target: Path, most: int) -> None:
+    """Copies the guest file `path` to the new host file `target`, at most `most` bytes."""
+    size = 0
+    with target.open("xb") as out:
+        async for chunk in await read(path):
+            size += len(chunk)
+            if size > most:
+                raise errors.PayloadTooLarge(f"{path} is over {most} bytes")
+            out.write(chunk)
 
 
 def _build(
@@ -124,28 +220,29 @@ def _build(
     disk_mib: int | None,
     cert_dir: Path | None,
     credentials: str | None,
+    limits: ImportLimits,
 ) -> TemplateMeta:
     tag = f"in-{os.getpid()}-{time.monotonic_ns()}"
     timings: dict[str, float] = {}
     started = time.monotonic()
-    source = skopeo_source(ref)
     progress(f"fetching {label}")
-    argv = ["skopeo", "copy", "--quiet", source, f"oci:{layout}:{tag}"]
-    if cert_dir is not None:
-        argv[2:2] = ["--src-cert-dir", str(cert_dir)]
-    auth = paths.build_tmp / f"auth-{tag}.json"
-    if credentials:  # a file, not an argument: arguments are visible to every host user
-        auth.write_text(_auth_json(source, credentials))
-        argv[2:2] = ["--src-authfile", str(auth)]
-    try:
-        run(argv, progress=lambda line: progress(f"  {line}"))
-    except errors.BuildFailed as exc:
-        raise errors.BuildFailed(f"fetching {label} failed: {exc.message}") from None
-    finally:
-        auth.unlink(missing_ok=True)
+    with _readable(paths, skopeo_source(ref), limits) as source:
+        argv = ["skopeo", "copy", "--quiet", source, f"oci:{layout}:{tag}"]
+        if cert_dir is not None:
+            argv[2:2] = ["--src-cert-dir", str(cert_dir)]
+        auth = paths.build_tmp / f"auth-{tag}.json"
+        if credentials:  # a file, not an argument: arguments are visible to every host user
+            auth.write_text(_auth_json(source, credentials))
+            argv[2:2] = ["--src-authfile", str(auth)]
+        try:
+            _fetch(argv, layout, limits, progress)
+        except errors.BuildFailed as exc:
+            raise errors.BuildFailed(f"fetching {label} failed: {exc.message}") from None
+        finally:
+            auth.unlink(missing_ok=True)
     timings["fetch"] = time.monotonic() - started
     try:
-        digest, config = _manifest(layout, tag)
+        digest, blobs, config = _manifest(layout, tag)
         same = _built_before(paths, name, digest, disk_mib)
         if same is not None:
             progress(f"template {name}: {digest[:19]} is built already (cache hit)")
@@ -153,9 +250,105 @@ def _build(
                 same = same.model_copy(update={"name": name, "source": label})
                 _write_meta(paths, same)
             return same
+        _check(blobs, limits)
         return _make(paths, name, label, layout, tag, digest, config, disk_mib, progress, timings)
     finally:
         _untag(layout, tag)
+
+
+@contextlib.contextmanager
+def _readable(paths: Paths, source: str, limits: ImportLimits) -> Iterator[str]:
+    """What skopeo reads for `source`: an OCI archive becomes a layout unpacked here first
+    (skopeo's own extraction follows links the archive makes, out of its directory)."""
+    if not source.startswith("oci-archive:"):
+        yield source
+        return
+    archive, _, image = source.removeprefix("oci-archive:").partition(":")
+    with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix="archive-") as tmp:
+        unpacked = Path(tmp) / "layout"
+        if not layers.unpack_archive(Path(archive), unpacked, limits.download_mib << 20):
+            raise errors.PayloadTooLarge(
+                f"the archive holds more than image_max_download_mib ({limits.download_mib} MiB)"
+            )
+        yield f"oci:{unpacked}" + (f":{image}" if image else "")
+
+
+def _fetch(argv: list[str], layout: Path, limits: ImportLimits, progress: Progress) -> None:
+    """Runs the fetch, stopped once the layout has grown by more than the download limit:
+    a registry declares whatever sizes it likes, and skopeo does not hold it to them."""
+    budget = limits.download_mib << 20
+    before = _disk_bytes(layout)
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+    ) as proc:
+        assert proc.stdout is not None
+        reader = threading.Thread(target=_lines, args=(proc.stdout, tail, progress), daemon=True)
+        reader.start()
+        while True:
+            try:
+                code = proc.wait(WATCH_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if _disk_bytes(layout) - before > budget:
+                    proc.kill()
+                    proc.wait()
+                    for partial in layout.glob(PARTIAL_BLOBS):  # the build holds the layout
+                        partial.unlink(missing_ok=True)
+                    raise errors.PayloadTooLarge(
+                        f"the image's layers are more than image_max_download_mib "
+                        f"({limits.download_mib} MiB)"
+                    ) from None
+        reader.join()
+    if code != 0:
+        shown = "\n".join(tail)
+        raise errors.BuildFailed(f"skopeo exited with {code}:\n{shown}")
+
+
+def _lines(stream: IO[str], tail: deque[str], progress: Progress) -> None:
+    for line in stream:
+        line = line.rstrip("\n")
+        tail.append(line)
+        if line:
+            progress(f"  {line}")
+
+
+def _disk_bytes(root: Path) -> int:
+    """The disk space the files under `root` take (temporary ones being written too)."""
+    total = 0
+    for top, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                total += os.lstat(os.path.join(top, f)).st_blocks * 512
+    return total
+
+
+def _check(blobs: list[Path], limits: ImportLimits) -> None:
+    """Refuses an image over the operator's limits before anything of it is unpacked."""
+    if len(blobs) > limits.layers:
+        raise errors.PayloadTooLarge(
+            f"the image has {len(blobs)} layers; image_max_layers is {limits.layers}"
+        )
+    fetched = sum(blob.stat().st_size for blob in blobs)
+    if fetched > limits.download_mib << 20:
+        raise errors.PayloadTooLarge(
+            f"the image's layers are {fetched >> 20} MiB; "
+            f"image_max_download_mib is {limits.download_mib}"
+        )
+    unpacked = layers.measure(blobs, limits.files, limits.unpacked_mib << 20)
+    if unpacked.over == "files":
+        raise errors.PayloadTooLarge(
+            f"the image unpacks to more than image_max_files ({limits.files}) entries"
+        )
+    if unpacked.over == "bytes":
+        raise errors.PayloadTooLarge(
+            f"the image unpacks to more than image_max_unpacked_mib ({limits.unpacked_mib} MiB)"
+        )
 
 
 def _built_before(
@@ -242,8 +435,8 @@ def _auth_json(source: str, credentials: str) -> str:
     return json.dumps({"auths": {registry: {"auth": token}}})
 
 
-def _manifest(layout: Path, tag: str) -> tuple[str, ImageConfig]:
-    """The manifest digest the tag names, and the image config it points at."""
+def _manifest(layout: Path, tag: str) -> tuple[str, list[Path], ImageConfig]:
+    """The manifest digest the tag names, its layers' blobs and the image config."""
     index = json.loads((layout / "index.json").read_text())
     for desc in index.get("manifests", []):
         if desc.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag:
@@ -253,12 +446,14 @@ def _manifest(layout: Path, tag: str) -> tuple[str, ImageConfig]:
         raise errors.BuildFailed(f"the image was fetched but {tag} is not in the layout")
     manifest = json.loads(_blob(layout, digest).read_text())
     config = json.loads(_blob(layout, manifest["config"]["digest"]).read_text())
-    return digest, _config(config.get("config") or {})
+    blobs = [_blob(layout, layer["digest"]) for layer in manifest.get("layers") or []]
+    return digest, blobs, _config(config.get("config") or {})
 
 
 def _blob(layout: Path, digest: str) -> Path:
-    algo, _, hexd = digest.partition(":")
-    return layout / "blobs" / algo / hexd
+    if not _DIGEST.fullmatch(digest):
+        raise errors.BuildFailed(f"the image names a blob {digest[:80]!r}, not a sha256 digest")
+    return layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
 
 
 def _config(c: dict[str, Any]) -> ImageConfig:
@@ -277,10 +472,22 @@ def _config(c: dict[str, Any]) -> ImageConfig:
 
 
 def _prepare(rootfs: Path) -> None:
-    """Directories the agent mounts over or writes to, present in any image."""
-    for d in ("proc", "sys", "dev", "run", "tmp", "etc", "root"):
-        (rootfs / d).mkdir(exist_ok=True)
-    (rootfs / "tmp").chmod(0o1777)
+    """Directories the agent mounts over or writes to, present in any image. Made inside
+    the tree without following its links: `tmp -> /etc` must not make the host's /etc
+    world-writable. What is a link stays one (the guest follows it, in the guest)."""
+    with beneath.tree(rootfs) as root:
+        for d in ("proc", "sys", "dev", "run", "tmp", "etc", "root"):
+            beneath.make_dir(root, d)
+        try:
+            tmp = beneath.open_beneath(root, "tmp", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            if exc.errno not in beneath.LINK_ERRORS:
+                raise
+            return
+        try:
+            os.fchmod(tmp, 0o1777)
+        finally:
+            os.close(tmp)
 
 
 def _size_mib(root: Path) -> int:

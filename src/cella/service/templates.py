@@ -2,7 +2,8 @@
 
 An image build runs on the host with skopeo and umoci (`cella.images.oci`); a Dockerfile is
 untrusted code, so its build runs inside a builder sandbox (buildah, under the builder's
-egress rules) and only the resulting image archive comes out. Either way the template ends
+egress rules) and only the resulting image comes out, blob by blob, each checked against its
+digest (never an archive for the host to unpack). Either way the template ends
 with its warm snapshot made, so the first sandbox of it restores like any other. A template
 built from an image carries the image's config: `defaults()` lays it under a new sandbox's
 own exec defaults, and `entrypoint()` is what `run_entrypoint` starts.
@@ -141,6 +142,7 @@ class Templates:
                 disk_mib=req.disk_mib,
                 cert_dir=self._certs(),
                 credentials=credentials,
+                limits=oci.ImportLimits.of(self.settings),
             )
             await self._warm(req.name, progress)
         return self.get(req.name)  # with the snapshot's time
@@ -193,24 +195,27 @@ class Templates:
                             "-t", "cella-build", f"{BUILD_DIR}/context"], progress)  # fmt: skip
             progress("exporting the image")
             await self._run(tenant, box.id, [*BUILDAH, "push", "cella-build",
-                            f"oci-archive:{BUILD_DIR}/image.tar"], progress)  # fmt: skip
+                            f"oci:{BUILD_DIR}/layout:cella-build"], progress)  # fmt: skip
+            limits = oci.ImportLimits.of(self.settings)
             with tempfile.TemporaryDirectory(dir=self.paths.build_tmp) as tmp:
-                archive = Path(tmp) / "image.tar"
-                with archive.open("wb") as out:
-                    async for chunk in await self.files.read(
-                        tenant, box.id, f"{BUILD_DIR}/image.tar"
-                    ):
-                        out.write(chunk)
+
+                async def read(path: str) -> AsyncIterator[bytes]:
+                    return await self.files.read(tenant, box.id, path)
+
+                # blob by blob, checked: what the builder made is the guest's, and an
+                # archive of it would be unpacked on the host
+                image = await oci.copy_layout(read, f"{BUILD_DIR}/layout", Path(tmp), limits)
                 async with self._lock(name):
                     await asyncio.to_thread(
                         oci.build_from_image,
                         self.paths,
                         name,
-                        f"oci-archive:{archive}",
+                        image,
                         _threadsafe(progress),
                         disk_mib=disk_mib,
                         kind="dockerfile",
                         source=source,
+                        limits=limits,
                     )
         finally:
             with contextlib.suppress(errors.CellaError):
