@@ -4,10 +4,12 @@ archive, layers over the operator's limits; each with a control that imports."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import tarfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,74 @@ def test_an_oci_archive_imports(paths: Paths, layout: Path, tmp_path: Path) -> N
     direct = build(paths, "from-layout", f"oci:{layout}:busybox")
     assert made.digest == direct.digest and (paths.templates / made.image).exists()
     assert not list(paths.build_tmp.iterdir())  # its unpacked layout is gone
+
+
+# -- a Dockerfile build's image, copied out of its builder -----------------------------------
+
+
+def builder_layout(layout: Path, tmp_path: Path, tag: str = "busybox") -> Path:
+    """The layout `buildah push oci:...` leaves in a builder: one image."""
+    made = tmp_path / "guest-layout"
+    subprocess.run(["skopeo", "copy", "--quiet", f"oci:{layout}:{tag}",
+                    f"oci:{made}:cella-build"], check=True)  # fmt: skip
+    return made
+
+
+def copy_out(guest: Path, dest: Path, limits: ImportLimits = LIMITS) -> str:
+    """`copy_layout` reading the builder's files (here: a directory standing for the guest)."""
+
+    async def read(path: str) -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 16):
+                    yield chunk
+
+        return chunks()
+
+    dest.mkdir()
+    return asyncio.run(oci.copy_layout(read, str(guest), dest, limits))
+
+
+def test_a_builders_image_comes_out_blob_by_blob(
+    paths: Paths, layout: Path, tmp_path: Path
+) -> None:
+    guest = builder_layout(layout, tmp_path)
+    image = copy_out(guest, tmp_path / "copied")
+    made = build(paths, "from-builder", image)
+    assert made.digest == build(paths, "direct", f"oci:{layout}:busybox").digest
+
+
+def test_a_builders_blob_that_is_not_what_it_names_is_refused(
+    paths: Paths, layout: Path, tmp_path: Path
+) -> None:
+    guest = builder_layout(layout, tmp_path)
+    index = json.loads((guest / "index.json").read_text())
+    manifest = guest / "blobs" / "sha256" / index["manifests"][0]["digest"].split(":")[1]
+    layer = json.loads(manifest.read_text())["layers"][0]["digest"].split(":")[1]
+    with open(guest / "blobs" / "sha256" / layer, "ab") as f:
+        f.write(b"more")
+    with pytest.raises(errors.BuildFailed, match="is not what it names"):
+        copy_out(guest, tmp_path / "copied")
+
+
+def test_a_builders_index_that_names_a_path_is_refused(layout: Path, tmp_path: Path) -> None:
+    guest = builder_layout(layout, tmp_path)
+    index = json.loads((guest / "index.json").read_text())
+    index["manifests"][0]["digest"] = "sha256:../../../../etc/passwd"
+    (guest / "index.json").write_text(json.dumps(index))
+    with pytest.raises(errors.BuildFailed, match="not a sha256 digest"):
+        copy_out(guest, tmp_path / "copied")
+    (guest / "index.json").write_text('{"manifests": "no"}')
+    with pytest.raises(errors.BuildFailed, match="not OCI JSON"):
+        copy_out(guest, tmp_path / "copied-again")
+
+
+def test_a_builders_layers_over_the_download_limit(layout: Path, tmp_path: Path) -> None:
+    image = on_busybox(layout, "noisy")
+    add_layer(image, [Entry("noise", data=os.urandom(12 << 20))], layout.parent)
+    guest = builder_layout(layout, tmp_path, "noisy")
+    with pytest.raises(errors.PayloadTooLarge, match=r"image_max_download_mib \(8 MiB\)"):
+        copy_out(guest, tmp_path / "copied")
 
 
 # -- limits ----------------------------------------------------------------------------------

@@ -162,18 +162,18 @@ async def copy_layout(read: GuestRead, source: str, dest: Path, limits: ImportLi
     `limits`. Returns the reference skopeo reads it by."""
     index_file = dest / "index.json"
     await _copy(read, f"{source}/index.json", index_file, JSON_MAX)
-    images = json.loads(index_file.read_text()).get("manifests") or []
+    images = _field(index_file, lambda index: [m["digest"] for m in index["manifests"]])
     if len(images) != 1:
         raise errors.BuildFailed(f"the builder's layout holds {len(images)} images, not one")
     (dest / "blobs" / "sha256").mkdir(parents=True)
-    manifest_file = await _copy_blob(read, source, dest, images[0]["digest"], JSON_MAX)
-    manifest = json.loads(manifest_file.read_text())
-    layer_digests = [layer["digest"] for layer in manifest.get("layers") or []]
+    manifest_file = await _copy_blob(read, source, dest, images[0], JSON_MAX)
+    layer_digests = _field(manifest_file, lambda m: [la["digest"] for la in m.get("layers") or []])
     if len(layer_digests) > limits.layers:
         raise errors.PayloadTooLarge(
             f"the image has {len(layer_digests)} layers; image_max_layers is {limits.layers}"
         )
-    await _copy_blob(read, source, dest, manifest["config"]["digest"], JSON_MAX)
+    config = _field(manifest_file, lambda m: m["config"]["digest"])
+    await _copy_blob(read, source, dest, config, JSON_MAX)
     budget = limits.download_mib << 20
     for digest in layer_digests:
         try:
@@ -184,12 +184,26 @@ async def copy_layout(read: GuestRead, source: str, dest: Path, limits: ImportLi
                 f"({limits.download_mib} MiB)"
             ) from None
     (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    own = {**images[0], "annotations": {"org.opencontainers.image.ref.name": LAYOUT_TAG}}
+    own = {
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": images[0],
+        "size": manifest_file.stat().st_size,
+        "annotations": {"org.opencontainers.image.ref.name": LAYOUT_TAG},
+    }
     index_file.write_text(json.dumps({"schemaVersion": 2, "manifests": [own]}))
     return f"oci:{dest}:{LAYOUT_TAG}"
 
 
-async def _copy_blob(read: GuestRead, source: str, dest: Path, digest: str, most: int) -> Path:
+def _field(document: Path, pick: Callable[[Any], Any]) -> Any:
+    """`pick` applied to the JSON file `document` the builder made; a file that is not the
+    JSON it should be fails the build."""
+    try:
+        return pick(json.loads(document.read_text()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise errors.BuildFailed(f"the builder's {document.name} is not OCI JSON") from None
+
+
+async def _copy_blob(read: GuestRead, source: str, dest: Path, digest: Any, most: int) -> Path:
     """The blob `digest` of the guest's layout, copied and checked against its digest."""
     target = _blob(dest, str(digest))
     await _copy(read, f"{source}/blobs/sha256/{target.name}", target, most)
