@@ -2,13 +2,21 @@
 
 Every node is pinned to 127.0.0.1 and the cluster is meant to run inside a loopback-only
 network namespace (`tests/integration/test_fleet.py` makes one); Ray's usage report and
-cloud-metadata probes are turned off so nothing tries to leave the machine.
+cloud-metadata probes are turned off so nothing tries to leave the machine. The cluster
+runs with Ray's token authentication on, as a fleet must; `open_cluster` runs one without
+it, as Ray leaves a cluster it did not start itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import secrets
+import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,8 @@ HEALTH = {
     "health_check_failure_threshold": 3,
 }
 STORE = 80 << 20  # Ray's minimum object store is 75 MiB
+TOKEN_VARS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_K8S_TOKEN_AUTH")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def quiet_ray_env() -> None:
@@ -36,6 +46,16 @@ def quiet_ray_env() -> None:
     (home / "ray_bootstrap_config.yaml").write_text("{}\n")
     os.environ.update(QUIET_ENV)
     os.environ["HOME"] = str(home)
+    # token authentication on, with a token of this run's own, for every Ray process
+    # started from here on (the cluster's, its workers', the gateway's, the drivers')
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def without_token(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a Ray process with token authentication off and no token to send."""
+    kept = {k: v for k, v in env.items() if k not in TOKEN_VARS}
+    return {**kept, "RAY_AUTH_MODE": "disabled"}
 
 
 class LocalCluster:
@@ -86,3 +106,47 @@ class LocalCluster:
         if ray.is_initialized():  # a driver in this process (an eval) must go first
             ray.shutdown()
         self.cluster.shutdown()
+
+
+@contextlib.contextmanager
+def open_cluster(nodes: dict[str, dict[str, str]]) -> Iterator[str]:
+    """A second cluster, with token authentication off, of the named sandbox nodes (their
+    settings as labels), run by a child process; yields its address."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.raycluster", json.dumps(nodes)],
+        cwd=ROOT,
+        env=without_token(dict(os.environ)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        lines = (line.strip() for line in child.stdout)
+        address = next((ln.split("=", 1)[1] for ln in lines if ln.startswith("address=")), "")
+        if not address:
+            raise RuntimeError(f"the open cluster did not start (exit {child.wait(60)})")
+        yield address
+    finally:
+        child.stdin.close()  # the child shuts its cluster down at the end of its input
+        try:
+            child.wait(120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _serve_cluster(nodes: dict[str, dict[str, str]]) -> None:
+    """`open_cluster`'s child: the cluster lives until standard input ends."""
+    cluster = LocalCluster()
+    try:
+        for name, settings in nodes.items():
+            cluster.add(name, **settings)
+        print(f"address={cluster.address}", flush=True)
+        sys.stdin.read()
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    _serve_cluster(json.loads(sys.argv[1]))

@@ -98,6 +98,15 @@ class DaemonSettings(BaseSettings):
         description="listen on an address other than loopback without TLS (only behind a "
         "proxy that terminates TLS)",
     )
+    # a fleet's Ray cluster (cella.fleet.rayauth)
+    ray_allow_unauthenticated: bool = Field(
+        default=False,
+        description="let the fleet gateway (`cella serve --ray`), a node daemon (its "
+        "`cella/ray_allow_unauthenticated` label) or `cella eval run --ray` join a Ray "
+        "cluster that answers without a token; anyone who reaches such a cluster runs code "
+        "as root on every node. By default they refuse it: start every node with "
+        "RAY_AUTH_MODE=token and the cluster's token (docs/kuberay.md)",
+    )
     audit_keep: int = Field(
         default=1_000_000, ge=1000, description="entries kept in the audit log of key use"
     )

@@ -24,9 +24,11 @@ from cella import Client, errors
 from cella.eval import Task, TaskResult
 from cella.fleet.tls import trusting
 from cella.sdk import Sandbox
+from tests.daemon import Daemon
 from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
 from tests.integration.test_langsmith import SERVER as LS_SERVER
 from tests.integration.test_ports import start_servers
+from tests.raycluster import open_cluster, without_token
 
 
 def create(client: httpx2.Client, **body: object) -> dict[str, object]:
@@ -95,6 +97,80 @@ def test_bad_input_gets_a_clear_error_from_the_gateway(fleet: Fleet, tenant: htt
     assert tenant.get("/v2/sandboxes/boxes").status_code == 401
     # and the control: the same client gets through where it may
     assert tenant.get("/v1/sandboxes").status_code == 200
+
+
+def join_as_driver(address: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`ray.init` of a driver in a process of its own; prints how many nodes it sees."""
+    code = f"import ray; ray.init(address={address!r}); print('nodes', len(ray.nodes()))"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_the_cluster_refuses_a_client_without_its_token(fleet: Fleet) -> None:
+    """Ray's token authentication is on: a driver without the cluster's token, or with a
+    wrong one, is refused by the GCS; the same driver with the token joins."""
+    address = fleet.cluster.address
+    for env in (
+        without_token(dict(os.environ)),
+        {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+    ):
+        refused = join_as_driver(address, env)
+        assert refused.returncode != 0, refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr
+    joined = join_as_driver(address, dict(os.environ))  # control: the token, the same call
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert int(joined.stdout.split()[-1]) > len(NODES), joined.stdout  # the head and nodes
+
+
+def test_node_daemons_hold_no_ray_token(fleet: Fleet) -> None:
+    """The node daemon (and so its VMs' processes) never holds the cluster's token; its
+    actor's worker, which starts it, does."""
+    token = f"RAY_AUTH_TOKEN={os.environ['RAY_AUTH_TOKEN']}".encode()
+    for name in NODES:
+        daemon = int((fleet.node_root / name / "node.pid").read_text())
+        stat = Path(f"/proc/{daemon}/stat").read_text()
+        worker = int(stat.rsplit(")", 1)[1].split()[1])
+        assert token in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")  # control
+        environ = Path(f"/proc/{daemon}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"RAY_AUTH_TOKEN")], name
+
+
+def test_a_cluster_without_token_auth_is_joined_only_when_allowed(tmp_path: Path) -> None:
+    """A cluster that answers without a token: the gateway refuses to start on it, and a
+    node daemon refuses to run on it, unless `ray_allow_unauthenticated` says so (the
+    gateway's flag, a node's `cella/ray_allow_unauthenticated` label)."""
+    nodes = {
+        "o1": NODE_SETTINGS,
+        "o2": {**NODE_SETTINGS, "ray_allow_unauthenticated": "true"},
+    }
+    # the gateway as such a cluster's own drivers are: no token, authentication off
+    tokenless = ["env", "--unset=RAY_AUTH_TOKEN", "RAY_AUTH_MODE=disabled"]
+    with open_cluster(nodes) as address:
+        args = ["--ray", address, "--node-root", str(tmp_path / "nodes")]
+        refused = Daemon(tmp_path / "refused", wrap=tokenless, args=args)
+        try:
+            with pytest.raises(RuntimeError, match="ray_allow_unauthenticated"):
+                refused.start(timeout=240)
+        finally:
+            refused.stop()
+        assert "answers without a token" in refused.log.read_text()
+        allowed = Daemon(
+            tmp_path / "allowed", wrap=tokenless, args=[*args, "--ray-allow-unauthenticated"]
+        ).start(timeout=240)
+        try:
+            admin = httpx2.Client(
+                base_url=allowed.url,
+                headers={"authorization": f"Bearer {allowed.admin_key}"},
+                timeout=60,
+            )
+            shown = {n["name"]: n for n in admin.get("/v1/fleet").json()["nodes"]}
+            assert shown["o2"]["healthy"], shown  # control: the node that allows it joined
+            assert not shown["o1"]["healthy"], shown
+            assert "ray_allow_unauthenticated" in shown["o1"]["reason"], shown
+            assert not (tmp_path / "nodes" / "o1" / "node.pid").exists()  # no daemon ran
+        finally:
+            allowed.stop()
 
 
 def test_creates_spread_over_the_nodes_by_free_capacity(

@@ -1,9 +1,11 @@
 """A fleet on a real multi-node Ray cluster, run inside a loopback-only network namespace.
 
 Ray binds and probes more than loopback when it can, so the fleet's checks
-(`tests/fleet/fleet_checks.py`: a head, three and then four nodes, node daemons, a gateway,
-real microVMs) run in a pytest of their own inside `unshare -n` with only `lo` up; this test
-starts it and requires every check to pass, none skipped.
+(`tests/fleet/fleet_checks.py`: a head, three and then four nodes with Ray's token
+authentication on, node daemons, a gateway, real microVMs, and a second cluster without
+token authentication that the gateway and nodes refuse) run in a pytest of their own inside
+`unshare -n` with only `lo` up; this test starts it and requires every check to pass, none
+skipped.
 """
 
 from __future__ import annotations

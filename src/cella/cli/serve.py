@@ -24,6 +24,13 @@ def serve(
         Path | None,
         typer.Option(help="With --ray: where node daemons keep their data, on each node."),
     ] = None,
+    ray_allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            help="With --ray: join a Ray cluster that answers without a token (anyone who "
+            "reaches it runs code on every node)."
+        ),
+    ] = False,
     tls_cert: Annotated[Path | None, typer.Option(help="Serve HTTPS: certificate (PEM).")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Serve HTTPS: its key (PEM).")] = None,
     allow_insecure_listen: Annotated[
@@ -46,6 +53,7 @@ def serve(
         "tls_cert": tls_cert,
         "tls_key": tls_key,
         "allow_insecure_listen": allow_insecure_listen or None,
+        "ray_allow_unauthenticated": ray_allow_unauthenticated or None,
     }
     flags = {k: v for k, v in given.items() if v is not None}
     settings = Settings(**flags)  # type: ignore[arg-type]

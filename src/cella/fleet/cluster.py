@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cella.fleet import rayauth
 from cella.fleet.node import NAMESPACE, RESOURCE, NodeDaemon, actor_name, node_name
 
 log = logging.getLogger("cella.fleet")
@@ -26,11 +27,13 @@ class RayNode:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def connect(address: str) -> bool:
+def connect(address: str, allow_unauthenticated: bool = False) -> bool:
     """Joins the cluster as a driver (`auto`: the cluster this host belongs to); False when
-    this process already was one."""
+    this process already was one. A cluster without token authentication is refused unless
+    `allow_unauthenticated` (see `rayauth`)."""
     if ray.is_initialized():
         return False
+    rayauth.check(address, allow_unauthenticated)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
         address=address,

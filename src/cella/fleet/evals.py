@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from cella.config import DaemonSettings
 from cella.eval.runner import recorded
 from cella.eval.tasks import Task, TaskResult
 from cella.fleet import cluster
@@ -94,7 +95,7 @@ def run_on_ray(
     """Every task as a Ray task, at most `parallel` at once; results in task order. The
     run is recorded by the gateway as results come in (the web console's eval page)."""
     url, api_key = resolve(url, api_key)
-    joined = cluster.connect(address)
+    joined = cluster.connect(address, DaemonSettings().ray_allow_unauthenticated)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Client(url, api_key) as gateway, _leaving(joined):
         run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)

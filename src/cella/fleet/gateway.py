@@ -76,7 +76,8 @@ class Gateway:
 
     async def start(self) -> None:
         """Joins the cluster and every live node (and its daemon) before serving."""
-        await asyncio.to_thread(cluster.connect, self.address)
+        allow = self.settings.ray_allow_unauthenticated
+        await asyncio.to_thread(cluster.connect, self.address, allow)
         await self.poll(wait=True)
         self._poller = asyncio.create_task(self._poll_forever())
 

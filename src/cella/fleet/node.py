@@ -10,7 +10,9 @@ same data directory, where recovery picks up what the last one left.
 Node settings come from the node's Ray labels: `cella/node-name` names the node (and its
 data directory; Ray's NodeID changes when a raylet restarts), and `cella/<setting>` sets a
 daemon setting (e.g. `cella/pool_size: "0"`, see `cella.config`). The daemon speaks TLS
-only, with a certificate of its own for the node's address (`cella.fleet.tls`).
+only, with a certificate of its own for the node's address (`cella.fleet.tls`). It runs
+only on a cluster that requires Ray's token (`cella.fleet.rayauth`), unless the node's
+`cella/ray_allow_unauthenticated` label says otherwise, and never holds that token.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Any
 
 import httpx2
 import ray
+from pydantic import TypeAdapter
 
+from cella.fleet import rayauth
 from cella.fleet.tls import node_certificate, trusting
 
 NAMESPACE = "cella"
@@ -56,17 +60,27 @@ def daemon_env(labels: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def allows_unauthenticated(env: dict[str, str]) -> bool:
+    """The node's `ray_allow_unauthenticated` setting: its label, else its environment."""
+    value = env.get(f"CELLA_{rayauth.SETTING.upper()}", "false")
+    return TypeAdapter(bool).validate_python(value)
+
+
 @ray.remote(num_cpus=0, max_concurrency=8, max_restarts=-1)  # type: ignore[call-overload]
 class NodeDaemon:
     def __init__(self, data_root: str, name: str, labels: dict[str, str]) -> None:
-        self.node_id = ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        self.env = {**os.environ, **daemon_env(labels)}
+        # no daemon on a cluster that answers without a token, unless this node allows it
+        rayauth.check(context.gcs_address, allows_unauthenticated(self.env))
+        # nor does the daemon (or any process of its VMs) hold the cluster's token
+        for var in ("CELLA_URL", "CELLA_API_KEY", "CELLA_DATA_DIR", *rayauth.TOKEN_VARS):
+            self.env.pop(var, None)
+        self.node_id = context.get_node_id()
         self.name = name
         self.ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.data_dir = Path(data_root) / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **daemon_env(labels)}
-        for var in ("CELLA_URL", "CELLA_API_KEY", "CELLA_DATA_DIR"):
-            self.env.pop(var, None)
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.ca_pem = ""  # the daemon's own certificate: what its clients trust
