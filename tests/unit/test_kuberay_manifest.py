@@ -104,3 +104,26 @@ def test_the_head_runs_the_gateway_and_no_sandboxes() -> None:
     assert "persistentVolumeClaim" in volumes(pod)[mounts(gateway)[flags["--data-dir"]]]
     [service] = [d for d in documents() if d["kind"] == "Service"]
     assert service["spec"]["ports"][0]["targetPort"] in [p["name"] for p in gateway["ports"]]
+
+
+def test_every_ray_process_has_token_authentication_on() -> None:
+    """KubeRay's authOptions turn Ray's token authentication on with the token of a Secret;
+    every container that runs Ray or joins it as a driver (the gateway, beside the head)
+    has the mode and that token, so none depends on what the operator version injects."""
+    spec = cluster()["spec"]
+    assert spec["authOptions"]["mode"] == "token"
+    token = {"name": spec["authOptions"]["secretName"], "key": "auth_token"}
+    head = spec["headGroupSpec"]
+    groups = [head, *spec["workerGroupSpecs"]]
+    containers = [c for g in groups for c in g["template"]["spec"]["containers"]]
+    assert {c["name"] for c in containers} == {"ray-head", "cella-gateway", "ray-worker"}
+    for c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == token, c["name"]
+        assert "CELLA_RAY_ALLOW_UNAUTHENTICATED" not in env, c["name"]
+    # and no part of the fleet is told to join a cluster without it
+    gateway = container(head["template"], "cella-gateway")
+    assert "--ray-allow-unauthenticated" not in gateway["command"]
+    for group in spec["workerGroupSpecs"]:
+        assert "cella/ray_allow_unauthenticated" not in group.get("labels", {})
