@@ -93,19 +93,35 @@ def test_a_file_that_does_not_match_its_manifest_is_refused(
 
 
 def test_only_admin_keys_move_snapshots(nodes: tuple[Daemon, Daemon]) -> None:
+    """A tenant key can neither export a snapshot nor read its files: not another
+    tenant's, not even its own. The control: the admin key gets both snapshots."""
     a, b = nodes
     with Client(a.url, a.admin_key) as ca:
         key = ca.create_key("someone")["key"]
-    for path in (
-        "/v1/snapshots/snap-0123456789abcdef/export",
-        "/v1/snapshots/snap-0123456789abcdef/files/ram",
-    ):
-        got = httpx2.get(f"{a.url}{path}", headers={"authorization": f"Bearer {key}"})
-        assert got.status_code == 403, got.text
-    admin = httpx2.get(
-        f"{a.url}/v1/snapshots/snap-0123456789abcdef/export",
-        headers={"authorization": f"Bearer {a.admin_key}"},
-    )
-    assert admin.status_code == 404  # the control: an admin key gets past the check
+        with ca.create() as sb:
+            theirs = sb.snapshot("another tenant's").id
+    with Client(a.url, key) as tenant:
+        with tenant.create() as sb:
+            own = sb.snapshot("its own").id
+        assert [s.id for s in tenant.snapshots()] == [own]  # whose is whose
+
+    def get(path: str, key: str) -> httpx2.Response:
+        headers = {"authorization": f"Bearer {key}", "range": "bytes=0-15"}
+        return httpx2.get(f"{a.url}/v1/snapshots/{path}", headers=headers, timeout=60)
+
+    try:
+        for snap in (own, theirs):
+            for path in (f"{snap}/export", f"{snap}/files/state", f"{snap}/files/ram"):
+                refused = get(path, key)
+                assert refused.status_code == 403, (path, refused.text)
+                assert refused.json()["error"]["code"] == "permission_denied", refused.text
+                allowed = get(path, a.admin_key)  # the control
+                assert allowed.status_code in (200, 206), (path, allowed.text)
+            assert get(f"{snap}/export", a.admin_key).json()["snapshot"]["id"] == snap
+        assert len(get(f"{own}/files/state", a.admin_key).content) == 16
+    finally:
+        with Client(a.url, a.admin_key) as ca, Client(a.url, key) as tenant:
+            ca.get_snapshot(theirs).delete()
+            tenant.get_snapshot(own).delete()
     bad = take_in(b, a, "../../etc")
     assert bad.status_code == 400
