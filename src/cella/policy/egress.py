@@ -239,7 +239,10 @@ class Boundary:
             )
         name = rule.domain or ""
         if (name == "localhost" or name.endswith(".localhost")) and name not in self.names:
-            return f"rule {rule.text!r} names the host's loopback; only the operator opens it"
+            return (
+                f"rule {rule.text!r} names the host's loopback: only a name in the operator's "
+                "egress_hosts reaches it"
+            )
         return None
 
 
