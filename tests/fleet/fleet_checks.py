@@ -357,8 +357,9 @@ def test_the_langsmith_sdk_through_the_gateway(fleet: Fleet, tenant: httpx2.Clie
             with box.tunnel(remote_port=8000, local_port=0) as tunnel:  # a WebSocket, relayed
                 got = httpx.get(f"http://127.0.0.1:{tunnel.local_port}/index.txt", timeout=30)
                 assert got.text == "served from the guest\n"
-            with pytest.raises(LangSmithError):  # names are unique across the fleet
+            with pytest.raises(LangSmithError, match="ls-box") as taken:  # unique in the fleet
                 client.create_sandbox(name="ls-box")
+            assert taken.value.__cause__.response.status_code == 409
             snap = box.capture_snapshot("ls-env")
             assert snap.status == "ready"
             names = [b.name for b in client.list_sandboxes()]
@@ -392,10 +393,38 @@ def test_node_daemons_speak_tls_with_their_own_certificate(fleet: Fleet) -> None
         cert = (fleet.node_root / node["name"] / "tls" / "node.crt").read_text()
         assert node["url"].startswith("https://127.0.0.1:")
         assert httpx2.get(f"{node['url']}/v1/health", verify=trusting(cert)).status_code == 200
-        with pytest.raises(httpx2.HTTPError):  # not trusted by default: it is the node's own
+        # not trusted by default: it is the node's own
+        with pytest.raises(httpx2.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx2.get(f"{node['url']}/v1/health", timeout=5)
-        with pytest.raises(httpx2.HTTPError):  # and no API in clear on that port
+        # and no API in clear on that port
+        with pytest.raises(httpx2.RemoteProtocolError, match="without sending a response"):
             httpx2.get(node["url"].replace("https", "http") + "/v1/health", timeout=5)
+
+
+def test_no_tenant_rule_opens_a_node(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """The gateway tells every node the fleet's addresses; a tenant's rule naming one is
+    refused through the gateway, before any VM is made."""
+    for node in fleet.admin.get("/v1/fleet").json()["nodes"]:
+        told = json.loads((fleet.node_root / node["name"] / "egress" / "fleet-addresses.json")
+                          .read_text())  # fmt: skip
+        assert "127.0.0.1" in told, told  # every node of this cluster is there
+        key = (fleet.node_root / node["name"] / "admin.key").read_text().strip()
+        boundary = httpx2.get(
+            f"{node['url']}/v1/egress/boundary",
+            headers={"authorization": f"Bearer {key}"},
+            verify=trusting((fleet.node_root / node["name"] / "tls" / "node.crt").read_text()),
+        ).json()
+        assert set(told) <= set(boundary["protected"]), (told, boundary)
+    before = tenant.get("/v1/sandboxes").json()["sandboxes"]
+    for rule in ("127.0.0.1:8420", "169.254.169.254", "10.0.0.0/8"):
+        refused = tenant.post("/v1/sandboxes", json={**SHAPE, "network": {"allow": [rule]}})
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "destination_forbidden"
+    assert tenant.get("/v1/sandboxes").json()["sandboxes"] == before  # nothing was made
+    # control: a public address is a tenant's to open
+    made = create(tenant, network={"allow": ["93.184.216.34:443"]})
+    assert made["network"]["allow"] == ["93.184.216.34:443"]
+    tenant.delete(f"/v1/sandboxes/{made['id']}")
 
 
 def test_secrets_are_kept_on_every_node(fleet: Fleet, tenant: httpx2.Client) -> None:
