@@ -29,6 +29,8 @@ def test_the_tree_groups_by_status() -> None:
     assert all(
         issubclass(errors.ALL_ERRORS[c], errors.Conflict) for c in ("in_use", "invalid_state")
     )
-    assert {c for c, cls in errors.ALL_ERRORS.items() if cls.status == 403} == {"permission_denied"}
+    forbidden = {c for c, cls in errors.ALL_ERRORS.items() if cls.status == 403}
+    assert forbidden == {"permission_denied", "destination_forbidden"}
+    assert issubclass(errors.DestinationForbidden, errors.PermissionDenied)
     assert errors.Forbidden is errors.PermissionDenied
     assert set(errors.__all__) >= {cls.__name__ for cls in every}
