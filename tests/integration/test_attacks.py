@@ -128,11 +128,17 @@ def sh(sb: Sandbox, command: str, timeout: float = 120) -> tuple[int, str]:
     return r.exit_code, r.stdout.decode(errors="replace") + r.stderr.decode(errors="replace")
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
+
+
+def peak_from_now(pid: int) -> int:
+    """Resets the process's peak resident size (VmHWM) to what it holds now; returns that."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return rss_kib(pid, "VmHWM")
 
 
 # -- 1. secrets coming back -----------------------------------------------------------------
@@ -293,12 +299,17 @@ def test_the_console_cannot_fill_the_host(client: Client, attacked: Daemon) -> N
             timeout=300,
         )
         assert code == 0, out
-        time.sleep(2.5)  # the daemon trims about once a second
-        logs = list((attacked.data_dir / "vms" / sb.id).glob("console.log*"))
-        sizes = {p.name: p.stat().st_size for p in logs}
-        print(sizes)
         # at most the cap in the log and half of it in the rotated one, of 4 MiB written
-        assert sum(sizes.values()) <= 2 * CONSOLE_KIB << 10, sizes
+        # (the daemon trims about once a second)
+        deadline = time.monotonic() + 30
+        while True:
+            logs = list((attacked.data_dir / "vms" / sb.id).glob("console.log*"))
+            sizes = {p.name: p.stat().st_size for p in logs}
+            if sum(sizes.values()) <= 2 * CONSOLE_KIB << 10:
+                break
+            assert time.monotonic() < deadline, sizes
+            time.sleep(0.1)
+        print(sizes)
         # control: the console got the output (its end is kept)
         text = b"".join(p.read_bytes() for p in logs)
         assert b"console-end-marker" in text and b"x" * 1000 in text
@@ -354,20 +365,22 @@ def test_exec_output_is_bounded_in_the_daemon(client: Client, attacked: Daemon) 
     pid = attacked.proc.pid
     sb = client.create()
     try:
-        before = rss_kib(pid)
+        # the whole output (64 MiB) held at once would raise the daemon's peak by more than
+        # the bound; what it keeps (4 MiB) and the frames in flight stay well under it
+        before = peak_from_now(pid)
         r = sb.exec("yes abcdefghij | head -c 64M", timeout=300)
-        grew = rss_kib(pid) - before
+        grew = rss_kib(pid, "VmHWM") - before
         print(f"buffered exec: kept {len(r.stdout)}, cut {r.stdout_truncated}; daemon +{grew} KiB")
         assert len(r.stdout) == OUTPUT_CAP_MIB << 20
         assert r.stdout_truncated == (64 - OUTPUT_CAP_MIB) << 20
-        assert grew < 80 << 10
+        assert grew < 32 << 10
         # streamed: unbounded, but a slow reader slows the guest instead of filling the daemon
-        before, peak, total = rss_kib(pid), 0, 0
+        before, total = peak_from_now(pid), 0
         for n, event in enumerate(sb.exec_stream("yes abcdefghij | head -c 64M", timeout=300)):
             total += len(event.bytes)
             if n < 40:
                 time.sleep(0.05)
-                peak = max(peak, rss_kib(pid) - before)
+        peak = rss_kib(pid, "VmHWM") - before
         print(f"streamed exec: {total} bytes; daemon peak +{peak} KiB while the reader lagged")
         assert total == 64 << 20
         assert peak < 48 << 10
@@ -387,9 +400,11 @@ def test_made_up_names_are_never_looked_up(client: Client, net: Net) -> None:
             assert "denied" in out or "curl" in out
         # control: a name a rule allows is looked up, through the same resolver
         sh(sb, "curl -sS -m 10 http://lookup-control.test/")
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not any(n.startswith("lookup-control.test") for n in net.dns.names):
+            assert time.monotonic() < deadline, net.dns.names
+            time.sleep(0.05)
         print("looked up:", net.dns.names)
-        assert any(n.startswith("lookup-control.test") for n in net.dns.names)
         assert not [n for n in net.dns.names if "exfil" in n]
     finally:
         sb.delete()
@@ -416,10 +431,9 @@ def test_a_guest_breaking_the_protocol_gets_a_clear_state(client: Client) -> Non
         with pytest.raises(errors.InvalidArgument):  # 2 MiB of argument: refused up front
             sb.exec(["echo", "x" * (2 << 20)])
         sb.files.write("/tmp/garbage.py", GARBAGE)
-        with pytest.raises(errors.CellaError) as broke:
+        with pytest.raises(errors.AgentUnavailable, match="broke the protocol"):
             sb.exec(["python3", "/tmp/garbage.py"], timeout=60)
             sb.exec(["true"])
-        assert broke.value.code in ("agent_unavailable", "sandbox_crashed"), broke.value
         with pytest.raises(errors.AgentUnavailable):
             sb.exec(["true"])  # typed, not a 500
         for _ in range(50):
