@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,11 +18,21 @@ from pathlib import Path
 import pytest
 
 from cella import Client, errors
+from cella.models import EgressDecision
+from cella.paths import Paths
 from tests.daemon import Daemon, running_daemon
 from tests.netservers import TestCA, free_loopback_block
-from tests.oci_images import Registry, busybox_image, static_image
+from tests.oci_images import (
+    Registry,
+    busybox_image,
+    hostile_nested_image,
+    hostile_tmp_image,
+    many_files_image,
+    sparse_image,
+    static_image,
+)
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
 
 @dataclass
@@ -31,6 +44,13 @@ class Images:
     busybox: str  # the registry reference, as the host sees it
     private_busybox: str
     static_archive: Path  # a `docker save`-style archive
+    host_dir: Path  # stands for the host's /etc: hostile images link to it
+    host_file: Path  # and to this, standing for /etc/hosts
+    hostile: dict[str, str]  # name -> registry reference
+
+
+FILE_LIMIT = 1000  # the image daemon's image_max_files
+UNPACKED_MIB = 64  # and its image_max_unpacked_mib
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +59,15 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
     layout = root / "layout"
     busybox_image(layout)
     static_image(layout)
+    host_dir, host_file = root / "host-etc", root / "host-hosts"
+    host_dir.mkdir()
+    host_dir.chmod(0o755)
+    host_file.write_text("the host's own\n")
+    hostile_tmp_image(layout, host_dir, host_file, "hostile-tmp")
+    hostile_nested_image(layout, host_dir, host_file, "hostile-nested")
+    many_files_image(layout, FILE_LIMIT + 200, "many-files")
+    many_files_image(layout, FILE_LIMIT - 200, "fewer-files")
+    sparse_image(layout, 10 << 30, "sparse")
     prefix = free_loopback_block()
     ca = TestCA(root / "ca", ["registry.test", "private.test", f"{prefix}.1", f"{prefix}.2"])
     registry = Registry(root / "registry", f"{prefix}.1", ca)
@@ -66,6 +95,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
                 f"oci:{layout}:busybox", "team/busybox:1", creds="puller:s3cret"
             ),
             static_archive=archive,
+            host_dir=host_dir,
+            host_file=host_file,
+            hostile={
+                tag: registry.push(f"oci:{layout}:{tag}", f"{tag}:1")
+                for tag in ("hostile-tmp", "hostile-nested", "many-files", "fewer-files", "sparse")
+            },
         )
     finally:
         registry.close()
@@ -80,13 +115,16 @@ def image_daemon(tmp_path_factory: pytest.TempPathFactory, images: Images) -> It
         pool_size="0",
         extra_ca_certificates=json.dumps([str(images.ca.cert)]),
         egress_hosts=json.dumps(hosts),
+        image_max_files=str(FILE_LIMIT),
+        image_max_unpacked_mib=str(UNPACKED_MIB),
     ) as d:
         yield d
 
 
 # what this module builds: templates live in the host's image directory, beside the daemon
 MADE = ["bb", "bb2", "static", "bb-layout", "private", "mine", "doomed", "bb-cli",
-        "from-dockerfile"]  # fmt: skip
+        "from-dockerfile", "hostile-tmp", "hostile-nested", "many-files", "fewer-files",
+        "sparse", "links-out"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +281,60 @@ def test_template_in_use_is_not_removed(admin: Client, images: Images) -> None:
         admin.delete_template("doomed")
 
 
+def host_unchanged(images: Images) -> None:
+    assert images.host_dir.stat().st_mode & 0o7777 == 0o755
+    assert list(images.host_dir.iterdir()) == []
+    assert images.host_file.read_text() == "the host's own\n"
+
+
+@pytest.mark.hardening
+def test_an_image_linking_to_the_host_changes_nothing_there(
+    admin: Client, images: Images, busybox: list[str]
+) -> None:
+    """`tmp` links to a host directory, `etc/hosts` and `etc/resolv.conf` to a host file:
+    the import prepares the image without following them, the guest keeps them as links."""
+    admin.build_template("hostile-tmp", images.hostile["hostile-tmp"])
+    host_unchanged(images)
+    with admin.create("hostile-tmp") as sb:
+        assert run(sb, ["busybox", "readlink", "/tmp"]) == (0, str(images.host_dir))
+    with admin.create("bb") as sb:  # control: a real /tmp is opened to every user
+        assert run(sb, ["stat", "-c", "%a", "/tmp"]) == (0, "1777")
+
+
+@pytest.mark.hardening
+def test_links_and_names_that_climb_out_stay_in_the_image(
+    admin: Client, images: Images, busybox: list[str]
+) -> None:
+    admin.build_template("hostile-nested", images.hostile["hostile-nested"])
+    host_unchanged(images)
+    with admin.create("hostile-nested") as sb:  # where they landed: inside the guest's root
+
+        def cat(path: str) -> tuple[int, str]:
+            return run(sb, ["cat", path], user="root")  # (umoci made the parents 0700)
+
+        assert cat(f"{images.host_dir}/planted") == (0, "written through the link")
+        assert cat("/escaped") == (0, "a name that climbs")
+        assert cat("/etc/hosts") == (0, "the image's own hosts")
+
+
+@pytest.mark.hardening
+def test_a_layer_bomb_is_refused_naming_the_limit(admin: Client, images: Images) -> None:
+    with pytest.raises(errors.PayloadTooLarge, match=rf"image_max_files \({FILE_LIMIT}\)"):
+        admin.build_template("many-files", images.hostile["many-files"])
+    sparse = rf"image_max_unpacked_mib \({UNPACKED_MIB} MiB\)"  # 10 GiB in a few KiB of tar
+    with pytest.raises(errors.PayloadTooLarge, match=sparse):
+        admin.build_template("sparse", images.hostile["sparse"])
+    names = [t.name for t in admin.templates()]
+    assert "many-files" not in names and "sparse" not in names
+    stages = [p.name for p in Paths.default().build_tmp.iterdir()]
+    assert not [n for n in stages if n.startswith(("image-many-files-", "image-sparse-"))]
+    made = admin.build_template("fewer-files", images.hostile["fewer-files"])  # control
+    with admin.create("fewer-files") as sb:
+        code, out = run(sb, ["ls", "/many"], user="root")
+        assert code == 0 and len(out.split()) == FILE_LIMIT - 200
+    assert made.built
+
+
 def test_guests_trust_the_operators_extra_ca(admin: Client, images: Images) -> None:
     """The registry's certificate is signed by the extra CA only: a guest verifies it with
     curl, Python and git's variables; the same request with the stock roots fails."""
@@ -326,20 +418,50 @@ def test_dockerfile_builds_in_a_builder_sandbox(
     assert builders == []  # the builder sandbox is gone
 
 
+def registry_decisions(admin: Client, template: str) -> list[EgressDecision]:
+    """What the egress proxy decided for registry.test in the (deleted) builder of
+    `template`."""
+    labels = {"cella.role": "template-builder", "cella.template": template}
+    (builder,) = admin.list(state="deleted", labels=labels)
+    return [d for d in builder.egress() if d.host == "registry.test"]
+
+
 def test_dockerfile_build_reaches_only_what_it_is_allowed(
     admin: Client, tmp_path: Path, busybox: list[str]
 ) -> None:
-    """The same Dockerfile without the registry allowed fails at its FROM, and says so."""
+    """The same Dockerfile without the registry allowed fails at its FROM, and the
+    builder's egress log shows why: the proxy refused the registry. With it allowed, the
+    registry is reached and the build fails only at its own failing step."""
     (tmp_path / "Dockerfile").write_text("FROM registry.test/busybox:1\nRUN true\n")
     with pytest.raises(errors.BuildFailed, match="bud step failed"):
         admin.build_template_from_dockerfile("unreachable", tmp_path)
+    tried = registry_decisions(admin, "unreachable")
+    assert tried and not any(d.allowed for d in tried), tried
     (tmp_path / "Dockerfile").write_text("FROM registry.test/busybox:1\nRUN exit 3\n")
     with pytest.raises(errors.BuildFailed, match="bud step failed"):
         admin.build_template_from_dockerfile("failing", tmp_path, allow=["registry.test"])
+    tried = registry_decisions(admin, "failing")  # control: the same way, allowed
+    assert tried and all(d.allowed for d in tried), tried
     names = [t.name for t in admin.templates()]
     assert "unreachable" not in names and "failing" not in names
     with pytest.raises(errors.InvalidArgument, match="inside the context"):
         admin.build_template_from_dockerfile("x", tmp_path, dockerfile="../Dockerfile")
+
+
+@pytest.mark.hardening
+def test_a_dockerfile_image_linking_to_the_host_changes_nothing_there(
+    admin: Client, images: Images, tmp_path: Path, busybox: list[str]
+) -> None:
+    """A Dockerfile build's image comes out of the builder and is imported the same way:
+    its `tmp -> host directory` stays a link in the image."""
+    (tmp_path / "Dockerfile").write_text(
+        "FROM registry.test/busybox:1\nUSER root\n"
+        f"RUN rm -rf /tmp && busybox ln -s {images.host_dir} /tmp\n"
+    )
+    admin.build_template_from_dockerfile("links-out", tmp_path, allow=["registry.test"])
+    host_unchanged(images)
+    with admin.create("links-out") as sb:
+        assert run(sb, ["busybox", "readlink", "/tmp"]) == (0, str(images.host_dir))
 
 
 def test_docker_runs_inside_a_sandbox(admin: Client, images: Images) -> None:
@@ -362,3 +484,64 @@ def test_docker_runs_inside_a_sandbox(admin: Client, images: Images) -> None:
         assert code != 0 and "private.test" in out, out
         denied = [d for d in sb.egress() if d.host.startswith("private.test") and not d.allowed]
         assert denied, [d.model_dump() for d in sb.egress()]
+
+
+# -- the start-up walk beside a build ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def churning(directory: Path) -> Iterator[None]:
+    """Files open to others appear in `directory` and vanish again until the block ends."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            f = directory / f"f{n % 64}"
+            f.write_text("x")
+            f.chmod(0o644)
+            f.unlink(missing_ok=True)
+            n += 1
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+@pytest.mark.hardening
+def test_a_daemon_starts_beside_a_template_build(tmp_path: Path) -> None:
+    """A build's chroot in the shared image directory has /proc mounted in it (as
+    `cella setup --template docker` does); the data directory, left open by an older
+    version, holds /proc and a tmpfs mounted too, and files that vanish. The daemon starts,
+    enters none of them, and still closes what is its own."""
+    scratch = Paths.default().images / "tmp" / f"template-beside-{os.getpid()}"
+    (scratch / "rootfs" / "proc").mkdir(parents=True)
+    data = tmp_path / "data"
+    for d in (data / "mounted" / "proc", data / "mounted" / "tmpfs", data / "churn"):
+        d.mkdir(parents=True)
+    for d in (data, data / "mounted", data / "mounted" / "proc", data / "churn"):
+        d.chmod(0o755)
+    (data / "left-open").write_text("made with an old umask")
+    (data / "left-open").chmod(0o644)
+    mounts = (
+        f"mount --bind /proc {scratch}/rootfs/proc && "
+        f"mount --bind /proc {data}/mounted/proc && "
+        f"mount -t tmpfs -o mode=0755 beside {data}/mounted/tmpfs && "
+        f"echo x > {data}/mounted/tmpfs/other && chmod 644 {data}/mounted/tmpfs/other"
+    )
+    wrap = ["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "-"]
+    try:
+        with churning(data / "churn"), running_daemon(data, wrap=wrap, pool_size="0") as d:
+            assert d.proc is not None
+            seen = Path(f"/proc/{d.proc.pid}/root")  # the daemon's mounts, as it sees them
+            assert (seen / str(scratch).lstrip("/") / "rootfs" / "proc" / "self").exists()
+            other = seen / str(data).lstrip("/") / "mounted" / "tmpfs" / "other"
+            assert other.stat().st_mode & 0o777 == 0o644  # another file system: not entered
+        assert (data / "left-open").stat().st_mode & 0o777 == 0o600  # control: its own closed
+        assert data.stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(scratch)
