@@ -138,8 +138,9 @@ def serve_marker(sb: Sandbox) -> None:
 def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, web: tuple[str, Any]) -> None:
     """Every way out of the guest goes through the egress proxy; with the broadest address
     rules there are, it still refuses the host's loopback (the daemon, a test server, a
-    neighbour's service URL) and names no rule allows. The control: a sandbox whose narrow
-    rules open exactly those paths gets through with the same probes."""
+    neighbour's service URL) and names no rule allows. The control: a sandbox whose rules
+    open exactly those paths through the operator's doors (a name in its host table, an
+    address in the network it lets tenants open) gets through with the same probes."""
     api_port = int(hard.url.rsplit(":", 1)[1])
     neighbour = client.create()
     victim = client.create(allow=["0.0.0.0/0", "::/0"])

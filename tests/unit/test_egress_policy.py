@@ -88,13 +88,18 @@ def test_non_public_addresses_are_guarded() -> None:
     # the operator's host table opens them
     assert p.decide("internal.example", 80, [ip("10.1.2.3")], trusted=True).allowed
     # a tenant's narrow address rule does not, unless the operator's tenant networks hold it
-    narrow = Policy.parse(["internal.example", "10.0.0.0/8"])
+    narrow = Policy.parse(["internal.example", "10.1.0.0/16"])
     assert not narrow.decide("internal.example", 80, [ip("10.1.2.3")]).allowed
     assert not narrow.decide("10.1.2.3", 5432).allowed
     opened = Boundary(tenant_networks=(ipaddress.ip_network("10.1.0.0/16"),))
     assert narrow.decide("internal.example", 80, [ip("10.1.2.3")], boundary=opened).allowed
     assert narrow.decide("10.1.2.3", 5432, boundary=opened).allowed
     assert not narrow.decide("10.2.0.1", 5432, boundary=opened).allowed  # outside the network
+    # a rule wider than the operator's network opens only what is public
+    wide = Policy.parse(["internal.example", "10.0.0.0/8", "0.0.0.0/0"])
+    assert not wide.decide("10.1.2.3", 5432, boundary=opened).allowed
+    assert not wide.decide("internal.example", 80, [ip("10.1.2.3")], boundary=opened).allowed
+    assert wide.decide("internal.example", 80, [ip("10.1.2.3")], trusted=True).allowed  # its name
     # inside the operator's network a tenant's rule is still needed
     assert (
         not Policy.parse(["internal.example"])
@@ -183,7 +188,9 @@ def test_lookups_only_when_they_matter() -> None:
     assert not by_address.needs_addresses("c2VjcmV0.attacker.example", 443)
     assert not by_address.decide("db.internal", 5432, [ip("10.1.2.3")], boundary=inside).allowed
     # unless the name is the operator's (its addresses come from the table, not DNS)
-    assert by_address.decide("db.internal", 5432, [ip("10.1.2.3")], trusted=True).allowed
+    assert by_address.decide(
+        "db.internal", 5432, [ip("10.1.2.3")], trusted=True, boundary=inside
+    ).allowed
 
 
 def test_secret_host_binding_ignores_ports() -> None:

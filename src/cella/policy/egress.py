@@ -12,8 +12,8 @@ Rules are the tenant's; the `Boundary` is the operator's. Restricted addresses (
 not public: loopback, private and shared ranges, link-local with every metadata endpoint,
 unique- and site-local IPv6, IPv4 addresses embedded in IPv6 forms of these; plus the host's
 own interface addresses and every fleet node's) are reached only through the operator: a
-name in the operator's host table, or an address inside the operator's tenant networks that
-a tenant's CIDR rule also covers. A tenant's rule that could only name restricted addresses
+name in the operator's host table, or an address inside the operator's tenant networks by a
+tenant's CIDR rule inside them too. A tenant's rule that could only name restricted addresses
 is refused when it is set (`Boundary.refusal`); the same check runs again at every connect.
 The host's and the fleet's own addresses stay closed inside tenant networks too: only the
 host table reaches them.
@@ -203,8 +203,11 @@ class Boundary:
         ports of the nodes in it): only a name in the operator's host table reaches them."""
         if self._protects(address):
             return False
-        v4 = as_ipv4(_single(address))
-        return any(_within(v4, as_ipv4(n)) for n in self.tenant_networks)
+        return self.holds(_single(address))
+
+    def holds(self, network: IPNetwork) -> bool:
+        """The whole network lies inside the operator's tenant networks."""
+        return any(_within(as_ipv4(network), as_ipv4(n)) for n in self.tenant_networks)
 
     def _protects(self, address: IPAddress) -> bool:
         return address in self.protected or (
@@ -227,9 +230,7 @@ class Boundary:
                         f"rule {rule.text!r} names {address}, an address of this host or of a "
                         "fleet node: only a name in the operator's egress_hosts reaches it"
                     )
-            elif not any(_within(net, block) for block in NOT_PUBLIC) or any(
-                _within(net, as_ipv4(n)) for n in self.tenant_networks
-            ):
+            elif not any(_within(net, block) for block in NOT_PUBLIC) or self.holds(net):
                 return None  # it reaches public addresses, or opened ones
             opened = ", ".join(map(str, self.tenant_networks)) or "none"
             return (
@@ -306,7 +307,11 @@ class Policy:
         by_name = next((r for r in self.allow if r.matches_name(name, port)), None)
         if by_name is None:
             by_cidr = next(
-                (r for r in self.allow if addresses and all(r.covers(a, port) for a in addresses)),
+                (
+                    r
+                    for r in self.allow
+                    if addresses and all(self._opens(r, a, port, boundary) for a in addresses)
+                ),
                 None,
             )
             if by_cidr is not None and trusted:
@@ -320,13 +325,23 @@ class Policy:
                 return Decision(False, f"{name} resolves to {refused.reason}")
         return Decision(True, f"allowed by rule {by_name.text}")
 
+    @staticmethod
+    def _opens(rule: Rule, address: IPAddress, port: int, boundary: Boundary) -> bool:
+        """The rule covers the address, and may reach it: a public address, or one inside
+        the operator's tenant networks by a rule inside them too (`0.0.0.0/0` means every
+        public address, never the networks the operator opened)."""
+        if not rule.covers(address, port):
+            return False
+        if boundary.closed(address) is None:
+            return True
+        assert rule.network is not None
+        return boundary.opened(address) and boundary.holds(rule.network)
+
     def _guarded(self, address: IPAddress, port: int, boundary: Boundary) -> Decision | None:
-        """A refusal if `address` is restricted and neither inside the operator's tenant
-        networks nor covered there by an address rule of the tenant's."""
+        """A refusal if `address` is restricted and no address rule of the tenant's opens
+        it inside the operator's tenant networks."""
         why = boundary.closed(address)
-        if why is None:
-            return None
-        if boundary.opened(address) and any(r.covers(address, port) for r in self.allow):
+        if why is None or any(self._opens(r, address, port, boundary) for r in self.allow):
             return None
         return Decision(False, f"{why}, which only the operator opens")
 
