@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -22,7 +23,7 @@ import pytest
 
 from cella import Client, Sandbox, errors
 from cella.runtime.qemu.vm import SOCKET_ROOT, qemu_cmdline
-from tests.conftest import qemu_pids
+from tests.conftest import qemu_of, qemu_pids
 from tests.daemon import Daemon, kill_vms_of, running_daemon
 from tests.netservers import EchoHandler, Servers, free_loopback_block
 
@@ -460,13 +461,16 @@ def test_faults_end_in_clear_states_without_leaks(client: Client, hard: Daemon) 
 
     t = threading.Thread(target=long_exec)
     t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while sb.exec(["pgrep", "-fx", "sleep 60"]).exit_code != 0:  # in flight: seen running
+        assert t.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.05)
     (pid,) = [p for p in vms_of(hard.data_dir) if f"/{sb.id}/" in " ".join(qemu_cmdline(p))]
     started = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     t.join(60)
     assert not t.is_alive() and time.monotonic() - started < 30
-    assert isinstance(result.get("error"), errors.CellaError), result
+    assert isinstance(result.get("error"), errors.SandboxCrashed), result
     crashed = client.get(sb.id)
     assert crashed.state == "stopped" and "unexpectedly" in str(crashed.info.error)
     assert "crashed" in [e.type for e in client.events(sb.id)]
@@ -484,9 +488,21 @@ def _qemus_with(fragment: str) -> list[int]:
     return [p for p in qemu_pids() if fragment in " ".join(qemu_cmdline(p))]
 
 
-def _kill_daemon_when(hard: Daemon, action: Any, under_way: Any, timeout: float = 120) -> None:
-    """Starts `action`, waits until `under_way()` shows the operation in progress, kills the
-    daemon -9 at that moment and restarts it. The action must not have completed."""
+def _kill_daemon_when(
+    hard: Daemon,
+    action: Any,
+    under_way: Any,
+    while_down: Any = None,
+    freeze: Any = None,
+    timeout: float = 120,
+) -> None:
+    """Starts `action`, waits until `under_way()` shows the operation in progress and kills
+    the daemon -9 in that state, then starts it again (`while_down()` runs in between). The
+    daemon and `freeze()` (more processes of the operation) are stopped before `under_way()`
+    is asked again, so the kill lands while the operation is in progress, not just after it.
+    The action must not have completed."""
+    assert hard.proc is not None
+    daemon = hard.proc.pid
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -498,43 +514,138 @@ def _kill_daemon_when(hard: Daemon, action: Any, under_way: Any, timeout: float 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     deadline = time.monotonic() + timeout
-    while not under_way():
+    while True:
+        if under_way():
+            frozen = [daemon, *(freeze() if freeze else [])]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            if under_way():
+                break
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
         assert t.is_alive(), f"it finished before it was seen under way: {outcome}"
         assert time.monotonic() < deadline, "the operation was never seen under way"
-        time.sleep(0.01)
-    hard.kill9()
+        time.sleep(0.005)
+    hard.kill9()  # SIGKILL ends a stopped process too (and the QEMUs that die with it)
     t.join(30)
-    hard.start()
+    try:
+        if while_down is not None:
+            while_down()
+    finally:
+        hard.start()
     assert not t.is_alive() and "result" not in outcome, outcome
 
 
+def reads_memory_of(reader: int, pid: int) -> bool:
+    """`reader` holds `/proc/PID/mem` open: it is copying that process's memory (the daemon
+    opens it only to read a RAM layer out of a paused VM)."""
+    mem = f"/proc/{pid}/mem"
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{reader}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{reader}/fd/{fd}") == mem:
+                    return True
+    return False
+
+
+def qmp_status(vm_dir: Path) -> str:
+    """The run state QEMU itself reports for a VM (asked on its QMP socket, which takes a
+    new client once the daemon's connection is gone)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(sockets_of(vm_dir) / "qmp"))
+        stream = s.makefile("rwb")
+        stream.readline()  # the greeting
+        for command in ("qmp_capabilities", "query-status"):
+            stream.write(json.dumps({"execute": command}).encode() + b"\n")
+            stream.flush()
+            while "return" not in (reply := json.loads(stream.readline())):
+                assert "error" not in reply, reply  # events come in between
+        status: str = reply["return"]["status"]
+        return status
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) -> None:
+    dirt = 200 << 20
     with Client(hard.url, hard.admin_key) as c:
         parent = c.create()
         parent.files.write("/workspace/state.txt", "parent data")
-        # 200 MiB written since its restore: its snapshot's RAM layer takes a while to save
-        parent.exec("head -c 200M /dev/urandom > /dev/shm/dirt", timeout=300)
+        # 200 MiB written since its restore: its snapshot's RAM layer takes a while to read
+        parent.exec(f"head -c {dirt} /dev/urandom > /dev/shm/dirt", timeout=300)
         parent.exec("nohup sleep 1000 >/dev/null 2>&1 &")
         parent_id = parent.id
-    scratch = f"{hard.data_dir}/snapshots/."
+    parent_dir = hard.data_dir / "vms" / parent_id
+    snapshots = hard.data_dir / "snapshots"
+    scratch = f"{snapshots}/."
 
-    def ram_being_copied() -> bool:  # the snapshot's RAM layer is being saved
-        return any((hard.data_dir / "snapshots").glob(".snap-*/ram.base"))
-
-    # killed while the snapshot's RAM is being copied
-    with Client(hard.url, hard.admin_key) as c:
-        _kill_daemon_when(hard, lambda: c.get(parent_id).snapshot("interrupted"), ram_being_copied)
-    with Client(hard.url, hard.admin_key) as c:
-        snaps = [s for s in c.snapshots() if s.info.name == "interrupted"]
-        assert [(s.info.state, s.info.error) for s in snaps] == [("error", "daemon restarted")]
-        again = c.get(parent_id)
-        assert again.state == "running"  # adopted (migration cancelled, vCPUs resumed)
-        assert "adopted" in [e.type for e in again.events()]
-        assert again.exec(["pgrep", "-x", "sleep"]).exit_code == 0  # not rebooted
-        assert again.files.read_text("/workspace/state.txt") == "parent data"
-        assert not list((hard.data_dir / "snapshots").glob(".*"))  # no scratch left
+    def recovered(name: str) -> None:
+        """The interrupted snapshot failed; the parent, left paused, was adopted and runs
+        on (not rebooted); nothing of the snapshot is left."""
+        with Client(hard.url, hard.admin_key) as c:
+            snaps = [s for s in c.snapshots() if s.info.name == name]
+            assert [(s.info.state, s.info.error) for s in snaps] == [("error", "daemon restarted")]
+            again = c.get(parent_id)
+            assert again.state == "running"  # adopted (migration cancelled, vCPUs resumed)
+            assert "adopted" in [e.type for e in again.events()]
+            assert again.exec(["pgrep", "-x", "sleep"]).exit_code == 0  # not rebooted
+            assert again.files.read_text("/workspace/state.txt") == "parent data"
+        assert not list(snapshots.glob(".*"))  # no scratch left
         assert not _qemus_with(scratch)  # no helper QEMU left
-        snap_id = again.snapshot("for-fork").id
+
+    def left_paused() -> None:  # the kill landed inside the snapshot's pause
+        assert qmp_status(parent_dir) == "paused"
+
+    # killed while the daemon reads the RAM layer out of the paused VM (a restored VM's
+    # snapshot: the pages it wrote, read through /proc/PID/mem, no helper)
+    parent_qemu = qemu_of(parent_id)
+    daemon = hard.proc.pid if hard.proc else 0
+    with Client(hard.url, hard.admin_key) as c:
+        _kill_daemon_when(
+            hard,
+            lambda: c.get(parent_id).snapshot("interrupted"),
+            lambda: reads_memory_of(daemon, parent_qemu),
+            left_paused,
+        )
+    recovered("interrupted")
+
+    # killed while a booted VM's RAM goes to the snapshot's helper QEMU: the helper is
+    # stopped with part of it received (the migration runs between the two QEMUs, so the
+    # helper is frozen too, and dies with the daemon)
+    with Client(hard.url, hard.admin_key) as c:
+        c.get(parent_id).stop()
+        booted = c.get(parent_id).resume()
+        booted.exec(f"head -c {dirt} /dev/urandom > /dev/shm/dirt", timeout=300)
+        booted.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    received: list[int] = []
+
+    def helper_receiving() -> bool:  # more than the helper writes itself (kernel, initrd)
+        received[:] = [_allocated(r) for r in snapshots.glob(".snap-*/ram")]
+        return bool(_qemus_with(scratch)) and any(n > dirt // 4 for n in received)
+
+    def mid_copy() -> None:
+        print(f"the helper had {received[0] >> 20} MiB of the RAM when the daemon was killed")
+        assert len(received) == 1 and received[0] < dirt, received  # part of it, not all
+        left_paused()
+
+    with Client(hard.url, hard.admin_key) as c:
+        _kill_daemon_when(
+            hard,
+            lambda: c.get(parent_id).snapshot("interrupted-booted"),
+            helper_receiving,
+            mid_copy,
+            freeze=lambda: _qemus_with(scratch),
+        )
+    recovered("interrupted-booted")
+
+    with Client(hard.url, hard.admin_key) as c:
+        snap_id = c.get(parent_id).snapshot("for-fork").id
     branch_ram = f"{hard.data_dir}/snapshots/{snap_id}/ram"
     # killed while forks are being restored
     with Client(hard.url, hard.admin_key) as c:
@@ -567,6 +678,7 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
     assert not _qemus_with(scratch)
 
 
+@pytest.mark.slow
 def test_load_50_creates_and_500_execs_without_errors_or_leaks(hard: Daemon) -> None:
     import asyncio
 
