@@ -135,6 +135,12 @@ async def test_abandoned_stream_kills_its_process(vm: QemuVM) -> None:
     assert isinstance(started, Started)
     await stream.aclose()
     for _ in range(50):
+    for _ in range(50):  # control: the sleep is seen running before the stream is dropped
+        if (await vm.agent.exec(["pgrep", "-x", "sleep"])).exit_code == 0:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the streamed sleep never ran")
         r = await vm.agent.exec(["pgrep", "-x", "sleep"])
         if r.exit_code == 1:
             break
@@ -204,7 +210,7 @@ async def test_the_host_reaches_a_server_in_the_guest(vm: QemuVM) -> None:
             reply += chunk
         await stream.close()
         assert reply.startswith(b"HTTP/1.0 200") and b"Directory listing" in reply
-        with pytest.raises(errors.CellaError, match="refused"):
+        with pytest.raises(errors.GuestError, match="refused"):
             await vm.agent.open_port(8766)  # nothing listens there
     finally:
         await vm.agent.exec("pkill -f 'http.server 8765'")

@@ -66,11 +66,12 @@ async def test_killed_qemu_fails_running_exec_promptly(driver: QemuDriver) -> No
     pid = vm.pid
     assert pid is not None
 
-    async def kill_soon() -> None:
-        await asyncio.sleep(0.5)
+    async def kill_once_running() -> None:  # the exec is in flight: its sleep is seen
+        while (await vm.agent.exec(["pgrep", "-fx", "sleep 60"])).exit_code != 0:
+            await asyncio.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
 
-    killer = asyncio.create_task(kill_soon())
+    killer = asyncio.create_task(asyncio.wait_for(kill_once_running(), 60))
     start = time.monotonic()
     with pytest.raises(errors.SandboxCrashed, match="killed by signal 9"):
         await vm.agent.exec(["sleep", "60"])

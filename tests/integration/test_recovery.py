@@ -111,7 +111,10 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
             "nohup sh -c 'while true; do date +%s%N > /tmp/t.new; mv /tmp/t.new /tmp/t; "
             "sleep 0.05; done' >/dev/null 2>&1 &"
         )
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not sb.files.exists("/tmp/t"):
+            assert time.monotonic() < deadline, "the clock loop never wrote"
+            time.sleep(0.05)
         before = sb.files.read("/tmp/t")
         sb.pause()
     crashy.kill9()
@@ -122,8 +125,10 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         again.resume()
         first = again.files.read("/tmp/t")
         assert first >= before  # memory (and /tmp) kept: not rebooted
-        time.sleep(0.3)
-        assert again.files.read("/tmp/t") != first  # the same process runs on
+        deadline = time.monotonic() + 30
+        while again.files.read("/tmp/t") == first:  # the same process runs on
+            assert time.monotonic() < deadline, "the clock loop stopped"
+            time.sleep(0.05)
         again.delete()
 
 
