@@ -133,14 +133,14 @@ async def test_abandoned_stream_kills_its_process(vm: QemuVM) -> None:
     stream = vm.agent.exec_stream(["sleep", "120"])
     started = await anext(stream)
     assert isinstance(started, Started)
-    await stream.aclose()
-    for _ in range(50):
     for _ in range(50):  # control: the sleep is seen running before the stream is dropped
         if (await vm.agent.exec(["pgrep", "-x", "sleep"])).exit_code == 0:
             break
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("the streamed sleep never ran")
+    await stream.aclose()
+    for _ in range(50):
         r = await vm.agent.exec(["pgrep", "-x", "sleep"])
         if r.exit_code == 1:
             break
