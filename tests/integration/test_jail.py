@@ -87,16 +87,23 @@ def test_each_qemu_runs_as_its_own_user_without_privileges(
 
 def test_a_jail_holds_only_its_own_files(daemon: Daemon, pair: tuple[Sandbox, Sandbox]) -> None:
     a, b = pair
-    root = Path(f"/proc/{qemu_of(a.id)}/root")
-    data = Path(str(daemon.data_dir).lstrip("/"))
-    seen = {p.relative_to(root / data) for p in (root / data).rglob("*")}
-    own = Path("vms") / a.id
-    assert own / "disk.qcow2" in seen  # control: the walk sees its own overlay
-    assert all(p.parts[:2] in (own.parts, ("vms",)) or p.parts[0] == "snapshots" for p in seen)
-    assert not any(b.id in str(p) for p in seen)  # nothing of the other VM
-    for secret in ("cella.db", "service.key", "admin.key"):
-        assert Path(secret) not in seen
-    assert not (root / "dev" / "kvm").exists()  # TCG here: no KVM device in the jail
+    other = b.snapshot("the-other-ones")
+    try:
+        kept = daemon.data_dir / "snapshots" / other.id
+        assert kept.is_dir() and any(kept.iterdir())  # on the host: its memory and disk
+        root = Path(f"/proc/{qemu_of(a.id)}/root")
+        data = Path(str(daemon.data_dir).lstrip("/"))
+        seen = {p.relative_to(root / data) for p in (root / data).rglob("*")}
+        own = Path("vms") / a.id
+        assert own / "disk.qcow2" in seen  # control: the walk sees its own overlay
+        assert all(p.parts[:2] in (own.parts, ("vms",)) or p.parts[0] == "snapshots" for p in seen)
+        assert not any(b.id in str(p) or other.id in str(p) for p in seen)  # nothing of b's
+        for secret in ("cella.db", "service.key", "admin.key"):
+            assert Path(secret) not in seen
+    finally:
+        other.delete()
+    # the KVM device only for a VM that runs under KVM (and then it is all of /dev/kvm)
+    assert (root / "dev" / "kvm").exists() is (a.info.accel == "kvm"), a.info.accel
     assert not (root / "proc" / "1").exists() and not (root / "etc" / "shadow").exists()
 
 
@@ -121,9 +128,18 @@ def test_a_helper_in_the_jail_reads_nothing_else(
     for path in ("/usr/bin/env", str(Paths.default().images)):
         probe = in_jail(pid, "sh", "-c", f"touch {path}/x || touch {path}")
         assert probe.returncode != 0, (path, probe)
+    written = vms / a.id / "written-from-the-jail"  # control: its own directory takes a write
+    control = in_jail(pid, "sh", "-c", f"echo x > {written}")
+    try:
+        assert control.returncode == 0 and written.read_text() == "x\n", control.stderr
+    finally:
+        written.unlink(missing_ok=True)
     assert in_jail(pid, "sh", "-c", "exec 3</dev/urandom").returncode == 0  # control
     probe = in_jail(pid, "sh", "-c", "exec 3</dev/kvm")
-    assert probe.returncode != 0 and "No such file" in probe.stderr
+    if a.info.accel == "kvm":  # bound for a VM under KVM, and its group may open it
+        assert probe.returncode == 0, probe.stderr
+    else:
+        assert probe.returncode != 0 and "No such file" in probe.stderr
     # the other VM's overlay is closed to this uid even outside the jail's namespaces
     other = vms / b.id / "disk.qcow2"
     assert os.stat(other).st_uid != int(status(pid)["Uid"].split()[0])
