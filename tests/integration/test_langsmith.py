@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -37,9 +38,13 @@ def web() -> Iterator[dict[str, object]]:
     prefix = free_loopback_block()
     servers = Servers()
     seen = servers.start(EchoHandler, (f"{prefix}.1", 80))
-    servers.start(EchoHandler, (f"{prefix}.2", 80))
-    yield {"web": f"{prefix}.1", "other": f"{prefix}.2", "seen": seen}
+    other_seen = servers.start(EchoHandler, (f"{prefix}.2", 80))
+    yield {"web": f"{prefix}.1", "other": f"{prefix}.2", "seen": seen, "other_seen": other_seen}
     servers.close()
+
+
+QUOTA = 6  # the live sandboxes a tenant may hold on this module's daemon
+LIVE = {"creating", "running", "paused", "starting", "stopping"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def ls_daemon(tmp_path_factory: pytest.TempPathFactory, web: dict[str, str]) -> 
         tmp_path_factory.mktemp("langsmith"),
         pool_size="1",
         egress_hosts=json.dumps(hosts),
-        max_sandboxes_per_tenant="6",
+        max_sandboxes_per_tenant=str(QUOTA),
     ) as d:
         yield d
 
@@ -256,7 +261,7 @@ def test_egress_allow_and_deny_lists(client: SandboxClient, web: dict[str, str])
         client.create_sandbox(proxy_config=aws)
 
 
-def test_errors_the_sdk_maps(client: SandboxClient) -> None:
+def test_errors_the_sdk_maps(client: SandboxClient, ls_daemon: Daemon) -> None:
     with pytest.raises(ResourceNotFoundError):
         client.get_sandbox("nope")
     with pytest.raises(ResourceNotFoundError):
@@ -265,12 +270,13 @@ def test_errors_the_sdk_maps(client: SandboxClient) -> None:
         client.create_sandbox(name="bad name!")
     with pytest.raises(SandboxOperationError):
         client.get_sandbox("shared").reconnect("no-such-command").result  # noqa: B018
-    boxes = []
-    with pytest.raises(QuotaExceededError):
-        for i in range(8):  # the tenant may hold 6
-            boxes.append(client.create_sandbox(name=f"q{i}"))
+    live = [s for s in cella_sandboxes(ls_daemon) if s["state"] in LIVE]
+    boxes = [client.create_sandbox(name=f"q{i}") for i in range(QUOTA - len(live))]
+    with pytest.raises(QuotaExceededError, match=f"has {QUOTA} live sandboxes; the limit is"):
+        client.create_sandbox(name="one-too-many")  # refused at exactly the 7th of 6
     for box in boxes:
         box.delete()
+    client.create_sandbox(name="room-again").delete()  # the control: under it, admitted
 
 
 def test_commands_over_sse(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,5 +350,18 @@ def test_header_injection_with_secrets_the_guest_never_sees(
         assert "[secret:GH_TOKEN]" in out
         where = box.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; true").stdout
         assert token not in where
+        other_seen = web["other_seen"]
+        assert isinstance(other_seen, Recorder)
+        before = len(other_seen.requests)
         other = box.run("curl -sS http://other.test/o").stdout  # other hosts get nothing
-        assert "authorization" not in json.loads(other)["headers"]
+        [arrived] = other_seen.requests[before:]  # as the other server saw it
+        assert arrived["path"] == "/o"
+        assert not {"authorization", "x-opaque", "x-team"} & set(arrived["headers"])
+        assert "op-4ac1-secret-value" not in json.dumps(arrived) and token not in other
+
+
+def cella_sandboxes(d: Daemon) -> list[dict[str, Any]]:
+    """The admin tenant's sandboxes as cella's own API shows them (exact states)."""
+    got = httpx.get(f"{d.url}/v1/sandboxes", headers={"Authorization": f"Bearer {d.admin_key}"})
+    got.raise_for_status()
+    return list(got.json()["sandboxes"])
