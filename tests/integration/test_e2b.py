@@ -154,6 +154,49 @@ def test_set_timeout_is_enforced(python: Path, e2b_daemon: Daemon, cella: Client
     assert got == "not found"
 
 
+def test_set_timeout_is_held_to_the_bound_of_a_create(
+    python: Path, e2b_daemon: Daemon, cella: Client
+) -> None:
+    got = e2b(
+        python,
+        e2b_daemon,
+        """
+        sb = Sandbox.create(timeout=600)
+        before = sb.get_info().end_at
+        out = {"id": sb.sandbox_id}
+        try:
+            sb.set_timeout(10**12)
+            out["huge"] = "accepted"
+        except SandboxException as e:
+            out["huge"] = str(e)
+        out["unchanged"] = sb.get_info().end_at == before
+        sb.set_timeout(1200)  # the control: a timeout within the bound
+        out["extended"] = (sb.get_info().end_at - before).total_seconds()
+        print(json.dumps(out))
+        """,
+    )
+    assert got["huge"].startswith("400") and "too long" in got["huge"], got["huge"]
+    assert got["unchanged"] is True
+    assert 590 <= got["extended"] <= 640  # 600 s more than the 600 it had
+    ttl = cella.get(got["id"]).info.ttl_seconds
+    # what the SDK would not send: each a 400 that says why, and nothing changes
+    url = f"{e2b_daemon.url}/sandboxes/{got['id']}/timeout"
+    headers = {"X-API-Key": e2b_daemon.admin_key, "Content-Type": "application/json"}
+    for raw, why in (
+        ('{"timeout": 1e20}', "too long"),
+        ('{"timeout": 1e400}', "integer"),
+        ('{"timeout": NaN}', "integer"),
+        ('{"timeout": -5}', "at least 1"),
+        ('{"timeout": "soon"}', "integer"),
+        ("[]", ""),
+    ):
+        answer = httpx2.post(url, content=raw, headers=headers)
+        assert answer.status_code in (400, 422), (raw, answer.status_code, answer.text)
+        assert why in answer.json()["message"], (raw, answer.text)
+    assert cella.get(got["id"]).info.ttl_seconds == ttl
+    cella.get(got["id"]).delete()
+
+
 def test_fork_and_snapshots(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
     sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
     cella.get(sandbox_id).files.write("/root/state.txt", "prepared")

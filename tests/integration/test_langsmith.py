@@ -4,6 +4,7 @@ every section of its sandbox README that cella serves, sync and async, on real m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -365,3 +366,57 @@ def cella_sandboxes(d: Daemon) -> list[dict[str, Any]]:
     got = httpx.get(f"{d.url}/v1/sandboxes", headers={"Authorization": f"Bearer {d.admin_key}"})
     got.raise_for_status()
     return list(got.json()["sandboxes"])
+
+
+def test_updates_are_held_to_the_bounds_of_a_create(
+    client: SandboxClient, ls_daemon: Daemon
+) -> None:
+    client.create_sandbox(name="upd", idle_ttl_seconds=600, delete_after_stop_seconds=3600)
+    try:
+        with pytest.raises(ValidationError, match="name"):
+            client.update_sandbox("upd", new_name="bad name!")  # /v1's pattern refuses it
+        with pytest.raises(ValidationError, match="idle_ttl_seconds"):
+            client.update_sandbox("upd", idle_ttl_seconds=60 * 10**10)
+        with pytest.raises(ValidationError, match="delete_after_stop_seconds"):
+            client.update_sandbox("upd", delete_after_stop_seconds=60 * 10**10)
+        # what the SDK would not send
+        url = f"{ls_daemon.url}/api/v2/sandboxes/boxes/upd"
+        headers = {"X-Api-Key": ls_daemon.admin_key, "Content-Type": "application/json"}
+        for raw in (
+            '{"idle_ttl_seconds": -60}',
+            '{"idle_ttl_seconds": NaN}',
+            '{"idle_ttl_seconds": 1e400}',
+            '{"idle_ttl_seconds": "soon"}',
+            '{"delete_after_stop_seconds": 1e20}',
+            '{"delete_after_stop_seconds": 90.5}',
+            '{"name": "a/b"}',
+            '{"name": "' + "n" * 129 + '"}',
+            '{"run_config": {"user": "' + "u" * 65 + '"}}',
+            '{"run_config": {"env_vars": "X=1"}}',
+            '{"idle_ttl_seconds": 120, "name": "no good"}',  # one bad field: nothing changes
+        ):
+            got = httpx.patch(url, content=raw, headers=headers)
+            assert got.status_code == 422, (raw, got.status_code, got.text)
+            [problem] = got.json()["detail"]
+            assert problem["msg"], raw
+        box = client.get_sandbox("upd")
+        assert (box.name, box.idle_ttl_seconds, box.delete_after_stop_seconds) == ("upd", 600, 3600)
+        # the controls: the largest values a create takes, and a name /v1 takes
+        box = client.update_sandbox(
+            "upd",
+            new_name="upd.v2_ok-1",
+            idle_ttl_seconds=30 * 86400,
+            delete_after_stop_seconds=365 * 86400,
+        )
+        assert (box.name, box.idle_ttl_seconds, box.delete_after_stop_seconds) == (
+            "upd.v2_ok-1",
+            30 * 86400,
+            365 * 86400,
+        )
+    finally:
+        for name in ("upd", "upd.v2_ok-1"):
+            with contextlib.suppress(ResourceNotFoundError):
+                client.delete_sandbox(name)
+
+
+# -- what the daemon keeps of command sessions ------------------------------------------------

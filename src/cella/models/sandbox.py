@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -28,6 +28,13 @@ class SandboxState(StrEnum):
 ExpiryAction = Literal["stop", "pause", "delete"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MAX_LIFETIME_SECONDS = 30 * 86400  # a sandbox's TTL and idle limit
+MAX_RETENTION_SECONDS = 365 * 86400  # how long a stopped sandbox may be kept
+
+# One definition of each bound, for creates and updates alike (every API's).
+SandboxName = Annotated[str, Field(pattern=NAME)]
+LifetimeSeconds = Annotated[int, Field(ge=1, le=MAX_LIFETIME_SECONDS)]
+RetentionSeconds = Annotated[int, Field(ge=1, le=MAX_RETENTION_SECONDS)]
 
 
 class ExecDefaults(BaseModel):
@@ -54,8 +61,8 @@ class SandboxCreate(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    name: str | None = Field(
-        default=None, pattern=NAME, description="unique among the tenant's sandboxes"
+    name: SandboxName | None = Field(
+        default=None, description="unique among the tenant's sandboxes"
     )
     template: str = Field(default="default", min_length=1, max_length=63)
     snapshot: str | None = Field(
@@ -67,12 +74,12 @@ class SandboxCreate(BaseModel):
     vcpus: int = Field(default=1, ge=1, le=64)
     memory_mib: int = Field(default=512, ge=128, le=262144)
     disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
-    ttl_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
-    idle_timeout_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    ttl_seconds: LifetimeSeconds | None = None
+    idle_timeout_seconds: LifetimeSeconds | None = None
     ttl_action: ExpiryAction = Field(default="delete", description="what the TTL does")
     idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
-    delete_after_stop_seconds: int | None = Field(
-        default=None, ge=1, le=365 * 86400, description="a stopped sandbox is deleted after this"
+    delete_after_stop_seconds: RetentionSeconds | None = Field(
+        default=None, description="a stopped sandbox is deleted after this"
     )
     max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
@@ -109,6 +116,19 @@ class SandboxCreate(BaseModel):
             if not re.match(SECRET_NAME, name):
                 raise ValueError(f"invalid secret name {name!r}")
         return value
+
+
+class SandboxUpdate(BaseModel):
+    """A change to an existing sandbox, held to the same bounds as a create. A field left
+    out is kept; None clears a limit."""
+
+    model_config = {"extra": "forbid"}
+
+    name: SandboxName | None = None
+    ttl_seconds: LifetimeSeconds | None = None
+    idle_timeout_seconds: LifetimeSeconds | None = None
+    delete_after_stop_seconds: RetentionSeconds | None = None
+    exec_defaults: ExecDefaults | None = None
 
 
 class Sandbox(BaseModel):

@@ -14,9 +14,11 @@ from urllib.parse import parse_qsl, unquote
 
 from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from cella import errors
-from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate
+from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate, SandboxUpdate
+from cella.models.sandbox import MAX_LIFETIME_SECONDS
 from cella.server.app import describe
 from cella.server.compat.e2b.shapes import (
     BASE,
@@ -243,11 +245,21 @@ def network_of(body: Json) -> NetworkPolicy:
 
 
 def lifetime(row: SandboxRecord, body: Json) -> int:
-    """`timeout` seconds from now, as a lifetime counted from the sandbox's creation."""
+    """`timeout` seconds from now, as a lifetime counted from the sandbox's creation (held
+    to the bound a create has)."""
     seconds = int_param(body.get("timeout"), DEFAULT_TIMEOUT, "timeout")
     if seconds < 1:
         raise errors.InvalidArgument("timeout must be at least 1 second")
-    return int(row.age_seconds(time.time())) + seconds
+    age = int(row.age_seconds(time.time()))
+    try:
+        change = SandboxUpdate(ttl_seconds=age + seconds)
+    except ValidationError:
+        raise errors.InvalidArgument(
+            f"timeout {seconds} s is too long: a sandbox lives at most {MAX_LIFETIME_SECONDS} s "
+            f"from its creation, and this one is {age} s old"
+        ) from None
+    assert change.ttl_seconds is not None
+    return change.ttl_seconds
 
 
 def metadata_filter(raw: str | None) -> dict[str, str]:
@@ -271,7 +283,7 @@ def int_param(value: Any, default: int, name: str) -> int:
         return default
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: infinity
         raise errors.InvalidArgument(f"{name} must be an integer") from None
 
 

@@ -9,12 +9,14 @@ import asyncio
 import contextlib
 import math
 import secrets
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Query, Request, Response
+from pydantic import BaseModel, ValidationError
 
 from cella import errors
-from cella.models import SandboxCreate
+from cella.models import SandboxCreate, SandboxUpdate
+from cella.server.app import describe
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
     DEFAULT_IDLE_TTL,
@@ -85,22 +87,17 @@ def router(prefix: str) -> APIRouter:
                                "proxy_config", "run_config"}  # fmt: skip
         if unknown:
             raise not_supported(f"updating {sorted(unknown)}")
+        change = update_of(body, row)  # all of it checked before anything changes
         if "proxy_config" in body:
             policy = network_of(body["proxy_config"], svc, who.tenant)
             await svc.egress.set_network(who.tenant, row.id, policy)
         row = await svc.lifecycle.update(
             who.tenant,
             row.id,
-            name=body.get("name"),
-            idle_timeout_seconds=seconds(body["idle_ttl_seconds"])
-            if "idle_ttl_seconds" in body
-            else UNSET,
-            delete_after_stop_seconds=seconds(body["delete_after_stop_seconds"])
-            if "delete_after_stop_seconds" in body
-            else UNSET,
-            exec_defaults=exec_defaults(body["run_config"], row.exec_defaults)
-            if "run_config" in body
-            else None,
+            name=change.name,
+            idle_timeout_seconds=given(change, "idle_timeout_seconds"),
+            delete_after_stop_seconds=given(change, "delete_after_stop_seconds"),
+            exec_defaults=change.exec_defaults,
         )
         return shown(svc, request, row)
 
@@ -226,9 +223,9 @@ def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
     snapshot = body.get("snapshot_id") or body.get("snapshot") or body.get("snapshot_name")
     spec: Json = {
         "name": body.get("name") or f"sandbox-{secrets.token_hex(4)}",
-        "idle_timeout_seconds": seconds(body.get("idle_ttl_seconds", DEFAULT_IDLE_TTL)),
+        "idle_timeout_seconds": seconds(body, "idle_ttl_seconds", DEFAULT_IDLE_TTL),
         "idle_action": "stop",
-        "delete_after_stop_seconds": seconds(body.get("delete_after_stop_seconds")),
+        "delete_after_stop_seconds": seconds(body, "delete_after_stop_seconds"),
         "exec_defaults": exec_defaults(body.get("run_config")),
     }
     if body.get("proxy_config") is not None:
@@ -250,20 +247,53 @@ def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
         wanted = math.ceil(int(body["fs_capacity_bytes"]) / MIB)
         if wanted > fs_mib(svc, "default"):
             spec["disk_mib"] = wanted
+    return validated(SandboxCreate, spec)
+
+
+def update_of(body: Json, row: SandboxRecord) -> SandboxUpdate:
+    """A LangSmith box update as a cella update, held to the bounds of a create."""
+    fields: Json = {}
+    if body.get("name") is not None:
+        fields["name"] = body["name"]
+    for field in ("idle_ttl_seconds", "delete_after_stop_seconds"):
+        if field in body:
+            fields[CELLA_NAMES.get(field, field)] = seconds(body, field)
+    if "run_config" in body:
+        fields["exec_defaults"] = exec_defaults(body["run_config"], row.exec_defaults)
+    return validated(SandboxUpdate, fields)
+
+
+# LangSmith's names for cella's fields, in what a refusal says
+LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
+CELLA_NAMES = {v: k for k, v in LANGSMITH_NAMES.items()}
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validated(model: type[Model], fields: Json) -> Model:
+    """`fields` as `model`, or a 422 that names LangSmith's fields."""
     try:
-        return SandboxCreate.model_validate(spec)
-    except ValueError as exc:
-        raise errors.InvalidArgument(str(exc)) from None
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = [
+            {**p, "loc": [LANGSMITH_NAMES.get(str(part), part) for part in p["loc"]]}
+            for p in exc.errors()
+        ]
+        raise errors.InvalidArgument(describe(problems)) from None
 
 
-def seconds(value: Any) -> int | None:
-    """LangSmith's retention seconds: 0 (or none) is "never"."""
-    if value is None:
+def seconds(body: Json, field: str, default: Any = None) -> Any:
+    """LangSmith's retention seconds: 0 (or none) is "never"; the model checks the rest."""
+    value = body.get(field, default)
+    if value is None or value == 0:
         return None
-    number = int(value)
-    if number < 0:
-        raise errors.InvalidArgument("seconds must be 0 or more")
-    return number or None
+    if isinstance(value, int | float) and value < 0:
+        raise errors.InvalidArgument(f"{field}: must be 0 or more, not {value}")
+    return value
+
+
+def given(change: SandboxUpdate, field: str) -> Any:
+    """The update's value of `field`, or UNSET when it was left out."""
+    return getattr(change, field) if field in change.model_fields_set else UNSET
 
 
 def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:

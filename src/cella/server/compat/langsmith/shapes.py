@@ -6,8 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from cella import errors
 from cella.models import ExecDefaults, SandboxState
+from cella.server.app import describe
 from cella.store import SandboxRecord, SnapshotRecord
 
 PREFIXES = ("/api/v2/sandboxes", "/v2/sandboxes")
@@ -49,11 +52,17 @@ def exec_defaults(config: dict[str, Any] | None, base: ExecDefaults | None = Non
     unknown = set(config) - {"user", "work_dir", "env_vars"}
     if unknown:
         raise errors.InvalidArgument(f"run_config: unknown fields {sorted(unknown)}")
-    return ExecDefaults(
-        user=config.get("user") or base.user,
-        cwd=config.get("work_dir") or base.cwd,
-        env={**base.env, **(config.get("env_vars") or {})},
-    )
+    env = config.get("env_vars") or {}
+    if not isinstance(env, dict):
+        raise errors.InvalidArgument("run_config.env_vars must be an object")
+    try:
+        return ExecDefaults(
+            user=config.get("user") or base.user,
+            cwd=config.get("work_dir") or base.cwd,
+            env={**base.env, **env},
+        )
+    except ValidationError as exc:
+        raise errors.InvalidArgument(f"run_config: {describe(exc.errors())}") from None
 
 
 def sandbox_json(row: SandboxRecord, base_url: str, fs_mib: int) -> dict[str, Any]:
