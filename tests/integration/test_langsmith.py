@@ -368,6 +368,57 @@ def cella_sandboxes(d: Daemon) -> list[dict[str, Any]]:
     return list(got.json()["sandboxes"])
 
 
+def state_of(d: Daemon, sandbox_id: str) -> str:
+    auth = {"Authorization": f"Bearer {d.admin_key}"}
+    got = httpx.get(f"{d.url}/v1/sandboxes/{sandbox_id}", headers=auth)
+    got.raise_for_status()
+    return str(got.json()["state"])
+
+
+def wait_for_state(d: Daemon, sandbox_id: str, state: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (now := state_of(d, sandbox_id)) != state:
+        assert time.monotonic() < deadline, f"{sandbox_id} is {now}, not {state}"
+        time.sleep(0.1)
+
+
+def test_a_read_only_key_does_not_wake_a_stopped_sandbox(
+    client: SandboxClient, ls_daemon: Daemon
+) -> None:
+    """Waking commits RAM and a quota slot: a write, even through a data-plane GET."""
+    from cella import Client
+
+    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
+        read_only = cella.create_key("admin", read_only=True)["key"]
+    with client.sandbox(name="asleep") as box:
+        assert box.id
+        box.write("/tmp/note.txt", "zzz")
+        box.stop()
+        wait_for_state(ls_daemon, box.id, "stopped")
+        url = f"{box.dataplane_url}/download"
+        for method in ("GET", "HEAD"):
+            got = httpx.request(
+                method, url, params={"path": "/tmp/note.txt"}, headers={"X-Api-Key": read_only}
+            )
+            assert got.status_code == 403, (method, got.status_code, got.text)
+        refused = httpx.get(url, params={"path": "/x"}, headers={"X-Api-Key": read_only})
+        assert refused.json()["detail"]["error"] == "Forbidden"
+        assert "read-only" in refused.json()["detail"]["message"]
+        assert state_of(ls_daemon, box.id) == "stopped"  # it sleeps on
+        # the control: a read-write key's same GET wakes it and reads the file
+        woken = httpx.get(
+            url,
+            params={"path": "/tmp/note.txt"},
+            headers={"X-Api-Key": ls_daemon.admin_key},
+            timeout=120,
+        )
+        assert (woken.status_code, woken.content) == (200, b"zzz")
+        assert state_of(ls_daemon, box.id) == "running"
+        # and a read-only key reads a running sandbox: nothing to wake
+        read = httpx.get(url, params={"path": "/tmp/note.txt"}, headers={"X-Api-Key": read_only})
+        assert (read.status_code, read.content) == (200, b"zzz")
+
+
 def test_updates_are_held_to_the_bounds_of_a_create(
     client: SandboxClient, ls_daemon: Daemon
 ) -> None:

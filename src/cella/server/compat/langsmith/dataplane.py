@@ -2,7 +2,8 @@
 (`/api/v2/sandboxes/dataplane/{sandbox id}`): files (upload, download with ranges, glob,
 grep), commands over a WebSocket or SSE (processes that survive a dropped connection and
 are re-attached by id from byte offsets) and TCP tunnels (yamux over a WebSocket). A
-request to a stopped or paused sandbox resumes it, as the SDK expects."""
+request to a stopped or paused sandbox resumes it, as the SDK expects (not with a read-only
+key: waking is a write)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from cella.server.compat.langsmith.shapes import DATAPLANE
 from cella.server.compat.langsmith.yamux import YamuxSession, YamuxStream
 from cella.server.deps import Caller, Service, api_key_caller, daemon
 from cella.service.daemon import Daemon
+from cella.service.keys import Principal
 from cella.service.processes import Process, ProcessSpec
 from cella.store import SandboxRecord
 
@@ -47,7 +49,7 @@ def router() -> APIRouter:
 
     @api.post("/upload")
     async def upload(sandbox_id: str, path: str, svc: Service, who: Caller, file: Upload) -> Json:
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
         target = absolute(path)
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -68,7 +70,7 @@ def router() -> APIRouter:
         if_range: str | None = Header(default=None),
         if_none_match: str | None = Header(default=None),
     ) -> Response:
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
         target = absolute(path)
         entry = await svc.files.stat(who.tenant, sandbox_id, target)
         if entry.kind == "dir":
@@ -98,7 +100,7 @@ def router() -> APIRouter:
 
     @api.post("/glob")
     async def glob(sandbox_id: str, svc: Service, who: Caller, body: JsonBody) -> Json:
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
         root = absolute(str(body.get("path") or HOME))
         limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
         matcher = glob_regex(str(body.get("pattern") or "*"))
@@ -120,7 +122,7 @@ def router() -> APIRouter:
 
     @api.post("/grep")
     async def grep(sandbox_id: str, svc: Service, who: Caller, body: JsonBody) -> Json:
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
         root = absolute(str(body.get("path") or HOME))
         limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
         argv = ["grep", "-rnIF", "--", str(body.get("pattern") or ""), root]
@@ -146,7 +148,7 @@ def router() -> APIRouter:
     async def execute_start(
         sandbox_id: str, svc: Service, who: Caller, body: JsonBody
     ) -> StreamingResponse:
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
         proc = await start_process(svc, who.tenant, sandbox_id, {**body, "close_stdin": True})
         return StreamingResponse(sse(proc, 0, 0), media_type="text/event-stream")
 
@@ -168,15 +170,21 @@ def router() -> APIRouter:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-async def awake(svc: Daemon, tenant: str, sandbox_id: str) -> SandboxRecord:
-    """The sandbox, running: a stopped or paused one is resumed first."""
-    row = svc.registry.get(tenant, sandbox_id)
+async def awake(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
+    """The sandbox, running: a stopped or paused one is resumed first. Waking is a write
+    (it commits RAM and a quota slot), so a read-only key is refused and it sleeps on."""
+    row = svc.registry.get(who.tenant, sandbox_id)
     if row.state in (S.stopped, S.paused, S.stopping):
-        row = await svc.lifecycle.resume(tenant, sandbox_id)
+        if who.read_only:
+            raise errors.PermissionDenied(
+                f"this key is read-only: sandbox {sandbox_id} is {row.state}, and resuming "
+                "it is a write"
+            )
+        row = await svc.lifecycle.resume(who.tenant, sandbox_id)
     elif row.state in (S.creating, S.starting):
         for _ in range(600):
             await asyncio.sleep(0.1)
-            row = svc.registry.get(tenant, sandbox_id)
+            row = svc.registry.get(who.tenant, sandbox_id)
             if row.state not in (S.creating, S.starting):
                 break
     return row
@@ -360,7 +368,7 @@ async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
             if kind == "close_stdin":  # may come before `reconnect` (the SDK queues it)
                 pending_close_stdin = True
             elif kind == "execute":
-                await awake(svc, who.tenant, sandbox_id)
+                await awake(svc, who, sandbox_id)
                 proc = await start_process(svc, who.tenant, sandbox_id, msg)
             elif kind == "reconnect":
                 command_id = str(msg.get("command_id"))
@@ -480,7 +488,7 @@ async def serve_tunnel(ws: WebSocket, sandbox_id: str) -> None:
     svc = daemon(ws)
     try:
         who = api_key_caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
-        await awake(svc, who.tenant, sandbox_id)
+        await awake(svc, who, sandbox_id)
     except errors.CellaError as exc:
         await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))
         return
