@@ -134,6 +134,33 @@ class DaemonSettings(BaseSettings):
         description="host disk a tenant's sandboxes may hold, stopped ones included (none: "
         "no limit); a create, fork or resume over it is refused",
     )
+    # processes: commands that outlive their connection (LangSmith and E2B commands, the
+    # image's entrypoint, terminals), kept with their output for clients to re-attach
+    max_processes_per_sandbox: int = Field(
+        default=64,
+        ge=1,
+        description="processes a sandbox keeps, running or ended: a start over it evicts the "
+        "longest-ended first, and is refused when all of them run",
+    )
+    max_processes_per_tenant: int = Field(
+        default=512, ge=1, description="the same, over all of a tenant's sandboxes"
+    )
+    max_process_output_mib_per_sandbox: int = Field(
+        default=64,
+        ge=1,
+        description="output the daemon keeps of a sandbox's processes (at most 4 MiB per "
+        "stream of each): over it, the oldest bytes of ended processes go first (longest-ended "
+        "first), then the oldest bytes of the process writing",
+    )
+    max_process_output_mib_per_tenant: int = Field(
+        default=256, ge=1, description="the same, over all of a tenant's sandboxes"
+    )
+    max_process_keep_seconds: float = Field(
+        default=86400.0,
+        gt=0,
+        description="longest an ended process is kept for re-attaching, whatever its own TTL "
+        "(e.g. LangSmith's ttl_seconds -1, 'forever')",
+    )
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
     max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
     max_host_memory_mib: int = Field(

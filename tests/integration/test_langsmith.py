@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,6 +47,7 @@ def web() -> Iterator[dict[str, object]]:
 
 QUOTA = 6  # the live sandboxes a tenant may hold on this module's daemon
 LIVE = {"creating", "running", "paused", "starting", "stopping"}
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -471,3 +473,94 @@ def test_updates_are_held_to_the_bounds_of_a_create(
 
 
 # -- what the daemon keeps of command sessions ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """Keeps few sessions and little output: 4 per sandbox and 6 per tenant; 2 MiB per
+    sandbox and 3 MiB per tenant."""
+    with running_daemon(
+        tmp_path_factory.mktemp("langsmith-bounded"),
+        pool_size="0",
+        max_processes_per_sandbox="4",
+        max_processes_per_tenant="6",
+        max_process_output_mib_per_sandbox="2",
+        max_process_output_mib_per_tenant="3",
+    ) as d:
+        yield d
+
+
+def printing(n: int) -> str:
+    return f"head -c {n} /dev/zero | tr '\\0' x"
+
+
+def session(box: Sandbox, n: int) -> str:
+    """A session that prints `n` bytes, kept "forever" (ttl -1); its command id."""
+    handle = box.run(printing(n), wait=False, ttl_seconds=-1)
+    assert handle.result.exit_code == 0 and len(handle.result.stdout) == n
+    assert handle.command_id
+    return handle.command_id
+
+
+def kept_output(box: Sandbox, command_id: str) -> int:
+    """Bytes of a session's output the daemon still has, read by re-attaching from the
+    start (0: the session is gone)."""
+    try:
+        return len(box.reconnect(command_id).result.stdout)
+    except SandboxOperationError as exc:
+        assert exc.error_type == "CommandNotFound"
+        return 0
+
+
+def listed(d: Daemon, box: Sandbox) -> list[dict[str, Any]]:
+    """The sandbox's processes as cella's own API lists them."""
+    auth = {"Authorization": f"Bearer {d.admin_key}"}
+    got = httpx.get(f"{d.url}/v1/sandboxes/{box.id}/processes", headers=auth)
+    got.raise_for_status()
+    return list(got.json()["processes"])
+
+
+def rss_mib(d: Daemon) -> float:
+    assert d.proc is not None
+    status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    [line] = [ln for ln in status.splitlines() if ln.startswith("VmRSS:")]
+    return int(line.split()[1]) / 1024
+
+
+def test_sessions_kept_forever_stay_within_the_daemon_bounds(bounded: Daemon) -> None:
+    api = f"{bounded.url}/api/v2/sandboxes"
+    client = SandboxClient(api_endpoint=api, api_key=bounded.admin_key)
+    with client.sandbox(name="a") as a, client.sandbox(name="b") as b:
+        rss_before = rss_mib(bounded)
+        # the control: under every bound, everything is kept
+        small = [session(a, MIB // 2) for _ in range(2)]
+        assert [kept_output(a, c) for c in small] == [MIB // 2] * 2
+        # over the sandbox's bounds: 4 sessions of the 6 are kept, 2 MiB of the 5 MiB
+        big = [session(a, MIB) for _ in range(4)]
+        assert sum(kept_output(a, c) for c in big) == 2 * MIB
+        assert kept_output(a, big[-1]) == MIB  # the newest whole: older output went first
+        assert [kept_output(a, c) for c in small] == [0, 0]  # the two longest-ended made room
+        shown = listed(bounded, a)
+        assert [p["id"] for p in shown] == big
+        assert all("stdout" not in p and "stderr" not in p for p in shown)  # no output
+        assert sum(p["stdout_bytes"] for p in shown) == 2 * MIB  # the daemon's own count
+        # over the tenant's: 6 sessions over both sandboxes, 3 MiB of output
+        more = [session(b, MIB) for _ in range(3)]
+        both = listed(bounded, a) + listed(bounded, b)
+        assert len(both) == 6 and sum(p["stdout_bytes"] for p in both) == 3 * MIB
+        assert [p["id"] for p in listed(bounded, b)] == more
+        assert kept_output(b, more[-1]) == MIB
+        rss_after = rss_mib(bounded)
+        print(f"daemon RSS {rss_before:.1f} -> {rss_after:.1f} MiB over 9 MiB of output")
+        # the sandbox's sessions all running: a start is refused, with the setting named
+        running = [b.run("sleep 600", wait=False, timeout=0) for _ in range(4)]
+        assert len(listed(bounded, b)) == 4
+        with pytest.raises(SandboxOperationError, match="max_processes_per_sandbox") as refused:
+            b.run("sleep 600", wait=False, timeout=0)
+        assert refused.value.error_type == "QuotaExceeded"
+        running[0].kill()
+        deadline = time.monotonic() + 30
+        while all(p["running"] for p in listed(bounded, b)):
+            assert time.monotonic() < deadline, "the killed session did not end"
+            time.sleep(0.1)
+        assert b.run("echo room", timeout=60).stdout == "room\n"  # the control: one ended

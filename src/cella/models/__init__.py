@@ -7,6 +7,7 @@ from cella.models.exec import (
     OutputCollector,
     ProcessInfo,
     ProcessList,
+    ProcessSummary,
     decode_data,
     encode_data,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "OutputCollector",
     "ProcessInfo",
     "ProcessList",
+    "ProcessSummary",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",

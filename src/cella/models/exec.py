@@ -242,18 +242,28 @@ class ExecEvent(BaseModel):
         return decode_data(self.data, self.encoding or "utf-8")
 
 
-class ProcessInfo(BaseModel):
+class ProcessSummary(BaseModel):
     """A command that outlives its connection (e.g. the image's entrypoint): its state and
-    the output kept of it (the latest 4 MiB per stream)."""
+    how much of its output is kept (the latest bytes, at most 4 MiB per stream, fewer when
+    the sandbox's or tenant's processes keep more than the daemon allows)."""
 
     id: str
     command: list[str] | str
     running: bool
     exit_code: int | None = None
     signal: int | None = None
+    stdout_bytes: int = Field(default=0, description="bytes of stdout kept")
+    stderr_bytes: int = Field(default=0, description="bytes of stderr kept")
+
+
+class ProcessInfo(ProcessSummary):
+    """A process with the output kept of it."""
+
     stdout: str = ""
     stderr: str = ""
 
 
 class ProcessList(BaseModel):
-    processes: list[ProcessInfo]
+    """The sandbox's processes, without their output (read one for that)."""
+
+    processes: list[ProcessSummary]

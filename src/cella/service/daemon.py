@@ -29,7 +29,7 @@ from cella.service.files import Files
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.ports import Ports
-from cella.service.processes import ENTRYPOINT, Processes, ProcessSpec
+from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
@@ -71,7 +71,7 @@ class Daemon:
         )
         self.snapshots = Snapshots(self.registry, self.admission, self.lifecycle)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
-        self.processes = Processes(self.exec)
+        self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")

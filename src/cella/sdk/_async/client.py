@@ -28,6 +28,7 @@ from cella.models import (
     LineageNode,
     ProcessInfo,
     ProcessList,
+    ProcessSummary,
     SandboxUsage,
     Secret,
     Template,
@@ -600,8 +601,9 @@ class AsyncSandbox:
         async for event in self.client.follow(self.id, after, types):
             yield event
 
-    async def processes(self) -> builtins.list[ProcessInfo]:
-        """Commands that outlive their connection, e.g. the image's `entrypoint`."""
+    async def processes(self) -> builtins.list[ProcessSummary]:
+        """Commands that outlive their connection, e.g. the image's `entrypoint` (their
+        output: `process(id)`)."""
         response = await self.client.request("GET", f"{self._path}/processes")
         return ProcessList.model_validate(response.json()).processes
 

@@ -29,6 +29,7 @@ from cella.models import (
     LineageNode,
     ProcessInfo,
     ProcessList,
+    ProcessSummary,
     SandboxUsage,
     Secret,
     Template,
@@ -590,8 +591,9 @@ class Sandbox:
         for event in self.client.follow(self.id, after, types):
             yield event
 
-    def processes(self) -> builtins.list[ProcessInfo]:
-        """Commands that outlive their connection, e.g. the image's `entrypoint`."""
+    def processes(self) -> builtins.list[ProcessSummary]:
+        """Commands that outlive their connection, e.g. the image's `entrypoint` (their
+        output: `process(id)`)."""
         response = self.client.request("GET", f"{self._path}/processes")
         return ProcessList.model_validate(response.json()).processes
 

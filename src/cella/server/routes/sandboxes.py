@@ -143,7 +143,7 @@ async def stream_events(
 @router.get("/{sandbox_id}/processes", response_model=ProcessList)
 async def list_processes(sandbox_id: ID, svc: Service, who: Auth) -> ProcessList:
     """Commands that outlive their connection, e.g. the image's `entrypoint`."""
-    return ProcessList(processes=[p.info() for p in svc.processes.list(who.tenant, sandbox_id)])
+    return ProcessList(processes=[p.summary() for p in svc.processes.list(who.tenant, sandbox_id)])
 
 
 @router.get("/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)

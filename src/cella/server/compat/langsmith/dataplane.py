@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import posixpath
 import re
 import time
@@ -20,12 +21,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, File, Header, Request, Response, UploadFile, WebSocket
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import ExecRequest, SandboxState, guest_path
-from cella.server.compat.langsmith.shapes import DATAPLANE
+from cella.server.app import describe
+from cella.server.compat.langsmith.shapes import DATAPLANE, ERRORS
 from cella.server.compat.langsmith.yamux import YamuxSession, YamuxStream
 from cella.server.deps import Caller, Service, api_key_caller, daemon
 from cella.service.daemon import Daemon
@@ -282,11 +285,19 @@ async def walk(
 # -- commands ------------------------------------------------------------------------------
 
 
-def seconds_or_none(value: Any, default: float | None) -> float | None:
+def seconds_or_none(msg: Json, field: str, default: float | None) -> float | None:
+    """LangSmith's seconds: absent is `default`, negative (-1) is "no limit" (None; a
+    session's TTL is then the daemon's longest, `max_process_keep_seconds`)."""
+    value = msg.get(field)
     if value is None:
         return default
-    number = float(value)
-    return None if number < 0 else number
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgument(f"{field} must be a number of seconds") from None
+    if math.isnan(number):
+        raise errors.InvalidArgument(f"{field} must be a number of seconds")
+    return None if number < 0 or math.isinf(number) else number
 
 
 async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) -> Process:
@@ -295,22 +306,25 @@ async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) ->
         raise errors.InvalidArgument("env/cwd cannot be combined with run_config")
     config = msg.get("run_config") or {}
     shell = str(msg.get("shell") or "/bin/bash")
-    timeout = float(msg.get("timeout_seconds") or 0)
-    request = ExecRequest(
-        command=[shell, "-c", str(msg.get("command") or "")],
-        cwd=msg.get("cwd") or config.get("work_dir"),
-        env={**(msg.get("env") or {}), **(config.get("env_vars") or {})},
-        user=config.get("user"),
-        timeout=timeout or None,
-    )
+    try:
+        request = ExecRequest(
+            command=[shell, "-c", str(msg.get("command") or "")],
+            cwd=msg.get("cwd") or config.get("work_dir"),
+            env={**(msg.get("env") or {}), **(config.get("env_vars") or {})},
+            user=config.get("user"),
+            timeout=seconds_or_none(msg, "timeout_seconds", None) or None,  # 0: none
+        )
+    except (ValidationError, TypeError) as exc:
+        problems = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
+        raise errors.InvalidArgument(describe(problems)) from None
     pty = bool(msg.get("pty"))
     spec = ProcessSpec(
         request=request,
         pty=TERMINAL if pty else None,
         stdin=pty or not msg.get("close_stdin", False),  # the SDK says when to close it
-        idle_timeout=seconds_or_none(msg.get("idle_timeout_seconds"), 300),
+        idle_timeout=seconds_or_none(msg, "idle_timeout_seconds", 300),
         kill_on_disconnect=bool(msg.get("kill_on_disconnect")),
-        ttl=seconds_or_none(msg.get("ttl_seconds"), 600),
+        ttl=seconds_or_none(msg, "ttl_seconds", 600),
     )
     command_id = str(msg.get("command_id") or "") or f"cmd-{time.time_ns():x}"
     return await svc.processes.start(tenant, sandbox_id, command_id, spec)
@@ -398,7 +412,8 @@ async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
         return  # the client left; the process goes on (unless it asked otherwise)
     except errors.CellaError as exc:
         with contextlib.suppress(Exception):
-            await send(ws, {"type": "error", "error_type": "CommandError", "error": exc.message})
+            kind = ERRORS.get(exc.code, (0, "CommandError"))[1]  # e.g. QuotaExceeded
+            await send(ws, {"type": "error", "error_type": kind, "error": exc.message})
             await ws.close(code=1000)
 
 
