@@ -1,4 +1,5 @@
-"""Exec on a real microVM (shared by this module; every test leaves it as it found it)."""
+"""Exec on a real microVM (shared by this module; every test leaves it as it found it), and
+through a real daemon with the SDK."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cella import errors
+from cella import Client, errors
 from cella.guest.client import ExecControl, Output, Started
 from cella.guest.protocol import ExitStatus
 from cella.runtime.qemu.vm import QemuVM
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
@@ -214,3 +216,24 @@ async def test_the_host_reaches_a_server_in_the_guest(vm: QemuVM) -> None:
             await vm.agent.open_port(8766)  # nothing listens there
     finally:
         await vm.agent.exec("pkill -f 'http.server 8765'")
+
+
+# -- through the daemon and the SDK ---------------------------------------------------------
+
+
+def test_a_command_outlasting_the_client_timeout_returns_its_result(
+    daemon: Daemon, admin: Client
+) -> None:
+    """A request that runs a command waits as long as the command may run, whatever the
+    client's own timeout (here 2 s); the command's own timeout still ends it."""
+    with admin.create() as sb, Client(daemon.url, daemon.admin_key, timeout=2) as short:
+        quick = short.get(sb.id)  # other requests keep the 2 s
+        done = quick.exec("sleep 4; echo done", timeout=60)
+        assert (done.exit_code, done.stdout) == (0, b"done\n") and done.duration_ms >= 4000
+        untimed = quick.exec("sleep 4; echo untimed")  # no command timeout: no read limit
+        assert untimed.stdout == b"untimed\n"
+        streamed = list(quick.exec_stream("sleep 4; echo streamed", timeout=60))
+        assert streamed[-1].type == "exit" and streamed[-2].bytes == b"streamed\n"
+        # the control: the command's own timeout ends it, and that is the answer
+        ended = quick.exec("sleep 30", timeout=3)
+        assert ended.timed_out and 3000 <= ended.duration_ms < 10_000

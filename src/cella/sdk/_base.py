@@ -11,11 +11,27 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import httpx2
+
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
 from cella.models import HeaderRule, encode_data
 
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
+CONNECT_TIMEOUT = 10.0
+COMMAND_MARGIN = 60.0  # beyond a command's own timeout: the daemon's and the network's share
+
+
+def client_timeout(timeout: float) -> httpx2.Timeout:
+    return httpx2.Timeout(timeout, connect=CONNECT_TIMEOUT)
+
+
+def command_wait(timeout: float, command_timeout: float | None) -> httpx2.Timeout:
+    """How long a request that runs a command waits for its answer: as long as the command
+    may run and a margin (a command without a timeout: no limit), never less than the
+    client's `timeout`."""
+    read = None if command_timeout is None else max(timeout, command_timeout + COMMAND_MARGIN)
+    return httpx2.Timeout(timeout, connect=CONNECT_TIMEOUT, read=read)
 
 
 def resolve(url: str | None, api_key: str | None) -> tuple[str, str]:

@@ -41,6 +41,8 @@ from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
+    client_timeout,
+    command_wait,
     create_body,
     exec_body,
     network_body,
@@ -61,12 +63,15 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         headers: dict[str, str] | None = None,
     ) -> None:
-        """`headers` go with every request (e.g. `X-Cella-Node`, a fleet placement hint)."""
+        """`timeout`: seconds a request may take, except one that runs a command, which
+        waits as long as the command may run (`exec(timeout=...)`). `headers` go with every
+        request (e.g. `X-Cella-Node`, a fleet placement hint)."""
         self.url, self.api_key = resolve(url, api_key)
+        self.timeout = timeout
         self._http = httpx2.Client(
             base_url=self.url,
             headers={**(headers or {}), "Authorization": f"Bearer {self.api_key}"},
-            timeout=httpx2.Timeout(timeout, connect=10.0),
+            timeout=client_timeout(timeout),
         )
 
     def __enter__(self) -> Client:
@@ -487,9 +492,11 @@ class Sandbox:
         timeout: float | None = None,
         check: bool = False,
     ) -> ExecResult:
-        """Runs a command to completion. A string runs under /bin/sh -c."""
+        """Runs a command to completion. A string runs under /bin/sh -c. The request waits
+        as long as the command may run (`timeout`; without one, for as long as it runs)."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
-        response = self.client.request("POST", f"{self._path}/exec", json=body)
+        wait = command_wait(self.client.timeout, timeout)
+        response = self.client.request("POST", f"{self._path}/exec", json=body, timeout=wait)
         result = ExecResult.model_validate(response.json())
         return result.check(command) if check else result
 
@@ -503,9 +510,12 @@ class Sandbox:
         stdin: str | bytes | None = None,
         timeout: float | None = None,
     ) -> Iterator[ExecEvent]:
-        """Yields started, stdout, stderr and exit events as the command produces them."""
+        """Yields started, stdout, stderr and exit events as the command produces them
+        (waiting between them as long as the command may run, like `exec`)."""
         body = exec_body(command, cwd, env, user, stdin, timeout)
-        with self.client.stream("POST", f"{self._path}/exec/stream", json=body) as response:
+        wait = command_wait(self.client.timeout, timeout)
+        path = f"{self._path}/exec/stream"
+        with self.client.stream("POST", path, json=body, timeout=wait) as response:
             for line in response.iter_lines():
                 if line.strip():
                     event = ExecEvent.model_validate(json.loads(line))
