@@ -211,6 +211,14 @@ class DaemonSettings(BaseSettings):
         description="name -> address(es) the proxy uses instead of DNS (internal registries; "
         "these may be non-public addresses)",
     )
+    egress_tenant_networks: list[str] = Field(
+        default_factory=list,
+        description="non-public networks (CIDR) tenants' address rules may open (default: "
+        "none). Everything not public (loopback, private, shared and link-local ranges with "
+        "the metadata endpoints, unique- and site-local IPv6) and the host's and fleet "
+        "nodes' own addresses are reached from sandboxes only through the operator: a name "
+        "in egress_hosts, or an address in one of these networks (env: a JSON list)",
+    )
     egress_upstream_ca: Path | None = Field(
         default=None,
         description="PEM CA the proxy trusts for upstream TLS, besides the host's roots",
@@ -257,14 +265,16 @@ class DaemonSettings(BaseSettings):
                 except ValueError:
                     raise ValueError(f"egress_hosts[{name!r}]: {addr!r} is not an IP") from None
         return value
-    egress_tenant_networks: list[str] = Field(
-        default_factory=list,
-        description="non-public networks (CIDR) tenants' address rules may open (default: "
-        "none). Everything not public (loopback, private, shared and link-local ranges with "
-        "the metadata endpoints, unique- and site-local IPv6) and the host's and fleet "
-        "nodes' own addresses are reached from sandboxes only through the operator: a name "
-        "in egress_hosts, or an address in one of these networks (env: a JSON list)",
-    )
+
+    @field_validator("egress_tenant_networks")
+    @classmethod
+    def _egress_tenant_networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"egress_tenant_networks: {network!r} is not a CIDR") from None
+        return value
 
     def egress_host_table(self) -> dict[str, list[str]]:
         return {
@@ -311,16 +321,6 @@ class ClientSettings(BaseSettings):
     """Where the SDK and CLI find a daemon and the key to use."""
 
     model_config = SettingsConfigDict(env_prefix="CELLA_", extra="ignore")
-
-    @field_validator("egress_tenant_networks")
-    @classmethod
-    def _egress_tenant_networks(cls, value: list[str]) -> list[str]:
-        for network in value:
-            try:
-                ipaddress.ip_network(network, strict=False)
-            except ValueError:
-                raise ValueError(f"egress_tenant_networks: {network!r} is not a CIDR") from None
-        return value
 
     url: str | None = Field(default=None, description="daemon URL")
     api_key: str | None = Field(default=None, description="API key")

@@ -65,9 +65,6 @@ def nodes() -> list[RayNode]:
     return found
 
 
-def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str, Any]:
-    """The node daemon's `info()` (started there if it is not running yet)."""
-    actor = NodeDaemon.options(  # type: ignore[attr-defined]
 def addresses() -> set[str]:
     """The address of every node Ray knows, sandbox nodes or not (the head runs the GCS)."""
     return {
@@ -77,6 +74,9 @@ def addresses() -> set[str]:
     }
 
 
+def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str, Any]:
+    """The node daemon's `info()` (started there if it is not running yet)."""
+    actor = NodeDaemon.options(  # type: ignore[attr-defined]
         name=actor_name(node.node_id),
         namespace=NAMESPACE,
         lifetime="detached",

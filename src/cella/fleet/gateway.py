@@ -125,7 +125,6 @@ class Gateway:
             self.failures.setdefault(name, self._lose_sandboxes(name, f"node {name} is gone"))
         if wait and joins:
             await asyncio.gather(*joins, return_exceptions=True)
-
         wanted = await self._fleet_addresses()
         for node in self.healthy():
             try:
@@ -145,6 +144,7 @@ class Gateway:
         if node.told_addresses != wanted:
             await node.json("PUT", "/v1/egress/boundary/fleet", json={"addresses": wanted})
             node.told_addresses = wanted
+
     async def _join(self, ray_node: cluster.RayNode) -> None:
         name = ray_node.name
         try:
@@ -156,8 +156,8 @@ class Gateway:
             )
             node.restarts = int(info.get("restarts") or 0)
             await self._push_secrets(node)
-            listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
             await self._tell_fleet(node, await self._fleet_addresses(node))
+            listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
             self.placements.resync(name, listed["sandboxes"])
             old = self.nodes.get(name)
             self.nodes[name] = node

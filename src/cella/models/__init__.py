@@ -15,8 +15,8 @@ from cella.models.files import ChmodRequest, FileEntry, GuestPath, MkdirRequest,
 from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
-    EgressDecision,
     EgressBoundary,
+    EgressDecision,
     EgressLog,
     HeaderRule,
     KeyRotation,
@@ -56,9 +56,9 @@ __all__ = [
     "BuildEvent",
     "Capacity",
     "ChmodRequest",
+    "EgressBoundary",
     "EgressDecision",
     "EgressLog",
-    "EgressBoundary",
     "Event",
     "EventList",
     "ExecDefaults",
