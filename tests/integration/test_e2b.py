@@ -504,7 +504,8 @@ def interpreter_python() -> Path:
 
 def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> None:
     """`e2b-code-interpreter` on a `code-interpreter` sandbox: results, output, errors, a
-    matplotlib PNG, state kept between runs, contexts."""
+    matplotlib PNG, state kept between runs, contexts; contexts and code on a sandbox
+    whose ports are private (the SDK's `/contexts` calls carry only its traffic token)."""
     got = e2b(
         interpreter_python,
         e2b_daemon,
@@ -531,6 +532,11 @@ def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> N
                           ctx.id in [c.id for c in sb.list_code_contexts()]]
         out["env"] = sb.run_code("import os; os.environ['TOKEN']", envs={"TOKEN": "t1"}).text
         sb.kill()
+        private = Interpreter.create(network={"allow_public_traffic": False})
+        ctx = private.create_code_context()
+        out["private"] = [ctx.id in [c.id for c in private.list_code_contexts()],
+                          private.run_code("6 * 7", context=ctx).text]
+        private.kill()
         print(json.dumps(out))
         """,
     )
@@ -542,6 +548,7 @@ def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> N
     assert got["png"] == "89504e470d0a1a0a"  # a PNG's signature
     assert got["context"] == ["NameError", True]  # a new context has its own state
     assert got["env"] == "'t1'"
+    assert got["private"] == [True, "42"]  # the SDK's own tokens, on a private sandbox too
 
 
 def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -> None:
@@ -589,7 +596,8 @@ def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -
     )
     public, guarded = got["ids"]
     assert got["host"] == f"8000-{public}.localhost:{e2b_daemon.port}"
-    assert got["public"] == [200, f"hi from {public}"] and got["public_token"] is None
+    assert got["public"] == [200, f"hi from {public}"]  # no token needed...
+    assert got["public_token"]  # ...though one is handed out (the interpreter's /contexts)
     assert got["no_token"][0] == 403 and got["bad_token"][0] == 403
     assert got["token"] == [200, f"hi from {guarded}"]  # the control: same path, with token
     assert got["other_port"][0] == 502  # nothing listens there

@@ -2,7 +2,9 @@
 `get_host(port)`, under a wildcard DNS name for the daemon) goes to that port in that
 sandbox. The ports of a foreign API's own guest services (E2B's envd and code interpreter)
 keep their paths and only gain the header that names the sandbox; every other port is
-served by `/v1/hosts/{sandbox_id}/{port}/...`, which decides who may reach it."""
+served by `/v1/hosts/{sandbox_id}/{port}/...`, which decides who may reach it. The request
+keeps the host name it came by (`ROUTED_HOST` in its scope): its pages are on that origin,
+not the daemon's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 NAME = re.compile(r"^(\d{1,5})-(sb-[0-9a-f]+)\.(.+)$")
+ROUTED_HOST = "cella.sandbox_host"  # scope key: the sandbox port's host name, without port
 
 
 def host_path(sandbox_id: str, port: int, path: str) -> str:
@@ -43,4 +46,9 @@ class HostRouting:
             return {**scope, "headers": [*kept, named]}
         prefix = host_path(sandbox_id, port, "")
         raw = scope.get("raw_path") or scope["path"].encode()
-        return {**scope, "path": prefix + scope["path"], "raw_path": prefix.encode() + raw}
+        return {
+            **scope,
+            "path": prefix + scope["path"],
+            "raw_path": prefix.encode() + raw,
+            ROUTED_HOST: host.lower().partition(":")[0],
+        }

@@ -4,7 +4,8 @@ A connection to a guest port is a stream over the agent channel (`open`), used a
 port forwarding and tunnels. A service URL lets a browser or an HTTP client reach a guest
 port without an API key: it carries a short-lived token, signed with this daemon's key
 (`DATA_DIR/service.key`), naming the sandbox, the port and when it expires. `http` forwards
-one HTTP request over a fresh stream and returns the guest server's response as it streams.
+one HTTP request over a fresh stream and returns the guest server's response as it streams;
+`guest_path` is the path a guest server is asked for, the same one the daemon checked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import h11
 
@@ -26,6 +28,11 @@ from cella.guest.client import GuestStream
 from cella.service.registry import Registry
 
 MAX_TOKEN_SECONDS = 86400
+# The code interpreter of `code-interpreter` sandboxes: it runs code for whoever reaches
+# it, so besides an API key or a service token minted for it, only the sandbox's access
+# token (the one E2B's `/execute` takes) opens it.
+INTERPRETER_PORT = 49999
+PATH_SAFE = "!$&'()*+,;=:@"  # a path segment's characters that stay as they are
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -160,6 +167,24 @@ class Ports:
             [(k, v) for k, v in response_headers if k.lower() not in HOP_BY_HOP],
             _body(conn, stream),
         )
+
+
+def guest_path(path: str) -> str:
+    """The path a guest server is sent for `path` as the daemon's routes matched it
+    (percent-decoded): dot segments resolved and empty segments dropped, then encoded
+    again. So the guest is asked for the route that was checked: `..`, `%2e%2e`, `//` and
+    an encoded `/` (already a separator to the route) cannot name another one, and a
+    decoded `?` or `#` stays part of the path."""
+    kept: list[str] = []
+    segments = path.split("/")
+    for segment in segments:
+        if segment == "..":
+            if kept:
+                kept.pop()
+        elif segment not in ("", "."):
+            kept.append(quote(segment, safe=PATH_SAFE))
+    directory = segments[-1] in ("", ".", "..")  # `a/`, `a/.` and `a/b/..` name a directory
+    return "/" + "/".join(kept) + ("/" if kept and directory else "")
 
 
 async def _next_event(conn: h11.Connection, stream: GuestStream) -> object:

@@ -8,6 +8,12 @@
 - `WS /v1/sandboxes/{id}/ports/{port}/connect` carries one raw TCP connection (API key
   auth) as binary messages; an empty message is the end of one direction (a TCP half
   close): what `cella sandbox port-forward` uses.
+
+A guest's HTTP response is untrusted (`guest_reply`). On the daemon's own host (the path
+forms, and foreign APIs' relays) it is served with a sandboxing CSP, without headers that
+act on the whole origin, and its cookies stay inside its port's path; by a sandbox port's
+host name it is on an origin of its own, and only cookies that would reach beyond that
+host are dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from cella import errors
 from cella.guest.client import GuestStream
 from cella.models import ExposedPort, ExposeRequest
 from cella.server.deps import Auth, Service, daemon, principal
+from cella.server.hosts import ROUTED_HOST
 from cella.service.daemon import Daemon
-from cella.service.ports import ServiceToken
+from cella.service.ports import INTERPRETER_PORT, HttpResponse, ServiceToken, guest_path
 
 router = APIRouter(tags=["ports"])
 PortP = Annotated[int, Path(ge=1, le=65535, description="TCP port inside the sandbox")]
@@ -40,6 +47,20 @@ OWN_COOKIES = ("cella_session", "cella_service_")  # the daemon's cookies, kept 
 # `allow-same-origin` it runs in an opaque origin that cannot read the console's session
 # nor send it (servers that need an origin of their own are reached by host name).
 SANDBOXED = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+# response headers that act on a whole origin (its cookies and storage, HTTPS, where its
+# traffic goes, where its errors are reported): not a guest's to set on the daemon's
+ORIGIN_WIDE = frozenset(
+    {
+        "clear-site-data",
+        "strict-transport-security",
+        "alt-svc",
+        "nel",
+        "report-to",
+        "reporting-endpoints",
+        "service-worker-allowed",
+    }
+)
+ACCESS_HEADER = "x-access-token"  # the sandbox's access token (E2B's envd and interpreter)
 
 
 def service_url(request: Request | WebSocket, sandbox_id: str, port: int) -> str:
@@ -102,9 +123,9 @@ async def service(
             path=f"/v1/services/{sandbox_id}/{port}",
         )
         return redirect
-    reply = await _forward(request, svc, token.tenant, sandbox_id, port, path)
-    reply.headers.append("content-security-policy", SANDBOXED)  # beside any of its own
-    return reply
+    reply, sent = await _forward(request, svc, token.tenant, sandbox_id, port, path)
+    prefix = f"/v1/services/{sandbox_id}/{port}"
+    return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
 
 
 @router.api_route(
@@ -115,18 +136,26 @@ async def service(
 async def by_host(
     sandbox_id: str, port: PortP, path: str, request: Request, svc: Service
 ) -> Response:
-    """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`)."""
+    """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`): its own origin. Asked for
+    by this path on the daemon's host instead, it is served as a service URL is."""
     tenant = _host_caller(svc, request, sandbox_id, port)
-    return await _forward(request, svc, tenant, sandbox_id, port, path)
+    reply, sent = await _forward(request, svc, tenant, sandbox_id, port, path)
+    if host := request.scope.get(ROUTED_HOST):
+        return guest_reply(reply, lambda c: cookie_for_host(c, host), sandboxed=False)
+    prefix = f"/v1/hosts/{sandbox_id}/{port}"
+    return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
 
 
 def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> str:
     """The tenant a request to a port by host name acts for: anyone's, when the sandbox's
-    ports are public; else only with its traffic token (E2B's) or a service token."""
+    ports are public; else only with its traffic token (E2B's) or a service token. The
+    code interpreter's port takes the sandbox's access token, public or not."""
     row = svc.store.get_sandbox(sandbox_id)
     if row is None:
         raise errors.NotFound(f"no sandbox {sandbox_id}")
-    if not row.network.public_ports:
+    if port == INTERPRETER_PORT:
+        svc.ports.check_access(row.id, conn.headers.get(ACCESS_HEADER, ""))
+    elif not row.network.public_ports:
         if traffic := conn.headers.get(TRAFFIC_HEADER):
             svc.ports.check_traffic(row.id, traffic)
         else:
@@ -136,15 +165,80 @@ def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: 
 
 async def _forward(
     request: Request, svc: Daemon, tenant: str, sandbox_id: str, port: int, path: str
-) -> Response:
-    target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+) -> tuple[HttpResponse, str]:
+    """The guest server's response, and the path it was asked for."""
+    sent = guest_path(path)
+    target = sent + (f"?{request.url.query}" if request.url.query else "")
     headers = guest_headers(request.headers.items())
     reply = await svc.ports.http(
         tenant, sandbox_id, port, request.method, target, headers, request.stream()
     )
-    return StreamingResponse(
-        reply.body, status_code=reply.status, headers=dict(_merge(reply.headers))
-    )
+    return reply, sent
+
+
+def guest_reply(
+    reply: HttpResponse, cookie: Callable[[str], str | None], sandboxed: bool
+) -> StreamingResponse:
+    """A guest server's response as the browser gets it: each `Set-Cookie` as `cookie`
+    keeps it (or drops it: None); `sandboxed` (on the daemon's own host) adds the
+    sandboxing CSP beside any of the guest's and drops headers that act on the origin."""
+    headers = []
+    for key, value in reply.headers:
+        name = key.lower()
+        if name == "set-cookie":
+            kept = cookie(value)
+            if kept is None:
+                continue
+            value = kept
+        elif sandboxed and name in ORIGIN_WIDE:
+            continue
+        headers.append((name, value))
+    if sandboxed:
+        headers.append(("content-security-policy", SANDBOXED))
+    response = StreamingResponse(reply.body, status_code=reply.status)
+    response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    return response
+
+
+def cookie_under(header: str, prefix: str, sent: str) -> str | None:
+    """A guest's cookie set on the daemon's own host: kept inside its port's path (the
+    guest's `Path`, or the default for the path it was sent, under `prefix`), without a
+    `Domain`, and never under one of the daemon's names or without a name (a nameless
+    cookie reaches servers as `name=value` of its value)."""
+    name, attributes = _parse_cookie(header)
+    if not name or name.startswith(OWN_COOKIES) or "domain" in _named(attributes):
+        return None
+    path = _named(attributes).get("path", "")
+    if not path.startswith("/"):
+        path = sent[: sent.rindex("/")] or "/"  # RFC 6265's default path
+    kept = [a for a in attributes if _attribute_name(a) != "path"]
+    return "; ".join([header.split(";")[0].strip(), *kept, f"Path={prefix}{path}"])
+
+
+def cookie_for_host(header: str, host: str) -> str | None:
+    """A guest's cookie set on its own host name: its server's business, unless a `Domain`
+    would carry it beyond that host (to the daemon's, or a parent domain's)."""
+    name, attributes = _parse_cookie(header)
+    domain = _named(attributes).get("domain", "").strip().lstrip(".").lower()
+    if not name or domain not in ("", host):
+        return None
+    return header
+
+
+def _parse_cookie(header: str) -> tuple[str, list[str]]:
+    """A `Set-Cookie` value's name (empty when it has none) and its attributes."""
+    first, *attributes = header.split(";")
+    name, equals, _ = first.partition("=")
+    return (name.strip() if equals else ""), [a.strip() for a in attributes if a.strip()]
+
+
+def _attribute_name(attribute: str) -> str:
+    return attribute.partition("=")[0].strip().lower()
+
+
+def _named(attributes: list[str]) -> dict[str, str]:
+    """Attributes by lower-case name, the last one winning as in browsers."""
+    return {_attribute_name(a): a.partition("=")[2].strip() for a in attributes}
 
 
 def guest_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -162,15 +256,6 @@ def guest_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
                 continue
         kept.append((key, value))
     return kept
-
-
-def _merge(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    # Starlette takes a dict: repeated headers (Set-Cookie aside) are joined
-    out: dict[str, str] = {}
-    for key, value in headers:
-        k = key.lower()
-        out[k] = f"{out[k]}, {value}" if k in out and k != "set-cookie" else value
-    return list(out.items())
 
 
 @router.websocket("/v1/services/{sandbox_id}/{port}/{path:path}")
@@ -199,7 +284,7 @@ async def _relay(
     except errors.CellaError as exc:
         await ws.close(code=4403, reason=exc.message[:120])
         return
-    target = "/" + path + (f"?{ws.url.query}" if ws.url.query else "")
+    target = guest_path(path) + (f"?{ws.url.query}" if ws.url.query else "")
     await relay(ws, stream, port, target)
 
 

@@ -6,12 +6,13 @@ from fastapi import FastAPI
 
 from cella.server.compat.e2b import control, envd
 from cella.server.compat.e2b.shapes import error_response, owns
+from cella.service.ports import INTERPRETER_PORT
 
 __all__ = ["OWN_PORTS", "error_response", "install", "owns"]
 
 # the guest services E2B's SDK reaches by host name, `{port}-{sandbox_id}.{domain}`, and
 # the header that names the sandbox when it reaches them at E2B_SANDBOX_URL instead
-OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", envd.INTERPRETER_PORT: "e2b-sandbox-id"}
+OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", INTERPRETER_PORT: "e2b-sandbox-id"}
 
 
 def install(app: FastAPI) -> None:

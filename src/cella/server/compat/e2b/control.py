@@ -48,7 +48,9 @@ def router() -> APIRouter:
     api = APIRouter(include_in_schema=False)
 
     def access(svc: Daemon, row: SandboxRecord) -> Access:
-        traffic = None if row.network.public_ports else svc.ports.traffic_token(row.id)
+        # every sandbox has a traffic token, public or not: it is all E2B's code
+        # interpreter SDK sends with its `/contexts` calls
+        traffic = svc.ports.traffic_token(row.id)
         return Access(svc.ports.access_token(row.id), traffic, svc.settings.ports_domain)
 
     def shown(svc: Daemon, row: SandboxRecord) -> Json:

@@ -26,7 +26,9 @@ from cella.models import ExecRequest, SandboxState
 from cella.server.compat.e2b import connect
 from cella.server.compat.e2b.watch import Watcher, Watchers
 from cella.server.deps import daemon
+from cella.server.routes.ports import ACCESS_HEADER, TRAFFIC_HEADER, guest_reply
 from cella.service.daemon import Daemon
+from cella.service.ports import INTERPRETER_PORT, guest_path
 from cella.service.processes import Process, ProcessSpec
 
 DEFAULT_USER = "user"
@@ -40,7 +42,6 @@ FORWARDED = {"content-type", "content-length", "accept"}
 
 
 ENVD_PORT = 49983
-INTERPRETER_PORT = 49999  # the code interpreter in `code-interpreter` sandboxes
 
 
 def owns(request: Request) -> bool:
@@ -87,6 +88,17 @@ def target(request: Request, username: str | None = None) -> Target:
     return Target(svc, row.tenant, row.id, username or basic_user(request) or DEFAULT_USER)
 
 
+def check_interpreter(svc: Daemon, sandbox_id: str, path: str, request: Request) -> None:
+    """Running code takes the sandbox's access token, as envd does. E2B's code interpreter
+    SDK sends its `/contexts` calls (making, listing, restarting, removing kernels) with
+    the traffic token only, which its control plane hands out with every sandbox."""
+    contexts = path == "/contexts" or path.startswith("/contexts/")
+    if contexts and ACCESS_HEADER not in request.headers:
+        svc.ports.check_traffic(sandbox_id, request.headers.get(TRAFFIC_HEADER, ""))
+    else:
+        svc.ports.check_access(sandbox_id, request.headers.get(ACCESS_HEADER, ""))
+
+
 def basic_user(request: Request) -> str | None:
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "basic":
@@ -104,17 +116,17 @@ def router() -> APIRouter:
     @api.api_route("/contexts", methods=["GET", "POST"])
     @api.api_route("/contexts/{rest:path}", methods=["POST", "DELETE"])
     async def interpreter(request: Request) -> Response:
-        """The code interpreter's API, forwarded to its server in the guest. E2B's SDK sends
-        no access token with `/contexts` (they make and list kernels; running code needs
-        the token)."""
+        """The code interpreter's API, forwarded to its server in the guest (the path it
+        is sent is the one checked here), its answer served as a guest's on the daemon's
+        host is."""
         svc: Daemon = daemon(request)
         sandbox_id = request.headers.get("e2b-sandbox-id", "")
         row = svc.store.get_sandbox(sandbox_id) if sandbox_id else None
         if row is None or row.state != SandboxState.running:
             raise errors.AgentUnavailable(f"The sandbox {sandbox_id} was not found")
-        if request.url.path == "/execute":
-            svc.ports.check_access(row.id, request.headers.get("x-access-token", ""))
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        path = guest_path(request.url.path)
+        check_interpreter(svc, row.id, path, request)
+        target = path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
         reply = await svc.ports.http(
             row.tenant,
@@ -125,7 +137,7 @@ def router() -> APIRouter:
             headers,
             request.stream(),
         )
-        return StreamingResponse(reply.body, status_code=reply.status, headers=dict(reply.headers))
+        return guest_reply(reply, lambda _: None, sandboxed=True)
 
     @api.get("/health", status_code=204)
     async def health(request: Request) -> Response:

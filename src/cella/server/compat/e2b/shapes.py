@@ -48,8 +48,9 @@ def iso(stamp: datetime) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Access:
-    """How a sandbox is reached: its envd token, its ports' token (none when they are
-    public) and the domain of `get_host(port)`'s names."""
+    """How a sandbox is reached: its envd token, its ports' traffic token (needed by
+    ports that are not public, and by the code interpreter's `/contexts`) and the domain
+    of `get_host(port)`'s names."""
 
     token: str
     traffic: str | None
