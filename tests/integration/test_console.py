@@ -5,6 +5,7 @@ under the test's temp dir (and under `$CELLA_SCREENSHOTS`, when set, for docs/).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 from cella import Client, Sandbox
@@ -70,7 +72,7 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def screenshot(page: Any, shots: Path, name: str) -> None:
-    page.wait_for_timeout(150)  # let the last rows render
+    painted(page)  # the last rows drawn
     path = shots / f"{name}.png"
     page.screenshot(path=str(path))
     if docs := os.environ.get("CELLA_SCREENSHOTS"):
@@ -95,22 +97,45 @@ def page(browser: Any, daemon: Daemon, keys: dict[str, str]) -> Iterator[Any]:
     page.context.close()
 
 
+def painted(page: Any) -> None:
+    """Until the browser has painted what the page last changed (two animation frames)."""
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+
+
+def eventually(check: Any, what: str, timeout: float = 30.0) -> None:
+    """Until `check()` holds, polled; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.1)
+
+
+def sleeping(sb: Sandbox) -> bool:
+    """A `sleep` runs in the guest (seen from outside the terminal)."""
+    return sb.exec(["pgrep", "-x", "sleep"]).exit_code == 0
+
+
+ROWS = (  # the terminal's screen as a JavaScript expression: a line each
+    "[...document.querySelectorAll('.xterm-rows > div')]"
+    ".map(r => r.textContent.replace(/\\s+$/, ''))"
+)
+
+
 def rows_text(page: Any) -> list[str]:
     """The terminal's screen, a line each (xterm.js's DOM renderer)."""
-    lines: list[str] = page.eval_on_selector_all(
-        ".xterm-rows > div", "rows => rows.map(r => r.textContent.replace(/\\s+$/, ''))"
-    )
+    lines: list[str] = page.evaluate(f"() => {ROWS}")
     return lines
 
 
 def wait_line(page: Any, line: str, timeout: float = 20.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        screen = rows_text(page)
-        if line in screen:
-            return screen
-        page.wait_for_timeout(100)
-    raise AssertionError(f"{line!r} never shown; the screen:\n" + "\n".join(rows_text(page)))
+    try:
+        page.wait_for_function(f"line => {ROWS}.includes(line)", arg=line, timeout=timeout * 1000)
+    except PlaywrightTimeout:
+        raise AssertionError(
+            f"{line!r} never shown; the screen:\n" + "\n".join(rows_text(page))
+        ) from None
+    return rows_text(page)
 
 
 def test_login(browser: Any, daemon: Daemon, keys: dict[str, str], shots: Path) -> None:
@@ -185,19 +210,20 @@ def test_terminal(page: Any, box: Sandbox, shots: Path) -> None:
     wait_line(page, "hi")
     page.keyboard.type("echo héllo ✓\n")  # UTF-8 both ways
     wait_line(page, "héllo ✓")
-    page.keyboard.type("sleep 30; echo not-interrupted\n")
-    page.wait_for_timeout(700)
+    assert not sleeping(box)
+    page.keyboard.type("sleep 600; echo not-interrupted\n")
+    eventually(lambda: sleeping(box), "the terminal's sleep runs")  # the control
     page.keyboard.press("Control+C")
+    eventually(lambda: not sleeping(box), "Ctrl-C ends the sleep", timeout=10)
     page.keyboard.type("echo rc=$?\n")
     screen = wait_line(page, "rc=130")  # the shell saw SIGINT end the sleep
     assert "not-interrupted" not in screen
-    page.keyboard.type("echo before $(stty size)\n")
-    (before,) = wait_lines_matching(page, r"before \d+ \d+")
+    before = stty_size(page, "before")
     page.set_viewport_size({"width": 900, "height": 600})
-    page.wait_for_timeout(300)
-    page.keyboard.type("echo after $(stty size)\n")
-    (after,) = wait_lines_matching(page, r"after \d+ \d+")
-    assert before.split()[1:] != after.split()[1:], (before, after)  # the guest's PTY resized
+    asked = itertools.count()  # each ask echoes a new tag, so its answer is told apart
+    eventually(  # the guest's PTY resized
+        lambda: stty_size(page, f"after{next(asked)}") != before, "the PTY takes the new size"
+    )
     page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
     page.keyboard.type("clear; ls / | head -5; echo hi\n")
     wait_line(page, "hi")
@@ -207,13 +233,19 @@ def test_terminal(page: Any, box: Sandbox, shots: Path) -> None:
 def wait_lines_matching(page: Any, pattern: str, timeout: float = 20.0) -> list[str]:
     import re
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [line for line in rows_text(page) if re.fullmatch(pattern, line)]
-        if found:
-            return found
-        page.wait_for_timeout(100)
-    raise AssertionError(f"no line like {pattern!r}:\n" + "\n".join(rows_text(page)))
+    shown = f"p => {ROWS}.some(line => new RegExp(`^(?:${{p}})$`).test(line))"
+    try:
+        page.wait_for_function(shown, arg=pattern, timeout=timeout * 1000)
+    except PlaywrightTimeout:
+        raise AssertionError(f"no line like {pattern!r}:\n" + "\n".join(rows_text(page))) from None
+    return [line for line in rows_text(page) if re.fullmatch(pattern, line)]
+
+
+def stty_size(page: Any, tag: str) -> list[str]:
+    """The terminal's size as the guest's PTY has it: `stty size`, echoed after `tag`."""
+    page.keyboard.type(f"echo {tag} $(stty size)\n")
+    (line,) = wait_lines_matching(page, rf"{tag} \d+ \d+")
+    return line.split()[1:]
 
 
 def test_files(page: Any, box: Sandbox, shots: Path) -> None:
@@ -326,18 +358,19 @@ def test_another_tenant_sees_none_of_it(
 ) -> None:
     page.goto(page.url.split("#")[0] + "#/sandboxes")
     page.wait_for_selector(f"#sandboxes tr[data-id='{box.id}']")  # control: alpha sees it
-    other = logged_in(browser, daemon, keys["beta"])
-    try:
-        other.wait_for_selector("#sandboxes")
-        other.wait_for_timeout(1200)  # a couple of list refreshes
-        assert other.inner_text("#who") == "beta"
-        assert other.eval_on_selector_all("#sandboxes tbody tr", "rows => rows.length") == 0
-        other.goto(other.url.split("#")[0] + f"#/sandboxes/{box.id}")
-        assert "no sandbox" in other.wait_for_selector("#toast.show").inner_text()
-        other.goto(other.url.split("#")[0] + "#/evals")
-        other.wait_for_selector("main p:has-text('No eval runs yet')")
-    finally:
-        other.context.close()
+    with Client(daemon.url, keys["beta"]) as beta, beta.create() as theirs:
+        other = logged_in(browser, daemon, keys["beta"])
+        try:
+            other.wait_for_selector(f"#sandboxes tr[data-id='{theirs.id}']")  # loaded
+            assert other.inner_text("#who") == "beta"
+            rows = "rows => rows.map(r => r.dataset.id)"
+            assert other.eval_on_selector_all("#sandboxes tbody tr", rows) == [theirs.id]
+            other.goto(other.url.split("#")[0] + f"#/sandboxes/{box.id}")
+            assert "no sandbox" in other.wait_for_selector("#toast.show").inner_text()
+            other.goto(other.url.split("#")[0] + "#/evals")
+            other.wait_for_selector("main p:has-text('No eval runs yet')")
+        finally:
+            other.context.close()
 
 
 def test_changes_need_the_csrf_token(page: Any, daemon: Daemon, box: Sandbox) -> None:
@@ -482,39 +515,56 @@ def test_eval_runs_api_refuses_bad_input(
     assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]
 
 
-ECHO_SERVER = """
+# The guest's web server: any path echoes the request's headers; `/attack` is a page whose
+# script shows that it ran, then tries to read the console's session (`?target=`, else
+# `/ui/session` of its own origin) and shows what it got; it also sets cookies: one under
+# the console's session name and one for the parent domain, beside an ordinary one.
+ECHO_SERVER = '''
 import http.server
+ATTACK = """<!doctype html><title>attack</title><p id=ran></p><p id=stolen></p><script>
+document.getElementById("ran").textContent = "ran";
+const target = new URLSearchParams(location.search).get("target") || "/ui/session";
+fetch(target, {credentials: "include"}).then(r => r.text(), () => "refused")
+  .then(t => { document.getElementById("stolen").textContent = t; });
+</script>"""
 class Echo(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = ("<h1>served from the sandbox</h1><pre id=headers>"
+        attack = self.path.startswith("/attack")
+        body = (ATTACK if attack else "<h1>served from the sandbox</h1><pre id=headers>"
                 + str(self.headers).replace("<", "&lt;") + "</pre>").encode()
         self.send_response(200)
         self.send_header("content-type", "text/html")
         self.send_header("content-length", str(len(body)))
+        if attack:
+            self.send_header("set-cookie", "own=1; Path=/")
+            self.send_header("set-cookie", "parent=planted; Domain=localhost; Path=/")
+            self.send_header("set-cookie", "cella_session=planted; Path=/")
         self.end_headers()
         self.wfile.write(body)
 http.server.ThreadingHTTPServer(("127.0.0.1", 8000), Echo).serve_forever()
-"""
+'''
 
 
-def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None:
-    """Through a service URL, in a page that cannot act as the console: the guest's server
-    never gets the session cookie, and the page runs in an opaque origin."""
+@pytest.fixture(scope="module")
+def web_server(box: Sandbox) -> int:
+    """ECHO_SERVER on the box's port 8000, listening."""
     box.files.write("/srv/echo.py", ECHO_SERVER, parents=True)
     box.exec("nohup python3 /srv/echo.py >/dev/null 2>&1 &")
+    listening = "import socket; socket.create_connection(('127.0.0.1', 8000))"
+    eventually(lambda: box.exec(["python3", "-c", listening]).exit_code == 0, "8000 listens")
+    return 8000
+
+
+def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, web_server: int) -> None:
+    """Through a service URL, in a page that cannot act as the console: the guest's server
+    never gets the session cookie, and the page runs in an opaque origin."""
     page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}")
-    page.fill("#port", "8000")
-    deadline = time.monotonic() + 20
-    while True:  # until the server listens (the first open may find the port closed)
-        with page.context.expect_page() as opened:
-            page.click("button:has-text('Open port')")
-        tab = opened.value
-        tab.wait_for_url("**/v1/services/**")
-        tab.wait_for_load_state()
-        if "served from the sandbox" in tab.content() or time.monotonic() > deadline:
-            break
-        tab.close()
-        page.wait_for_timeout(500)
+    page.fill("#port", str(web_server))
+    with page.context.expect_page() as opened:
+        page.click("button:has-text('Open port')")
+    tab = opened.value
+    tab.wait_for_url("**/v1/services/**")
+    tab.wait_for_load_state()
     assert tab.inner_text("h1") == "served from the sandbox"
     assert "/v1/services/" in tab.url
     seen = tab.inner_text("#headers").lower()
@@ -528,6 +578,43 @@ def test_a_port_opens_in_a_new_tab(page: Any, box: Sandbox, shots: Path) -> None
     tab.close()
 
 
+def test_a_guest_page_cannot_take_over_the_console(
+    page: Any, daemon: Daemon, box: Sandbox, web_server: int
+) -> None:
+    """A logged-in console opens a guest's page (a link with a service token, as an
+    attacker would send it) by the host path on the daemon's own host, and by the port's
+    host name. Its script runs (the control) but reads no session nor CSRF token, and its
+    cookies neither replace the console's session nor reach a parent domain; the console's
+    own origin does read the session (the control for the read)."""
+    mine = page.evaluate("fetch('/ui/session').then(r => r.json())")
+    assert mine["tenant"] == "alpha" and mine["csrf"]  # the control: the origin reads it
+    session = [c for c in page.context.cookies() if c["name"] == "cella_session"]
+    token = box.expose(web_server).token
+    host = f"{web_server}-{box.id}.localhost"
+    by_path = f"{daemon.url}/v1/hosts/{box.id}/{web_server}/attack?cella_token={token}"
+    by_name = f"http://{host}:{daemon.port}/attack?cella_token={token}"
+    for url, origin in (
+        (by_path, "null"),  # sandboxed: an opaque origin
+        (f"{by_name}&target={daemon.url}/ui/session", f"http://{host}:{daemon.port}"),
+    ):
+        tab = page.context.new_page()
+        tab.goto(url)
+        tab.wait_for_selector("#stolen:not(:empty)")
+        assert tab.inner_text("#ran") == "ran", url  # the control: its script runs
+        assert tab.inner_text("#stolen") == "refused", url
+        assert tab.evaluate("window.origin") == origin, url
+        tab.close()
+    cookies = page.context.cookies()
+    on_console = [c for c in cookies if c["domain"] == "127.0.0.1" and c["name"] == "cella_session"]
+    assert on_console == session  # the console's session cookie, untouched
+    planted = {c["domain"] for c in cookies if c["name"] == "cella_session"} - {"127.0.0.1"}
+    assert planted == {host}  # host-only on the guest's own host name: never sent to the console
+    assert not [c for c in cookies if c["name"] == "parent"]  # no parent domain's cookie
+    own = {(c["domain"], c["path"]) for c in cookies if c["name"] == "own"}
+    assert own == {("127.0.0.1", f"/v1/hosts/{box.id}/{web_server}/"), (host, "/")}  # control
+    assert page.evaluate("fetch('/ui/session').then(r => r.json())") == mine  # still its own
+
+
 def test_secret_values_are_never_rendered(
     page: Any, alpha: Client, daemon: Daemon, keys: dict[str, str]
 ) -> None:
@@ -537,10 +624,13 @@ def test_secret_values_are_never_rendered(
     try:
         sb.exec("echo token is $API_TOKEN")  # the trace holds the placeholder, redacted
         seen = []
-        for tab in ("", "/trace"):
+        for tab, shown in (
+            ("", "#tab td:has-text('console-token')"),
+            ("/trace", "#timeline li[data-type=exec]:has-text('[secret:console-token]')"),
+        ):
             page.goto(page.url.split("#")[0] + f"#/sandboxes/{sb.id}{tab}")
-            page.wait_for_selector("#tab table, #timeline li[data-type=exec]")
-            page.wait_for_timeout(300)
+            page.wait_for_selector(shown)
+            painted(page)
             seen.append(page.content())
         assert "console-token" in seen[0]  # the control: the secret's name is shown
         assert "[secret:console-token]" in seen[1]
@@ -554,10 +644,17 @@ def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
         .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
                       && !el.textContent.trim() && el.type !== 'hidden')
         .map(el => el.outerHTML)"""
-    for view in ("#/sandboxes", f"#/sandboxes/{box.id}", f"#/sandboxes/{box.id}/files",
-                 f"#/sandboxes/{box.id}/trace", "#/snapshots", "#/evals"):  # fmt: skip
+    snap = box.snapshot("labels")  # a row of controls in the snapshots view
+    for view, loaded in (
+        ("#/sandboxes", f"#sandboxes tr[data-id='{box.id}']"),
+        (f"#/sandboxes/{box.id}", "table.kv td:has-text(' of ')"),
+        (f"#/sandboxes/{box.id}/files", "#files a[data-path='/etc']"),
+        (f"#/sandboxes/{box.id}/trace", "#timeline li[data-type=created]"),
+        ("#/snapshots", f"#snapshots tr[data-id='{snap.id}']"),
+        ("#/evals", "#evals tbody tr, main p:has-text('No eval runs yet')"),
+    ):
         page.goto(page.url.split("#")[0] + view)
-        page.wait_for_timeout(500)
+        page.wait_for_selector(loaded)
         assert page.evaluate(unlabelled) == [], view
     page.goto(page.url.split("#")[0] + "#/sandboxes")  # and the keyboard reaches the list
     page.wait_for_selector("#sandboxes tbody tr")
