@@ -376,6 +376,34 @@ def test_the_langsmith_sdk_through_the_gateway(fleet: Fleet, tenant: httpx2.Clie
         delete_all(tenant)
 
 
+def test_a_read_only_key_wakes_nothing_through_the_gateway(
+    fleet: Fleet, tenant: httpx2.Client
+) -> None:
+    """The gateway relays a read-only caller as read-only: a data-plane GET on a stopped
+    box (waking it would commit RAM and a quota slot on its node) is refused there."""
+    key = tenant.headers["authorization"].split()[1]
+    made = fleet.admin.post("/v1/keys", json={"tenant": "acme", "read_only": True})
+    read_only = made.json()["key"]
+    client = SandboxClient(api_endpoint=f"{fleet.gateway.url}/api/v2/sandboxes", api_key=key)
+    try:
+        with client.sandbox(name="asleep") as box:
+            box.write("/tmp/note.txt", "zzz")
+            box.stop()
+            state = lambda: tenant.get(f"/v1/sandboxes/{box.id}").json()["state"]  # noqa: E731
+            wait_for(lambda: state() == "stopped", what="the box to stop")
+            url, note = f"{box.dataplane_url}/download", {"path": "/tmp/note.txt"}
+            refused = httpx.get(url, params=note, headers={"X-Api-Key": read_only}, timeout=60)
+            assert refused.status_code == 403, refused.text
+            assert state() == "stopped"
+            # control: the tenant's read-write key wakes it with the same GET
+            woken = httpx.get(url, params=note, headers={"X-Api-Key": key}, timeout=120)
+            assert (woken.status_code, woken.content) == (200, b"zzz")
+            assert state() == "running"
+    finally:
+        client.close()
+        delete_all(tenant)
+
+
 def node_has_secret(fleet: Fleet, node: str, tenant: str, name: str) -> bool:
     url = next(n["url"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["name"] == node)
     assert url.startswith("https://")  # node daemons speak TLS only

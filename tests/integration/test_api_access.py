@@ -89,6 +89,25 @@ def test_an_admin_key_acts_for_a_tenant(
     assert r.status_code == 400
 
 
+def test_an_admin_key_acting_read_only_only_reads(alice: Client, daemon: Daemon) -> None:
+    """X-Cella-Read-Only beside X-Cella-Tenant (a fleet gateway relaying a read-only key):
+    the node holds the call to reads, as it would the tenant's read-only key."""
+    headers = {
+        "Authorization": f"Bearer {daemon.admin_key}",
+        "X-Cella-Tenant": "alice",
+        "X-Cella-Read-Only": "1",
+    }
+    with httpx2.Client(base_url=daemon.url, headers=headers, timeout=60) as reader:
+        before = [s.id for s in alice.list()]
+        refused = reader.post("/v1/sandboxes", json={})
+        assert refused.status_code == 403, refused.text
+        assert "read-only" in refused.json()["error"]["message"]
+        assert [s.id for s in alice.list()] == before  # nothing was made
+        # control: the same key and tenant read
+        listed = reader.get("/v1/sandboxes")
+        assert listed.status_code == 200 and [s["id"] for s in listed.json()["sandboxes"]] == before
+
+
 def test_missing_and_bad_keys_get_401(daemon: Daemon) -> None:
     r = httpx2.get(f"{daemon.url}/v1/sandboxes")
     assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"

@@ -27,7 +27,7 @@ from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.deps import Auth, principal
 from cella.server.routes.egress import SecretName
-from cella.service.keys import Principal, require_admin
+from cella.service.keys import READ_ONLY_HEADER, Principal, require_admin
 
 HOP_BY_HOP = {
     "connection",
@@ -39,7 +39,13 @@ HOP_BY_HOP = {
     "transfer-encoding",
     "upgrade",
 }
-NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "x-cella-tenant", "x-forwarded-proto"}
+NOT_FORWARDED = HOP_BY_HOP | {
+    "authorization",
+    "x-api-key",
+    "x-cella-tenant",
+    READ_ONLY_HEADER,
+    "x-forwarded-proto",
+}
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 

@@ -12,7 +12,13 @@ from starlette.requests import HTTPConnection
 from cella import errors
 from cella.models.keys import TENANT
 from cella.service.daemon import Daemon
-from cella.service.keys import READS, Principal, require_admin, require_write
+from cella.service.keys import (
+    READ_ONLY_HEADER,
+    READS,
+    Principal,
+    require_admin,
+    require_write,
+)
 
 SESSION_COOKIE = "cella_session"
 CSRF_HEADER = "x-csrf-token"
@@ -50,7 +56,7 @@ def admitted(conn: HTTPConnection, key: str, tenant: str | None) -> Principal:
     method = conn.scope.get("method") or "WEBSOCKET"
     conn.state.key_use = who  # before any refusal: refused uses are logged too
     require_write(who, method)
-    return acting(who, tenant)
+    return acting(who, tenant, conn)
 
 
 def from_session(conn: HTTPConnection, token: str, tenant: str | None) -> Principal:
@@ -69,7 +75,7 @@ def from_session(conn: HTTPConnection, token: str, tenant: str | None) -> Princi
             given = conn.headers.get(CSRF_HEADER)
         sessions.check_csrf(token, given)
     require_write(who, method)
-    return acting(who, tenant)
+    return acting(who, tenant, conn)
 
 
 def same_origin(conn: HTTPConnection) -> None:
@@ -79,14 +85,19 @@ def same_origin(conn: HTTPConnection) -> None:
         raise errors.PermissionDenied(f"a session WebSocket from another origin: {origin!r}")
 
 
-def acting(who: Principal, tenant: str | None) -> Principal:
-    """`who`, or with `X-Cella-Tenant` the tenant an admin key acts for."""
+def acting(who: Principal, tenant: str | None, conn: HTTPConnection) -> Principal:
+    """`who`, or with `X-Cella-Tenant` the tenant an admin key acts for; with
+    `X-Cella-Read-Only` too, as a read-only key of that tenant (a fleet gateway relaying a
+    read-only caller: a read must not wake a sandbox on the node)."""
     if tenant is None:
         return who
     require_admin(who, "act for another tenant (X-Cella-Tenant)")
     if not re.fullmatch(TENANT, tenant):
         raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {tenant!r}")
-    return Principal(tenant=tenant, admin=False, key_id=who.key_id)
+    read_only = conn.headers.get(READ_ONLY_HEADER) == "1"
+    acted = Principal(tenant=tenant, admin=False, read_only=read_only, key_id=who.key_id)
+    require_write(acted, conn.scope.get("method") or "WEBSOCKET")
+    return acted
 
 
 def api_key_caller(

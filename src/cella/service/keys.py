@@ -83,6 +83,7 @@ def require_write(who: Principal, method: str) -> None:
 
 
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
+READ_ONLY_HEADER = "x-cella-read-only"  # with X-Cella-Tenant: an admin key acts read-only
 
 
 def require_admin(who: Principal, what: str = "manage keys") -> None:
