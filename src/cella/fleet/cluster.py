@@ -86,18 +86,3 @@ def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str
     info: dict[str, Any] = ray.get(actor.info.remote(), timeout=timeout)
     return info
 
-
-def kill_daemon(node: RayNode) -> None:
-    """Crashes a node's daemon (drills and tests); its actor starts it again."""
-    actor = ray.get_actor(actor_name(node.node_id), namespace=NAMESPACE)
-    ray.get(actor.kill_daemon.remote())
-
-
-def shutdown_daemons() -> None:
-    """Ends every node daemon actor of the cluster (their daemons die with them)."""
-    for name in ray.util.list_named_actors():
-        if name.startswith("cella-node-"):
-            try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-            except ValueError:
-                continue

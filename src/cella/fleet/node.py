@@ -190,11 +190,6 @@ class NodeDaemon:
             "reason": None if alive else self._failure,
         }
 
-    def kill_daemon(self) -> None:
-        """SIGKILLs the daemon (a crash, for tests and drills); the supervisor restarts it."""
-        if self.proc is not None:
-            self.proc.kill()
-
 
 def _free_port(ip: str) -> int:
     with socket.socket() as s:
