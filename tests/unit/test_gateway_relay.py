@@ -14,7 +14,7 @@ import pytest
 
 from cella.config import DaemonSettings
 from cella.fleet.app import create_gateway_app
-from cella.fleet.nodes import Node
+from cella.fleet.node_client import Node
 
 SANDBOX = "sb-0123456789abcdef"
 

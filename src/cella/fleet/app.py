@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.gateway import Gateway
-from cella.fleet.nodes import Node
+from cella.fleet.node_client import Node
 from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut

@@ -13,7 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cella.fleet import rayauth
-from cella.fleet.node import NAMESPACE, RESOURCE, NodeDaemon, actor_name, node_name
+from cella.fleet.node_actor import NAMESPACE, RESOURCE, NodeDaemon, actor_name, node_name
 
 log = logging.getLogger("cella.fleet")
 

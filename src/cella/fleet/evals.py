@@ -20,7 +20,7 @@ from cella.config import DaemonSettings
 from cella.eval.runner import recorded
 from cella.eval.tasks import Task, TaskResult
 from cella.fleet import cluster
-from cella.fleet.node import RESOURCE, node_name
+from cella.fleet.node_actor import RESOURCE, node_name
 from cella.sdk import AsyncClient, Client
 from cella.sdk._base import resolve
 

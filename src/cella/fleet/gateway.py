@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet import cluster
-from cella.fleet.nodes import Node, raise_for
-from cella.fleet.placement import Candidate, spread
-from cella.fleet.placements import Placement, Placements
+from cella.fleet.node_client import Node, raise_for
+from cella.fleet.placement_policy import Candidate, spread
+from cella.fleet.placement_table import Placement, Placements
 from cella.models import Capacity, SandboxCreate
 from cella.models.fleet import FleetNode, FleetStatus
 from cella.models.network import SecretPut

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cella.fleet.placement import Candidate, ranked, spread
+from cella.fleet.placement_policy import Candidate, ranked, spread
 
 
 def node(name: str, memory: int, vcpus: int = 8, **flags: bool) -> Candidate:

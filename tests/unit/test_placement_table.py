@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cella.fleet.placements import Placements
+from cella.fleet.placement_table import Placements
 
 
 def body(sandbox_id: str, tenant: str = "acme", state: str = "running") -> dict[str, object]:
