@@ -7,47 +7,24 @@ call on a sandbox is streamed to and from its node as is (bodies, JSON Lines, We
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 
 from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.gateway import Gateway
-from cella.fleet.node_client import Node
+from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.deps import Auth, principal
 from cella.server.routes.egress import SecretName
-from cella.service.keys import READ_ONLY_HEADER, Principal, require_admin
-
-HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailers",
-    "transfer-encoding",
-    "upgrade",
-}
-NOT_FORWARDED = HOP_BY_HOP | {
-    "authorization",
-    "x-api-key",
-    "x-cella-tenant",
-    READ_ONLY_HEADER,
-    "x-forwarded-proto",
-}
-NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
-METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+from cella.service.keys import require_admin
 
 
 def create_gateway_app(
@@ -90,43 +67,6 @@ def create_gateway_app(
 
     langsmith.install(app, gateway)
     return app
-
-
-async def forward(
-    request: Request,
-    node: Node,
-    who: Principal | None,
-    langsmith: bool = False,
-    *,
-    node_key: bool = True,
-) -> Response:
-    """The request, streamed to `node` as `who` (with the node's key, unless `node_key` is
-    false: the request carries its own credential), and its answer streamed back."""
-    if any(part in (".", "..") for part in request.url.path.split("/")):
-        # the HTTP client resolves them: the node would be asked for another route
-        raise errors.InvalidArgument("a path with `.` or `..` segments is not relayed")
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
-    if node_key:
-        headers += list(node.headers(who, langsmith).items())
-    headers.append(("x-forwarded-proto", request.url.scheme))  # URLs the node hands out
-    upstream = node.client.build_request(
-        request.method,
-        request.url.path,
-        params=request.url.query,
-        headers=headers,
-        content=request.stream(),
-    )
-    try:
-        answer = await node.client.send(upstream, stream=True)
-    except httpx2.TransportError as exc:
-        node.stale = True
-        raise errors.NodeUnavailable(f"node {node.name} does not answer: {exc}") from None
-    kept = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in HOP_BY_HOP]
-    response = StreamingResponse(
-        answer.aiter_raw(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
-    )
-    response.raw_headers = [(k.lower().encode(), v.encode()) for k, v in kept]
-    return response
 
 
 def router(gateway: Gateway) -> APIRouter:
@@ -302,67 +242,6 @@ def router(gateway: Gateway) -> APIRouter:
         await relay_websocket(ws, node, None, node_key=False)
 
     return api
-
-
-async def relay_websocket(
-    ws: WebSocket,
-    node: Node,
-    who: Principal | None,
-    langsmith: bool = False,
-    *,
-    node_key: bool = True,
-) -> None:
-    """The client's WebSocket joined to the same path on the node, message by message
-    (with the node's key acting for `who`, unless `node_key` is false)."""
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed, InvalidStatus
-
-    url = node.url.replace("http", "ws", 1) + ws.url.path
-    if ws.url.query:
-        url += f"?{ws.url.query}"
-    headers = {
-        k: v
-        for k, v in ws.headers.items()
-        if k.lower() not in NOT_FORWARDED
-        and not k.lower().startswith("sec-websocket")
-        and k.lower() not in ("host", "content-length")
-    }
-    if node_key:
-        headers.update(node.headers(who, langsmith))
-    headers["x-forwarded-proto"] = "https" if ws.url.scheme == "wss" else "http"
-    try:
-        upstream = await connect(url, additional_headers=headers, max_size=16 << 20, ssl=node.ssl)
-    except (InvalidStatus, OSError) as exc:
-        await ws.close(code=1011, reason=f"node {node.name}: {exc}"[:120])
-        return
-    await ws.accept()
-
-    async def up() -> None:
-        while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                await upstream.close()
-                return
-            if message.get("bytes") is not None:
-                await upstream.send(message["bytes"])
-            elif message.get("text") is not None:
-                await upstream.send(message["text"])
-
-    async def down() -> None:
-        with contextlib.suppress(ConnectionClosed):
-            async for message in upstream:
-                if isinstance(message, bytes):
-                    await ws.send_bytes(message)
-                else:
-                    await ws.send_text(message)
-        with contextlib.suppress(RuntimeError):
-            await ws.close()
-
-    tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    await upstream.close()
 
 
 async def _json(request: Request) -> dict[str, Any]:

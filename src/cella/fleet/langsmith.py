@@ -12,8 +12,8 @@ from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
 from cella import errors
-from cella.fleet.app import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.gateway import Gateway
+from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES
 from cella.server.deps import Caller, api_key_caller
 
