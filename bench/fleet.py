@@ -30,6 +30,7 @@ import httpx2
 from bench._stats import report, summary_ms
 from cella import Client
 from cella.eval import Task, run_eval
+from cella.fleet.evals import RayRunner
 from cella.fleet.tls import trusting
 from tests.daemon import Daemon, kill_vms_of
 from tests.raycluster import LocalCluster, quiet_ray_env
@@ -82,8 +83,9 @@ def eval_rate(
 ) -> dict[str, Any]:
     work = [Task(id=f"t{i}", check="true", workdir="/root") for i in range(tasks)]
     t = time.perf_counter()
+    runner = RayRunner(address)
     results = run_eval(
-        work, snapshot, parallel=6, out_dir=out, url=gateway_url, api_key=key, cluster=address
+        work, snapshot, parallel=6, out_dir=out, url=gateway_url, api_key=key, runner=runner
     )
     seconds = time.perf_counter() - t
     assert all(r.passed for r in results), [r.error for r in results if not r.passed]

@@ -39,8 +39,13 @@ def run(
     json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
 ) -> None:
     """Run each task in its own sandbox forked from SNAPSHOT; the check's exit is the score."""
-    from cella.eval import TaskResult, load_tasks, run_eval, summarize
+    from cella.eval import Runner, TaskResult, load_tasks, run_eval, summarize
 
+    runner: Runner | None = None
+    if ray is not None:  # Ray is the `cella[ray]` extra: imported only when asked for
+        from cella.fleet.evals import RayRunner
+
+        runner = RayRunner(ray)
     tasks = load_tasks(tasks_file)
     if only:
         unknown = set(only) - {t.id for t in tasks}
@@ -70,7 +75,7 @@ def run(
                 parallel=parallel,
                 out_dir=out_dir,
                 on_done=done,
-                cluster=ray,
+                runner=runner,
                 name=name,
             )
     summary = summarize(results)

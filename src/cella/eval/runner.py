@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cella import errors
 from cella.eval.tasks import Step, Task, TaskResult
@@ -150,6 +150,25 @@ def recorded(result: TaskResult) -> EvalResult:
     return EvalResult.model_validate(result.model_dump(exclude=local))
 
 
+class Runner(Protocol):
+    """Runs the tasks somewhere else than this process's event loop (e.g. as Ray tasks on a
+    fleet's nodes: `cella.fleet.evals.RayRunner`), recording the run as `arun_eval` does;
+    results in task order."""
+
+    def __call__(
+        self,
+        tasks: list[Task],
+        snapshot_id: str,
+        *,
+        parallel: int,
+        out_dir: Path,
+        url: str | None,
+        api_key: str | None,
+        on_done: Callable[[TaskResult], None] | None,
+        name: str | None,
+    ) -> list[TaskResult]: ...
+
+
 def run_eval(
     tasks: list[Task],
     snapshot_id: str,
@@ -159,19 +178,16 @@ def run_eval(
     url: str | None = None,
     api_key: str | None = None,
     on_done: Callable[[TaskResult], None] | None = None,
-    cluster: str | None = None,
+    runner: Runner | None = None,
     name: str | None = None,
 ) -> list[TaskResult]:
-    """The blocking form of `arun_eval` (a client is made from the environment). With
-    `cluster` (a Ray address, or `auto`), tasks run as Ray tasks across the fleet's nodes,
-    talking to the fleet gateway at `url`."""
-    if cluster is not None:
-        from cella.fleet.evals import run_on_ray
-
-        return run_on_ray(
+    """The blocking form of `arun_eval` (a client is made from the environment). With a
+    `runner`, the tasks run where it runs them (`cella.fleet.evals.RayRunner`: as Ray tasks
+    across the fleet's nodes, talking to the fleet gateway at `url`)."""
+    if runner is not None:
+        return runner(
             tasks,
             snapshot_id,
-            address=cluster,
             parallel=parallel,
             out_dir=out_dir,
             url=url,

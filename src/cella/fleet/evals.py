@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,36 +81,42 @@ def _land(answer: dict[str, Any], out_dir: Path) -> TaskResult:
     return result
 
 
-def run_on_ray(
-    tasks: list[Task],
-    snapshot_id: str,
-    *,
-    address: str,
-    parallel: int,
-    out_dir: Path,
-    url: str | None = None,
-    api_key: str | None = None,
-    on_done: Callable[[TaskResult], None] | None = None,
-    name: str | None = None,
-) -> list[TaskResult]:
-    """Every task as a Ray task, at most `parallel` at once; results in task order. The
-    run is recorded by the gateway as results come in (the web console's eval page)."""
-    url, api_key = resolve(url, api_key)
-    joined = cluster.connect(address, DaemonSettings().ray_allow_unauthenticated)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with Client(url, api_key) as gateway, _leaving(joined):
-        run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
-        (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
+@dataclass(frozen=True, slots=True)
+class RayRunner:
+    """An eval `Runner`: every task a Ray task on a node of the cluster at `address` (or
+    `auto`), at most `parallel` at once; results in task order. The run is recorded by the
+    gateway as results come in (the web console's eval page)."""
 
-        def done(result: TaskResult) -> None:
-            gateway.record_eval_result(run.id, recorded(result))
-            if on_done is not None:
-                on_done(result)
+    address: str
 
-        try:
-            return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, done)
-        finally:
-            gateway.finish_eval_run(run.id)
+    def __call__(
+        self,
+        tasks: list[Task],
+        snapshot_id: str,
+        *,
+        parallel: int,
+        out_dir: Path,
+        url: str | None,
+        api_key: str | None,
+        on_done: Callable[[TaskResult], None] | None,
+        name: str | None,
+    ) -> list[TaskResult]:
+        url, api_key = resolve(url, api_key)
+        joined = cluster.connect(self.address, DaemonSettings().ray_allow_unauthenticated)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with Client(url, api_key) as gateway, _leaving(joined):
+            run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
+            (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
+
+            def done(result: TaskResult) -> None:
+                gateway.record_eval_result(run.id, recorded(result))
+                if on_done is not None:
+                    on_done(result)
+
+            try:
+                return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, done)
+            finally:
+                gateway.finish_eval_run(run.id)
 
 
 @contextlib.contextmanager
