@@ -19,6 +19,7 @@ REPLACEMENTS = {
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
     "AsyncSnapshot": "Snapshot",
+    "AsyncBaseTransport": "BaseTransport",
     "aclose": "close",
     "aiter_bytes": "iter_bytes",
     "aiter_lines": "iter_lines",

@@ -62,16 +62,20 @@ class Client:
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         headers: dict[str, str] | None = None,
+        transport: httpx2.BaseTransport | None = None,
     ) -> None:
         """`timeout`: seconds a request may take, except one that runs a command, which
         waits as long as the command may run (`exec(timeout=...)`). `headers` go with every
-        request (e.g. `X-Cella-Node`, a fleet placement hint)."""
+        request (e.g. `X-Cella-Node`, a fleet placement hint). `transport`, if given,
+        carries the requests instead of the network (an httpx2 transport, e.g. one that
+        calls the daemon's app in this process)."""
         self.url, self.api_key = resolve(url, api_key)
         self.timeout = timeout
         self._http = httpx2.Client(
             base_url=self.url,
             headers={**(headers or {}), "Authorization": f"Bearer {self.api_key}"},
             timeout=client_timeout(timeout),
+            transport=transport,
         )
 
     def __enter__(self) -> Client:
