@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import secrets
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request, Response
-from pydantic import BaseModel, ValidationError
 
 from cella import errors
 from cella.models import SandboxCreate, SandboxUpdate
-from cella.server.app import describe
+from cella.server.compat.langsmith.create import CELLA_NAMES, read_create, seconds, validated
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
-    DEFAULT_IDLE_TTL,
     exec_defaults,
     iso,
     not_supported,
@@ -33,7 +29,6 @@ from cella.store import SandboxRecord, SnapshotRecord
 
 Json = dict[str, Any]
 JsonBody = Annotated[dict[str, Any], Body()]
-MIB = 1 << 20
 
 
 def router(prefix: str) -> APIRouter:
@@ -216,38 +211,19 @@ def router(prefix: str) -> APIRouter:
 
 
 def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
-    """A LangSmith box create as a cella sandbox create; what cella cannot honour is refused."""
-    for unsupported in ("mount_config", "access_delegation"):
-        if body.get(unsupported):
-            raise not_supported(unsupported)
-    snapshot = body.get("snapshot_id") or body.get("snapshot") or body.get("snapshot_name")
-    spec: Json = {
-        "name": body.get("name") or f"sandbox-{secrets.token_hex(4)}",
-        "idle_timeout_seconds": seconds(body, "idle_ttl_seconds", DEFAULT_IDLE_TTL),
-        "idle_action": "stop",
-        "delete_after_stop_seconds": seconds(body, "delete_after_stop_seconds"),
-        "exec_defaults": exec_defaults(body.get("run_config")),
-    }
-    if body.get("proxy_config") is not None:
-        spec["network"] = network_of(body["proxy_config"], svc, tenant)
-    if snapshot:
-        snap = svc.snapshots.resolve(tenant, str(snapshot))
-        spec["snapshot"] = snap.id
-        for field, have in (("vcpus", snap.vcpus), ("mem_bytes", snap.memory_mib * MIB)):
-            if body.get(field) is not None and int(body[field]) != have:
-                raise errors.InvalidArgument(
-                    f"{field}: a sandbox booted from a snapshot has the snapshot's ({have})"
-                )
-    else:
-        if body.get("vcpus") is not None:
-            spec["vcpus"] = int(body["vcpus"])
-        if body.get("mem_bytes") is not None:
-            spec["memory_mib"] = max(128, math.ceil(int(body["mem_bytes"]) / MIB))
-    if body.get("fs_capacity_bytes") is not None:
-        wanted = math.ceil(int(body["fs_capacity_bytes"]) / MIB)
-        if wanted > fs_mib(svc, "default"):
-            spec["disk_mib"] = wanted
-    return validated(SandboxCreate, spec)
+    """A LangSmith box create as a cella sandbox create, with what this daemon adds: the
+    egress rules (their secrets kept), the snapshot's id, a disk larger than the template's."""
+    box = read_create(body)
+    network = None if box.proxy_config is None else network_of(box.proxy_config, svc, tenant)
+    snapshot_id = None
+    if box.snapshot:
+        snap = svc.snapshots.resolve(tenant, box.snapshot)
+        box.check_snapshot_shape(snap.vcpus, snap.memory_mib)
+        snapshot_id = snap.id
+    disk_mib = box.fs_capacity_mib
+    if disk_mib is not None and disk_mib <= fs_mib(svc, "default"):
+        disk_mib = None  # the template's disk is large enough
+    return box.spec(snapshot_id=snapshot_id, network=network, disk_mib=disk_mib)
 
 
 def update_of(body: Json, row: SandboxRecord) -> SandboxUpdate:
@@ -261,34 +237,6 @@ def update_of(body: Json, row: SandboxRecord) -> SandboxUpdate:
     if "run_config" in body:
         fields["exec_defaults"] = exec_defaults(body["run_config"], row.exec_defaults)
     return validated(SandboxUpdate, fields)
-
-
-# LangSmith's names for cella's fields, in what a refusal says
-LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
-CELLA_NAMES = {v: k for k, v in LANGSMITH_NAMES.items()}
-Model = TypeVar("Model", bound=BaseModel)
-
-
-def validated(model: type[Model], fields: Json) -> Model:
-    """`fields` as `model`, or a 422 that names LangSmith's fields."""
-    try:
-        return model.model_validate(fields)
-    except ValidationError as exc:
-        problems = [
-            {**p, "loc": [LANGSMITH_NAMES.get(str(part), part) for part in p["loc"]]}
-            for p in exc.errors()
-        ]
-        raise errors.InvalidArgument(describe(problems)) from None
-
-
-def seconds(body: Json, field: str, default: Any = None) -> Any:
-    """LangSmith's retention seconds: 0 (or none) is "never"; the model checks the rest."""
-    value = body.get(field, default)
-    if value is None or value == 0:
-        return None
-    if isinstance(value, int | float) and value < 0:
-        raise errors.InvalidArgument(f"{field}: must be 0 or more, not {value}")
-    return value
 
 
 def given(change: SandboxUpdate, field: str) -> Any:

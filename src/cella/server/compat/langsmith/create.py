@@ -1,0 +1,120 @@
+"""A LangSmith box create, read once for both places that take it: the node daemon, which
+makes the sandbox (`control.py`), and the fleet gateway, which places it first on a node
+(`cella.fleet.langsmith`). What cella cannot honour is refused here; what only a daemon
+knows (the tenant's egress rules and secrets, its snapshots, its templates' disks) it adds
+to the read create itself."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from cella import errors
+from cella.models import NetworkPolicy, SandboxCreate
+from cella.server.app import describe
+from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults, not_supported
+
+Json = dict[str, Any]
+MIB = 1 << 20
+UNSUPPORTED = ("mount_config", "access_delegation")
+# LangSmith's names for cella's fields, in what a refusal says
+LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
+CELLA_NAMES = {v: k for k, v in LANGSMITH_NAMES.items()}
+Model = TypeVar("Model", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class BoxCreate:
+    """What a create asks for, in cella's terms."""
+
+    name: str  # the caller's, or one made up (the same wherever the create goes next)
+    snapshot: str | None  # the snapshot to boot from: an id, name or name:tag
+    vcpus: int | None  # as given (None: the model's default, or the snapshot's)
+    mem_bytes: int | None
+    fs_capacity_mib: int | None
+    proxy_config: Any  # LangSmith's egress rules, as given (None: none)
+    settings: Json  # lifetime, idleness and run_config as cella's create fields
+
+    def check_snapshot_shape(self, vcpus: int, memory_mib: int) -> None:
+        """A size given with a snapshot must be the snapshot's."""
+        for field, given, have in (
+            ("vcpus", self.vcpus, vcpus),
+            ("mem_bytes", self.mem_bytes, memory_mib * MIB),
+        ):
+            if given is not None and given != have:
+                raise errors.InvalidArgument(
+                    f"{field}: a sandbox booted from a snapshot has the snapshot's ({have})"
+                )
+
+    def spec(
+        self,
+        *,
+        snapshot_id: str | None = None,
+        network: NetworkPolicy | None = None,
+        disk_mib: int | None = None,
+    ) -> SandboxCreate:
+        """The cella create (the model's defaults for what the box does not say), with what
+        a daemon found: the snapshot's id, the egress rules, a disk larger than the
+        template's."""
+        fields: Json = {"name": self.name, **self.settings}
+        if network is not None:
+            fields["network"] = network
+        if snapshot_id is not None:
+            fields["snapshot"] = snapshot_id
+        elif self.snapshot is None:
+            if self.vcpus is not None:
+                fields["vcpus"] = self.vcpus
+            if self.mem_bytes is not None:
+                fields["memory_mib"] = max(128, math.ceil(self.mem_bytes / MIB))
+        if disk_mib is not None:
+            fields["disk_mib"] = disk_mib
+        return validated(SandboxCreate, fields)
+
+
+def read_create(body: Json) -> BoxCreate:
+    """A LangSmith create's body, read; what cella cannot honour is refused."""
+    for unsupported in UNSUPPORTED:
+        if body.get(unsupported):
+            raise not_supported(unsupported)
+    snapshot = body.get("snapshot_id") or body.get("snapshot") or body.get("snapshot_name")
+    fs_bytes = body.get("fs_capacity_bytes")
+    return BoxCreate(
+        name=body.get("name") or f"sandbox-{secrets.token_hex(4)}",
+        snapshot=str(snapshot) if snapshot else None,
+        vcpus=None if body.get("vcpus") is None else int(body["vcpus"]),
+        mem_bytes=None if body.get("mem_bytes") is None else int(body["mem_bytes"]),
+        fs_capacity_mib=None if fs_bytes is None else math.ceil(int(fs_bytes) / MIB),
+        proxy_config=body.get("proxy_config"),
+        settings={
+            "idle_timeout_seconds": seconds(body, "idle_ttl_seconds", DEFAULT_IDLE_TTL),
+            "idle_action": "stop",
+            "delete_after_stop_seconds": seconds(body, "delete_after_stop_seconds"),
+            "exec_defaults": exec_defaults(body.get("run_config")),
+        },
+    )
+
+
+def validated(model: type[Model], fields: Json) -> Model:
+    """`fields` as `model`, or a 422 that names LangSmith's fields."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = [
+            {**p, "loc": [LANGSMITH_NAMES.get(str(part), part) for part in p["loc"]]}
+            for p in exc.errors()
+        ]
+        raise errors.InvalidArgument(describe(problems)) from None
+
+
+def seconds(body: Json, field: str, default: Any = None) -> Any:
+    """LangSmith's retention seconds: 0 (or none) is "never"; the model checks the rest."""
+    value = body.get(field, default)
+    if value is None or value == 0:
+        return None
+    if isinstance(value, int | float) and value < 0:
+        raise errors.InvalidArgument(f"{field}: must be 0 or more, not {value}")
+    return value
