@@ -17,15 +17,12 @@ import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cella import errors
-
-if TYPE_CHECKING:
-    from cella.store.db import Store
 
 PREFIX = "sealed:v1:"
 KEY_BYTES = 32
@@ -59,6 +56,16 @@ class Sealer:
             ) from None
 
 
+class SealedValues(Protocol):
+    """What sealing asks of a database holding sealed values (`cella.store.Store`)."""
+
+    def seal_with(self, sealer: Sealer) -> None: ...
+
+    def opens_with(self, sealer: Sealer) -> bool: ...
+
+    def reseal(self, new: Sealer) -> int: ...
+
+
 def new_key() -> bytes:
     return AESGCM.generate_key(bit_length=KEY_BYTES * 8)
 
@@ -83,7 +90,7 @@ class KeyFile:
             _write_private(self.path, new_key())
         return Sealer(self.path.read_bytes())
 
-    def rotate(self, store: Store) -> int:
+    def rotate(self, store: SealedValues) -> int:
         """Every value of `store` under a new key; returns how many."""
         key = new_key()
         _write_private(self.next, key)
@@ -92,7 +99,7 @@ class KeyFile:
         return resealed
 
 
-def rotate(keys: KeyFile | None, store: Store) -> int:
+def rotate(keys: KeyFile | None, store: SealedValues) -> int:
     """`cella secret rotate-key` for a daemon or a gateway holding `store`."""
     if keys is None:
         raise errors.InvalidArgument(
@@ -101,7 +108,7 @@ def rotate(keys: KeyFile | None, store: Store) -> int:
     return keys.rotate(store)
 
 
-def seal_store(store: Store, key_file: Path, command: str | None) -> KeyFile | None:
+def seal_store(store: SealedValues, key_file: Path, command: str | None) -> KeyFile | None:
     """Seals `store`'s secrets under the configured key: from `command` if given, else from
     `key_file` (made on first use). Returns the key file (None: the command's key)."""
     if command:
