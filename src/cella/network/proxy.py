@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import cella
 from cella import errors
 from cella.network.install import mitmdump
 from cella.paths import Paths
@@ -30,6 +29,7 @@ from cella.policy.egress import Boundary
 
 log = logging.getLogger("cella.egress")
 ADDON = Path(__file__).with_name("addon.py")
+PACKAGE = Path(__file__).parent.parent  # the `cella` package the addon imports
 READY_TIMEOUT = 60.0
 CA_CERT = "mitmproxy-ca-cert.pem"
 SYSTEM_ROOTS = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -117,7 +117,7 @@ class EgressProxy:
         shim = self.dir / "pythonpath"  # `cella` alone on the path: not the daemon's packages
         shim.mkdir(exist_ok=True)
         link = shim / "cella"
-        target = Path(cella.__file__).parent
+        target = PACKAGE
         if not link.is_symlink() or link.readlink() != target:
             link.unlink(missing_ok=True)
             link.symlink_to(target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
+from importlib.metadata import version
 from typing import Any
 
 from opentelemetry import trace
@@ -22,8 +23,6 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-from cella import __version__
 
 SCALARS = (str, bool, int, float)
 
@@ -85,7 +84,7 @@ class SpanSink:
 
     def __init__(self, exporter: SpanExporter, *, batch: bool = True) -> None:
         self.provider = TracerProvider(
-            resource=Resource.create({"service.name": "cella", "service.version": __version__})
+            resource=Resource.create({"service.name": "cella", "service.version": version("cella")})
         )
         processor = (
             BatchSpanProcessor(exporter, schedule_delay_millis=500)
