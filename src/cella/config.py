@@ -116,6 +116,9 @@ class DaemonSettings(BaseSettings):
         "sandboxes through this daemon (a wildcard DNS name for it; default: localhost and the "
         "listen port, which browsers and curl resolve to loopback)",
     )
+    runtime: Literal["qemu"] = Field(
+        default="qemu", description="the backend that runs VMs (cella/runtime/select.py)"
+    )
     accel: Literal["auto", "kvm", "tcg"] = Field(default="auto", description="accelerator")
     max_vcpus: int = Field(default=16, ge=1, description="most vCPUs one sandbox may have")
     max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")

@@ -19,8 +19,7 @@ from cella.guest.client import ExecEvent, Output, Started
 from cella.guest.protocol import Entry, ExitStatus
 from cella.models.exec import ExecResult, OutputCollector
 from cella.paths import Paths
-from cella.runtime.contract import VM
-from cella.runtime.qemu.accel import AccelChoice
+from cella.runtime.contract import VM, AccelChoice
 from cella.storage.snapshots import FILES, LAYERED_FILES, SnapshotDir
 
 # A guest command: argv (or shell string) -> (exit code, stdout, stderr).
@@ -347,6 +346,9 @@ class FakeDriver:
 
     def host_memory_mib(self, vm: Any) -> float | None:
         return 20.0
+
+    def disk_bytes(self, directory: Path) -> int:
+        return sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
 
     async def destroy(self, vm: Any) -> None:
         await vm.kill()

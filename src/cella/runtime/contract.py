@@ -1,6 +1,8 @@
 """What the service layer may ask of a runtime: the `Driver` that makes VMs and the `VM` it
-hands back, with its `GuestAgent`. `runtime.qemu` implements it; the service's unit tests use
-an in-process fake. Everything here is public: no caller reaches into a VM's internals.
+hands back, with its `GuestAgent`. Each backend under `cella.runtime` implements it (today
+`runtime.qemu`; `runtime.select` picks one by the `runtime` setting); the service's unit
+tests use an in-process fake. Everything here is public and names no backend's types: no
+caller reaches into a VM's internals.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,8 +25,16 @@ if TYPE_CHECKING:
     from cella.guest.protocol import Entry
     from cella.models.exec import ExecResult
     from cella.paths import Paths
-    from cella.runtime.qemu.accel import AccelChoice
     from cella.storage.snapshots import SnapshotDir
+
+
+@dataclass(frozen=True, slots=True)
+class AccelChoice:
+    """The accelerator a runtime's VMs run under (`kvm`, or a backend's own software
+    emulation such as QEMU's `tcg`) and why it was chosen; shown on sandboxes and in health."""
+
+    accel: str
+    reason: str
 
 
 class GuestAgent(Protocol):
@@ -246,6 +257,10 @@ class Driver(Protocol):
 
     def host_memory_mib(self, vm: VM) -> float | None:
         """The VM's proportional share of host memory (PSS)."""
+        ...
+
+    def disk_bytes(self, directory: Path) -> int:
+        """Host disk a VM directory's disks take (allocated blocks, not their size)."""
         ...
 
     async def destroy(self, vm: VM) -> None: ...

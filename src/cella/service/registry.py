@@ -122,8 +122,8 @@ class Registry:
         return self.driver.paths.vms / sandbox_id
 
     def disk_bytes(self, sandbox_id: str) -> int:
-        """Host disk the sandbox's overlays take (allocated blocks, not their size)."""
-        return sum(p.stat().st_blocks * 512 for p in self.directory(sandbox_id).glob("*.qcow2"))
+        """Host disk the sandbox's disks take (allocated blocks, not their size)."""
+        return self.driver.disk_bytes(self.directory(sandbox_id))
 
     # -- locks ---------------------------------------------------------------------------
 

@@ -46,6 +46,11 @@ def rebase_unsafe(overlay: Path, base: Path) -> None:
         raise errors.CellaError(f"qemu-img rebase failed: {proc.stderr.strip()}")
 
 
+def overlay_bytes(directory: Path) -> int:
+    """Host disk the overlays in `directory` take (allocated blocks, not their size)."""
+    return sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))
+
+
 def backing_file(image: Path) -> str | None:
     found = image_info(image).get("backing-filename")
     return str(found) if found else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
+from cella.storage.overlay import backing_file, rebase_unsafe
 
 FILES = ("ram", "state", "disk.qcow2")
 LAYERED_FILES = ("ram.base", "ram.index", "ram.layer", "state", "disk.qcow2")
@@ -119,6 +120,16 @@ class SnapshotDir:
         for name in layer:
             (self.path / name).unlink(missing_ok=True)
         return manifest
+
+    def disk_backing(self) -> str | None:
+        """The file the frozen disk sits on (a template's base, another snapshot's disk)."""
+        return backing_file(self.disk)
+
+    def rebase_disk(self, base: Path) -> None:
+        """Points the frozen disk at `base`, this node's copy of the file it sat on (the same
+        content elsewhere), and records the disk's checksum again."""
+        rebase_unsafe(self.disk, base)
+        self.reseal(self.disk.name)
 
     def reseal(self, name: str) -> None:
         """Records a file's checksum again after a local, checked change (a disk rebased

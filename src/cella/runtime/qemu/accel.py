@@ -16,12 +16,13 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
 from cella import errors
 from cella.images.boot import BootImage
+from cella.runtime.contract import AccelChoice
 from cella.runtime.qemu.args import QEMU, Accel, VMConfig, host_tsc_khz, qemu_argv
 
 AccelMode = Literal["auto", "kvm", "tcg"]
@@ -29,10 +30,9 @@ PROBE_MARKER = b"CELLA-PROBE-OK"
 PROBE_DEADLINE = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class AccelChoice:
-    accel: Accel
-    reason: str
+def qemu_accel(choice: AccelChoice) -> Accel:
+    """QEMU's `-accel` for a choice `choose_accel` made."""
+    return "kvm" if choice.accel == "kvm" else "tcg"
 
 
 def kvm_flavour() -> str | None:

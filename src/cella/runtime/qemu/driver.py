@@ -21,14 +21,14 @@ from cella.images.boot import BootImage, ensure_boot
 from cella.images.templates import builtin_templates, find_template
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
-from cella.runtime.contract import VM
+from cella.runtime.contract import VM, AccelChoice
 from cella.runtime.qemu import ramdiff
-from cella.runtime.qemu.accel import AccelChoice, AccelMode, choose_accel
+from cella.runtime.qemu.accel import AccelMode, choose_accel, qemu_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.jail import Jail, JailIds, ensure_jailer, process_uid
 from cella.runtime.qemu.snapshot import flatten_snapshot, snapshot_fresh_boot, snapshot_running
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
-from cella.storage.overlay import create_overlay, image_info
+from cella.storage.overlay import create_overlay, image_info, overlay_bytes
 from cella.storage.snapshots import SnapshotDir
 
 MIN_MEMORY_MIB = 128  # the shape of an adopted VM whose command line says nothing
@@ -207,7 +207,7 @@ class QemuDriver:
             kernel=boot.kernel.vmlinux if boot else Path("/"),
             initrd=boot.initrd if boot else Path("/"),
             disk=directory / DISK,
-            accel=self._accel.accel if self._accel else "tcg",
+            accel=qemu_accel(self._accel) if self._accel else "tcg",
             qmp_socket=files.qmp_socket,
             agent_socket=files.agent_socket,
             console_log=files.console_log,
@@ -434,6 +434,9 @@ class QemuDriver:
 
     def host_memory_mib(self, vm: VM) -> float | None:
         return _pss_mib(vm.pid) if vm.pid is not None else None
+
+    def disk_bytes(self, directory: Path) -> int:
+        return overlay_bytes(directory)
 
     def clear_sockets(self, directory: Path) -> None:
         shutil.rmtree(socket_dir(directory), ignore_errors=True)
