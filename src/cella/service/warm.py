@@ -149,9 +149,15 @@ class WarmPool:
             vm = pool.ready.pop(0)
             if vm.usable:
                 return vm
-            self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+            self._reap(vm)
             pool.wake.set()  # no claimant to make room for: replace it now
         return None
+
+    def _reap(self, vm: VM) -> None:
+        """Destroys a pooled VM that died, in the background (`close` waits for it)."""
+        task = asyncio.create_task(self.driver.destroy(vm), name=f"reap-{vm.name}")
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     def claim_spare(self, shape: Shape) -> tuple[SnapshotDir, VM] | None:
         """A spare QEMU (and the snapshot it waits for), if one is up; refilled after the
@@ -161,7 +167,7 @@ class WarmPool:
             snap, vm = pool.spares.pop(0)
             if vm.usable:
                 return snap, vm
-            self._reaping.add(asyncio.create_task(self.driver.destroy(vm)))
+            self._reap(vm)
             pool.wake.set()  # no claimant to make room for: replace it now
         return None
 
@@ -223,6 +229,7 @@ class WarmPool:
 
     async def close(self) -> None:
         await self._drop(list(self._pools))
+        await asyncio.gather(*list(self._reaping), return_exceptions=True)
 
     async def _drop(self, shapes: list[Shape]) -> None:
         for pool in [self._pools.pop(s) for s in shapes]:
