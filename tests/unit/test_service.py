@@ -171,8 +171,8 @@ async def test_admission_quota_and_capacity(daemon: Daemon) -> None:
 async def test_fork_count_is_admitted_as_a_whole(daemon: Daemon) -> None:
     row = await daemon.lifecycle.create("t", SandboxCreate(labels={"a": "b"}))
     with pytest.raises(errors.QuotaExceeded):
-        await daemon.snapshots.fork("t", row.id, 3)  # 1 + 3 > 3
-    forks = await daemon.snapshots.fork("t", row.id, 2)
+        await daemon.forks.fork("t", row.id, 3)  # 1 + 3 > 3
+    forks = await daemon.forks.fork("t", row.id, 2)
     assert [f.state for f in forks] == [S.running, S.running]
     assert all(f.parent_id == row.id and f.labels == {"a": "b"} for f in forks)
     assert daemon.store.snapshot_users(forks[0].snapshot_id or "")[0] == [f.id for f in forks]
@@ -192,11 +192,11 @@ async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk
     await asyncio.sleep(0)
     assert driver.flattened == [snap.id]  # under way, held at the gate
     # a single branch does not wait: it restores from the layer
-    [one] = await daemon.snapshots.fork_snapshot("t", snap.id, 1)
+    [one] = await daemon.forks.fork_snapshot("t", snap.id, 1)
     assert one.state == S.running and where.is_layered()
     await daemon.lifecycle.delete("t", one.id)  # room for two under the quota of three
     # two branches wait for the flat file (the same flatten, not a second one)
-    two = asyncio.create_task(daemon.snapshots.fork_snapshot("t", snap.id, 2))
+    two = asyncio.create_task(daemon.forks.fork_snapshot("t", snap.id, 2))
     await asyncio.sleep(0.05)
     assert not two.done()
     driver.flatten_gate.set()
@@ -444,7 +444,7 @@ async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path:
         assert claimed["hostname"] == row.id
         assert claimed.get("time_ns", 0) >= claimed_at  # the claim's clock, not the fill's
         assert len(claimed.get("seed", b"")) >= 32 and claimed["seed"] != filled["seed"]
-        (branch,) = await d.snapshots.fork("t", row.id, 1)
+        (branch,) = await d.forks.fork("t", row.id, 1)
         forked = fake_vm(d, branch.id).agent.identity
         assert forked.get("time_ns", 0) >= claimed["time_ns"]
         assert len(forked.get("seed", b"")) >= 32 and forked["seed"] != claimed["seed"]

@@ -1,12 +1,13 @@
 """The daemon: one of each room of the service, wired together, started and stopped.
 
 Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
-`admission`, `lifecycle`, `snapshots` (and forks), `exec`, `processes` (commands that
+`admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
+`shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
 outlive a connection), `files`, `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `reaper`, `recovery`, `templates` (built in, from images, from
-Dockerfiles), `egress` (policy, decision log, secrets), `keys` and `warm` (warm snapshots
-and the pool). API surfaces (the REST routes, compatible APIs) call these rooms and nothing
-below them.
+Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
+the pool) and `background` (work a request starts and does not wait for). API surfaces (the
+REST routes, compatible APIs) call these rooms and nothing below them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from cella.config import DAEMON_FILE, DaemonSettings
 from cella.models import ExecRequest, SandboxCreate
 from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
+from cella.runtime.select import open_driver
 from cella.service.admission import Admission
+from cella.service.background import Background
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
+from cella.service.forks import Forks
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.ports import Ports
@@ -34,6 +38,7 @@ from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
 from cella.service.sessions import Sessions
+from cella.service.shipping import Shipping
 from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
@@ -52,6 +57,7 @@ class Daemon:
         self.store = store
         self.driver = driver
         self.secrets_key: KeyFile | None = None  # None: the key comes from a command
+        self.background = Background()
         self.keys = Keys(store)
         self.sessions = Sessions(self.keys, driver.paths.root / "session.key")
         self.events = EventLog(store)
@@ -69,11 +75,13 @@ class Daemon:
         self.lifecycle = Lifecycle(
             settings, self.registry, self.admission, self.egress, self.warm, self.pool
         )
-        self.snapshots = Snapshots(self.registry, self.admission, self.lifecycle)
+        self.snapshots = Snapshots(self.registry)
+        self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
+        self.shipping = Shipping(self.registry, self.snapshots)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
-        self.files = Files(self.registry, settings.max_upload_mib << 20)
+        self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.evals = Evals(store, self._tenant_of)
         self.trace = Trace(self.registry)
@@ -93,11 +101,9 @@ class Daemon:
 
     @classmethod
     def open(cls, settings: DaemonSettings) -> Daemon:
-        """The daemon of a data directory: its store, its local admin key and a QEMU driver
-        whose VMs outlive the daemon (a restart, or a crash, re-adopts them)."""
-        from cella.runtime.qemu.driver import QemuDriver
-        from cella.runtime.qemu.jail import jail_ids
-
+        """The daemon of a data directory: its store, its local admin key and the driver of
+        the configured runtime, whose VMs outlive the daemon (a restart, or a crash,
+        re-adopts them)."""
         os.umask(0o077)  # everything the daemon (and QEMU, the proxy) makes is its own
         paths = Paths(settings.data_dir, settings.image_dir)
         paths.ensure()
@@ -111,14 +117,7 @@ class Daemon:
             settings.secrets_key_file or paths.root / "secrets.key",
             settings.secrets_key_command,
         )
-        driver = QemuDriver(
-            paths,
-            settings.accel,
-            die_with_parent=False,
-            extra_ca=settings.extra_ca_pem(),
-            jail=jail_ids(settings),
-        )
-        daemon = cls(settings, store, driver)
+        daemon = cls(settings, store, open_driver(settings, paths))
         daemon.secrets_key = key_file
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
@@ -153,7 +152,8 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Sandbox VMs keep running and are adopted by the next daemon; pooled VMs (nobody's
-        yet) are destroyed."""
+        yet) are destroyed; work started in the background is cancelled."""
+        await self.background.close()
         await self.reaper.close()
         await self.processes.close()
         await self.pool.close()
@@ -171,7 +171,7 @@ class Daemon:
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
-            return await self.snapshots.boot(tenant, spec)
+            return await self.forks.boot(tenant, spec)
         command: list[str] = []
         if spec.run_entrypoint:
             config = self.templates.image_config(spec.template)

@@ -1,0 +1,132 @@
+"""Forks: new sandboxes restored from a snapshot, each on its own overlay, sharing the
+snapshot's unchanged disk and memory.
+
+Owns fork admission (the branches are admitted together, as one request), booting a
+sandbox from a snapshot (`snapshot` in a create), and undoing the branches already made
+when one of them fails. A fork of several branches waits for the snapshot's flat RAM file,
+which their VMs share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from cella import errors
+from cella.models import SandboxCreate, SnapshotState
+from cella.service.admission import Admission
+from cella.service.lifecycle import Lifecycle, new_record
+from cella.service.registry import Registry
+from cella.service.snapshots import Snapshots
+from cella.service.warm import new_sandbox_id
+from cella.storage.snapshots import SnapshotDir
+from cella.store import SandboxRecord, SnapshotRecord
+
+FORK_PARALLEL = 4  # restores at once: more only queue for the same cores
+
+
+class Forks:
+    def __init__(
+        self,
+        registry: Registry,
+        admission: Admission,
+        lifecycle: Lifecycle,
+        snapshots: Snapshots,
+    ) -> None:
+        self.registry = registry
+        self.driver = registry.driver
+        self.events = registry.events
+        self.admission = admission
+        self.lifecycle = lifecycle
+        self.snapshots = snapshots
+
+    async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[SandboxRecord]:
+        """Snapshots a running sandbox once, then restores `count` branches from it."""
+        snap = await self.snapshots.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
+        return await self.fork_snapshot(tenant, snap.id, count)
+
+    async def boot(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
+        """A new sandbox from `spec.snapshot` (its files, memory and processes), made as
+        `spec` says otherwise (name, limits, egress, secrets); its shape is the snapshot's."""
+        assert spec.snapshot is not None
+        snap = self.snapshots.resolve(tenant, spec.snapshot)
+        self.admission.check_shape(snap.vcpus, snap.memory_mib, spec.disk_mib)
+        [row] = await self.fork_snapshot(tenant, snap.id, 1, spec)
+        return row
+
+    async def fork_snapshot(
+        self, tenant: str, snapshot_id: str, count: int, spec: SandboxCreate | None = None
+    ) -> list[SandboxRecord]:
+        """`count` new sandboxes restored from the snapshot, each on its own overlay, made
+        like the snapshot's source unless `spec` says otherwise."""
+        snap_row = self.snapshots.get(tenant, snapshot_id)
+        if snap_row.state != SnapshotState.ready:
+            raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
+        snap = self.snapshots.directory(snapshot_id)
+        if count > 1:  # one shared RAM file beats a copy of the layer in every branch
+            with contextlib.suppress(errors.SnapshotCorrupt):
+                await self.snapshots.flat(snap_row.id)  # if it cannot be, the layer restores
+        snap.verify()  # refuse a corrupted snapshot before creating anything
+        if spec is None:  # the same placeholders: the parent's env is copied with its memory
+            spec, secrets = self.snapshots.source_of(snap_row)
+        else:
+            secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
+        shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
+        spec = spec.model_copy(update=shape)
+        async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
+            self.registry.check_name(tenant, spec.name)
+            rows = [
+                self.registry.insert(
+                    new_record(
+                        tenant,
+                        new_sandbox_id(),
+                        spec,
+                        secrets,
+                        "fork",
+                        parent_id=snap_row.sandbox_id,
+                        snapshot_id=snap_row.id,
+                        base_snapshot_id=snap_row.id,
+                    )
+                )
+                for _ in range(count)
+            ]
+        gate = asyncio.Semaphore(FORK_PARALLEL)
+
+        async def one(row: SandboxRecord) -> str:
+            async with gate:
+                return await self._restore_fork(snap_row, snap, row)
+
+        results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for result in results:
+                if isinstance(result, str):
+                    await self.lifecycle.delete(tenant, result)
+            raise failed[0]
+        return [self.registry.get(tenant, r.id) for r in rows]
+
+    async def _restore_fork(
+        self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord
+    ) -> str:
+        async with self.registry.lock(row.id):
+            vm = None
+            try:
+                vm = await self.lifecycle.restore_vm(snap, row.id)
+                await self.lifecycle.ready(vm, row)  # the parent's policy and placeholders
+            except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
+                self.driver.remove_directory(self.registry.directory(row.id))
+                self.registry.fail(row.id, exc)
+                raise
+            self.lifecycle.running(row.id, vm)
+            self.events.emit(
+                row.id,
+                "forked",
+                {
+                    "parent_id": snap_row.sandbox_id,
+                    "snapshot_id": snap_row.id,
+                    "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                },
+            )
+        return row.id
