@@ -11,7 +11,21 @@ from cella.models.exec import (
     decode_data,
     encode_data,
 )
-from cella.models.files import ChmodRequest, FileEntry, GuestPath, MkdirRequest, guest_path
+from cella.models.files import (
+    MAX_WALK_DEPTH,
+    MAX_WALK_ENTRIES,
+    AccountName,
+    ChmodRequest,
+    ChownRequest,
+    FileEntry,
+    FileWalk,
+    GuestPath,
+    MkdirRequest,
+    MoveRequest,
+    WalkEntry,
+    account_name,
+    guest_path,
+)
 from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
@@ -53,9 +67,13 @@ from cella.models.templates import (
 )
 
 __all__ = [
+    "MAX_WALK_DEPTH",
+    "MAX_WALK_ENTRIES",
+    "AccountName",
     "BuildEvent",
     "Capacity",
     "ChmodRequest",
+    "ChownRequest",
     "EgressBoundary",
     "EgressDecision",
     "EgressLog",
@@ -68,6 +86,7 @@ __all__ = [
     "ExposeRequest",
     "ExposedPort",
     "FileEntry",
+    "FileWalk",
     "ForkRequest",
     "GuestPath",
     "HeaderRule",
@@ -79,6 +98,7 @@ __all__ = [
     "KeyUseInfo",
     "LineageNode",
     "MkdirRequest",
+    "MoveRequest",
     "NetworkPolicy",
     "OutputCollector",
     "ProcessInfo",
@@ -100,6 +120,8 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "WalkEntry",
+    "account_name",
     "decode_data",
     "encode_data",
     "guest_path",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
@@ -51,3 +52,55 @@ class ChmodRequest(BaseModel):
 
     path: GuestPath
     mode: int = Field(ge=0, le=0o7777)
+
+
+class MoveRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    source: GuestPath
+    destination: GuestPath = Field(description="the new path; an existing file there is replaced")
+
+
+# A user or group as `chown` takes it: a name of the portable set (letters, digits, `_`,
+# `.`, `-`, not leading; Samba's trailing `$`) or a numeric id. Nothing else reaches a
+# command line in the guest.
+ACCOUNT_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?$"
+
+
+def account_name(name: str) -> str:
+    if not re.fullmatch(ACCOUNT_PATTERN, name):
+        raise ValueError(f"{name!r} is not a user or group name")
+    return name
+
+
+AccountName = Annotated[str, Field(pattern=ACCOUNT_PATTERN)]
+
+
+class ChownRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    path: GuestPath
+    user: AccountName = Field(description="the new owner: a user name or a numeric id")
+    group: AccountName | None = Field(
+        default=None, description="the new group; without it, the user's login group"
+    )
+    recursive: bool = False
+
+
+# The bounds of a walk (`/files/walk`, and every recursive listing the adapters make): how
+# many levels below the root it descends and how many entries it reports.
+MAX_WALK_DEPTH = 64
+MAX_WALK_ENTRIES = 20_000
+
+
+class WalkEntry(FileEntry):
+    path: str = Field(description="absolute guest path")
+
+
+class FileWalk(BaseModel):
+    """Entries under a directory, breadth first (each directory's in name order)."""
+
+    entries: list[WalkEntry]
+    truncated: bool = Field(
+        description="a bound (depth, entries) ended the walk before the tree did"
+    )

@@ -1,24 +1,39 @@
-"""Files in a sandbox: content streamed both ways, listings, metadata, tar archives.
+"""Files in a sandbox: content streamed both ways, listings and bounded walks, metadata,
+moves and owners, tar archives.
 
-Owns the upload limit (a body over it is refused before anything is half-written) and the
-trace of every change: `file_write` (path, size, mode, SHA-256), `mkdir`, `chmod`,
+Owns the upload limit (a body over it is refused before anything is half-written), the
+bounds of a walk (`cella.models.MAX_WALK_DEPTH`, `MAX_WALK_ENTRIES`) and the trace of every
+change: `file_write` (path, size, mode, SHA-256), `mkdir`, `chmod`, `chown`, `file_move`,
 `file_remove` and `archive_upload`. Paths arrive validated (`cella.models.GuestPath`).
+
+The agent has no rename or chown of its own: a move and a chown are `mv` and `chown` run
+by the exec room as argv (no shell), every operand after `--`, the paths absolute and the
+names checked by `cella.models.account_name`, so nothing a caller sends becomes an option.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import AsyncIterable, AsyncIterator
+import posixpath
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from cella import errors
 from cella.guest.protocol import Entry
+from cella.models import MAX_WALK_DEPTH, MAX_WALK_ENTRIES, ExecRequest, account_name
 from cella.runtime.contract import GuestAgent
+from cella.service.exec import Exec
 from cella.service.registry import Registry
+
+Lister = Callable[[str], Awaitable[list[Entry]]]
 
 
 class Files:
-    def __init__(self, registry: Registry, max_upload_bytes: int) -> None:
+    def __init__(self, registry: Registry, exec_room: Exec, max_upload_bytes: int) -> None:
         self.registry = registry
+        self.exec = exec_room
         self.events = registry.events
         self.max_upload_bytes = max_upload_bytes
 
@@ -60,6 +75,67 @@ class Files:
 
     async def stat(self, tenant: str, sandbox_id: str, path: str) -> Entry:
         return await self._agent(tenant, sandbox_id).stat(path)
+
+    def walk(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        root: str,
+        *,
+        depth: int | None = 1,
+        limit: int = MAX_WALK_ENTRIES,
+        seconds: float | None = None,
+    ) -> Walk:
+        """The entries under `root`, within bounds (see `Walk`); each directory is listed
+        as `list` lists it, so a walk counts as activity and stops with the sandbox."""
+        return Walk(
+            functools.partial(self.list, tenant, sandbox_id),
+            root,
+            depth=depth,
+            limit=limit,
+            seconds=seconds,
+        )
+
+    async def move(
+        self, tenant: str, sandbox_id: str, source: str, destination: str, *, user: str = "root"
+    ) -> Entry:
+        """Renames `source` to `destination` (replacing a file there; a directory is not
+        moved into one of that name), as `user`; the moved entry."""
+        await self.stat(tenant, sandbox_id, source)  # a missing source is NotFound
+        argv = ["mv", "-T", "--", source, destination]
+        done = await self.exec.run(tenant, sandbox_id, _as(user, argv))
+        if done.exit_code != 0:
+            raise errors.InvalidArgument(f"move failed: {done.stderr.decode(errors='replace')}")
+        self.events.emit(sandbox_id, "file_move", {"source": source, "destination": destination})
+        return await self.stat(tenant, sandbox_id, destination)
+
+    async def chown(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        path: str,
+        user: str,
+        group: str | None = None,
+        *,
+        recursive: bool = False,
+    ) -> None:
+        """Gives `path` (and, `recursive`, all below it) to `user` and `group` (without
+        one, the user's login group)."""
+        try:
+            owner = f"{account_name(user)}:{account_name(group) if group else ''}"
+        except ValueError as exc:
+            raise errors.UnknownUser(str(exc)) from None
+        await self.stat(tenant, sandbox_id, path)  # a missing path is NotFound
+        argv = ["chown", *(["-R"] if recursive else []), "--", owner, path]
+        done = await self.exec.run(tenant, sandbox_id, _as("root", argv))
+        if done.exit_code != 0:
+            stderr = done.stderr.decode(errors="replace").strip()
+            raise errors.UnknownUser(f"cannot give {path} to {owner!r}: {stderr}")
+        self.events.emit(
+            sandbox_id,
+            "chown",
+            {"path": path, "user": user, "group": group, "recursive": recursive},
+        )
 
     async def mkdir(
         self, tenant: str, sandbox_id: str, path: str, *, mode: int, parents: bool
@@ -117,6 +193,81 @@ class Files:
             if seen > limit:
                 raise errors.PayloadTooLarge(f"upload exceeds {limit} bytes")
             yield chunk
+
+
+def _as(user: str, argv: list[str]) -> ExecRequest:
+    """A command of the room's own, as `user`, from `/` (not the sandbox's exec defaults)."""
+    return ExecRequest(command=argv, user=user, cwd="/")
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One entry of a walk: its absolute path, its path from the walk's root, and it."""
+
+    path: str
+    relative: str
+    entry: Entry
+
+
+class Walk:
+    """The entries under a directory, breadth first, each directory's in name order, within
+    bounds: `depth` levels (1: the root's own entries; None: as deep as MAX_WALK_DEPTH),
+    at most `limit` entries (MAX_WALK_ENTRIES at most) and, if given, `seconds` of listing.
+    Iterate it; when a bound ended it before the tree did, `truncated` is then set (the
+    levels below a `depth` asked for are not a truncation). Links are entries, never
+    followed. A directory that vanishes or refuses while walked is passed over; the root's
+    errors are raised."""
+
+    def __init__(
+        self,
+        lister: Lister,
+        root: str,
+        *,
+        depth: int | None = 1,
+        limit: int = MAX_WALK_ENTRIES,
+        seconds: float | None = None,
+    ) -> None:
+        if depth is not None and not 1 <= depth <= MAX_WALK_DEPTH:
+            raise errors.InvalidArgument(f"depth must be 1-{MAX_WALK_DEPTH}, not {depth}")
+        if not 1 <= limit <= MAX_WALK_ENTRIES:
+            raise errors.InvalidArgument(f"limit must be 1-{MAX_WALK_ENTRIES}, not {limit}")
+        self.lister, self.root = lister, root
+        self.depth, self.limit, self.seconds = depth, limit, seconds
+        self.truncated = False
+
+    async def __aiter__(self) -> AsyncIterator[Found]:
+        deadline = None if self.seconds is None else time.monotonic() + self.seconds
+        count = 0
+        level = [(self.root, "")]
+        for _ in range(self.depth or MAX_WALK_DEPTH):
+            below = []
+            for directory, relative in level:
+                if deadline is not None and time.monotonic() > deadline:
+                    self.truncated = True
+                    return
+                try:
+                    entries = await self.lister(directory)
+                except (errors.NotFound, errors.PermissionDenied, errors.NotADirectory):
+                    if directory == self.root:
+                        raise
+                    continue  # gone or closed since its parent was listed
+                for entry in entries:
+                    if count == self.limit:
+                        self.truncated = True
+                        return
+                    count += 1
+                    found = Found(
+                        posixpath.join(directory, entry.name),
+                        posixpath.join(relative, entry.name),
+                        entry,
+                    )
+                    yield found
+                    if entry.kind == "dir":
+                        below.append((found.path, found.relative))
+            level = below
+            if not level:
+                return
+        self.truncated = self.depth is None  # directories left at the deepest level
 
 
 async def _hashed(stream: AsyncIterable[bytes], digest: hashlib._Hash) -> AsyncIterator[bytes]:
