@@ -111,6 +111,10 @@ class Templates:
             seconds=meta.seconds,
         )
 
+    def disk_mib(self, name: str) -> int:
+        """The size of the template's disk in MiB; `NotFound` for an unknown template."""
+        return self.registry.driver.template_disk_mib(name)
+
     def image_config(self, name: str) -> ImageConfig | None:
         meta = oci.read_meta(self.paths, name)
         return meta.config if meta is not None else None
