@@ -32,7 +32,7 @@ async def gateway(tmp_path: Path) -> AsyncIterator[tuple[httpx2.AsyncClient, lis
 
     node = Node("n1", "node-1", "http://127.0.0.1:9", "node-admin-key")
     node.client = httpx2.AsyncClient(base_url=node.url, transport=httpx2.MockTransport(answer))
-    app.state.daemon.nodes[node.name] = node
+    app.state.daemon.membership.nodes[node.name] = node
     app.state.daemon.placements.put(node.name, {"id": SANDBOX, "tenant": "t1"})
     transport = httpx2.ASGITransport(app=app)
     async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as client:

@@ -19,6 +19,7 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.gateway import Gateway
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
+from cella.fleet.status import fleet_capacity, fleet_status
 from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
@@ -75,11 +76,11 @@ def router(gateway: Gateway) -> APIRouter:
     @api.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
         """Liveness, and how many nodes are up (no key needed)."""
-        up = gateway.healthy()
+        up = gateway.membership.healthy()
         return {
             "ok": bool(up),
             "fleet": True,
-            "nodes": len(gateway.nodes),
+            "nodes": len(gateway.membership.nodes),
             "nodes_up": len(up),
             "accel": None,
             "pool": {},
@@ -90,40 +91,40 @@ def router(gateway: Gateway) -> APIRouter:
     async def fleet(who: Auth) -> FleetStatus:
         """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
         require_admin(who, "see the fleet")
-        return await gateway.status()
+        return await fleet_status(gateway.membership, gateway.placements)
 
     @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
     async def capacity(who: Auth) -> Capacity:
         require_admin(who, "see the fleet's capacity")
-        return await gateway.capacity()
+        return await fleet_capacity(gateway.membership)
 
     @api.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
     async def create(request: Request, who: Auth) -> JSONResponse:
         body = await _json(request)
-        made = await gateway.create(who, body, request.headers.get(NODE_HINT))
+        made = await gateway.launcher.create(who, body, request.headers.get(NODE_HINT))
         return JSONResponse(made, status_code=201)
 
     @api.get("/v1/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(request: Request, who: Auth) -> dict[str, Any]:
         params = [(k, v) for k, v in request.query_params.multi_items()]
-        return {"sandboxes": await gateway.list_sandboxes(who, params)}
+        return {"sandboxes": await gateway.locator.list_sandboxes(who, params)}
 
     @api.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def get_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
-        where = await gateway.placement(who, sandbox_id)
+        where = await gateway.locator.placement(who, sandbox_id)
         if where.lost:
             return JSONResponse(where.shown())
-        return await forward(request, await gateway.node_of(who, sandbox_id), who)
+        return await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
 
     @api.delete("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def delete_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
-        where = await gateway.placement(who, sandbox_id)
+        where = await gateway.locator.placement(who, sandbox_id)
         if where.lost:  # nothing is left of it to delete: forgotten
-            gateway.placements.forget(sandbox_id)
+            gateway.locator.forget(sandbox_id)
             return Response(status_code=204)
-        answer = await forward(request, await gateway.node_of(who, sandbox_id), who)
+        answer = await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
         if answer.status_code < 300:
-            gateway.placements.deleted(sandbox_id)
+            gateway.locator.deleted(sandbox_id)
         return answer
 
     @api.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["snapshots"])
@@ -131,20 +132,20 @@ def router(gateway: Gateway) -> APIRouter:
         sandbox_id: str, body: ForkRequest, request: Request, who: Auth
     ) -> dict[str, Any]:
         hint = request.headers.get(NODE_HINT)
-        return {"sandboxes": await gateway.fork_sandbox(who, sandbox_id, body.count, hint)}
+        made = await gateway.launcher.fork_sandbox(who, sandbox_id, body.count, hint)
+        return {"sandboxes": made}
 
     @api.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=METHODS, tags=["sandboxes"])
     async def on_sandbox(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
         """Every other call on a sandbox, streamed to its node."""
-        return await forward(request, await gateway.node_of(who, sandbox_id), who)
+        return await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
 
     @api.api_route("/v1/services/{sandbox_id}/{rest:path}", methods=METHODS, tags=["ports"])
     async def service(sandbox_id: str, rest: str, request: Request) -> Response:
         """A forwarded port: its own token authenticates it, on the node (the node's key
         is not lent to a caller without one)."""
-        where = gateway.placements.get(sandbox_id)
-        node = gateway.nodes.get(where.node) if where and not where.lost else None
-        if node is None or not node.healthy:
+        node = gateway.locator.serving(sandbox_id)
+        if node is None:
             raise errors.NotFound(f"no service of sandbox {sandbox_id!r}")
         return await forward(request, node, None, node_key=False)
 
@@ -152,19 +153,19 @@ def router(gateway: Gateway) -> APIRouter:
     async def list_snapshots(who: Auth, all_tenants: bool = False) -> dict[str, Any]:
         if all_tenants:
             require_admin(who, "list every tenant's snapshots")
-        return {"snapshots": await gateway.list_snapshots(who, all_tenants)}
+        return {"snapshots": await gateway.snapshots.list(who, all_tenants)}
 
     @api.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
     async def fork_snapshot(
         snapshot_id: str, body: ForkRequest, request: Request, who: Auth
     ) -> dict[str, Any]:
         hint = request.headers.get(NODE_HINT)
-        made = await gateway.fork_snapshot(who, snapshot_id, body.count, prefer=hint)
+        made = await gateway.launcher.fork_snapshot(who, snapshot_id, body.count, prefer=hint)
         return {"sandboxes": made}
 
     @api.delete("/v1/snapshots/{snapshot_id}", status_code=204, tags=["snapshots"])
     async def delete_snapshot(snapshot_id: str, who: Auth) -> Response:
-        await gateway.delete_snapshot(who, snapshot_id)
+        await gateway.snapshots.delete(who, snapshot_id)
         return Response(status_code=204)
 
     @api.api_route("/v1/snapshots/{snapshot_id}/{rest:path}", methods=METHODS, tags=["snapshots"])
@@ -172,49 +173,45 @@ def router(gateway: Gateway) -> APIRouter:
     async def on_snapshot(
         request: Request, snapshot_id: str, who: Auth, rest: str = ""
     ) -> Response:
-        _, holders = await gateway.resolve_snapshot(who, snapshot_id)
-        return await forward(request, gateway.nodes[sorted(holders)[0]], who)
+        return await forward(request, await gateway.snapshots.holder(who, snapshot_id), who)
 
     @api.get("/v1/secrets", response_model=SecretList, tags=["egress"])
     async def list_secrets(who: Auth) -> SecretList:
-        rows = gateway.store.list_secrets(who.tenant)
+        rows = gateway.secrets.list(who.tenant)
         return SecretList(secrets=[Secret.model_validate(r) for r in rows])
 
     @api.get("/v1/secrets/{name}", response_model=Secret, tags=["egress"])
     async def get_secret(name: SecretName, who: Auth) -> Secret:
-        found = gateway.store.get_secret(who.tenant, name)
-        if found is None:
-            raise errors.NotFound(f"no secret {name!r}")
-        return Secret.model_validate(found)
+        return Secret.model_validate(gateway.secrets.get(who.tenant, name))
 
     @api.put("/v1/secrets/{name}", response_model=Secret, tags=["egress"])
     async def put_secret(name: SecretName, body: SecretPut, who: Auth) -> Secret:
         """Kept by the gateway and on every node (a sandbox may be placed on any)."""
-        await gateway.put_secret(who, name, body)
+        await gateway.secrets.put(who, name, body)
         return await get_secret(name, who)
 
     @api.delete("/v1/secrets/{name}", status_code=204, tags=["egress"])
     async def delete_secret(name: SecretName, who: Auth) -> Response:
-        await gateway.delete_secret(who, name)
+        await gateway.secrets.delete(who, name)
         return Response(status_code=204)
 
     @api.post("/v1/secrets-key/rotate", response_model=KeyRotation, tags=["egress"])
     async def rotate_key(who: Auth) -> KeyRotation:
         """The gateway's secrets key and every node's, each sealing its own copy (admin)."""
         require_admin(who, "rotate the secrets key")
-        return KeyRotation(resealed=await gateway.rotate_secrets_key())
+        return KeyRotation(resealed=await gateway.secrets.rotate_key())
 
     @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
     async def anywhere(rest: str, request: Request, who: Auth) -> Response:
         """Calls that are the same on every node (secrets read, templates, egress logs of the
         tenant): answered by one node."""
-        return await forward(request, gateway.any_node(), who)
+        return await forward(request, gateway.membership.any_node(), who)
 
     @api.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/connect")
     async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
         try:
             who = principal(ws, ws.headers.get("authorization"))
-            node = await gateway.node_of(who, sandbox_id)
+            node = await gateway.locator.node_of(who, sandbox_id)
         except errors.CellaError as exc:
             await ws.close(code=4403, reason=exc.message[:120])
             return
@@ -225,7 +222,7 @@ def router(gateway: Gateway) -> APIRouter:
         """The web console's terminal, relayed to the sandbox's node."""
         try:
             who = principal(ws, ws.headers.get("authorization"), ws.query_params.get("tenant"))
-            node = await gateway.node_of(who, sandbox_id)
+            node = await gateway.locator.node_of(who, sandbox_id)
         except errors.CellaError as exc:
             await ws.accept()
             await ws.close(code=4000 + exc.status, reason=exc.message[:120])
@@ -234,9 +231,8 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.websocket("/v1/services/{sandbox_id}/{rest:path}")
     async def service_ws(ws: WebSocket, sandbox_id: str, rest: str) -> None:
-        where = gateway.placements.get(sandbox_id)
-        node = gateway.nodes.get(where.node) if where and not where.lost else None
-        if node is None or not node.healthy:
+        node = gateway.locator.serving(sandbox_id)
+        if node is None:
             await ws.close(code=4404, reason=f"no service of sandbox {sandbox_id}")
             return
         await relay_websocket(ws, node, None, node_key=False)

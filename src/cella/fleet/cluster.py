@@ -85,4 +85,3 @@ def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str
     ).remote(data_root, node.name, node.labels)
     info: dict[str, Any] = ray.get(actor.info.remote(), timeout=timeout)
     return info
-

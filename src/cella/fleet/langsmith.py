@@ -4,20 +4,21 @@ node of the box it names (by name on the control plane, by id on the data plane)
 
 from __future__ import annotations
 
-import math
-import secrets
 from typing import Any
 
+import httpx2
 from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
 from cella import errors
 from cella.fleet.gateway import Gateway
+from cella.fleet.launch import shape_of
+from cella.fleet.node_client import Node
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
+from cella.server.compat.langsmith.create import SNAPSHOT_FIELDS, read_create
 from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES
 from cella.server.deps import Caller, api_key_caller
 
-MIB = 1 << 20
 PAGE = 500  # what one node is asked for at most when the gateway pages a merged list
 
 
@@ -35,41 +36,31 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
         body = await request.json()
         if not isinstance(body, dict):
             raise errors.InvalidArgument("the body must be a JSON object")
-        body.setdefault("name", f"sandbox-{secrets.token_hex(4)}")
-        ref = body.pop("snapshot_id", None) or body.pop("snapshot", None)
-        ref = ref or body.pop("snapshot_name", None)
-        async with gateway.admitted(who, 1, str(body["name"])):
-            holders: set[str] = set()
-            snap: dict[str, Any] | None = None
-            if ref:
-                snap, holders = await gateway.resolve_snapshot(who, str(ref))
-                body["snapshot_id"] = snap["id"]
-                vcpus, memory, template = snap["vcpus"], snap["memory_mib"], snap["template"]
-            else:
-                vcpus = int(body.get("vcpus") or 1)
-                memory = max(128, math.ceil(int(body.get("mem_bytes") or 512 * MIB) / MIB))
-                template = "default"
-            plan = await gateway.plan(
-                vcpus, memory, 1, holders, template, request.headers.get(NODE_HINT)
+        box = read_create(body)  # as the node will read it: the same name, size, snapshot
+        body = {k: v for k, v in body.items() if k not in SNAPSHOT_FIELDS} | {"name": box.name}
+        answer: httpx2.Response | None = None
+
+        async def make(node: Node, n: int, snapshot_id: str | None) -> list[dict[str, Any]]:
+            nonlocal answer
+            sent = body if snapshot_id is None else body | {"snapshot_id": snapshot_id}
+            answer = await node.call(
+                "POST",
+                request.url.path,
+                who,
+                langsmith=True,
+                json=sent,
+                params=request.query_params,
+                headers=_host(request),
             )
-            [name] = plan
-            node = gateway.nodes[name]
-            with gateway.reserve(plan, vcpus, memory):
-                if snap is not None and name not in holders:
-                    await gateway.ship(snap["id"], holders, node)
-                answer = await node.call(
-                    "POST",
-                    request.url.path,
-                    who,
-                    langsmith=True,
-                    json=body,
-                    params=request.query_params,
-                    headers=_host(request),
-                )
-            if answer.is_success:
-                made = answer.json()
-                seen = await node.json("GET", f"/v1/sandboxes/{made['id']}", who)
-                gateway.placements.put(name, seen)
+            if not answer.is_success:  # refused by the node: relayed as it said it
+                return []
+            made = answer.json()
+            return [await node.json("GET", f"/v1/sandboxes/{made['id']}", who)]
+
+        source = box.snapshot or shape_of(box.spec())
+        hint = request.headers.get(NODE_HINT)
+        await gateway.launcher.launch(who, 1, source, make, name=box.name, prefer=hint)
+        assert answer is not None  # made once, or launching raised
         return Response(
             answer.content,
             status_code=answer.status_code,
@@ -79,7 +70,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     @api.get("/boxes")
     async def list_boxes(request: Request, who: Caller) -> Response:
         found: list[dict[str, Any]] = []
-        for node in gateway.healthy():
+        for node in gateway.membership.healthy():
             answer = await node.call(
                 "GET", request.url.path, who, langsmith=True, headers=_host(request)
             )
@@ -91,10 +82,10 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     @api.api_route("/boxes/{name}", methods=METHODS)
     @api.api_route("/boxes/{name}/{rest:path}", methods=METHODS)
     async def on_box(name: str, request: Request, who: Caller) -> Response:
-        where = await gateway.placement_named(who, name)
-        answer = await forward(request, gateway.usable(where), who, langsmith=True)
+        where = await gateway.locator.placement_named(who, name)
+        answer = await forward(request, gateway.locator.usable(where), who, langsmith=True)
         if request.method == "DELETE" and answer.status_code < 300:
-            gateway.placements.deleted(where.sandbox_id)
+            gateway.locator.deleted(where.sandbox_id)
         return answer
 
     @api.get("/snapshots")
@@ -103,7 +94,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     ) -> Response:
         seen: dict[str, dict[str, Any]] = {}
         params = {**request.query_params, "offset": "0", "limit": str(PAGE)}
-        for node in gateway.healthy():
+        for node in gateway.membership.healthy():
             answer = await node.call("GET", request.url.path, who, langsmith=True, params=params)
             if not answer.is_success:
                 return _relay(answer)
@@ -117,7 +108,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     async def on_snapshot(ref: str, request: Request, who: Caller) -> Response:
         """Answered by the nodes that hold it (a delete removes every copy)."""
         answers = []
-        for node in gateway.healthy():
+        for node in gateway.membership.healthy():
             answer = await node.call(
                 request.method, request.url.path, who, langsmith=True, headers=_host(request)
             )
@@ -132,7 +123,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
 
     @api.post("/snapshots")
     async def build_snapshot(request: Request, who: Caller) -> Response:
-        return await forward(request, gateway.any_node(), who, langsmith=True)
+        return await forward(request, gateway.membership.any_node(), who, langsmith=True)
 
     return api
 
@@ -142,13 +133,15 @@ def dataplane(gateway: Gateway) -> APIRouter:
 
     @api.api_route("/{rest:path}", methods=METHODS)
     async def on_sandbox(sandbox_id: str, request: Request, who: Caller) -> Response:
-        return await forward(request, await gateway.node_of(who, sandbox_id), who, langsmith=True)
+        return await forward(
+            request, await gateway.locator.node_of(who, sandbox_id), who, langsmith=True
+        )
 
     @api.websocket("/{rest:path}")
     async def on_socket(ws: WebSocket, sandbox_id: str) -> None:
         try:
             who = api_key_caller(ws, ws.headers.get("x-api-key"), ws.headers.get("x-cella-tenant"))
-            node = await gateway.node_of(who, sandbox_id)
+            node = await gateway.locator.node_of(who, sandbox_id)
         except errors.CellaError as exc:
             await ws.close(code=4000 + (exc.status if exc.status < 1000 else 500))
             return

@@ -15,12 +15,13 @@ from pydantic import BaseModel, ValidationError
 
 from cella import errors
 from cella.models import NetworkPolicy, SandboxCreate
-from cella.server.app import describe
 from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults, not_supported
+from cella.server.error_shapes import describe
 
 Json = dict[str, Any]
 MIB = 1 << 20
 UNSUPPORTED = ("mount_config", "access_delegation")
+SNAPSHOT_FIELDS = ("snapshot_id", "snapshot", "snapshot_name")  # the first given counts
 # LangSmith's names for cella's fields, in what a refusal says
 LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
 CELLA_NAMES = {v: k for k, v in LANGSMITH_NAMES.items()}
@@ -80,7 +81,7 @@ def read_create(body: Json) -> BoxCreate:
     for unsupported in UNSUPPORTED:
         if body.get(unsupported):
             raise not_supported(unsupported)
-    snapshot = body.get("snapshot_id") or body.get("snapshot") or body.get("snapshot_name")
+    snapshot = next((body[f] for f in SNAPSHOT_FIELDS if body.get(f)), None)
     fs_bytes = body.get("fs_capacity_bytes")
     return BoxCreate(
         name=body.get("name") or f"sandbox-{secrets.token_hex(4)}",

@@ -1,0 +1,151 @@
+"""New sandboxes on the fleet, by one pipeline whatever makes them (a create, a fork of a
+snapshot, a LangSmith box): admitted against the tenant's quota (its name held), the
+snapshot they boot from found, nodes planned and reserved, the snapshot shipped to each
+planned node that lacks it, then made there by the caller's `make` and recorded where they
+are. Made on several nodes, they are all made or none is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from cella import errors
+from cella.fleet.locator import Locator
+from cella.fleet.membership import Membership
+from cella.fleet.node_client import Node
+from cella.fleet.planner import Planner, Shape
+from cella.fleet.quotas import Quotas
+from cella.fleet.snapshots import FleetSnapshots
+from cella.models import SandboxCreate
+from cella.server.error_shapes import describe
+from cella.service.keys import Principal
+
+Json = dict[str, Any]
+# (the node, how many to make there, the snapshot's id or None) -> the sandboxes it made
+Make = Callable[[Node, int, str | None], Awaitable[list[Json]]]
+
+
+def shape_of(spec: SandboxCreate) -> Shape:
+    return Shape(spec.vcpus, spec.memory_mib, spec.template)
+
+
+class Launcher:
+    def __init__(
+        self,
+        membership: Membership,
+        locator: Locator,
+        quotas: Quotas,
+        planner: Planner,
+        snapshots: FleetSnapshots,
+    ) -> None:
+        self.membership = membership
+        self.locator = locator
+        self.placements = locator.placements
+        self.quotas = quotas
+        self.planner = planner
+        self.snapshots = snapshots
+
+    async def launch(
+        self,
+        who: Principal,
+        count: int,
+        source: Shape | str,
+        make: Make,
+        *,
+        name: str | None = None,
+        holders: set[str] | None = None,
+        prefer: str | None = None,
+    ) -> list[Json]:
+        """`count` sandboxes made by `make` from `source` (a template's shape, or the
+        snapshot they boot from: an id, name or name:tag; `holders` are nodes known to hold
+        it besides those that answer for it), on the nodes that fit them best (`prefer`:
+        the node asked for)."""
+        async with self.quotas.admitted(who, count, name):
+            snapshot_id = None
+            held = set(holders or ())
+            if isinstance(source, str):
+                snap, found = await self.snapshots.resolve(who, source)
+                snapshot_id, held = snap["id"], held | found
+                source = Shape(snap["vcpus"], snap["memory_mib"], snap["template"])
+            plan = await self.planner.plan(source, count, held, prefer)
+            with self.planner.reserve(plan, source):
+
+                async def part(name: str, n: int) -> tuple[Node, list[Json]]:
+                    node = self.membership.nodes[name]
+                    if snapshot_id is not None and name not in held:
+                        await self.snapshots.ship(snapshot_id, held, node)
+                    made = await make(node, n, snapshot_id)
+                    for body in made:
+                        self.placements.put(name, body)
+                    return node, made
+
+                parts = await asyncio.gather(
+                    *(part(name, n) for name, n in plan.items()), return_exceptions=True
+                )
+        failed = [p for p in parts if isinstance(p, BaseException)]
+        done = [p for p in parts if not isinstance(p, BaseException)]
+        if failed:  # all or nothing, as on one node
+            for node, made in done:
+                for body in made:
+                    with contextlib.suppress(errors.CellaError):
+                        await node.json("DELETE", f"/v1/sandboxes/{body['id']}", who)
+                        self.placements.deleted(body["id"])
+            raise failed[0]
+        return [body for _, made in done for body in made]
+
+    async def create(self, who: Principal, body: Json, prefer: str | None = None) -> Json:
+        """cella's create (`POST /v1/sandboxes`), on the node that fits it best."""
+        try:
+            spec = SandboxCreate.model_validate(body)
+        except ValidationError as exc:
+            raise errors.InvalidArgument(describe(exc.errors())) from None
+
+        async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
+            # by id: a snapshot's names and tags live on the node it was taken on
+            sent = body if snapshot_id is None else {**body, "snapshot": snapshot_id}
+            return [await node.json("POST", "/v1/sandboxes", who, json=sent)]
+
+        source = spec.snapshot or shape_of(spec)
+        [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
+        return created
+
+    async def fork_snapshot(
+        self,
+        who: Principal,
+        ref: str,
+        count: int,
+        holders: set[str] | None = None,
+        prefer: str | None = None,
+    ) -> list[Json]:
+        """`count` branches of a snapshot, on the nodes holding it where they fit, the rest
+        on other nodes (the snapshot shipped there first)."""
+
+        async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
+            path = f"/v1/snapshots/{snapshot_id}/fork"
+            answer = await node.json("POST", path, who, json={"count": n})
+            return list(answer["sandboxes"])
+
+        return await self.launch(who, count, ref, make, holders=holders, prefer=prefer)
+
+    async def fork_sandbox(
+        self, who: Principal, sandbox_id: str, count: int, prefer: str | None = None
+    ) -> list[Json]:
+        """`count` branches of a sandbox: a snapshot of it, forked; the snapshot (and
+        copies shipped meanwhile) removed again if the fork is refused or fails."""
+        node = await self.locator.node_of(who, sandbox_id)
+        snap = await node.json(
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/snapshots",
+            who,
+            json={"name": f"fork of {sandbox_id}"},
+        )
+        try:
+            return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer)
+        except BaseException:  # refused or failed whole: no snapshot left behind either
+            with contextlib.suppress(errors.CellaError):
+                await self.snapshots.delete(who, snap["id"])
+            raise

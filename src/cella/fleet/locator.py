@@ -1,0 +1,86 @@
+"""Where the fleet's sandboxes are: the placement table, filled in from the nodes' own
+answers whenever the gateway has not seen a sandbox yet, and lists merged from every node
+(with the sandboxes of nodes that are gone, as `lost`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cella import errors
+from cella.fleet.membership import Membership
+from cella.fleet.node_client import Node
+from cella.fleet.placement_table import Placement, Placements
+from cella.service.keys import Principal
+
+
+class Locator:
+    def __init__(self, membership: Membership, placements: Placements) -> None:
+        self.membership = membership
+        self.placements = placements
+
+    async def placement(self, who: Principal, sandbox_id: str) -> Placement:
+        """The tenant's sandbox, wherever it is (nodes asked if the gateway has not seen it)."""
+        found = self.placements.get(sandbox_id)
+        if found is None:
+            for node in self.membership.healthy():
+                response = await node.call("GET", f"/v1/sandboxes/{sandbox_id}", who)
+                if response.status_code == 200:
+                    self.placements.put(node.name, response.json())
+                    found = self.placements.get(sandbox_id)
+                    break
+        if found is None or found.tenant != who.tenant:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return found
+
+    async def placement_named(self, who: Principal, name: str) -> Placement:
+        """The tenant's sandbox called `name` (the LangSmith API addresses boxes by name)."""
+        for attempt in range(2):
+            for found in self.placements.of_tenant(who.tenant):
+                if found.body.get("name") == name and found.body.get("state") != "deleted":
+                    return found
+            if attempt == 0:  # not seen yet: ask the nodes
+                await self.list_sandboxes(who, [])
+        raise errors.NotFound(f"no sandbox named {name!r}")
+
+    def usable(self, where: Placement) -> Node:
+        if where.lost:
+            raise errors.SandboxLost(f"sandbox {where.sandbox_id} is lost: {where.lost}")
+        node = self.membership.up(where.node)
+        if node is None:
+            raise errors.NodeUnavailable(f"node {where.node} of {where.sandbox_id} is down")
+        return node
+
+    async def node_of(self, who: Principal, sandbox_id: str) -> Node:
+        return self.usable(await self.placement(who, sandbox_id))
+
+    def serving(self, sandbox_id: str) -> Node | None:
+        """The node of a sandbox's forwarded ports, if it is up (no caller to check: a
+        service URL's own token is checked on the node)."""
+        where = self.placements.get(sandbox_id)
+        return self.membership.up(where.node) if where and not where.lost else None
+
+    async def list_sandboxes(self, who: Principal, params: list[tuple[str, str]]) -> list[Any]:
+        found: list[dict[str, Any]] = []
+        for node, answer in await self.membership.each("GET", "/v1/sandboxes", who, params=params):
+            for body in answer["sandboxes"]:
+                self.placements.put(node.name, body)
+                found.append(body)
+        state = dict(params).get("state")
+        if state in (None, "lost"):
+            labels = [v for k, v in params if k == "label"]
+            for lost in self.placements.lost(who.tenant):
+                shown = lost.shown()
+                have = shown.get("labels") or {}
+                if all(have.get(k) == v for k, _, v in (p.partition("=") for p in labels)):
+                    found.append(shown)
+        if state is not None:
+            found = [b for b in found if b.get("state") == state]
+        return sorted(found, key=lambda b: str(b.get("created_at")))
+
+    def deleted(self, sandbox_id: str) -> None:
+        """Deleted on its node: still routed there (its trace), never listed."""
+        self.placements.deleted(sandbox_id)
+
+    def forget(self, sandbox_id: str) -> None:
+        """A lost sandbox deleted: nothing is left of it to route to."""
+        self.placements.forget(sandbox_id)

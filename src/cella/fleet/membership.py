@@ -1,0 +1,169 @@
+"""Which node daemons make up the fleet: found by polling Ray (`cluster.nodes()`, about once
+a second), joined (their daemons started where needed, told the fleet's own addresses), and
+lost when Ray reports them dead or gone (their sandboxes turn `lost`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from cella import errors
+from cella.fleet import cluster
+from cella.fleet.node_client import Node
+from cella.fleet.placement_table import Placements
+from cella.network.interfaces import host_addresses
+from cella.service.keys import Principal
+
+log = logging.getLogger("cella.fleet")
+POLL_SECONDS = 1.0
+
+
+class Membership:
+    def __init__(
+        self,
+        address: str,
+        allow_unauthenticated: bool,
+        node_root: str,
+        placements: Placements,
+        on_join: Callable[[Node], Awaitable[None]],
+    ) -> None:
+        self.address = address
+        self.allow_unauthenticated = allow_unauthenticated
+        self.node_root = node_root
+        self.placements = placements
+        self.on_join = on_join  # what a node gets before it serves (the fleet's secrets)
+        self.nodes: dict[str, Node] = {}
+        self.failures: dict[str, str] = {}  # nodes that could not join, and why
+        self._joining: set[str] = set()
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Joins the cluster and every live node (and its daemon) before serving."""
+        await asyncio.to_thread(cluster.connect, self.address, self.allow_unauthenticated)
+        await self.poll(wait=True)
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for node in self.nodes.values():
+            await node.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            try:
+                await self.poll()
+            except Exception:  # Ray hiccups must not end the loop
+                log.exception("polling the cluster failed")
+
+    async def poll(self, wait: bool = False) -> None:
+        """Nodes Ray reports alive join (their daemons started where needed); known nodes
+        that Ray reports dead or no longer lists are lost."""
+        found = await asyncio.to_thread(cluster.nodes)
+        alive = {n.name: n for n in found if n.alive}
+        joins = []
+        for name, ray_node in alive.items():
+            known = self.nodes.get(name)
+            current = (
+                known is not None
+                and known.node_id == ray_node.node_id
+                and known.healthy
+                and not known.stale  # asked again where its daemon answers now
+            )
+            if not current and name not in self._joining:
+                self._joining.add(name)
+                joins.append(asyncio.create_task(self._join(ray_node)))
+        for name, node in self.nodes.items():
+            now = alive.get(name)
+            if node.healthy and (now is None or now.node_id != node.node_id):
+                dead = any(n.node_id == node.node_id and not n.alive for n in found)
+                self._lose(node, f"node {name} {'died' if dead else 'left the cluster'}")
+        # nodes recorded before this gateway started that are gone from the cluster (the
+        # gateway was down when they went): their sandboxes are lost all the same
+        for name in self.placements.holding() - alive.keys() - self.nodes.keys():
+            self.failures.setdefault(name, self._lose_sandboxes(name, f"node {name} is gone"))
+        if wait and joins:
+            await asyncio.gather(*joins, return_exceptions=True)
+        wanted = await self._fleet_addresses()
+        for node in self.healthy():
+            try:
+                await self._tell_fleet(node, wanted)
+            except Exception as exc:  # told again at the next poll
+                log.warning("node %s was not told the fleet's addresses: %s", node.name, exc)
+
+    async def _fleet_addresses(self, *joining: Node) -> list[str]:
+        """Every Ray node's address, every node daemon's and the gateway host's own: no
+        tenant's rule reaches them from a sandbox."""
+        found = await asyncio.to_thread(cluster.addresses)
+        found |= {str(a) for a in host_addresses()}
+        found |= {urlsplit(n.url).hostname or "" for n in [*self.nodes.values(), *joining]}
+        return sorted(found - {""})
+
+    async def _tell_fleet(self, node: Node, wanted: list[str]) -> None:
+        if node.told_addresses != wanted:
+            await node.json("PUT", "/v1/egress/boundary/fleet", json={"addresses": wanted})
+            node.told_addresses = wanted
+
+    async def _join(self, ray_node: cluster.RayNode) -> None:
+        name = ray_node.name
+        try:
+            info = await asyncio.to_thread(cluster.daemon_of, ray_node, self.node_root)
+            if not info["alive"]:
+                raise errors.NodeUnavailable(str(info.get("reason") or "its daemon is down"))
+            node = Node(
+                name, ray_node.node_id, info["url"], info["admin_key"], info.get("ca_pem", "")
+            )
+            node.restarts = int(info.get("restarts") or 0)
+            await self.on_join(node)
+            await self._tell_fleet(node, await self._fleet_addresses(node))
+            listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
+            self.placements.resync(name, listed["sandboxes"])
+            old = self.nodes.get(name)
+            self.nodes[name] = node
+            self.failures.pop(name, None)
+            if old is not None:
+                await old.close()
+            log.info("node %s joined (%s, %d sandboxes)", name, node.url, len(listed["sandboxes"]))
+        except Exception as exc:  # retried at the next poll
+            self.failures[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("node %s could not join: %s", name, self.failures[name])
+        finally:
+            self._joining.discard(name)
+
+    def _lose(self, node: Node, reason: str) -> None:
+        node.healthy, node.reason = False, self._lose_sandboxes(node.name, reason)
+
+    def _lose_sandboxes(self, name: str, reason: str) -> str:
+        """Marks the node's sandboxes lost; returns the reason with its time."""
+        dated = f"{reason} at {datetime.now(UTC).isoformat(timespec='seconds')}"
+        count = self.placements.lose(name, dated)
+        log.warning("%s; %d sandboxes lost", dated, count)
+        return dated
+
+    def healthy(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.healthy]
+
+    def any_node(self) -> Node:
+        nodes = self.healthy()
+        if not nodes:
+            raise errors.NodeUnavailable("no node of the fleet is up")
+        return nodes[0]
+
+    def up(self, name: str) -> Node | None:
+        """The node called `name`, if it is up."""
+        node = self.nodes.get(name)
+        return node if node is not None and node.healthy else None
+
+    async def each(self, method: str, path: str, who: Principal | None, **kw: Any) -> list[Any]:
+        """The same call on every healthy node; (node, answer) pairs in node order."""
+        nodes = self.healthy()
+        answers = await asyncio.gather(*(n.json(method, path, who, **kw) for n in nodes))
+        return list(zip(nodes, answers, strict=True))

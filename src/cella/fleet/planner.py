@@ -1,0 +1,81 @@
+"""Which nodes new sandboxes go to: each healthy node's report (capacity, warm pool, built
+templates) less what is being placed there right now, given to the placement policy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from cella import errors
+from cella.fleet.membership import Membership
+from cella.fleet.placement_policy import Candidate, spread
+from cella.models import Capacity
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What one new sandbox needs of a node."""
+
+    vcpus: int
+    memory_mib: int
+    template: str
+
+
+class Planner:
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
+
+    @contextlib.contextmanager
+    def reserve(self, plan: dict[str, int], shape: Shape) -> Iterator[None]:
+        """What is being placed counts against a node until its daemon has it."""
+        held = [(name, (shape.vcpus * n, shape.memory_mib * n)) for name, n in plan.items()]
+        for name, amount in held:
+            self._reserved.setdefault(name, []).append(amount)
+        try:
+            yield
+        finally:
+            for name, amount in held:
+                self._reserved[name].remove(amount)
+
+    async def plan(
+        self, shape: Shape, count: int, holders: set[str], prefer: str | None = None
+    ) -> dict[str, int]:
+        """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
+        the snapshot they boot from; `prefer`: the node asked for)."""
+        nodes = self.membership.healthy()
+        if not nodes:
+            raise errors.NodeUnavailable("no node of the fleet is up")
+        reports = await asyncio.gather(
+            *(n.json("GET", "/v1/capacity") for n in nodes),
+            *(n.json("GET", "/v1/health") for n in nodes),
+            *(n.json("GET", "/v1/templates") for n in nodes),
+        )
+        vcpus, memory_mib, template = shape.vcpus, shape.memory_mib, shape.template
+        candidates = []
+        for i, node in enumerate(nodes):
+            capacity = Capacity.model_validate(reports[i])
+            pool: dict[str, int] = reports[len(nodes) + i].get("pool") or {}
+            built = {t["name"] for t in reports[2 * len(nodes) + i]["templates"] if t["built"]}
+            held_cpus = sum(c for c, _ in self._reserved.get(node.name, []))
+            held_memory = sum(m for _, m in self._reserved.get(node.name, []))
+            candidates.append(
+                Candidate(
+                    name=node.name,
+                    memory_mib_free=capacity.memory_mib_free - held_memory,
+                    vcpus_free=capacity.vcpus_free - held_cpus,
+                    holds_snapshot=node.name in holders,
+                    pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
+                    preferred=node.name == prefer,
+                    has_template=template in built,
+                )
+            )
+        plan = spread(candidates, vcpus, memory_mib, count)
+        if not plan:
+            raise errors.CapacityExceeded(
+                f"the fleet has no room for {count} sandbox(es) of {vcpus} vCPUs and "
+                f"{memory_mib} MiB"
+            )
+        return plan
