@@ -11,8 +11,9 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from cella import errors
 from cella.eval.tasks import Step, Task, TaskResult
@@ -150,23 +151,24 @@ def recorded(result: TaskResult) -> EvalResult:
     return EvalResult.model_validate(result.model_dump(exclude=local))
 
 
-class Runner(Protocol):
-    """Runs the tasks somewhere else than this process's event loop (e.g. as Ray tasks on a
-    fleet's nodes: `cella.fleet.evals.RayRunner`), recording the run as `arun_eval` does;
-    results in task order."""
+@dataclass(frozen=True, slots=True)
+class EvalJob:
+    """An eval run as `run_eval` hands it to a `Runner`."""
 
-    def __call__(
-        self,
-        tasks: list[Task],
-        snapshot_id: str,
-        *,
-        parallel: int,
-        out_dir: Path,
-        url: str | None,
-        api_key: str | None,
-        on_done: Callable[[TaskResult], None] | None,
-        name: str | None,
-    ) -> list[TaskResult]: ...
+    tasks: list[Task]
+    snapshot_id: str
+    parallel: int
+    out_dir: Path
+    url: str | None = None
+    api_key: str | None = None
+    on_done: Callable[[TaskResult], None] | None = None
+    name: str | None = None
+
+
+# Runs a job somewhere else than this process's event loop (e.g. as Ray tasks on a fleet's
+# nodes: `cella.fleet.evals.RayRunner`), recording the run as `arun_eval` does; results in
+# task order.
+Runner = Callable[[EvalJob], list[TaskResult]]
 
 
 def run_eval(
@@ -185,16 +187,7 @@ def run_eval(
     `runner`, the tasks run where it runs them (`cella.fleet.evals.RayRunner`: as Ray tasks
     across the fleet's nodes, talking to the fleet gateway at `url`)."""
     if runner is not None:
-        return runner(
-            tasks,
-            snapshot_id,
-            parallel=parallel,
-            out_dir=out_dir,
-            url=url,
-            api_key=api_key,
-            on_done=on_done,
-            name=name,
-        )
+        return runner(EvalJob(tasks, snapshot_id, parallel, out_dir, url, api_key, on_done, name))
 
     async def go() -> list[TaskResult]:
         async with AsyncClient(url, api_key) as client:

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from cella.config import DaemonSettings
-from cella.eval.runner import recorded
+from cella.eval.runner import EvalJob, recorded
 from cella.eval.tasks import Task, TaskResult
 from cella.fleet import cluster
 from cella.fleet.node_actor import RESOURCE, node_name
@@ -89,32 +89,22 @@ class RayRunner:
 
     address: str
 
-    def __call__(
-        self,
-        tasks: list[Task],
-        snapshot_id: str,
-        *,
-        parallel: int,
-        out_dir: Path,
-        url: str | None,
-        api_key: str | None,
-        on_done: Callable[[TaskResult], None] | None,
-        name: str | None,
-    ) -> list[TaskResult]:
-        url, api_key = resolve(url, api_key)
+    def __call__(self, job: EvalJob) -> list[TaskResult]:
+        url, api_key = resolve(job.url, job.api_key)
         joined = cluster.connect(self.address, DaemonSettings().ray_allow_unauthenticated)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        job.out_dir.mkdir(parents=True, exist_ok=True)
         with Client(url, api_key) as gateway, _leaving(joined):
-            run = gateway.create_eval_run(snapshot_id, len(tasks), name=name or out_dir.name)
-            (out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
+            name = job.name or job.out_dir.name
+            run = gateway.create_eval_run(job.snapshot_id, len(job.tasks), name=name)
+            (job.out_dir / "run.json").write_text(run.model_dump_json(indent=2) + "\n")
 
             def done(result: TaskResult) -> None:
                 gateway.record_eval_result(run.id, recorded(result))
-                if on_done is not None:
-                    on_done(result)
+                if job.on_done is not None:
+                    job.on_done(result)
 
             try:
-                return _run_all(tasks, snapshot_id, parallel, out_dir, url, api_key, done)
+                return _run_all(job, url, api_key, done)
             finally:
                 gateway.finish_eval_run(run.id)
 
@@ -130,19 +120,14 @@ def _leaving(joined: bool) -> Iterator[None]:
 
 
 def _run_all(
-    tasks: list[Task],
-    snapshot_id: str,
-    parallel: int,
-    out_dir: Path,
-    url: str,
-    api_key: str,
-    on_done: Callable[[TaskResult], None],
+    job: EvalJob, url: str, api_key: str, on_done: Callable[[TaskResult], None]
 ) -> list[TaskResult]:
+    tasks, snapshot_id, out_dir = job.tasks, job.snapshot_id, job.out_dir
     todo = list(tasks)
     running: dict[Any, Task] = {}
     done: dict[str, TaskResult] = {}
     while todo or running:
-        while todo and len(running) < parallel:
+        while todo and len(running) < job.parallel:
             task = todo.pop(0)
             ref = _run_remote.options(scheduling_strategy="SPREAD").remote(
                 task.model_dump(mode="json"), snapshot_id, url, api_key
