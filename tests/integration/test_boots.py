@@ -7,7 +7,7 @@ import pytest
 
 from cella.images.kernel import Kernel, config_fragment, unmet_options
 from cella.runtime.qemu.driver import QemuDriver
-from tests.conftest import qemu_pids
+from tests.vms import VMFactory, qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -16,12 +16,12 @@ BOOTS = 50
 
 @pytest.mark.slow
 @pytest.mark.timeout(BOOTS * 30)
-async def test_fifty_cold_boots_in_a_row(driver: QemuDriver) -> None:
+async def test_fifty_cold_boots_in_a_row(driver: QemuDriver, vm_factory: VMFactory) -> None:
     before = qemu_pids()
     dirs_before = driver.leftovers()
     times = []
     for _ in range(BOOTS):
-        vm = await driver.boot(boot_timeout=30)  # a hang would blow this deadline
+        vm = await vm_factory(boot_timeout=30)  # a hang would blow this deadline
         r = await vm.agent.exec(["echo", "up"])
         assert r.stdout == b"up\n"
         assert vm.boot_seconds is not None
@@ -33,20 +33,17 @@ async def test_fifty_cold_boots_in_a_row(driver: QemuDriver) -> None:
 
 
 async def test_the_guest_runs_the_kernel_built_from_its_configuration(
-    driver: QemuDriver,
+    driver: QemuDriver, vm_factory: VMFactory
 ) -> None:
     """The booted kernel is the one `microvm.config` describes (its own /proc/config.gz),
     with every driver built in (no module is loaded at boot) and cella's patches in: it
     knows every parameter of its command line (an unknown one would be named in its log)."""
-    vm = await driver.boot(boot_timeout=30)
-    try:
-        config = await vm.agent.exec(["zcat", "/proc/config.gz"])
-        release = await vm.agent.exec(["uname", "-r"])
-        modules = await vm.agent.exec(["cat", "/proc/modules"])
-        log = await vm.agent.exec(["dmesg"])
-        cmdline = await vm.agent.read_file("/proc/cmdline")
-    finally:
-        await driver.destroy(vm)
+    vm = await vm_factory(boot_timeout=30)
+    config = await vm.agent.exec(["zcat", "/proc/config.gz"])
+    release = await vm.agent.exec(["uname", "-r"])
+    modules = await vm.agent.exec(["cat", "/proc/modules"])
+    log = await vm.agent.exec(["dmesg"])
+    cmdline = await vm.agent.read_file("/proc/cmdline")
     assert b"Kernel command line:" in log.stdout  # the log is there to be searched
     assert b"Unknown kernel command line parameters" not in log.stdout
     if vm.accel == "tcg":

@@ -7,21 +7,19 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from cella import Client, Sandbox
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(tmp_path_factory.mktemp("discovery") / "data", pool_size="0") as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "0"}
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from playwright.sync_api import sync_playwright
 
 from cella import Client, Sandbox
 from cella.eval import Task, run_eval
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
@@ -31,20 +31,18 @@ WIDTH, HEIGHT = 1280, 800
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(tmp_path_factory.mktemp("console"), pool_size="0") as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "0"}
 
 
 @pytest.fixture(scope="module")
-def keys(daemon: Daemon) -> dict[str, str]:
-    with Client(daemon.url, daemon.admin_key) as admin:
-        return {t: admin.create_key(t)["key"] for t in ("alpha", "beta")}
+def keys(admin: Client) -> dict[str, str]:
+    return {t: admin.create_key(t)["key"] for t in ("alpha", "beta")}
 
 
 @pytest.fixture(scope="module")
 def alpha(daemon: Daemon, keys: dict[str, str]) -> Iterator[Client]:
-    with Client(daemon.url, keys["alpha"]) as client:
+    with daemon.client(keys["alpha"]) as client:
         yield client
 
 
@@ -358,7 +356,7 @@ def test_another_tenant_sees_none_of_it(
 ) -> None:
     page.goto(page.url.split("#")[0] + "#/sandboxes")
     page.wait_for_selector(f"#sandboxes tr[data-id='{box.id}']")  # control: alpha sees it
-    with Client(daemon.url, keys["beta"]) as beta, beta.create() as theirs:
+    with daemon.client(keys["beta"]) as beta, beta.create() as theirs:
         other = logged_in(browser, daemon, keys["beta"])
         try:
             other.wait_for_selector(f"#sandboxes tr[data-id='{theirs.id}']")  # loaded
@@ -484,7 +482,7 @@ def test_eval_runs_api_refuses_bad_input(
             },
         )
         assert nan.status_code == 400
-        with Client(daemon.url, keys["beta"]) as beta, beta.create() as theirs:
+        with daemon.client(keys["beta"]) as beta, beta.create() as theirs:
             borrowed = {**result, "sandbox_id": theirs.id}  # a score on beta's lineage
             claim = call("PUT", f"/v1/evals/{run.id}/results/t1", json=borrowed)
             assert claim.status_code == 404

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import httpx2
 import pytest
 
 from cella import Client, errors
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon
 from tests.sdk_env import run_script, sdk_python
 
 pytestmark = pytest.mark.vm
@@ -26,17 +25,8 @@ def python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def e2b_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(
-        tmp_path_factory.mktemp("e2b"), pool_size="1", max_sandboxes_per_tenant="8"
-    ) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def cella(e2b_daemon: Daemon) -> Iterator[Client]:
-    with Client(e2b_daemon.url, e2b_daemon.admin_key) as c:
-        yield c
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "1", "max_sandboxes_per_tenant": "8"}
 
 
 def e2b(python: Path, daemon: Daemon, script: str, key: str | None = None) -> Any:
@@ -49,12 +39,10 @@ def e2b(python: Path, daemon: Daemon, script: str, key: str | None = None) -> An
     return run_script(python, preamble + textwrap.dedent(script), env)
 
 
-def test_create_with_metadata_env_and_timeout(
-    python: Path, e2b_daemon: Daemon, cella: Client
-) -> None:
+def test_create_with_metadata_env_and_timeout(python: Path, daemon: Daemon, admin: Client) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         sb = Sandbox.create(
             metadata={"team": "red", "run": "7"}, envs={"FOO": "bar 1"}, timeout=120
@@ -70,16 +58,16 @@ def test_create_with_metadata_env_and_timeout(
     assert got["metadata"] == {"team": "red", "run": "7"}
     assert got["cpu"] == 1 and got["memory"] == 512
     assert 110 <= got["left"] <= 130  # the lifetime asked for
-    sb = cella.get(got["id"])  # the same sandbox, seen through cella's own API
+    sb = admin.get(got["id"])  # the same sandbox, seen through cella's own API
     assert sb.info.labels == {"team": "red", "run": "7"}
     assert sb.exec('printf %s "$FOO"').stdout == b"bar 1"  # envVars: every command's env
     sb.delete()
 
 
-def test_list_filters_by_metadata_and_state_in_pages(python: Path, e2b_daemon: Daemon) -> None:
+def test_list_filters_by_metadata_and_state_in_pages(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         made = [Sandbox.create(metadata={"batch": "b1", "i": str(i)}) for i in range(3)]
         other = Sandbox.create(metadata={"batch": "b2"})
@@ -100,13 +88,13 @@ def test_list_filters_by_metadata_and_state_in_pages(python: Path, e2b_daemon: D
     assert got["paused"] == ["0"]
 
 
-def test_pause_then_connect_keeps_memory(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
-    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
-    sb = cella.get(sandbox_id)
+def test_pause_then_connect_keeps_memory(python: Path, daemon: Daemon, admin: Client) -> None:
+    sandbox_id = e2b(python, daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+    sb = admin.get(sandbox_id)
     sb.exec("sh -c 'sleep 1000 >/dev/null 2>&1 &'")
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         f"""
         sb = Sandbox.connect("{sandbox_id}")
         first = sb.get_info().state.value
@@ -122,27 +110,27 @@ def test_pause_then_connect_keeps_memory(python: Path, e2b_daemon: Daemon, cella
     sb.delete()
 
 
-def test_set_timeout_is_enforced(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
+def test_set_timeout_is_enforced(python: Path, daemon: Daemon, admin: Client) -> None:
     sandbox_id = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         sb = Sandbox.create(timeout=600)
         sb.set_timeout(2)
         print(json.dumps(sb.sandbox_id))
         """,
     )
-    assert cella.get(sandbox_id).state == "running"  # the control: there before the timeout
+    assert admin.get(sandbox_id).state == "running"  # the control: there before the timeout
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            cella.get(sandbox_id)
+            admin.get(sandbox_id)
         except errors.NotFound:  # the reaper killed it
             break
         time.sleep(0.5)
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         f"""
         try:
             Sandbox.get_info("{sandbox_id}")
@@ -155,11 +143,11 @@ def test_set_timeout_is_enforced(python: Path, e2b_daemon: Daemon, cella: Client
 
 
 def test_set_timeout_is_held_to_the_bound_of_a_create(
-    python: Path, e2b_daemon: Daemon, cella: Client
+    python: Path, daemon: Daemon, admin: Client
 ) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         sb = Sandbox.create(timeout=600)
         before = sb.get_info().end_at
@@ -178,10 +166,10 @@ def test_set_timeout_is_held_to_the_bound_of_a_create(
     assert got["huge"].startswith("400") and "too long" in got["huge"], got["huge"]
     assert got["unchanged"] is True
     assert 590 <= got["extended"] <= 640  # 600 s more than the 600 it had
-    ttl = cella.get(got["id"]).info.ttl_seconds
+    ttl = admin.get(got["id"]).info.ttl_seconds
     # what the SDK would not send: each a 400 that says why, and nothing changes
-    url = f"{e2b_daemon.url}/sandboxes/{got['id']}/timeout"
-    headers = {"X-API-Key": e2b_daemon.admin_key, "Content-Type": "application/json"}
+    url = f"{daemon.url}/sandboxes/{got['id']}/timeout"
+    headers = {"X-API-Key": daemon.admin_key, "Content-Type": "application/json"}
     for raw, why in (
         ('{"timeout": 1e20}', "too long"),
         ('{"timeout": 1e400}', "integer"),
@@ -193,16 +181,16 @@ def test_set_timeout_is_held_to_the_bound_of_a_create(
         answer = httpx2.post(url, content=raw, headers=headers)
         assert answer.status_code in (400, 422), (raw, answer.status_code, answer.text)
         assert why in answer.json()["message"], (raw, answer.text)
-    assert cella.get(got["id"]).info.ttl_seconds == ttl
-    cella.get(got["id"]).delete()
+    assert admin.get(got["id"]).info.ttl_seconds == ttl
+    admin.get(got["id"]).delete()
 
 
-def test_fork_and_snapshots(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
-    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
-    cella.get(sandbox_id).files.write("/root/state.txt", "prepared")
+def test_fork_and_snapshots(python: Path, daemon: Daemon, admin: Client) -> None:
+    sandbox_id = e2b(python, daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+    admin.get(sandbox_id).files.write("/root/state.txt", "prepared")
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         f"""
         sb = Sandbox.connect("{sandbox_id}")
         forks = sb.fork(count=2)
@@ -217,23 +205,23 @@ def test_fork_and_snapshots(python: Path, e2b_daemon: Daemon, cella: Client) -> 
     assert len(got["forks"]) == 2 and got["snap"] in got["listed"]  # (the fork took one too)
     assert got["names"] == ["prepared-env"]
     for branch in [*got["forks"], got["booted"]]:
-        assert cella.get(branch).files.read("/root/state.txt") == b"prepared"
-        cella.get(branch).delete()
-    cella.get(sandbox_id).delete()
+        assert admin.get(branch).files.read("/root/state.txt") == b"prepared"
+        admin.get(branch).delete()
+    admin.get(sandbox_id).delete()
     deleted = e2b(
         python,
-        e2b_daemon,
+        daemon,
         f"""print(json.dumps([Sandbox.delete_snapshot("{got["snap"]}"),
                               Sandbox.delete_snapshot("{got["snap"]}")]))""",
     )
     assert deleted == [True, False]
 
 
-def test_errors_the_sdk_maps(python: Path, e2b_daemon: Daemon, cella: Client) -> None:
-    tenant_key = cella.create_key("e2b-errors")["key"]
+def test_errors_the_sdk_maps(python: Path, daemon: Daemon, admin: Client) -> None:
+    tenant_key = admin.create_key("e2b-errors")["key"]
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         out = {}
         try:
@@ -269,7 +257,7 @@ def test_errors_the_sdk_maps(python: Path, e2b_daemon: Daemon, cella: Client) ->
     assert (
         e2b(
             python,
-            e2b_daemon,
+            daemon,
             "print(json.dumps(len(Sandbox.list().next_items())))",
             key=tenant_key,
         )
@@ -277,10 +265,10 @@ def test_errors_the_sdk_maps(python: Path, e2b_daemon: Daemon, cella: Client) ->
     )
 
 
-def test_the_async_sdk(python: Path, e2b_daemon: Daemon) -> None:
+def test_the_async_sdk(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import asyncio
         async def main():
@@ -294,10 +282,10 @@ def test_the_async_sdk(python: Path, e2b_daemon: Daemon) -> None:
     assert got == [{"async": "yes"}, True]
 
 
-def test_commands_stream_take_stdin_fail_and_reattach(python: Path, e2b_daemon: Daemon) -> None:
+def test_commands_stream_take_stdin_fail_and_reattach(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         out = {}
         sb = Sandbox.create()
@@ -343,10 +331,10 @@ def test_commands_stream_take_stdin_fail_and_reattach(python: Path, e2b_daemon: 
     assert got["running"] is True and got["after_kill"] is False
 
 
-def test_files(python: Path, e2b_daemon: Daemon) -> None:
+def test_files(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import hashlib, io, os
         out = {}
@@ -393,15 +381,15 @@ def test_files(python: Path, e2b_daemon: Daemon) -> None:
     assert got["info"] == ["a.txt", 16, "-rw-r--r--", "user"]
 
 
-def test_envd_refuses_a_wrong_token_and_unknown_sandboxes(python: Path, e2b_daemon: Daemon) -> None:
-    sandbox_id = e2b(python, e2b_daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
+def test_envd_refuses_a_wrong_token_and_unknown_sandboxes(python: Path, daemon: Daemon) -> None:
+    sandbox_id = e2b(python, daemon, "print(json.dumps(Sandbox.create().sandbox_id))")
     detail = httpx2.get(
-        f"{e2b_daemon.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": e2b_daemon.admin_key}
+        f"{daemon.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": daemon.admin_key}
     ).json()
 
     def stat(sandbox: str, token: str) -> httpx2.Response:
         return httpx2.post(
-            f"{e2b_daemon.url}/filesystem.Filesystem/Stat",
+            f"{daemon.url}/filesystem.Filesystem/Stat",
             json={"path": "/home/user"},
             headers={"E2b-Sandbox-Id": sandbox, "X-Access-Token": token},
         )
@@ -414,7 +402,7 @@ def test_envd_refuses_a_wrong_token_and_unknown_sandboxes(python: Path, e2b_daem
     assert other.status_code == 502 and "was not found" in other.text
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         f"""
         sb = Sandbox.connect("{sandbox_id}")
         sb.kill()
@@ -427,10 +415,10 @@ def test_envd_refuses_a_wrong_token_and_unknown_sandboxes(python: Path, e2b_daem
     assert got == "SandboxNotRunningException"
 
 
-def test_the_async_sdk_runs_commands_and_files(python: Path, e2b_daemon: Daemon) -> None:
+def test_the_async_sdk_runs_commands_and_files(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import asyncio
         async def main():
@@ -447,10 +435,10 @@ def test_the_async_sdk_runs_commands_and_files(python: Path, e2b_daemon: Daemon)
     assert got == ["a\nb\n", "a\nb\n", "async"]
 
 
-def test_watch_a_directory(python: Path, e2b_daemon: Daemon) -> None:
+def test_watch_a_directory(python: Path, daemon: Daemon) -> None:
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import asyncio, time
         out = {}
@@ -502,13 +490,13 @@ def interpreter_python() -> Path:
     return sdk_python("e2b-code-interpreter-2.11.5", [*E2B, "e2b-code-interpreter==2.11.5"])
 
 
-def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> None:
+def test_the_code_interpreter(interpreter_python: Path, daemon: Daemon) -> None:
     """`e2b-code-interpreter` on a `code-interpreter` sandbox: results, output, errors, a
     matplotlib PNG, state kept between runs, contexts; contexts and code on a sandbox
     whose ports are private (the SDK's `/contexts` calls carry only its traffic token)."""
     got = e2b(
         interpreter_python,
-        e2b_daemon,
+        daemon,
         """
         import base64
         from e2b_code_interpreter import Sandbox as Interpreter
@@ -551,13 +539,13 @@ def test_the_code_interpreter(interpreter_python: Path, e2b_daemon: Daemon) -> N
     assert got["private"] == [True, "42"]  # the SDK's own tokens, on a private sandbox too
 
 
-def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -> None:
+def test_servers_in_the_sandbox_by_host_name(python: Path, daemon: Daemon) -> None:
     """`get_host(port)` names a server in the sandbox; the daemon routes that name to it:
     to anyone by E2B's default, only with the traffic token when public traffic is off
     (the probe without the token is refused where the same request with it passes)."""
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import os, urllib.request, urllib.error
         base = os.environ["E2B_API_URL"]
@@ -595,7 +583,7 @@ def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -
         """,
     )
     public, guarded = got["ids"]
-    assert got["host"] == f"8000-{public}.localhost:{e2b_daemon.port}"
+    assert got["host"] == f"8000-{public}.localhost:{daemon.port}"
     assert got["public"] == [200, f"hi from {public}"]  # no token needed...
     assert got["public_token"]  # ...though one is handed out (the interpreter's /contexts)
     assert got["no_token"][0] == 403 and got["bad_token"][0] == 403
@@ -604,14 +592,14 @@ def test_servers_in_the_sandbox_by_host_name(python: Path, e2b_daemon: Daemon) -
     assert got["envd"][0] == 204 and got["envd_no_token"][0] == 401
 
 
-def test_a_terminal(python: Path, e2b_daemon: Daemon) -> None:
+def test_a_terminal(python: Path, daemon: Daemon) -> None:
     """`sandbox.pty`: an interactive login shell in a terminal that can be resized, takes
     input, and stops a running command on Ctrl-C (seen from outside: the `sleep` it runs is
     there, then gone). Markers are split with quotes so the terminal's echo of the input
     line cannot stand in for the command's output."""
     got = e2b(
         python,
-        e2b_daemon,
+        daemon,
         """
         import threading, time
         sb = Sandbox.create()
@@ -658,11 +646,11 @@ def older_python() -> Path:
     return sdk_python("e2b-2.20.0", ["e2b==2.20.0"])
 
 
-def test_an_older_client(older_python: Path, e2b_daemon: Daemon) -> None:
+def test_an_older_client(older_python: Path, daemon: Daemon) -> None:
     """E2B's SDK 2.20 (a year older than the pinned one) on the same daemon."""
     got = e2b(
         older_python,
-        e2b_daemon,
+        daemon,
         """
         sb = Sandbox.create(metadata={"sdk": "2.20"})
         out = {"run": sb.commands.run("echo $((6*7)) && whoami").stdout}

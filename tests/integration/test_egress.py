@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from cella import Client, Sandbox
-from tests.daemon import Daemon, running_daemon
-from tests.integration.test_hardening import serve_marker
+from tests import reach
+from tests.daemon import Daemon
 from tests.netservers import EchoHandler, GitHandler, Recorder, Servers, TestCA, free_loopback_block
 
 pytestmark = pytest.mark.vm
@@ -75,22 +75,15 @@ def _make_repo(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def egress_daemon(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Daemon]:
+def daemon_settings(net: Net) -> dict[str, str]:
     hosts = {"web.test": net.web, "other.test": net.other, "git.test": net.git}
-    with running_daemon(
-        tmp_path_factory.mktemp("egress-daemon"),
-        pool_size="1",
-        egress_hosts=json.dumps({**hosts, "api.test": "127.0.0.1"}),
-        egress_tenant_networks=json.dumps([f"{net.web}/32"]),  # tenants may open web's address
-        egress_upstream_ca=str(net.ca.cert),
-    ) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def client(egress_daemon: Daemon) -> Iterator[Client]:
-    with Client(egress_daemon.url, egress_daemon.admin_key) as c:
-        yield c
+    return {
+        "pool_size": "1",
+        "egress_hosts": json.dumps({**hosts, "api.test": "127.0.0.1"}),
+        # tenants may open web's address
+        "egress_tenant_networks": json.dumps([f"{net.web}/32"]),
+        "egress_upstream_ca": str(net.ca.cert),
+    }
 
 
 def sh(sb: Sandbox, command: str, timeout: float = 60) -> tuple[int, str, str]:
@@ -123,102 +116,33 @@ def wait_for(sb: Sandbox, predicate: object, timeout: float = 5.0) -> list[dict[
         time.sleep(0.1)
 
 
-PROBE = r"""
-import json, socket, sys, urllib.request, urllib.error
-via_proxy = urllib.request.build_opener(
-    urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"}))
-direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-out = {}
-def http(name, opener, url, headers=None):
-    try:
-        r = opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10)
-        out[name] = f"open {r.status} {r.read(300)!r}"
-    except urllib.error.HTTPError as e:
-        out[name] = f"denied {e.code} {e.read(300)!r}"
-    except Exception as e:
-        out[name] = f"blocked {type(e).__name__}: {e}"
-def tcp(name, host, port):
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-        out[name] = "open"
-    except Exception as e:
-        out[name] = f"blocked {type(e).__name__}: {e}"
-def udp(name, host, port):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.settimeout(1.5)
-    try:
-        query = b"\x12\x34\x01\x00\x00\x01" + bytes(6) + b"\x03web\x04test\x00\x00\x01\x00\x01"
-        s.sendto(query, (host, port))
-        out[name] = f"open {s.recv(512)!r}"
-    except Exception as e:
-        out[name] = f"blocked {type(e).__name__}: {e}"
-    finally:
-        s.close()
-for name, (kind, *args) in json.loads(sys.argv[1]).items():
-    if kind == "proxy": http(name, via_proxy, *args)
-    elif kind == "direct": http(name, direct, *args)
-    elif kind == "tcp": tcp(name, *args)
-    elif kind == "udp": udp(name, *args)
-print(json.dumps(out))
-"""
-
-
-def probe(sb: Sandbox, targets: dict[str, list[object]]) -> dict[str, str]:
-    sb.files.write("/tmp/probe.py", PROBE)
-    no_bypass = {"no_proxy": "", "NO_PROXY": ""}  # send even loopback names to the proxy
-    r = sb.exec(["python3", "/tmp/probe.py", json.dumps(targets)], env=no_bypass, timeout=120)
-    assert r.exit_code == 0, r.stderr
-    result: dict[str, str] = json.loads(r.stdout)
-    return result
-
-
-def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: Daemon) -> None:
+def test_a_new_sandbox_reaches_nothing(admin: Client, net: Net, daemon: Daemon) -> None:
     """Every way out of a sandbox without rules is refused by the proxy itself, and the
     guest has no other door; the control is a sandbox whose rules open exactly these paths,
     running the same probes, which get through."""
-    api_port = int(egress_daemon.url.rsplit(":", 1)[1])
-    neighbour = client.create()
-    victim = client.create()  # no rules: default deny
+    api_port = daemon.port
+    neighbour = admin.create()
+    victim = admin.create()  # no rules: default deny
     # the control reaches the host's loopback only through the operator's doors: a name in
     # its host table, an address in the network it lets tenants open
-    control = client.create(allow=["web.test", f"{net.web}/32:80", f"api.test:{api_port}"])
+    control = admin.create(allow=reach.control_rules(net.web, api_port))
     try:
-        serve_marker(neighbour)
+        reach.serve_marker(neighbour)
         exposed = neighbour.expose(8000, expires_in_seconds=600)
-        api = f"http://api.test:{api_port}/v1/health"
         # (the victim's probe, the control's probe of the same server)
-        pairs: dict[str, tuple[list[object], list[object]]] = {
-            "domain via proxy": (["proxy", "http://web.test/"],) * 2,
-            "domain transparently": (["direct", "http://web.test/"],) * 2,
-            "host service by its address": (["proxy", f"http://{net.web}/"],) * 2,
-            "host API via proxy": (
-                ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
-                ["proxy", api],
-            ),
-            "host API as IPv4-mapped IPv6": (
-                ["proxy", f"http://[::ffff:127.0.0.1]:{api_port}/v1/health"],
-                ["proxy", api],
-            ),
-            "neighbour's server by its service URL": (
-                ["proxy", f"{exposed.url}/m", {"X-Cella-Service-Token": exposed.token}],
-                [
-                    "proxy",
-                    f"{exposed.url.replace('127.0.0.1', 'api.test')}/m",
-                    {"X-Cella-Service-Token": exposed.token},
-                ],
-            ),
-        }
+        pairs = reach.doors(net.web, api_port, exposed)
+        pairs["a name, transparently"] = (["direct", "http://web.test/reach"],) * 2
         through_proxy = {k: v[0] for k, v in pairs.items()}
         # no other door in the guest: (probe, control on the same kind of socket)
-        local = {
+        local: dict[str, tuple[reach.Target, reach.Target]] = {
             "unserved TCP port of the egress address": (
-                ["tcp", "10.0.2.100", 22],
-                ["tcp", "10.0.2.100", 3128],
+                ["tcp", reach.EGRESS, 22],
+                ["tcp", reach.EGRESS, 3128],
             ),
-            "UDP to the egress address": (["udp", "10.0.2.100", 53], ["udp", "127.0.0.53", 53]),
+            "UDP to the egress address": (["udp", reach.EGRESS, 53], ["udp", "127.0.0.53", 53]),
         }
         before = len(net.web_seen.requests)
-        refused = probe(victim, through_proxy | {k: v[0] for k, v in local.items()})
+        refused = reach.probe(victim, through_proxy | {k: v[0] for k, v in local.items()})
         print(json.dumps(refused, indent=1))
         for name in through_proxy:
             assert refused[name].startswith("denied 403"), (name, refused[name])
@@ -226,13 +150,13 @@ def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: 
         for name in local:
             assert refused[name].startswith("blocked"), (name, refused[name])
         assert len(net.web_seen.requests) == before  # nothing reached a server
-        opened = probe(
+        opened = reach.probe(
             control, {k: v[1] for k, v in pairs.items()} | {k: v[1] for k, v in local.items()}
         )
         print(json.dumps(opened, indent=1))
         for name, result in opened.items():
             assert result.startswith("open"), (name, result)
-        assert "neighbour-marker" in opened["neighbour's server by its service URL"]
+        assert "neighbour-marker" in opened["the neighbour's server by its service URL"]
         assert len(net.web_seen.requests) == before + 3
         assert sh(neighbour, "cat /srv/m")[1].strip() == "neighbour-marker"
         log = wait_for(victim, lambda d: d["host"] == "127.0.0.1" and d["port"] == api_port)
@@ -246,8 +170,8 @@ def test_a_new_sandbox_reaches_nothing(client: Client, net: Net, egress_daemon: 
             sb.delete()
 
 
-def test_allowed_domain_via_proxy_and_transparently(client: Client, net: Net) -> None:
-    with client.create(allow=["web.test"]) as sb:
+def test_allowed_domain_via_proxy_and_transparently(admin: Client, net: Net) -> None:
+    with admin.create(allow=["web.test"]) as sb:
         with_test_ca(sb, net)
         code, out, _ = sh(sb, "curl -sSf http://web.test/via-proxy")
         assert code == 0 and json.loads(out)["path"] == "/via-proxy"
@@ -302,23 +226,23 @@ def test_allowed_domain_via_proxy_and_transparently(client: Client, net: Net) ->
         assert sb.refresh().info.network.allow == [f"{net.web}/32:80"]
 
 
-def test_policy_is_validated(client: Client) -> None:
+def test_policy_is_validated(admin: Client) -> None:
     from cella import errors
 
     for bad in (["**"], ["exa mple.com"], ["a.com:0"], ["a.com:99999"], ["*.*.com"]):
         with pytest.raises(errors.InvalidArgument):
-            client.create(allow=bad)
+            admin.create(allow=bad)
     with pytest.raises(errors.InvalidArgument, match="no secret"):
-        client.create(secrets={"TOKEN": "missing"})
+        admin.create(secrets={"TOKEN": "missing"})
     with pytest.raises(errors.InvalidArgument):
-        client.put_secret("bad", "v", ["a.com:443"])
+        admin.put_secret("bad", "v", ["a.com:443"])
 
 
-def test_secret_reaches_only_its_hosts(client: Client, net: Net, egress_daemon: Daemon) -> None:
-    stored = client.put_secret("api", SECRET, ["web.test"])
+def test_secret_reaches_only_its_hosts(admin: Client, net: Net, daemon: Daemon) -> None:
+    stored = admin.put_secret("api", SECRET, ["web.test"])
     assert SECRET not in stored.model_dump_json()
-    assert all(SECRET not in s.model_dump_json() for s in client.secrets())
-    with client.create(allow=["web.test", "other.test"], secrets={"API_TOKEN": "api"}) as sb:
+    assert all(SECRET not in s.model_dump_json() for s in admin.secrets())
+    with admin.create(allow=["web.test", "other.test"], secrets={"API_TOKEN": "api"}) as sb:
         with_test_ca(sb, net)
         placeholder = sh(sb, 'printf %s "$API_TOKEN"')[1]
         assert placeholder.startswith("cella-secret-") and SECRET not in placeholder
@@ -367,13 +291,13 @@ def test_secret_reaches_only_its_hosts(client: Client, net: Net, egress_daemon: 
         assert any(d["host"] == "web.test" and d["credentials"] == ["api"] for d in log)
         assert not any(d["host"] == "other.test" and d["credentials"] for d in log)
         assert SECRET not in json.dumps([e.model_dump(mode="json") for e in sb.events()])
-    assert SECRET not in (egress_daemon.data_dir / "daemon.log").read_text()
-    assert SECRET not in (egress_daemon.data_dir / "egress" / "proxy.log").read_text()
+    assert SECRET not in (daemon.data_dir / "daemon.log").read_text()
+    assert SECRET not in (daemon.data_dir / "egress" / "proxy.log").read_text()
 
 
-def test_git_clone_and_push_with_a_token_the_guest_never_sees(client: Client, net: Net) -> None:
-    client.put_secret("gh", GIT_TOKEN, ["git.test"], auth="basic")
-    with client.create(allow=["git.test"], secrets={"GH_TOKEN": "gh"}) as sb:
+def test_git_clone_and_push_with_a_token_the_guest_never_sees(admin: Client, net: Net) -> None:
+    admin.put_secret("gh", GIT_TOKEN, ["git.test"], auth="basic")
+    with admin.create(allow=["git.test"], secrets={"GH_TOKEN": "gh"}) as sb:
         code, out, err = sh(
             sb,
             "git clone -q https://git.test/repo.git /work/repo && cat /work/repo/README",
@@ -402,11 +326,11 @@ def test_git_clone_and_push_with_a_token_the_guest_never_sees(client: Client, ne
 
 
 def test_the_proxy_is_restarted_and_survives_a_daemon_crash(
-    client: Client, net: Net, egress_daemon: Daemon
+    admin: Client, net: Net, daemon: Daemon
 ) -> None:
-    sb = client.create(allow=["web.test"])
+    sb = admin.create(allow=["web.test"])
     assert sh(sb, "curl -sSf http://web.test/one")[0] == 0
-    proxy = _proxy_pid(egress_daemon.data_dir)
+    proxy = _proxy_pid(daemon.data_dir)
     os.kill(proxy, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while True:  # the supervisor starts it again with every sandbox's policy
@@ -415,11 +339,11 @@ def test_the_proxy_is_restarted_and_survives_a_daemon_crash(
             break
         time.sleep(0.2)
     assert code == 0 and json.loads(out)["path"] == "/two"
-    assert _proxy_pid(egress_daemon.data_dir) != proxy
+    assert _proxy_pid(daemon.data_dir) != proxy
 
-    egress_daemon.kill9()  # the proxy dies with it; the VM does not
-    egress_daemon.start()
-    with Client(egress_daemon.url, egress_daemon.admin_key) as again:
+    daemon.kill9()  # the proxy dies with it; the VM does not
+    daemon.start()
+    with daemon.client() as again:
         adopted = again.get(sb.id)
         code, out, err = sh(adopted, "curl -sSf http://web.test/three")
         assert code == 0, err
@@ -442,11 +366,11 @@ def _proxy_pid(data_dir: Path) -> int:
     raise AssertionError("no egress proxy running")
 
 
-def test_egress_through_the_cli(egress_daemon: Daemon, client: Client, net: Net) -> None:
+def test_egress_through_the_cli(daemon: Daemon, admin: Client, net: Net) -> None:
     def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "cella.cli", *args],
-            env=egress_daemon.env(None),
+            env=daemon.env(None),
             input=stdin,
             capture_output=True,
             text=True,
@@ -489,11 +413,11 @@ def test_egress_through_the_cli(egress_daemon: Daemon, client: Client, net: Net)
         assert cli("secret", "rm", "cli-token").returncode == 0
         assert "cli-token" not in cli("secret", "ls", "--json").stdout
     finally:
-        client.get(sandbox_id).delete()
+        admin.get(sandbox_id).delete()
 
 
-def test_forks_and_resumes_keep_the_policy(client: Client, net: Net) -> None:
-    with client.create(allow=["web.test"]) as sb:
+def test_forks_and_resumes_keep_the_policy(admin: Client, net: Net) -> None:
+    with admin.create(allow=["web.test"]) as sb:
         # a connection held open across the snapshot: its forks must still start
         sb.exec(
             'python3 -c \'import socket,time; s=socket.create_connection(("10.0.2.100", 80)); '
@@ -522,21 +446,21 @@ def test_forks_and_resumes_keep_the_policy(client: Client, net: Net) -> None:
 
 
 def test_secrets_are_sealed_at_rest_and_work_after_rotation(
-    client: Client, net: Net, egress_daemon: Daemon
+    admin: Client, net: Net, daemon: Daemon
 ) -> None:
-    client.put_secret("sealed", SECRET, ["web.test"])
-    data = egress_daemon.data_dir
+    admin.put_secret("sealed", SECRET, ["web.test"])
+    data = daemon.data_dir
     raw = b"".join(p.read_bytes() for p in data.glob("cella.db*"))
     assert b"web.test" in raw and SECRET.encode() not in raw  # the row is there, sealed
     key = (data / "secrets.key").read_bytes()
-    assert client.rotate_secrets_key() >= 1
+    assert admin.rotate_secrets_key() >= 1
     assert (data / "secrets.key").read_bytes() != key
     # the value still reaches its host: the proxy got it from the resealed row
-    with client.create(allow=["web.test"], secrets={"TOKEN": "sealed"}) as sb:
+    with admin.create(allow=["web.test"], secrets={"TOKEN": "sealed"}) as sb:
         with_test_ca(sb, net)
         before = len(net.web_seen.requests)
         auth = '-H "Authorization: Bearer $TOKEN"'
         code, _, err = sh(sb, f"curl -sSf --noproxy '*' {auth} http://web.test/after-rotation")
         assert code == 0, err
         assert net.web_seen.requests[before]["headers"]["authorization"] == f"Bearer {SECRET}"
-    client.delete_secret("sealed")
+    admin.delete_secret("sealed")

@@ -17,7 +17,7 @@ import pytest
 from langsmith.sandbox import SandboxAuthenticationError, SandboxClient
 
 from cella import Client, Sandbox, errors
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon, DaemonFactory
 from tests.integration.test_e2b import E2B, e2b
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 from tests.sdk_env import sdk_python
@@ -47,31 +47,28 @@ def net() -> Iterator[Net]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Iterator[Daemon]:
+def daemon(net: Net, module_daemon_factory: DaemonFactory) -> Daemon:
     hosts = {"web.test": net.web, "node.test": net.node}
-    with running_daemon(
-        tmp_path_factory.mktemp("boundary"), pool_size="1", egress_hosts=json.dumps(hosts)
-    ) as d:
-        # the fleet gateway's call: this node's sandboxes must not reach the other nodes
-        told = httpx2.put(
-            f"{d.url}/v1/egress/boundary/fleet",
-            json={"addresses": [net.node]},
-            headers={"Authorization": f"Bearer {d.admin_key}"},
-        )
-        assert told.status_code == 200, told.text
-        assert net.node in told.json()["protected"]
-        yield d
+    d = module_daemon_factory("boundary", pool_size="1", egress_hosts=json.dumps(hosts))
+    # the fleet gateway's call: this node's sandboxes must not reach the other nodes
+    told = httpx2.put(
+        f"{d.url}/v1/egress/boundary/fleet",
+        json={"addresses": [net.node]},
+        headers={"Authorization": f"Bearer {d.admin_key}"},
+    )
+    assert told.status_code == 200, told.text
+    assert net.node in told.json()["protected"]
+    return d
 
 
 @pytest.fixture(scope="module")
-def tenant_key(daemon: Daemon) -> str:
-    with Client(daemon.url, daemon.admin_key) as admin:
-        return str(admin.create_key("acme")["key"])
+def tenant_key(admin: Client) -> str:
+    return str(admin.create_key("acme")["key"])
 
 
 @pytest.fixture(scope="module")
 def tenant(daemon: Daemon, tenant_key: str) -> Iterator[Client]:
-    with Client(daemon.url, tenant_key) as c:
+    with daemon.client(tenant_key) as c:
         yield c
 
 
@@ -96,7 +93,7 @@ def curl(sb: Sandbox, url: str) -> tuple[int, str]:
 
 
 def test_cella_api_refuses_tenant_rules_naming_the_host(
-    daemon: Daemon, tenant: Client, net: Net
+    admin: Client, tenant: Client, net: Net
 ) -> None:
     for rule in forbidden_rules(net):
         with pytest.raises(errors.DestinationForbidden) as refused:
@@ -105,7 +102,7 @@ def test_cella_api_refuses_tenant_rules_naming_the_host(
         assert "operator" in str(refused.value)
     assert tenant.list() == []  # nothing was made
     # an admin key acting for a tenant is a tenant here
-    with Client(daemon.url, daemon.admin_key) as admin, pytest.raises(errors.DestinationForbidden):
+    with pytest.raises(errors.DestinationForbidden):
         admin.create(allow=["169.254.169.254"])
     # control: public destinations and the operator's names are fine
     with tenant.create(allow=["web.test", "0.0.0.0/0", "93.184.216.34", "*.example.com"]) as sb:
@@ -117,39 +114,40 @@ def test_cella_api_refuses_tenant_rules_naming_the_host(
         ]  # fmt: skip
 
 
-def test_langsmith_api_refuses_them(daemon: Daemon, tenant_key: str, net: Net) -> None:
+def test_langsmith_api_refuses_them(
+    daemon: Daemon, tenant_key: str, tenant: Client, net: Net
+) -> None:
     ls = SandboxClient(api_endpoint=f"{daemon.url}/api/v2/sandboxes", api_key=tenant_key)
-    with Client(daemon.url, tenant_key) as tenant:
-        secrets_before = {s.name for s in tenant.secrets()}
+    secrets_before = {s.name for s in tenant.secrets()}
+    try:
+        for rule in forbidden_rules(net):
+            config = {
+                "rules": [
+                    {"name": "tok", "match_hosts": ["web.test"],
+                     "headers": [{"name": "X-Token", "type": "opaque", "value": "v-1"}]}
+                ],
+                "access_control": {"allow_list": [rule]},
+            }  # fmt: skip
+            with pytest.raises(SandboxAuthenticationError, match="operator"):
+                ls.create_sandbox(proxy_config=config)  # type: ignore[arg-type]
+        # the refusal came before the opaque header value was stored as a secret
+        assert {s.name for s in tenant.secrets()} == secrets_before
+        assert tenant.list() == []
+        box = ls.create_sandbox(proxy_config={"access_control": {"allow_list": ["web.test"]}})
         try:
-            for rule in forbidden_rules(net):
-                config = {
-                    "rules": [
-                        {"name": "tok", "match_hosts": ["web.test"],
-                         "headers": [{"name": "X-Token", "type": "opaque", "value": "v-1"}]}
-                    ],
-                    "access_control": {"allow_list": [rule]},
-                }  # fmt: skip
+            for rule in (f"{net.web}/32", "169.254.169.254", net.node):
                 with pytest.raises(SandboxAuthenticationError, match="operator"):
-                    ls.create_sandbox(proxy_config=config)  # type: ignore[arg-type]
-            # the refusal came before the opaque header value was stored as a secret
-            assert {s.name for s in tenant.secrets()} == secrets_before
-            assert tenant.list() == []
-            box = ls.create_sandbox(proxy_config={"access_control": {"allow_list": ["web.test"]}})
-            try:
-                for rule in (f"{net.web}/32", "169.254.169.254", net.node):
-                    with pytest.raises(SandboxAuthenticationError, match="operator"):
-                        ls.update_sandbox(
-                            box.name, proxy_config={"access_control": {"allow_list": [rule]}}
-                        )
-                assert tenant.get(box.id).info.network.allow == ["web.test"]
-            finally:
-                ls.delete_sandbox(box.name)
+                    ls.update_sandbox(
+                        box.name, proxy_config={"access_control": {"allow_list": [rule]}}
+                    )
+            assert tenant.get(box.id).info.network.allow == ["web.test"]
         finally:
-            ls.close()
+            ls.delete_sandbox(box.name)
+    finally:
+        ls.close()
 
 
-def test_e2b_api_refuses_them(daemon: Daemon, tenant_key: str, net: Net) -> None:
+def test_e2b_api_refuses_them(daemon: Daemon, tenant_key: str, tenant: Client, net: Net) -> None:
     python = sdk_python("e2b-2.63.0", E2B)
     got = e2b(
         python,
@@ -171,11 +169,10 @@ def test_e2b_api_refuses_them(daemon: Daemon, tenant_key: str, net: Net) -> None
     control = got.pop("control")
     for rule, outcome in got.items():
         assert "operator" in outcome and "created" not in outcome, (rule, outcome)
-    with Client(daemon.url, tenant_key) as tenant:
-        assert [s.id for s in tenant.list()] == [control]
-        sb = tenant.get(control)
-        assert sb.info.network.allow == ["web.test", "93.184.216.34"]
-        sb.delete()
+    assert [s.id for s in tenant.list()] == [control]
+    sb = tenant.get(control)
+    assert sb.info.network.allow == ["web.test", "93.184.216.34"]
+    sb.delete()
 
 
 def _write_rules(data_dir: Path, sandbox_id: str, allow: list[str]) -> None:

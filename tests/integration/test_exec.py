@@ -226,7 +226,7 @@ def test_a_command_outlasting_the_client_timeout_returns_its_result(
 ) -> None:
     """A request that runs a command waits as long as the command may run, whatever the
     client's own timeout (here 2 s); the command's own timeout still ends it."""
-    with admin.create() as sb, Client(daemon.url, daemon.admin_key, timeout=2) as short:
+    with admin.create() as sb, daemon.client(timeout=2) as short:
         quick = short.get(sb.id)  # other requests keep the 2 s
         done = quick.exec("sleep 4; echo done", timeout=60)
         assert (done.exit_code, done.stdout) == (0, b"done\n") and done.duration_ms >= 4000

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from cella import Client, Sandbox
-from tests.daemon import Daemon, running_daemon
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -57,11 +55,8 @@ while True:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(
-        tmp_path_factory.mktemp("forks"), pool_size="0", max_sandboxes_per_tenant="20"
-    ) as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "0", "max_sandboxes_per_tenant": "20"}
 
 
 def state(sb: Sandbox) -> dict[str, object]:
@@ -101,10 +96,9 @@ def churning(parent: Sandbox) -> int:
     return steps
 
 
-def test_fifty_forks_of_a_busy_sandbox_are_exact(daemon: Daemon) -> None:
+def test_fifty_forks_of_a_busy_sandbox_are_exact(admin: Client) -> None:
     with (
-        Client(daemon.url, daemon.admin_key) as client,
-        client.create(memory_mib=512) as parent,
+        admin.create(memory_mib=512) as parent,
         ThreadPoolExecutor(PER_ROUND) as pool,
     ):
         parent.files.write("/tmp/keeper.py", KEEPER)

@@ -23,9 +23,10 @@ import pytest
 
 from cella import Client, Sandbox, errors
 from cella.runtime.qemu.vm import SOCKET_ROOT, qemu_cmdline
-from tests.conftest import qemu_of, qemu_pids
-from tests.daemon import Daemon, kill_vms_of, running_daemon
+from tests import reach
+from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import EchoHandler, Servers, free_loopback_block
+from tests.vms import qemu_of, qemu_pids
 
 pytestmark = [pytest.mark.vm, pytest.mark.hardening]
 
@@ -42,22 +43,14 @@ def web() -> Iterator[tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def hard(tmp_path_factory: pytest.TempPathFactory, web: tuple[str, Any]) -> Iterator[Daemon]:
-    with running_daemon(
-        tmp_path_factory.mktemp("hard"),
-        pool_size="0",
-        max_upload_mib="8",
+def daemon_settings(web: tuple[str, Any]) -> dict[str, str]:
+    return {
+        "pool_size": "0",
+        "max_upload_mib": "8",
         # the operator's two doors, for the controls: names, and a network tenants may open
-        egress_hosts=json.dumps({"web.test": web[0], "api.test": "127.0.0.1"}),
-        egress_tenant_networks=json.dumps([f"{web[0]}/32"]),
-    ) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def client(hard: Daemon) -> Iterator[Client]:
-    with Client(hard.url, hard.admin_key) as c:
-        yield c
+        "egress_hosts": json.dumps({"web.test": web[0], "api.test": "127.0.0.1"}),
+        "egress_tenant_networks": json.dumps([f"{web[0]}/32"]),
+    }
 
 
 def sh(sb: Sandbox, command: str, timeout: float = 60) -> tuple[int | None, str]:
@@ -76,116 +69,40 @@ def vms_of(data_dir: Path) -> list[int]:
     return [p for p in qemu_pids() if f"{data_dir}/vms/" in " ".join(qemu_cmdline(p))]
 
 
-ESCAPE = r"""
-import glob, json, os, socket, sys, urllib.parse
-targets = json.loads(sys.argv[1])
-out = {}
-def attempt(name, fn):
-    try:
-        out[name] = f"REACHED {fn()}"
-    except Exception as e:
-        out[name] = f"blocked {type(e).__name__}: {e}"
-def tcp(host, port):
-    socket.create_connection((host, port), timeout=3).close()
-    return "connected"
-def proxied(url, headers=None):
-    # the explicit proxy port: every connection that leaves the guest goes through it or 80/443
-    s = socket.create_connection(("10.0.2.100", 3128), timeout=10)
-    head = {"Host": urllib.parse.urlsplit(url).netloc, "Connection": "close", **(headers or {})}
-    extra = "".join(f"{k}: {v}\r\n" for k, v in head.items())
-    s.sendall(f"GET {url} HTTP/1.1\r\n{extra}\r\n".encode())
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    status = int(data.split(b" ", 2)[1])
-    body = data.split(b"\r\n\r\n", 1)[-1][:300].decode(errors="replace")
-    return f"{status} {body}"
-def port():
-    ports = glob.glob("/dev/vport*") + glob.glob("/dev/virtio-ports/*")
-    if not ports:
-        raise FileNotFoundError("no virtio ports visible")
-    for p in ports:
-        fd = os.open(p, os.O_RDWR)  # the agent holds it: a second opener gets EBUSY
-        os.write(fd, b"\xff" * 64)
-        return f"opened {p}"
-for name, (kind, *args) in targets.items():
-    attempt(name, lambda: {"tcp": tcp, "proxy": proxied, "port": port}[kind](*args))
-print(json.dumps(out))
-"""
-
-
-def escape(sb: Sandbox, targets: dict[str, list[object]]) -> dict[str, str]:
-    sb.files.write("/tmp/escape.py", ESCAPE)
-    r = sb.exec(["python3", "/tmp/escape.py", json.dumps(targets)], timeout=180)
-    assert r.exit_code == 0, r.stderr
-    out: dict[str, str] = json.loads(r.stdout)
-    assert set(out) == set(targets)
-    return out
-
-
-def serve_marker(sb: Sandbox) -> None:
-    """`neighbour-marker` on port 8000 of the sandbox's loopback."""
-    sb.files.write("/srv/m", "neighbour-marker\n")
-    sb.exec("cd /srv && nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &")
-    ready = "import socket; socket.create_connection(('127.0.0.1', 8000), timeout=1)"
-    for _ in range(100):
-        if sb.exec(["python3", "-c", ready]).exit_code == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the neighbour's server never answered")
-
-
-def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, web: tuple[str, Any]) -> None:
+def test_a_root_guest_cannot_reach_out(admin: Client, daemon: Daemon, web: tuple[str, Any]) -> None:
     """Every way out of the guest goes through the egress proxy; with the broadest address
     rules there are, it still refuses the host's loopback (the daemon, a test server, a
     neighbour's service URL) and names no rule allows. The control: a sandbox whose rules
     open exactly those paths through the operator's doors (a name in its host table, an
     address in the network it lets tenants open) gets through with the same probes."""
-    api_port = int(hard.url.rsplit(":", 1)[1])
-    neighbour = client.create()
-    victim = client.create(allow=["0.0.0.0/0", "::/0"])
-    control = client.create(allow=["web.test", f"{web[0]}/32:80", f"api.test:{api_port}"])
+    api_port = daemon.port
+    neighbour = admin.create()
+    victim = admin.create(allow=["0.0.0.0/0", "::/0"])
+    control = admin.create(allow=reach.control_rules(web[0], api_port))
     try:
-        serve_marker(neighbour)
+        reach.serve_marker(neighbour)
         exposed = neighbour.expose(8000, expires_in_seconds=600)
-        by_name = exposed.url.replace("127.0.0.1", "api.test")
         # (the victim's probe, the control's probe of the same server)
-        reach: dict[str, tuple[list[object], list[object]]] = {
-            "a name no rule allows": (["proxy", "http://web.test/escape"],) * 2,
-            "a loopback test server by address": (["proxy", f"http://{web[0]}/escape"],) * 2,
-            "the daemon API": (
-                ["proxy", f"http://127.0.0.1:{api_port}/v1/health"],
-                ["proxy", f"http://api.test:{api_port}/v1/health"],
-            ),
-            "the daemon API as IPv4-mapped IPv6": (
-                ["proxy", f"http://[::ffff:127.0.0.1]:{api_port}/v1/health"],
-                ["proxy", f"http://api.test:{api_port}/v1/health"],
-            ),
-            "the neighbour's server by its service URL": (
-                ["proxy", f"{exposed.url}/m", {"X-Cella-Service-Token": exposed.token}],
-                ["proxy", f"{by_name}/m", {"X-Cella-Service-Token": exposed.token}],
-            ),
-        }
-        local: dict[str, list[object]] = {
-            "a port of the egress address nothing serves": ["tcp", "10.0.2.100", api_port],
-            "control: the egress address's proxy port": ["tcp", "10.0.2.100", 3128],
+        doors = reach.doors(web[0], api_port, exposed)
+        local: dict[str, reach.Target] = {
+            "a port of the egress address nothing serves": ["tcp", reach.EGRESS, api_port],
+            "control: the egress address's proxy port": ["tcp", reach.EGRESS, 3128],
             "the agent's serial port, again": ["port"],
         }
         seen_before = len(web[1].requests)
-        blocked = escape(victim, {k: v[0] for k, v in reach.items()} | local)
+        blocked = reach.probe(victim, {k: v[0] for k, v in doors.items()} | local)
         print(json.dumps(blocked, indent=1))
-        for name in reach:  # refused by the proxy itself, not by the server behind it
-            assert blocked[name].startswith("REACHED 403 cella egress"), (name, blocked[name])
+        for name in doors:  # refused by the proxy itself, not by the server behind it
+            assert blocked[name].startswith("denied 403 cella egress"), (name, blocked[name])
         assert len(web[1].requests) == seen_before  # nothing reached the test server
         assert "ConnectionRefused" in blocked["a port of the egress address nothing serves"]
-        assert blocked["control: the egress address's proxy port"] == "REACHED connected"
+        assert blocked["control: the egress address's proxy port"] == "open"
         serial = blocked["the agent's serial port, again"]
         assert "EBUSY" in serial or "Errno 16" in serial, serial
-        opened = escape(control, {k: v[1] for k, v in reach.items()})
+        opened = reach.probe(control, {k: v[1] for k, v in doors.items()})
         print(json.dumps(opened, indent=1))
-        for name in reach:
-            assert opened[name].startswith("REACHED 200 "), (name, opened[name])
+        for name in doors:
+            assert opened[name].startswith("open 200 "), (name, opened[name])
         assert "neighbour-marker" in opened["the neighbour's server by its service URL"]
         assert len(web[1].requests) == seen_before + 2
 
@@ -202,7 +119,9 @@ def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, web: tuple[
         assert "proc" in fstypes.split(), fstypes  # control: the mount list was read
         assert not {"9p", "virtiofs", "nfs", "nfs4", "cifs", "fuse"} & set(fstypes.split())
         assert routes.strip() == "0", routes  # no route at all in the main table
-        (pid,) = [p for p in vms_of(hard.data_dir) if f"/{victim.id}/" in " ".join(qemu_cmdline(p))]
+        (pid,) = [
+            p for p in vms_of(daemon.data_dir) if f"/{victim.id}/" in " ".join(qemu_cmdline(p))
+        ]
         argv = " ".join(qemu_cmdline(pid))
         assert "virtio-blk-device" in argv  # control: this is the VM's own command line
         shares = ("-netdev", "-nic", "virtio-net", "-fsdev", "-virtfs", "vhost-user-fs", "vsock")
@@ -215,17 +134,17 @@ def test_a_root_guest_cannot_reach_out(client: Client, hard: Daemon, web: tuple[
 
 
 def test_secret_bytes_are_nowhere_at_rest(
-    client: Client, hard: Daemon, web: tuple[str, Any]
+    admin: Client, daemon: Daemon, web: tuple[str, Any]
 ) -> None:
-    client.put_secret("hardkey", SECRET, ["web.test"])
-    sb = client.create(allow=["web.test"], secrets={"KEY": "hardkey"})
+    admin.put_secret("hardkey", SECRET, ["web.test"])
+    sb = admin.create(allow=["web.test"], secrets={"KEY": "hardkey"})
     try:
         code, out = sh(sb, 'curl -sSf -H "Authorization: Bearer $KEY" http://web.test/use')
         assert code == 0, out
         assert web[1].requests[-1]["headers"]["authorization"] == f"Bearer {SECRET}"  # used
         sb.exec("sync")
         snap = sb.snapshot("after-use")
-        flat = hard.data_dir / "snapshots" / snap.id
+        flat = daemon.data_dir / "snapshots" / snap.id
         deadline = time.monotonic() + 60  # its RAM layer is flattened in the background
         while (flat / "ram.layer").exists() or not (flat / "ram").exists():
             assert time.monotonic() < deadline, sorted(p.name for p in flat.iterdir())
@@ -233,10 +152,10 @@ def test_secret_bytes_are_nowhere_at_rest(
         needle = SECRET.encode()
         searched = []
         for path in [
-            *sorted((hard.data_dir / "snapshots" / snap.id).iterdir()),
-            *sorted((hard.data_dir / "vms" / sb.id).glob("*.qcow2")),
-            hard.data_dir / "daemon.log",
-            hard.data_dir / "egress" / "proxy.log",
+            *sorted((daemon.data_dir / "snapshots" / snap.id).iterdir()),
+            *sorted((daemon.data_dir / "vms" / sb.id).glob("*.qcow2")),
+            daemon.data_dir / "daemon.log",
+            daemon.data_dir / "egress" / "proxy.log",
         ]:
             if path.is_file():
                 searched.append(path.name)
@@ -244,11 +163,11 @@ def test_secret_bytes_are_nowhere_at_rest(
                     while chunk := f.read(8 << 20):
                         assert needle not in chunk, f"{SECRET} found in {path}"
         assert {"ram", "state", "disk.qcow2", "daemon.log", "proxy.log"} <= set(searched)
-        events = json.dumps([e.model_dump(mode="json") for e in client.events(sb.id)])
+        events = json.dumps([e.model_dump(mode="json") for e in admin.events(sb.id)])
         assert SECRET not in events
     finally:
         sb.delete()
-        client.get_snapshot(snap.id).delete()
+        admin.get_snapshot(snap.id).delete()
 
 
 def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
@@ -289,7 +208,7 @@ exec /usr/bin/tar "$@"
 
 
 def test_a_guest_crafted_archive_lands_nothing_outside(
-    client: Client, hard: Daemon, tmp_path: Path
+    admin: Client, daemon: Daemon, tmp_path: Path
 ) -> None:
     """The guest decides what a download holds. `cella sandbox cp` out of it: `..`, an
     absolute path, a symlink then a write through it, a hard link to a host file and a
@@ -307,7 +226,7 @@ def test_a_guest_crafted_archive_lands_nothing_outside(
         "hardlink": _tar([_special("hl", tarfile.LNKTYPE, str(victim))]),
         "device": _tar([_special("null0", tarfile.CHRTYPE)]),
     }
-    with client.create() as sb:
+    with admin.create() as sb:
         assert sh(sb, "mkdir -p /crafted")[0] == 0
         for name, archive in crafted.items():
             sb.files.write(f"/crafted/{name}.tar", archive)
@@ -323,7 +242,7 @@ def test_a_guest_crafted_archive_lands_nothing_outside(
             return subprocess.run(
                 [sys.executable, "-m", "cella.cli", "sandbox", "cp", f"{sb.id}:/workspace/{name}",
                  str(dest)],
-                env=hard.env(None), capture_output=True, text=True, timeout=120,
+                env=daemon.env(None), capture_output=True, text=True, timeout=120,
             )  # fmt: skip
 
         plain = cp_out("plain")  # control: the shim's archive is what cp receives
@@ -346,8 +265,8 @@ def test_a_guest_crafted_archive_lands_nothing_outside(
         assert absolute.returncode != 0 or inside.exists(), absolute.stderr
 
 
-def test_hostile_archives_and_uploads(client: Client, hard: Daemon, tmp_path: Path) -> None:
-    with client.create() as sb:
+def test_hostile_archives_and_uploads(admin: Client, daemon: Daemon, tmp_path: Path) -> None:
+    with admin.create() as sb:
         attempts = {
             "climb out with ../": _tar([_file("../../escaped-dotdot", b"x")]),
             "absolute member": _tar([_file("/escaped-absolute", b"x")]),
@@ -399,7 +318,7 @@ def test_hostile_archives_and_uploads(client: Client, hard: Daemon, tmp_path: Pa
         def cp_out(src: str, dest: Path) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
                 [sys.executable, "-m", "cella.cli", "sandbox", "cp", f"{sb.id}:{src}", str(dest)],
-                env=hard.env(None), capture_output=True, text=True, timeout=120,
+                env=daemon.env(None), capture_output=True, text=True, timeout=120,
             )  # fmt: skip
 
         good = cp_out("/workspace/good", tmp_path / "good")  # control: cp copies a tree,
@@ -434,8 +353,8 @@ def test_hostile_archives_and_uploads(client: Client, hard: Daemon, tmp_path: Pa
             with pytest.raises(errors.InvalidArgument):
                 sb.files.write(bad, b"x")
         raw = httpx2.put(
-            f"{hard.url}/v1/sandboxes/{sb.id}/files/content?path=/tmp/%ff%fe",
-            headers={"Authorization": f"Bearer {hard.admin_key}"},
+            f"{daemon.url}/v1/sandboxes/{sb.id}/files/content?path=/tmp/%ff%fe",
+            headers={"Authorization": f"Bearer {daemon.admin_key}"},
             content=b"odd",
         )
         assert raw.status_code < 500
@@ -445,10 +364,10 @@ def test_hostile_archives_and_uploads(client: Client, hard: Daemon, tmp_path: Pa
         assert sh(sb, "echo alive")[1] == "alive\n"
 
 
-def test_faults_end_in_clear_states_without_leaks(client: Client, hard: Daemon) -> None:
+def test_faults_end_in_clear_states_without_leaks(admin: Client, daemon: Daemon) -> None:
     # QEMU killed -9 during an exec: the exec fails at once, the sandbox is stopped with the
     # reason, and its disk (files written before) comes back on resume
-    sb = client.create()
+    sb = admin.create()
     sb.files.write("/workspace/kept.txt", "before the crash")
     sb.exec("sync")
     result: dict[str, Any] = {}
@@ -465,22 +384,22 @@ def test_faults_end_in_clear_states_without_leaks(client: Client, hard: Daemon) 
     while sb.exec(["pgrep", "-fx", "sleep 60"]).exit_code != 0:  # in flight: seen running
         assert t.is_alive() and time.monotonic() < deadline, result
         time.sleep(0.05)
-    (pid,) = [p for p in vms_of(hard.data_dir) if f"/{sb.id}/" in " ".join(qemu_cmdline(p))]
+    (pid,) = [p for p in vms_of(daemon.data_dir) if f"/{sb.id}/" in " ".join(qemu_cmdline(p))]
     started = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     t.join(60)
     assert not t.is_alive() and time.monotonic() - started < 30
     assert isinstance(result.get("error"), errors.SandboxCrashed), result
-    crashed = client.get(sb.id)
+    crashed = admin.get(sb.id)
     assert crashed.state == "stopped" and "unexpectedly" in str(crashed.info.error)
-    assert "crashed" in [e.type for e in client.events(sb.id)]
-    assert not sockets_of(hard.data_dir / "vms" / sb.id).exists()  # QMP/agent sockets gone
+    assert "crashed" in [e.type for e in admin.events(sb.id)]
+    assert not sockets_of(daemon.data_dir / "vms" / sb.id).exists()  # QMP/agent sockets gone
     crashed.resume()
     assert crashed.files.read_text("/workspace/kept.txt") == "before the crash"
     crashed.delete()
-    assert not sockets_of(hard.data_dir / "vms" / sb.id).exists()
-    assert not (hard.data_dir / "vms" / sb.id).exists()
-    assert vms_of(hard.data_dir) == []
+    assert not sockets_of(daemon.data_dir / "vms" / sb.id).exists()
+    assert not (daemon.data_dir / "vms" / sb.id).exists()
+    assert vms_of(daemon.data_dir) == []
     assert not any(sb.id in " ".join(qemu_cmdline(p)) for p in qemu_pids())
 
 
@@ -572,23 +491,23 @@ def _allocated(path: Path) -> int:
         return 0
 
 
-def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) -> None:
+def test_daemon_killed_during_snapshot_and_fork(daemon: Daemon, tmp_path: Path) -> None:
     dirt = 200 << 20
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         parent = c.create()
         parent.files.write("/workspace/state.txt", "parent data")
         # 200 MiB written since its restore: its snapshot's RAM layer takes a while to read
         parent.exec(f"head -c {dirt} /dev/urandom > /dev/shm/dirt", timeout=300)
         parent.exec("nohup sleep 1000 >/dev/null 2>&1 &")
         parent_id = parent.id
-    parent_dir = hard.data_dir / "vms" / parent_id
-    snapshots = hard.data_dir / "snapshots"
+    parent_dir = daemon.data_dir / "vms" / parent_id
+    snapshots = daemon.data_dir / "snapshots"
     scratch = f"{snapshots}/."
 
     def recovered(name: str) -> None:
         """The interrupted snapshot failed; the parent, left paused, was adopted and runs
         on (not rebooted); nothing of the snapshot is left."""
-        with Client(hard.url, hard.admin_key) as c:
+        with daemon.client() as c:
             snaps = [s for s in c.snapshots() if s.info.name == name]
             assert [(s.info.state, s.info.error) for s in snaps] == [("error", "daemon restarted")]
             again = c.get(parent_id)
@@ -605,12 +524,12 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
     # killed while the daemon reads the RAM layer out of the paused VM (a restored VM's
     # snapshot: the pages it wrote, read through /proc/PID/mem, no helper)
     parent_qemu = qemu_of(parent_id)
-    daemon = hard.proc.pid if hard.proc else 0
-    with Client(hard.url, hard.admin_key) as c:
+    daemon_pid = daemon.proc.pid if daemon.proc else 0
+    with daemon.client() as c:
         _kill_daemon_when(
-            hard,
+            daemon,
             lambda: c.get(parent_id).snapshot("interrupted"),
-            lambda: reads_memory_of(daemon, parent_qemu),
+            lambda: reads_memory_of(daemon_pid, parent_qemu),
             left_paused,
         )
     recovered("interrupted")
@@ -618,7 +537,7 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
     # killed while a booted VM's RAM goes to the snapshot's helper QEMU: the helper is
     # stopped with part of it received (the migration runs between the two QEMUs, so the
     # helper is frozen too, and dies with the daemon)
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         c.get(parent_id).stop()
         booted = c.get(parent_id).resume()
         booted.exec(f"head -c {dirt} /dev/urandom > /dev/shm/dirt", timeout=300)
@@ -634,9 +553,9 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
         assert len(received) == 1 and received[0] < dirt, received  # part of it, not all
         left_paused()
 
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         _kill_daemon_when(
-            hard,
+            daemon,
             lambda: c.get(parent_id).snapshot("interrupted-booted"),
             helper_receiving,
             mid_copy,
@@ -644,22 +563,22 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
         )
     recovered("interrupted-booted")
 
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         snap_id = c.get(parent_id).snapshot("for-fork").id
-    branch_ram = f"{hard.data_dir}/snapshots/{snap_id}/ram"
+    branch_ram = f"{daemon.data_dir}/snapshots/{snap_id}/ram"
     # killed while forks are being restored
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         _kill_daemon_when(
-            hard, lambda: c.get_snapshot(snap_id).fork(3), lambda: bool(_qemus_with(branch_ram))
+            daemon, lambda: c.get_snapshot(snap_id).fork(3), lambda: bool(_qemus_with(branch_ram))
         )
-    with Client(hard.url, hard.admin_key) as c:
+    with daemon.client() as c:
         rows = [s for s in c.list() if s.info.snapshot_id == snap_id]
         assert rows and all(s.state in ("running", "error") for s in rows), rows
         interrupted = [s for s in rows if s.state == "error"]
         assert interrupted, rows  # the kill landed while a branch was being restored
         for s in interrupted:
             assert "interrupted while being created" in str(s.info.error)
-            assert not (hard.data_dir / "vms" / s.id).exists()
+            assert not (daemon.data_dir / "vms" / s.id).exists()
         for s in rows:
             if s.state == "running":
                 assert s.files.read_text("/workspace/state.txt") == "parent data"
@@ -672,25 +591,25 @@ def test_daemon_killed_during_snapshot_and_fork(hard: Daemon, tmp_path: Path) ->
         c.get_snapshot(snap_id).delete()
         live = {s.id for s in c.list() if s.state != "error"}
     # nothing leaked: no QEMU, overlay or socket directory of a sandbox that is gone
-    on_disk = {p.name for p in (hard.data_dir / "vms").iterdir()}
+    on_disk = {p.name for p in (daemon.data_dir / "vms").iterdir()}
     assert on_disk <= live, on_disk - live
-    assert len(vms_of(hard.data_dir)) == len(live), (vms_of(hard.data_dir), live)
+    assert len(vms_of(daemon.data_dir)) == len(live), (vms_of(daemon.data_dir), live)
     assert not _qemus_with(scratch)
 
 
 @pytest.mark.slow
-def test_load_50_creates_and_500_execs_without_errors_or_leaks(hard: Daemon) -> None:
+def test_load_50_creates_and_500_execs_without_errors_or_leaks(daemon: Daemon) -> None:
     import asyncio
 
     from bench.load import leaks, run_load
 
-    result = asyncio.run(run_load(hard.url, hard.admin_key, 50, 500))
+    result = asyncio.run(run_load(daemon.url, daemon.admin_key, 50, 500))
     assert result["errors"] == []
     assert result["created"] == 50 and len(result["exec_times"]) == 500
     deadline = time.monotonic() + 20
-    while leaks(hard.data_dir) != {"qemu": 0, "vm_dirs": 0} and time.monotonic() < deadline:
+    while leaks(daemon.data_dir) != {"qemu": 0, "vm_dirs": 0} and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert leaks(hard.data_dir) == {"qemu": 0, "vm_dirs": 0}
+    assert leaks(daemon.data_dir) == {"qemu": 0, "vm_dirs": 0}
 
 
 @pytest.fixture()
@@ -703,48 +622,46 @@ def small_data_dir(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_data_directory_filling_up_during_a_snapshot(small_data_dir: Path) -> None:
-    d = Daemon(small_data_dir / "data", pool_size="0").start()
-    try:
-        with Client(d.url, d.admin_key) as c:
-            sb = c.create(memory_mib=256)
-            sb.files.write("/workspace/keep.txt", "precious")
-            snapshots = d.data_dir / "snapshots"
-            filler = small_data_dir / "filler"
-            filled = threading.Event()
+def test_data_directory_filling_up_during_a_snapshot(
+    small_data_dir: Path, daemon_factory: DaemonFactory
+) -> None:
+    d = daemon_factory(data_dir=small_data_dir / "data", pool_size="0")
+    with d.client() as c:
+        sb = c.create(memory_mib=256)
+        sb.files.write("/workspace/keep.txt", "precious")
+        snapshots = d.data_dir / "snapshots"
+        filler = small_data_dir / "filler"
+        filled = threading.Event()
 
-            def fill_when_the_snapshot_starts() -> None:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    if snapshots.exists() and any(snapshots.glob(".snap-*")):
-                        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-                        for size in (4 << 20, 4096):  # every last block
-                            with contextlib.suppress(OSError):
-                                while os.write(fd, b"\1" * size):
-                                    pass
-                        os.close(fd)
-                        filled.set()
-                        return
-                    time.sleep(0.002)
+        def fill_when_the_snapshot_starts() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if snapshots.exists() and any(snapshots.glob(".snap-*")):
+                    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+                    for size in (4 << 20, 4096):  # every last block
+                        with contextlib.suppress(OSError):
+                            while os.write(fd, b"\1" * size):
+                                pass
+                    os.close(fd)
+                    filled.set()
+                    return
+                time.sleep(0.002)
 
-            filler_thread = threading.Thread(target=fill_when_the_snapshot_starts)
-            filler_thread.start()
-            with pytest.raises(errors.NoSpace) as refused:
-                sb.snapshot("into a full disk")
-            filler_thread.join()
-            assert filled.is_set()
-            print("snapshot refused:", refused.value)
-            failed = [s for s in c.snapshots() if s.info.name == "into a full disk"]
-            assert [s.info.state for s in failed] == ["error"]
-            assert not list(snapshots.glob(".*"))  # its scratch files are gone
-            assert sb.refresh().state == "running"
-            assert sb.files.read_text("/workspace/keep.txt") == "precious"
-            # with the disk still full, a new snapshot is refused before anything is written
-            with pytest.raises(errors.NoSpace, match="MiB free"):
-                sb.snapshot("still full")
-            filler.unlink()
-            assert sb.snapshot("with room").info.state == "ready"
-            sb.delete()
-    finally:
-        d.stop()
-        kill_vms_of(d.data_dir)
+        filler_thread = threading.Thread(target=fill_when_the_snapshot_starts)
+        filler_thread.start()
+        with pytest.raises(errors.NoSpace) as refused:
+            sb.snapshot("into a full disk")
+        filler_thread.join()
+        assert filled.is_set()
+        print("snapshot refused:", refused.value)
+        failed = [s for s in c.snapshots() if s.info.name == "into a full disk"]
+        assert [s.info.state for s in failed] == ["error"]
+        assert not list(snapshots.glob(".*"))  # its scratch files are gone
+        assert sb.refresh().state == "running"
+        assert sb.files.read_text("/workspace/keep.txt") == "precious"
+        # with the disk still full, a new snapshot is refused before anything is written
+        with pytest.raises(errors.NoSpace, match="MiB free"):
+            sb.snapshot("still full")
+        filler.unlink()
+        assert sb.snapshot("with room").info.state == "ready"
+        sb.delete()

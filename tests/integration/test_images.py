@@ -20,7 +20,7 @@ import pytest
 from cella import Client, errors
 from cella.models import EgressDecision
 from cella.paths import Paths
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import TestCA, free_loopback_block
 from tests.oci_images import (
     Registry,
@@ -108,17 +108,16 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
 
 
 @pytest.fixture(scope="module")
-def image_daemon(tmp_path_factory: pytest.TempPathFactory, images: Images) -> Iterator[Daemon]:
+def daemon(images: Images, module_daemon_factory: DaemonFactory) -> Daemon:
     hosts = {"registry.test": images.registry.addr, "private.test": images.private.addr}
-    with running_daemon(
-        tmp_path_factory.mktemp("image-daemon"),
+    return module_daemon_factory(
+        "image-daemon",
         pool_size="0",
         extra_ca_certificates=json.dumps([str(images.ca.cert)]),
         egress_hosts=json.dumps(hosts),
         image_max_files=str(FILE_LIMIT),
         image_max_unpacked_mib=str(UNPACKED_MIB),
-    ) as d:
-        yield d
+    )
 
 
 # what this module builds: templates live in the host's image directory, beside the daemon
@@ -128,11 +127,10 @@ MADE = ["bb", "bb2", "static", "bb-layout", "private", "mine", "doomed", "bb-cli
 
 
 @pytest.fixture(scope="module")
-def admin(image_daemon: Daemon) -> Iterator[Client]:
-    with Client(image_daemon.url, image_daemon.admin_key) as c:
-        remove_templates(c)  # an earlier run's, so every build here starts from nothing
-        yield c
-        remove_templates(c)
+def admin(admin: Client) -> Iterator[Client]:
+    remove_templates(admin)  # an earlier run's, so every build here starts from nothing
+    yield admin
+    remove_templates(admin)
 
 
 def remove_templates(c: Client) -> None:
@@ -245,7 +243,7 @@ def test_private_registry_credentials_come_from_a_secret(admin: Client, images: 
 
 
 def test_bad_builds_are_refused_and_leave_nothing(
-    admin: Client, image_daemon: Daemon, busybox: list[str]
+    admin: Client, daemon: Daemon, busybox: list[str]
 ) -> None:
     with pytest.raises(errors.BuildFailed, match="fetching"):
         admin.build_template("nope", "127.0.0.1:9/missing/image:1")
@@ -256,9 +254,9 @@ def test_bad_builds_are_refused_and_leave_nothing(
     with pytest.raises(errors.InvalidArgument, match="not an image reference"):
         admin.build_template("nope", "justaword")
     assert "nope" not in [t.name for t in admin.templates()]
-    assert not list((image_daemon.data_dir / "images" / "tmp").glob("image-*"))
+    assert not list((daemon.data_dir / "images" / "tmp").glob("image-*"))
     tenant = admin.create_key("someone")
-    with Client(image_daemon.url, tenant["key"]) as user:
+    with daemon.client(tenant["key"]) as user:
         assert "bb" in [t.name for t in user.templates()]  # anyone lists, and uses
         with pytest.raises(errors.PermissionDenied):
             user.build_template("mine", "x/y:1")
@@ -352,11 +350,11 @@ def test_guests_trust_the_operators_extra_ca(admin: Client, images: Images) -> N
         assert code != 0 and "certificate" in out
 
 
-def test_template_cli(image_daemon: Daemon, images: Images, busybox: list[str]) -> None:
+def test_template_cli(daemon: Daemon, images: Images, busybox: list[str]) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "cella.cli", *args],
-            env=image_daemon.env(None),
+            env=daemon.env(None),
             capture_output=True,
             text=True,
             timeout=600,
@@ -513,7 +511,9 @@ def churning(directory: Path) -> Iterator[None]:
 
 
 @pytest.mark.hardening
-def test_a_daemon_starts_beside_a_template_build(tmp_path: Path) -> None:
+def test_a_daemon_starts_beside_a_template_build(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """A build's chroot in the shared image directory has /proc mounted in it (as
     `cella setup --template docker` does); the data directory, left open by an older
     version, holds /proc and a tmpfs mounted too, and files that vanish. The daemon starts,
@@ -535,7 +535,8 @@ def test_a_daemon_starts_beside_a_template_build(tmp_path: Path) -> None:
     )
     wrap = ["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "-"]
     try:
-        with churning(data / "churn"), running_daemon(data, wrap=wrap, pool_size="0") as d:
+        with churning(data / "churn"), DaemonFactory(tmp_path_factory) as daemons:
+            d = daemons(data_dir=data, wrap=wrap, pool_size="0")
             assert d.proc is not None
             seen = Path(f"/proc/{d.proc.pid}/root")  # the daemon's mounts, as it sees them
             assert (seen / str(scratch).lstrip("/") / "rootfs" / "proc" / "self").exists()

@@ -18,19 +18,13 @@ pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> Iterator[Client]:
-    with Client(daemon.url, daemon.admin_key) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def sandbox(client: Client) -> Iterator[Sandbox]:
-    sb = client.create()
+def sandbox(admin: Client) -> Iterator[Sandbox]:
+    sb = admin.create()
     yield sb
     sb.delete()
 
 
-async def test_mcp_server_over_stdio(daemon: Daemon, client: Client) -> None:
+async def test_mcp_server_over_stdio(daemon: Daemon, admin: Client) -> None:
     from mcp import Client as McpClient
     from mcp import StdioServerParameters
 
@@ -67,7 +61,7 @@ async def test_mcp_server_over_stdio(daemon: Daemon, client: Client) -> None:
 
         made = await call("create_sandbox")
         sandbox_id = made["id"]
-        assert made["state"] == "running" and client.get(sandbox_id).id == sandbox_id
+        assert made["state"] == "running" and admin.get(sandbox_id).id == sandbox_id
         ran = await call("exec_command", sandbox_id=sandbox_id, command="uname -s; exit 3")
         assert ran["stdout"] == "Linux\n" and ran["exit_code"] == 3
         wrote = await call(
@@ -87,7 +81,7 @@ async def test_mcp_server_over_stdio(daemon: Daemon, client: Client) -> None:
             assert (await call("delete_sandbox", sandbox_id=sid))["deleted"] is True
         missing = await mcp.call_tool("exec_command", {"sandbox_id": sandbox_id, "command": "true"})
         assert missing.is_error and "not_found" in str(missing.content)
-    client.get_snapshot(snap["id"]).delete()
+    admin.get_snapshot(snap["id"]).delete()
 
 
 def test_langchain_tools_drive_a_sandbox(sandbox: Sandbox) -> None:
@@ -131,7 +125,7 @@ def test_deepagents_backend_runs_in_the_sandbox(sandbox: Sandbox) -> None:
     assert missing.content is None and missing.error == "file_not_found"
 
 
-def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, client: Client) -> None:
+def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, admin: Client) -> None:
     import json
     import subprocess
 
@@ -151,10 +145,10 @@ def test_the_main_job_demo_ends_with_the_passing_branch(daemon: Daemon, client: 
     assert {s["step"] for s in report["steps"]} >= {"snapshot", "fork 3 branches"}
     assert any("unittest" in line and "exit 0" in line for line in report["trace"])
     assert report["console"] == f"{daemon.url}/ui/#/sandboxes/{report['winner']}/lineage"
-    live = {s.id for s in client.list()}
+    live = {s.id for s in admin.list()}
     assert report["winner"] in live  # kept
     assert not live & {b["branch"] for b in report["branches"] if b["tests_exit"] != 0}
-    client.get(report["winner"]).delete()
+    admin.get(report["winner"]).delete()
 
 
 async def test_openai_agents_sandbox_client(daemon: Daemon) -> None:

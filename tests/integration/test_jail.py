@@ -18,28 +18,21 @@ from cella import Client, Sandbox
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.jail import JailIds
-from tests.conftest import qemu_of
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon
+from tests.vms import VMFactory, qemu_of
 
 pytestmark = [pytest.mark.vm, pytest.mark.hardening]
 JAIL_BASE = 3_000_000
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(tmp_path_factory.mktemp("jail"), pool_size="1") as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "1"}
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> Iterator[Client]:
-    with Client(daemon.url, daemon.admin_key) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def pair(client: Client) -> Iterator[tuple[Sandbox, Sandbox]]:
-    a, b = client.create(), client.create()
+def pair(admin: Client) -> Iterator[tuple[Sandbox, Sandbox]]:
+    a, b = admin.create(), admin.create()
     a.files.write("/root/mine.txt", b"a's own")
     yield a, b
     a.delete()
@@ -154,8 +147,8 @@ async def test_a_jailed_qemu_cannot_spawn_a_process(jailed: bool, tmp_path: Path
     ids = JailIds(JAIL_BASE, 65_536) if jailed else None
     driver = QemuDriver(paths, jail=ids, seccomp=jailed)
     await driver.prepare()
-    vm = await driver.boot("default", memory_mib=256)
-    try:
+    async with VMFactory(driver) as boot:
+        vm = await boot("default", memory_mib=256)
         assert vm.directory is not None and vm.qmp is not None
         marker = vm.directory / "spawned"
         await vm.pause()
@@ -166,5 +159,3 @@ async def test_a_jailed_qemu_cannot_spawn_a_process(jailed: bool, tmp_path: Path
                 break
             await asyncio.sleep(0.1)
         assert marker.exists() is not jailed
-    finally:
-        await vm.kill()

@@ -29,7 +29,8 @@ from langsmith.sandbox import (
     ValidationError,
 )
 
-from tests.daemon import Daemon, running_daemon
+from cella import Client
+from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 
 pytestmark = pytest.mark.vm
@@ -51,20 +52,18 @@ MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def ls_daemon(tmp_path_factory: pytest.TempPathFactory, web: dict[str, str]) -> Iterator[Daemon]:
+def daemon_settings(web: dict[str, str]) -> dict[str, str]:
     hosts = {"web.test": web["web"], "other.test": web["other"]}
-    with running_daemon(
-        tmp_path_factory.mktemp("langsmith"),
-        pool_size="1",
-        egress_hosts=json.dumps(hosts),
-        max_sandboxes_per_tenant=str(QUOTA),
-    ) as d:
-        yield d
+    return {
+        "pool_size": "1",
+        "egress_hosts": json.dumps(hosts),
+        "max_sandboxes_per_tenant": str(QUOTA),
+    }
 
 
 @pytest.fixture(scope="module")
-def client(ls_daemon: Daemon) -> Iterator[SandboxClient]:
-    c = SandboxClient(api_endpoint=f"{ls_daemon.url}/api/v2/sandboxes", api_key=ls_daemon.admin_key)
+def client(daemon: Daemon) -> Iterator[SandboxClient]:
+    c = SandboxClient(api_endpoint=f"{daemon.url}/api/v2/sandboxes", api_key=daemon.admin_key)
     yield c
     c.close()
 
@@ -75,7 +74,7 @@ def sb(client: SandboxClient) -> Iterator[Sandbox]:
         yield box
 
 
-def test_the_two_environment_variables_are_all_it_takes(ls_daemon: Daemon) -> None:
+def test_the_two_environment_variables_are_all_it_takes(daemon: Daemon) -> None:
     script = (
         "from langsmith.sandbox import SandboxClient\n"
         "with SandboxClient().sandbox() as sb:\n"
@@ -84,8 +83,8 @@ def test_the_two_environment_variables_are_all_it_takes(ls_daemon: Daemon) -> No
     )
     env = {
         **os.environ,
-        "LANGSMITH_ENDPOINT": ls_daemon.url,
-        "LANGSMITH_API_KEY": ls_daemon.admin_key,
+        "LANGSMITH_ENDPOINT": daemon.url,
+        "LANGSMITH_API_KEY": daemon.admin_key,
     }
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -264,7 +263,7 @@ def test_egress_allow_and_deny_lists(client: SandboxClient, web: dict[str, str])
         client.create_sandbox(proxy_config=aws)
 
 
-def test_errors_the_sdk_maps(client: SandboxClient, ls_daemon: Daemon) -> None:
+def test_errors_the_sdk_maps(client: SandboxClient, daemon: Daemon) -> None:
     with pytest.raises(ResourceNotFoundError):
         client.get_sandbox("nope")
     with pytest.raises(ResourceNotFoundError):
@@ -273,7 +272,7 @@ def test_errors_the_sdk_maps(client: SandboxClient, ls_daemon: Daemon) -> None:
         client.create_sandbox(name="bad name!")
     with pytest.raises(SandboxOperationError):
         client.get_sandbox("shared").reconnect("no-such-command").result  # noqa: B018
-    live = [s for s in cella_sandboxes(ls_daemon) if s["state"] in LIVE]
+    live = [s for s in cella_sandboxes(daemon) if s["state"] in LIVE]
     boxes = [client.create_sandbox(name=f"q{i}") for i in range(QUOTA - len(live))]
     with pytest.raises(QuotaExceededError, match=f"has {QUOTA} live sandboxes; the limit is"):
         client.create_sandbox(name="one-too-many")  # refused at exactly the 7th of 6
@@ -290,11 +289,11 @@ def test_commands_over_sse(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None
         sb.run("sleep 30", timeout=2)
 
 
-def test_the_async_client(ls_daemon: Daemon) -> None:
+def test_the_async_client(daemon: Daemon) -> None:
     async def main() -> tuple[str, bytes, list[str]]:
         async with (
             AsyncSandboxClient(
-                api_endpoint=f"{ls_daemon.url}/api/v2/sandboxes", api_key=ls_daemon.admin_key
+                api_endpoint=f"{daemon.url}/api/v2/sandboxes", api_key=daemon.admin_key
             ) as client,
             await client.sandbox(name="async-box") as box,
         ):
@@ -310,26 +309,20 @@ def test_the_async_client(ls_daemon: Daemon) -> None:
 
 
 def test_files_written_by_the_sdk_land_in_the_trace(
-    client: SandboxClient, ls_daemon: Daemon, sb: Sandbox
+    client: SandboxClient, sb: Sandbox, admin: Client
 ) -> None:
     """The same sandbox seen through cella's own API: one service, two surfaces."""
-    from cella import Client
-
     sb.write("/app/traced.txt", "seen\n")
-    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
-        [info] = [s for s in cella.list() if s.info.name == "shared"]
-        writes = [e.data["path"] for e in info.events(types=["file_write"])]
-        assert "/app/traced.txt" in writes
+    [info] = [s for s in admin.list() if s.info.name == "shared"]
+    writes = [e.data["path"] for e in info.events(types=["file_write"])]
+    assert "/app/traced.txt" in writes
 
 
 def test_header_injection_with_secrets_the_guest_never_sees(
-    client: SandboxClient, ls_daemon: Daemon, web: dict[str, object]
+    client: SandboxClient, web: dict[str, object], admin: Client
 ) -> None:
-    from cella import Client
-
     token = "ghp_s3cretTOKEN_5e1d"
-    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
-        cella.put_secret("GH_TOKEN", token, ["web.test"])  # a workspace secret
+    admin.put_secret("GH_TOKEN", token, ["web.test"])  # a workspace secret
     rule = {
         "name": "gh",
         "match_hosts": ["web.test"],
@@ -385,18 +378,15 @@ def wait_for_state(d: Daemon, sandbox_id: str, state: str, timeout: float = 120)
 
 
 def test_a_read_only_key_does_not_wake_a_stopped_sandbox(
-    client: SandboxClient, ls_daemon: Daemon
+    client: SandboxClient, daemon: Daemon, admin: Client
 ) -> None:
     """Waking commits RAM and a quota slot: a write, even through a data-plane GET."""
-    from cella import Client
-
-    with Client(ls_daemon.url, ls_daemon.admin_key) as cella:
-        read_only = cella.create_key("admin", read_only=True)["key"]
+    read_only = admin.create_key("admin", read_only=True)["key"]
     with client.sandbox(name="asleep") as box:
         assert box.id
         box.write("/tmp/note.txt", "zzz")
         box.stop()
-        wait_for_state(ls_daemon, box.id, "stopped")
+        wait_for_state(daemon, box.id, "stopped")
         url = f"{box.dataplane_url}/download"
         for method in ("GET", "HEAD"):
             got = httpx.request(
@@ -406,24 +396,22 @@ def test_a_read_only_key_does_not_wake_a_stopped_sandbox(
         refused = httpx.get(url, params={"path": "/x"}, headers={"X-Api-Key": read_only})
         assert refused.json()["detail"]["error"] == "Forbidden"
         assert "read-only" in refused.json()["detail"]["message"]
-        assert state_of(ls_daemon, box.id) == "stopped"  # it sleeps on
+        assert state_of(daemon, box.id) == "stopped"  # it sleeps on
         # the control: a read-write key's same GET wakes it and reads the file
         woken = httpx.get(
             url,
             params={"path": "/tmp/note.txt"},
-            headers={"X-Api-Key": ls_daemon.admin_key},
+            headers={"X-Api-Key": daemon.admin_key},
             timeout=120,
         )
         assert (woken.status_code, woken.content) == (200, b"zzz")
-        assert state_of(ls_daemon, box.id) == "running"
+        assert state_of(daemon, box.id) == "running"
         # and a read-only key reads a running sandbox: nothing to wake
         read = httpx.get(url, params={"path": "/tmp/note.txt"}, headers={"X-Api-Key": read_only})
         assert (read.status_code, read.content) == (200, b"zzz")
 
 
-def test_updates_are_held_to_the_bounds_of_a_create(
-    client: SandboxClient, ls_daemon: Daemon
-) -> None:
+def test_updates_are_held_to_the_bounds_of_a_create(client: SandboxClient, daemon: Daemon) -> None:
     client.create_sandbox(name="upd", idle_ttl_seconds=600, delete_after_stop_seconds=3600)
     try:
         with pytest.raises(ValidationError, match="name"):
@@ -433,8 +421,8 @@ def test_updates_are_held_to_the_bounds_of_a_create(
         with pytest.raises(ValidationError, match="delete_after_stop_seconds"):
             client.update_sandbox("upd", delete_after_stop_seconds=60 * 10**10)
         # what the SDK would not send
-        url = f"{ls_daemon.url}/api/v2/sandboxes/boxes/upd"
-        headers = {"X-Api-Key": ls_daemon.admin_key, "Content-Type": "application/json"}
+        url = f"{daemon.url}/api/v2/sandboxes/boxes/upd"
+        headers = {"X-Api-Key": daemon.admin_key, "Content-Type": "application/json"}
         for raw in (
             '{"idle_ttl_seconds": -60}',
             '{"idle_ttl_seconds": NaN}',
@@ -476,18 +464,17 @@ def test_updates_are_held_to_the_bounds_of_a_create(
 
 
 @pytest.fixture(scope="module")
-def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def bounded(module_daemon_factory: DaemonFactory) -> Daemon:
     """Keeps few sessions and little output: 4 per sandbox and 6 per tenant; 2 MiB per
     sandbox and 3 MiB per tenant."""
-    with running_daemon(
-        tmp_path_factory.mktemp("langsmith-bounded"),
+    return module_daemon_factory(
+        "langsmith-bounded",
         pool_size="0",
         max_processes_per_sandbox="4",
         max_processes_per_tenant="6",
         max_process_output_mib_per_sandbox="2",
         max_process_output_mib_per_tenant="3",
-    ) as d:
-        yield d
+    )
 
 
 def printing(n: int) -> str:

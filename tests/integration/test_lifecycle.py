@@ -17,7 +17,7 @@ from cella import errors
 from cella.models import SandboxCreate
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
-from tests.conftest import qemu_pids
+from tests.vms import VMFactory, qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -32,8 +32,10 @@ def _gone(pid: int) -> bool:
         return f.read().split(")")[1].split()[0] == "Z"
 
 
-async def test_clean_stop_keeps_disk_writes_and_frees_everything(driver: QemuDriver) -> None:
-    vm = await driver.boot()
+async def test_clean_stop_keeps_disk_writes_and_frees_everything(
+    driver: QemuDriver, vm_factory: VMFactory
+) -> None:
+    vm = await vm_factory()
     pid = vm.pid
     assert pid is not None
     await vm.agent.write_file("/workspace/kept.txt", b"kept")
@@ -46,8 +48,10 @@ async def test_clean_stop_keeps_disk_writes_and_frees_everything(driver: QemuDri
     assert vm.directory is not None and not vm.directory.exists()
 
 
-async def test_guest_panic_is_a_clear_error_and_leaves_nothing(driver: QemuDriver) -> None:
-    vm = await driver.boot()
+async def test_guest_panic_is_a_clear_error_and_leaves_nothing(
+    driver: QemuDriver, vm_factory: VMFactory
+) -> None:
+    vm = await vm_factory()
     pid = vm.pid
     assert pid is not None
     with pytest.raises(errors.SandboxCrashed, match="panicked"):
@@ -61,8 +65,10 @@ async def test_guest_panic_is_a_clear_error_and_leaves_nothing(driver: QemuDrive
     assert vm.directory is not None and not vm.directory.exists()
 
 
-async def test_killed_qemu_fails_running_exec_promptly(driver: QemuDriver) -> None:
-    vm = await driver.boot()
+async def test_killed_qemu_fails_running_exec_promptly(
+    driver: QemuDriver, vm_factory: VMFactory
+) -> None:
+    vm = await vm_factory()
     pid = vm.pid
     assert pid is not None
 
@@ -128,13 +134,10 @@ async def test_invalid_resources_are_refused_before_anything_starts(driver: Qemu
     assert qemu_pids() == before
 
 
-async def test_vcpus_and_memory_come_from_the_request(driver: QemuDriver) -> None:
-    vm = await driver.boot(vcpus=2, memory_mib=384)
-    try:
-        r = await vm.agent.exec("nproc; grep MemTotal /proc/meminfo")
-        nproc, mem = r.stdout.decode().splitlines()
-        assert nproc == "2"
-        total_kib = int(mem.split()[1])
-        assert 300 * 1024 < total_kib <= 384 * 1024
-    finally:
-        await driver.destroy(vm)
+async def test_vcpus_and_memory_come_from_the_request(vm_factory: VMFactory) -> None:
+    vm = await vm_factory(vcpus=2, memory_mib=384)
+    r = await vm.agent.exec("nproc; grep MemTotal /proc/meminfo")
+    nproc, mem = r.stdout.decode().splitlines()
+    assert nproc == "2"
+    total_kib = int(mem.split()[1])
+    assert 300 * 1024 < total_kib <= 384 * 1024

@@ -4,32 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from cella import Client, errors
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(
-        tmp_path_factory.mktemp("limited"), pool_size="0", reaper_interval="0.2"
-    ) as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "0", "reaper_interval": "0.2"}
 
 
-@pytest.fixture(scope="module")
-def client(limited: Daemon) -> Iterator[Client]:
-    with Client(limited.url, limited.admin_key) as c:
-        yield c
-
-
-def test_fork_bomb_is_refused_inside_and_the_sandbox_still_answers(client: Client) -> None:
-    with client.create(max_pids=64) as sb, client.create() as neighbour:
+def test_fork_bomb_is_refused_inside_and_the_sandbox_still_answers(admin: Client) -> None:
+    with admin.create(max_pids=64) as sb, admin.create() as neighbour:
         # the timeout's cgroup kill ends the whole bomb, however many forks it managed. The
         # exec's own process starts the bomb once and then only sleeps: a shell would give up
         # (and end the exec early) the first time one of its own forks is refused.
@@ -47,8 +37,8 @@ def test_fork_bomb_is_refused_inside_and_the_sandbox_still_answers(client: Clien
         assert neighbour.exec("echo fine").stdout == b"fine\n"
 
 
-def test_memory_hog_is_killed_inside_and_the_agent_survives(client: Client) -> None:
-    with client.create(memory_mib=512) as sb, client.create() as neighbour:
+def test_memory_hog_is_killed_inside_and_the_agent_survives(admin: Client) -> None:
+    with admin.create(memory_mib=512) as sb, admin.create() as neighbour:
         hog = sb.exec(
             ["python3", "-c", "b = []\nwhile True: b.append(bytearray(16 << 20))"], timeout=120
         )
@@ -59,8 +49,8 @@ def test_memory_hog_is_killed_inside_and_the_agent_survives(client: Client) -> N
         assert neighbour.exec("echo fine").stdout == b"fine\n"
 
 
-def test_infinite_loop_ends_at_its_exec_timeout(client: Client) -> None:
-    with client.create() as sb:
+def test_infinite_loop_ends_at_its_exec_timeout(admin: Client) -> None:
+    with admin.create() as sb:
         r = sb.exec("while :; do :; done", timeout=2)
         assert r.timed_out and r.exit_code == 137
         assert sb.exec("echo alive").stdout == b"alive\n"
@@ -69,13 +59,13 @@ def test_infinite_loop_ends_at_its_exec_timeout(client: Client) -> None:
 @pytest.mark.parametrize(
     "action,final", [("delete", None), ("stop", "stopped"), ("pause", "paused")]
 )
-def test_ttl_action(client: Client, action: str, final: str | None) -> None:
-    sb = client.create(ttl_seconds=2, ttl_action=action)  # type: ignore[arg-type]
+def test_ttl_action(admin: Client, action: str, final: str | None) -> None:
+    sb = admin.create(ttl_seconds=2, ttl_action=action)  # type: ignore[arg-type]
     start = time.monotonic()
     assert sb.exec("echo hi").stdout == b"hi\n"
     while time.monotonic() - start < 15:
         try:
-            state = client.get(sb.id).state
+            state = admin.get(sb.id).state
         except errors.NotFound:
             state = None
         if state == final:
@@ -85,36 +75,36 @@ def test_ttl_action(client: Client, action: str, final: str | None) -> None:
     assert state == final
     assert elapsed < 2 + 3  # acted within the stated bound: TTL + reaper interval + action
     if final is not None:
-        kinds = [(e.type, e.data.get("limit")) for e in client.get(sb.id).events()]
+        kinds = [(e.type, e.data.get("limit")) for e in admin.get(sb.id).events()]
         assert ("limit_hit", "ttl") in kinds
-        client.get(sb.id).delete()
+        admin.get(sb.id).delete()
 
 
-def test_idle_timeout_counts_from_the_last_activity(client: Client) -> None:
-    sb = client.create(idle_timeout_seconds=2, idle_action="stop")  # type: ignore[arg-type]
+def test_idle_timeout_counts_from_the_last_activity(admin: Client) -> None:
+    sb = admin.create(idle_timeout_seconds=2, idle_action="stop")  # type: ignore[arg-type]
     try:
         # a long exec is activity: the sandbox is not idle while it runs
         assert sb.exec("sleep 3; echo done", timeout=20).stdout == b"done\n"
-        assert client.get(sb.id).state == "running"
+        assert admin.get(sb.id).state == "running"
         deadline = time.monotonic() + 10
-        while client.get(sb.id).state != "stopped" and time.monotonic() < deadline:
+        while admin.get(sb.id).state != "stopped" and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert client.get(sb.id).state == "stopped"
+        assert admin.get(sb.id).state == "stopped"
     finally:
-        client.get(sb.id).delete()
+        admin.get(sb.id).delete()
 
 
-def test_create_options_are_validated(client: Client) -> None:
+def test_create_options_are_validated(admin: Client) -> None:
     with pytest.raises(errors.InvalidArgument):
-        client.create(ttl_seconds=0)
+        admin.create(ttl_seconds=0)
     with pytest.raises(errors.InvalidArgument):
-        client.request("POST", "/v1/sandboxes", json={"ttl_action": "explode"})
+        admin.request("POST", "/v1/sandboxes", json={"ttl_action": "explode"})
     with pytest.raises(errors.InvalidArgument):
-        client.request("POST", "/v1/sandboxes", json={"max_pids": 1})
+        admin.request("POST", "/v1/sandboxes", json={"max_pids": 1})
 
 
-def test_usage_shows_limits_and_live_figures(client: Client) -> None:
-    with client.create(vcpus=1, memory_mib=512, ttl_seconds=600, max_pids=128) as sb:
+def test_usage_shows_limits_and_live_figures(admin: Client) -> None:
+    with admin.create(vcpus=1, memory_mib=512, ttl_seconds=600, max_pids=128) as sb:
         sb.files.write("/workspace/blob.bin", b"x" * (8 << 20))
         sb.exec("sync; sleep 100 >/dev/null 2>&1 &")
         u = sb.usage()
@@ -133,7 +123,7 @@ def test_usage_shows_limits_and_live_figures(client: Client) -> None:
         assert stopped.cpu_seconds is None and stopped.disk_allocated_mib >= 8
 
 
-def test_each_vm_gets_a_host_cpu_cgroup(client: Client, limited: Daemon) -> None:
+def test_each_vm_gets_a_host_cpu_cgroup(admin: Client, daemon: Daemon) -> None:
     from cella.runtime.cgroups import CpuLimiter
     from cella.runtime.qemu.vm import qemu_cmdline
     from tests.integration.test_recovery import vms_of
@@ -144,11 +134,11 @@ def test_each_vm_gets_a_host_cpu_cgroup(client: Client, limited: Daemon) -> None
         # is a broken test host or a broken CpuLimiter, not a reason to skip
         assert os.geteuid() != 0, "running as root, yet no writable cpu cgroup"
         pytest.skip("not root: no writable cpu cgroup")
-    assert "no writable cpu cgroup controller" not in limited.log.read_text()  # daemon too
-    with client.create(vcpus=2) as sb:
+    assert "no writable cpu cgroup controller" not in daemon.log.read_text()  # daemon too
+    with admin.create(vcpus=2) as sb:
         group = limiter.group(sb.id)
         assert group is not None and group.is_dir()
-        (qemu,) = [p for p in vms_of(limited.data_dir) if f"/{sb.id}/" in " ".join(qemu_cmdline(p))]
+        (qemu,) = [p for p in vms_of(daemon.data_dir) if f"/{sb.id}/" in " ".join(qemu_cmdline(p))]
         procs = {int(p) for p in (group / "cgroup.procs").read_text().split()}
         assert qemu in procs  # this sandbox's QEMU (the jailer execs it: the same pid)
         if limiter.version == 1:
@@ -159,9 +149,9 @@ def test_each_vm_gets_a_host_cpu_cgroup(client: Client, limited: Daemon) -> None
 
 
 def test_disk_filler_hits_enospc_at_the_limit_and_the_host_is_untouched(
-    client: Client, limited: Daemon
+    admin: Client, daemon: Daemon
 ) -> None:
-    with client.create(disk_mib=6144) as sb, client.create() as neighbour:
+    with admin.create(disk_mib=6144) as sb, admin.create() as neighbour:
         total = sb.usage().guest_disk_total_mib
         assert total is not None and 5500 < total <= 6144  # grown to the requested size
         fill = sb.exec(
@@ -178,4 +168,4 @@ def test_disk_filler_hits_enospc_at_the_limit_and_the_host_is_untouched(
         assert sb.exec("echo x > /workspace/ok && cat /workspace/ok").stdout == b"x\n"
         assert neighbour.exec("df -m / | tail -1").exit_code == 0
     with pytest.raises(errors.InvalidArgument):
-        client.create(disk_mib=1024)  # below the template's own size
+        admin.create(disk_mib=1024)  # below the template's own size

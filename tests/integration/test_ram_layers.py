@@ -16,6 +16,7 @@ from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.vm import QemuVM
 from cella.service.warm import Shape, WarmSnapshots
 from cella.storage.snapshots import SnapshotDir
+from tests.vms import VMFactory
 
 pytestmark = pytest.mark.vm
 
@@ -166,17 +167,17 @@ async def test_a_changed_layer_is_refused(
     assert await restores_the_same(driver, snap, work)
 
 
-async def test_a_booted_vm_is_snapshotted_whole(driver: QemuDriver, work: Path) -> None:
+async def test_a_booted_vm_is_snapshotted_whole(
+    driver: QemuDriver, vm_factory: VMFactory, work: Path
+) -> None:
     # a cold boot (a stopped sandbox resumed) has no RAM file to layer over: its whole RAM
     # migrates to a helper QEMU, whose RAM is a file
-    vm = await driver.boot(memory_mib=512, name=f"boot-{os.urandom(3).hex()}")
-    try:
-        assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
-        snap = SnapshotDir(work / "booted")
-        manifest, _ = await driver.snapshot_vm(vm, snap)
-        assert not snap.is_layered(manifest) and snap.ram.exists()
-    finally:
-        await driver.destroy(vm)
+    vm = await vm_factory(memory_mib=512, name=f"boot-{os.urandom(3).hex()}")
+    assert (await vm.agent.exec(["/bin/sh", "-c", SETUP])).exit_code == 0
+    snap = SnapshotDir(work / "booted")
+    manifest, _ = await driver.snapshot_vm(vm, snap)
+    assert not snap.is_layered(manifest) and snap.ram.exists()
+    await driver.destroy(vm)
     child = await restored(driver, snap, work)
     assert await check(child) == "same"
     # and the child, restored, is snapshotted as a layer over that file

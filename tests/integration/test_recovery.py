@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cella import Client, errors
+from cella import errors
 from cella.runtime.qemu.vm import qemu_cmdline
-from tests.conftest import qemu_pids
-from tests.daemon import Daemon, kill_vms_of, running_daemon
+from tests.daemon import Daemon, DaemonFactory
+from tests.vms import qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -22,13 +21,12 @@ def vms_of(data_dir: Path) -> set[int]:
 
 
 @pytest.fixture()
-def crashy(tmp_path: Path) -> Iterator[Daemon]:
-    with running_daemon(tmp_path / "data", pool_size="0") as d:
-        yield d
+def crashy(daemon_factory: DaemonFactory) -> Daemon:
+    return daemon_factory("crashy", pool_size="0")
 
 
 def test_running_sandbox_survives_a_daemon_crash(crashy: Daemon) -> None:
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         sb = client.create()
         sb.files.write("/workspace/before.txt", "written before the crash")
         sb.exec("nohup sleep 1000 >/dev/null 2>&1 &")
@@ -37,7 +35,7 @@ def test_running_sandbox_survives_a_daemon_crash(crashy: Daemon) -> None:
     crashy.kill9()
     assert vms_of(crashy.data_dir) == pids  # the VM lives on without its daemon
     crashy.start()
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         again = client.get(sb.id)
         assert again.state == "running"  # re-adopted, not rebooted
         assert again.files.read("/workspace/before.txt") == b"written before the crash"
@@ -57,7 +55,7 @@ def test_sandbox_being_created_is_cleaned_up(crashy: Daemon) -> None:
 
     def create() -> None:
         try:
-            with Client(crashy.url, crashy.admin_key) as client:
+            with crashy.client() as client:
                 client.create(labels={"doomed": "yes"})
         except BaseException as exc:  # the daemon dies under it
             failures.append(exc)
@@ -72,7 +70,7 @@ def test_sandbox_being_created_is_cleaned_up(crashy: Daemon) -> None:
     worker.join(30)
     assert failures, "the create should have failed with its daemon"
     crashy.start()
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         doomed = client.list(labels={"doomed": "yes"})
         assert [s.state for s in doomed] in ([], ["error"])
         errored = client.list(state="error")
@@ -87,13 +85,13 @@ def test_sandbox_being_created_is_cleaned_up(crashy: Daemon) -> None:
 
 
 def test_stopped_sandbox_keeps_its_disk_across_a_crash(crashy: Daemon) -> None:
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         sb = client.create()
         sb.files.write("/workspace/kept.txt", "kept")
         sb.stop()
     crashy.kill9()
     crashy.start()
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         again = client.get(sb.id)
         assert again.state == "stopped"
         assert (crashy.data_dir / "vms" / sb.id / "disk.qcow2").exists()
@@ -105,7 +103,7 @@ def test_stopped_sandbox_keeps_its_disk_across_a_crash(crashy: Daemon) -> None:
 
 
 def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         sb = client.create()
         sb.exec(
             "nohup sh -c 'while true; do date +%s%N > /tmp/t.new; mv /tmp/t.new /tmp/t; "
@@ -119,7 +117,7 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         sb.pause()
     crashy.kill9()
     crashy.start()
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         again = client.get(sb.id)
         assert again.state == "paused"
         again.resume()
@@ -132,33 +130,29 @@ def test_paused_sandbox_stays_paused_across_a_crash(crashy: Daemon) -> None:
         again.delete()
 
 
-def test_pooled_vms_of_a_crashed_daemon_are_not_leaked(tmp_path: Path) -> None:
-    d = Daemon(tmp_path / "pooled", pool_size="2").start()
-    try:
-        deadline = time.monotonic() + 120
-        while len(vms_of(d.data_dir)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        old = vms_of(d.data_dir)
-        assert len(old) == 2
-        d.kill9()
-        d.start()
-        # the old pool's VMs belong to nobody: killed; the new daemon fills a pool of its own
-        assert not old & vms_of(d.data_dir)
-        live_dirs = {p.name for p in (d.data_dir / "vms").iterdir()}
-        with Client(d.url, d.admin_key) as client:
-            assert client.list() == []
-        assert len(live_dirs) <= 2
-    finally:
-        d.stop()
-        kill_vms_of(d.data_dir)
+def test_pooled_vms_of_a_crashed_daemon_are_not_leaked(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory("pooled", pool_size="2")
+    deadline = time.monotonic() + 120
+    while len(vms_of(d.data_dir)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    old = vms_of(d.data_dir)
+    assert len(old) == 2
+    d.kill9()
+    d.start()
+    # the old pool's VMs belong to nobody: killed; the new daemon fills a pool of its own
+    assert not old & vms_of(d.data_dir)
+    live_dirs = {p.name for p in (d.data_dir / "vms").iterdir()}
+    with d.client() as client:
+        assert client.list() == []
+    assert len(live_dirs) <= 2
 
 
 def test_ttl_is_enforced_by_the_next_daemon_after_a_crash(crashy: Daemon) -> None:
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         sb = client.create(ttl_seconds=4, ttl_action="delete")
     crashy.kill9()
     crashy.start()
-    with Client(crashy.url, crashy.admin_key) as client:
+    with crashy.client() as client:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:

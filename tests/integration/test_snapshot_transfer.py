@@ -4,24 +4,20 @@ checked against the manifest, cached; the snapshots its disk sits on come with i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import httpx2
 import pytest
 
-from cella import Client
-from tests.daemon import Daemon, running_daemon
+from tests.daemon import Daemon, DaemonFactory
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
-    with (
-        running_daemon(tmp_path_factory.mktemp("node-a"), pool_size="0") as a,
-        running_daemon(tmp_path_factory.mktemp("node-b"), pool_size="0") as b,
-    ):
-        yield a, b
+def nodes(module_daemon_factory: DaemonFactory) -> tuple[Daemon, Daemon]:
+    a = module_daemon_factory("node-a", pool_size="0")
+    b = module_daemon_factory("node-b", pool_size="0")
+    return a, b
 
 
 def take_in(dest: Daemon, source: Daemon, snapshot_id: str) -> httpx2.Response:
@@ -37,7 +33,7 @@ def test_a_chain_of_snapshots_moves_and_forks_on_the_other_node(
     nodes: tuple[Daemon, Daemon],
 ) -> None:
     a, b = nodes
-    with Client(a.url, a.admin_key) as ca, Client(b.url, b.admin_key) as cb:
+    with a.client() as ca, b.client() as cb:
         sb = ca.create()
         sb.files.write("/root/one", "first")
         first = sb.snapshot("first")
@@ -73,7 +69,7 @@ def test_a_file_that_does_not_match_its_manifest_is_refused(
     nodes: tuple[Daemon, Daemon],
 ) -> None:
     a, b = nodes
-    with Client(a.url, a.admin_key) as ca, Client(b.url, b.admin_key) as cb:
+    with a.client() as ca, b.client() as cb:
         sb = ca.create()
         snap = sb.snapshot("tampered")
         sb.delete()
@@ -96,11 +92,11 @@ def test_only_admin_keys_move_snapshots(nodes: tuple[Daemon, Daemon]) -> None:
     """A tenant key can neither export a snapshot nor read its files: not another
     tenant's, not even its own. The control: the admin key gets both snapshots."""
     a, b = nodes
-    with Client(a.url, a.admin_key) as ca:
+    with a.client() as ca:
         key = ca.create_key("someone")["key"]
         with ca.create() as sb:
             theirs = sb.snapshot("another tenant's").id
-    with Client(a.url, key) as tenant:
+    with a.client(key) as tenant:
         with tenant.create() as sb:
             own = sb.snapshot("its own").id
         assert [s.id for s in tenant.snapshots()] == [own]  # whose is whose
@@ -120,7 +116,7 @@ def test_only_admin_keys_move_snapshots(nodes: tuple[Daemon, Daemon]) -> None:
             assert get(f"{snap}/export", a.admin_key).json()["snapshot"]["id"] == snap
         assert len(get(f"{own}/files/state", a.admin_key).content) == 16
     finally:
-        with Client(a.url, a.admin_key) as ca, Client(a.url, key) as tenant:
+        with a.client() as ca, a.client(key) as tenant:
             ca.get_snapshot(theirs).delete()
             tenant.get_snapshot(own).delete()
     bad = take_in(b, a, "../../etc")

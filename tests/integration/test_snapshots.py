@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
 
 from cella import Client, Sandbox, errors
-from tests.daemon import Daemon, kill_vms_of, running_daemon
+from tests.daemon import Daemon, DaemonFactory, SandboxFactory
 
 pytestmark = pytest.mark.vm
 
@@ -50,55 +48,42 @@ def wait_pool_full(daemon: Daemon, timeout: float = 120) -> None:
 
 
 @pytest.fixture(scope="module")
-def pooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with running_daemon(tmp_path_factory.mktemp("pooled"), pool_size="2") as d:
-        yield d
+def daemon_settings() -> dict[str, str]:
+    return {"pool_size": "2"}
 
 
-@pytest.fixture(scope="module")
-def client(pooled: Daemon) -> Iterator[Client]:
-    with Client(pooled.url, pooled.admin_key) as c:
-        yield c
+def test_create_claims_from_the_pool_with_a_fresh_identity(
+    admin: Client, daemon: Daemon, sandbox_factory: SandboxFactory
+) -> None:
+    wait_pool_full(daemon)
+    a, b = sandbox_factory(admin), sandbox_factory(admin)
+    assert a.info.created_from == b.info.created_from == "pool"
+    for sb in (a, b):
+        # the pool fill named its VMs "pool": the names are the claim's
+        r = sb.exec("hostname; echo $CELLA_SANDBOX_ID; cat /run/cella/sandbox-id; echo")
+        hostname, env_id, file_id = r.text.split("\n")[:3]
+        assert hostname == env_id == file_id == sb.id
+    # the fill set a clock and a seed too, so from here a claim that set none would look
+    # the same: tests/unit/test_service.py::test_a_pool_claim_and_a_fork_set_their_own_
+    # clock_and_entropy pins that the claim (and a fork) sends its own
 
 
-def test_create_claims_from_the_pool_with_a_fresh_identity(client: Client, pooled: Daemon) -> None:
-    wait_pool_full(pooled)
-    a, b = client.create(), client.create()
-    try:
-        assert a.info.created_from == b.info.created_from == "pool"
-        for sb in (a, b):
-            # the pool fill named its VMs "pool": the names are the claim's
-            r = sb.exec("hostname; echo $CELLA_SANDBOX_ID; cat /run/cella/sandbox-id; echo")
-            hostname, env_id, file_id = r.text.split("\n")[:3]
-            assert hostname == env_id == file_id == sb.id
-        # the fill set a clock and a seed too, so from here a claim that set none would look
-        # the same: tests/unit/test_service.py::test_a_pool_claim_and_a_fork_set_their_own_
-        # clock_and_entropy pins that the claim (and a fork) sends its own
-    finally:
-        a.delete()
-        b.delete()
+def test_empty_pool_falls_back_to_a_restore_not_a_boot(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory("nopool", pool_size="0")
+    with d.client() as c:
+        sb = c.create()
+        assert sb.info.created_from == "restore"
+        assert sb.exec("echo ok").stdout == b"ok\n"
+        # a booted guest logs "ready" on its console; a restored one never boots
+        console = (d.data_dir / "vms" / sb.id / "console.log").read_text()
+        assert "cella-agent: ready" not in console
+        kinds = {e.type: e.data for e in sb.events()}
+        assert kinds["created"]["from"] == "restore"
+        sb.delete()
 
 
-def test_empty_pool_falls_back_to_a_restore_not_a_boot(tmp_path: Path) -> None:
-    d = Daemon(tmp_path / "nopool", pool_size="0").start()
-    try:
-        with Client(d.url, d.admin_key) as c:
-            sb = c.create()
-            assert sb.info.created_from == "restore"
-            assert sb.exec("echo ok").stdout == b"ok\n"
-            # a booted guest logs "ready" on its console; a restored one never boots
-            console = (d.data_dir / "vms" / sb.id / "console.log").read_text()
-            assert "cella-agent: ready" not in console
-            kinds = {e.type: e.data for e in sb.events()}
-            assert kinds["created"]["from"] == "restore"
-            sb.delete()
-    finally:
-        d.stop()
-        kill_vms_of(d.data_dir)
-
-
-def test_pause_keeps_processes_running_across_resume(client: Client) -> None:
-    with client.create() as sb:
+def test_pause_keeps_processes_running_across_resume(admin: Client) -> None:
+    with admin.create() as sb:
         sb.exec(COUNTER)
         assert counting(sb)
         before = int(sb.files.read("/tmp/count"))
@@ -111,30 +96,27 @@ def test_pause_keeps_processes_running_across_resume(client: Client) -> None:
         assert counting(sb)  # the same process counts on
 
 
-def test_fork_branches_are_isolated(client: Client) -> None:
-    parent = client.create()
-    try:
-        parent.files.write("/workspace/shared.txt", "before the fork")
-        parent.exec(COUNTER)
-        branches = parent.fork(3)
-        assert len(branches) == 3
-        for br in branches:
-            assert br.info.parent_id == parent.id and br.info.snapshot_id
-            assert br.info.created_from == "fork"
-            br.files.write("/workspace/mine.txt", br.id)
-        parent.files.write("/workspace/parent-only.txt", "after")
-        for br in branches:
-            assert br.files.read("/workspace/shared.txt") == b"before the fork"
-            assert br.files.read("/workspace/mine.txt") == br.id.encode()
-            assert not br.files.exists("/workspace/parent-only.txt")
-            assert counting(br)  # the parent's running process lives on in each branch
-        assert not parent.files.exists("/workspace/mine.txt")
-        names = [br.exec("hostname").text.strip() for br in branches]
-        assert names == [br.id for br in branches]
-        for br in branches:
-            br.delete()
-    finally:
-        parent.delete()
+def test_fork_branches_are_isolated(admin: Client, sandbox_factory: SandboxFactory) -> None:
+    parent = sandbox_factory(admin)
+    parent.files.write("/workspace/shared.txt", "before the fork")
+    parent.exec(COUNTER)
+    branches = parent.fork(3)
+    assert len(branches) == 3
+    for br in branches:
+        assert br.info.parent_id == parent.id and br.info.snapshot_id
+        assert br.info.created_from == "fork"
+        br.files.write("/workspace/mine.txt", br.id)
+    parent.files.write("/workspace/parent-only.txt", "after")
+    for br in branches:
+        assert br.files.read("/workspace/shared.txt") == b"before the fork"
+        assert br.files.read("/workspace/mine.txt") == br.id.encode()
+        assert not br.files.exists("/workspace/parent-only.txt")
+        assert counting(br)  # the parent's running process lives on in each branch
+    assert not parent.files.exists("/workspace/mine.txt")
+    names = [br.exec("hostname").text.strip() for br in branches]
+    assert names == [br.id for br in branches]
+    for br in branches:
+        br.delete()
 
 
 # what a guest says of its identity: random bytes three ways, its boot, clock and names
@@ -164,14 +146,14 @@ def identity(sb: Sandbox) -> dict[str, Any]:
     return found
 
 
-def test_sibling_forks_get_their_own_entropy_clock_and_names(client: Client) -> None:
+def test_sibling_forks_get_their_own_entropy_clock_and_names(admin: Client) -> None:
     """Two forks of one snapshot are copies of one running kernel (the boot id, made when
     the parent first read it, is the same), yet each draws its own random bytes, tells the
     time of now and has its own names. The parent's CRNG is reseeded and its clock set to
     2001 right before the snapshot: the kernel would not reseed a copy by itself for a
     while (the forks would draw the same bytes) and a copy that kept the snapshot's clock
     would say 2001."""
-    with client.create() as parent:
+    with admin.create() as parent:
         parent.files.write("/tmp/identity.py", IDENTITY)
         booted = identity(parent)
         reseed = f"import fcntl; fcntl.ioctl(open('/dev/urandom', 'wb'), {RNDRESEEDCRNG})"
@@ -199,8 +181,8 @@ def test_sibling_forks_get_their_own_entropy_clock_and_names(client: Client) -> 
             snap.delete()
 
 
-def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemon) -> None:
-    parent = client.create()
+def test_snapshot_refcounts_and_fork_from_snapshot(admin: Client, daemon: Daemon) -> None:
+    parent = admin.create()
     parent.files.write("/workspace/state.txt", "v1")
     snap = parent.snapshot("v1")
     assert snap.info.state == "ready" and snap.info.paused_ms is not None
@@ -216,12 +198,12 @@ def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemo
     with pytest.raises(errors.InUse):
         snap.delete()  # the snapshot taken for the grandchild is built on it
     grandchild.delete()
-    (inner,) = [s for s in client.snapshots() if s.info.sandbox_id == child.id]
+    (inner,) = [s for s in admin.snapshots() if s.info.sandbox_id == child.id]
     inner.delete()
     snap.delete()
-    assert not (pooled.data_dir / "snapshots" / snap.id).exists()
+    assert not (daemon.data_dir / "snapshots" / snap.id).exists()
     with pytest.raises(errors.NotFound):
-        client.get_snapshot(snap.id)
+        admin.get_snapshot(snap.id)
     parent.stop()  # the parent never depended on the snapshot
     parent.resume()
     assert parent.files.read("/workspace/state.txt") == b"v2"
@@ -233,19 +215,18 @@ def test_snapshot_refcounts_and_fork_from_snapshot(client: Client, pooled: Daemo
     booted.delete()
 
 
-def test_corrupted_snapshot_is_refused(client: Client, pooled: Daemon) -> None:
-    parent = client.create()
-    try:
-        snap = parent.snapshot("to-corrupt")
-        state = pooled.data_dir / "snapshots" / snap.id / "state"
-        state.chmod(0o644)
-        data = bytearray(state.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        state.write_bytes(bytes(data))
-        before = {s.id for s in client.list()}
-        with pytest.raises(errors.SnapshotCorrupt):
-            snap.fork(1)
-        assert {s.id for s in client.list()} == before  # nothing was created
-        assert parent.exec("echo fine").stdout == b"fine\n"
-    finally:
-        parent.delete()
+def test_corrupted_snapshot_is_refused(
+    admin: Client, daemon: Daemon, sandbox_factory: SandboxFactory
+) -> None:
+    parent = sandbox_factory(admin)
+    snap = parent.snapshot("to-corrupt")
+    state = daemon.data_dir / "snapshots" / snap.id / "state"
+    state.chmod(0o644)
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    before = {s.id for s in admin.list()}
+    with pytest.raises(errors.SnapshotCorrupt):
+        snap.fork(1)
+    assert {s.id for s in admin.list()} == before  # nothing was created
+    assert parent.exec("echo fine").stdout == b"fine\n"

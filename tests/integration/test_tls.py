@@ -6,45 +6,44 @@ from __future__ import annotations
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import pytest
 
-from cella import Client
 from cella.fleet.tls import node_certificate
-from tests.daemon import Daemon, free_port, running_daemon
+from tests.daemon import Daemon, DaemonFactory, free_port
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def tls_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory, module_daemon_factory: DaemonFactory
+) -> Daemon:
     base = tmp_path_factory.mktemp("tls")
     cert, key = node_certificate(base, "127.0.0.1", "test")  # self-signed, for 127.0.0.1
-    with running_daemon(base / "data", tls_cert=str(cert), tls_key=str(key)) as d:
-        yield d
+    return module_daemon_factory(data_dir=base / "data", tls_cert=str(cert), tls_key=str(key))
 
 
-def test_the_api_speaks_tls_only(tls_daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    cert = str(tls_daemon.data_dir.parent / "node.crt")
+def test_the_api_speaks_tls_only(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert = str(daemon.data_dir.parent / "node.crt")
     trusted = ssl.create_default_context(cafile=cert)
-    auth = {"Authorization": f"Bearer {tls_daemon.admin_key}"}
-    r = httpx2.get(f"{tls_daemon.url}/v1/sandboxes", headers=auth, verify=trusted)
-    assert tls_daemon.url.startswith("https://") and r.status_code == 200
+    auth = {"Authorization": f"Bearer {daemon.admin_key}"}
+    r = httpx2.get(f"{daemon.url}/v1/sandboxes", headers=auth, verify=trusted)
+    assert daemon.url.startswith("https://") and r.status_code == 200
     # the same port in clear: no answer in HTTP
     with pytest.raises(httpx2.RemoteProtocolError, match="without sending a response"):
-        httpx2.get(f"http://127.0.0.1:{tls_daemon.port}/v1/health", timeout=5)
+        httpx2.get(f"http://127.0.0.1:{daemon.port}/v1/health", timeout=5)
     # a client that does not trust the certificate
     with pytest.raises(httpx2.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        httpx2.get(f"{tls_daemon.url}/v1/health", timeout=5)
+        httpx2.get(f"{daemon.url}/v1/health", timeout=5)
     # the SDK, trusting the certificate the usual way, drives a sandbox
     monkeypatch.setenv("SSL_CERT_FILE", cert)
-    with Client(tls_daemon.url, tls_daemon.admin_key) as client, client.create() as sb:
+    with daemon.client() as client, client.create() as sb:
         assert sb.exec("echo over tls").stdout == b"over tls\n"
-    daemon_file = (tls_daemon.data_dir / "daemon.json").read_text()
-    assert f'"url": "{tls_daemon.url}"' in daemon_file  # local clients find https
+    daemon_file = (daemon.data_dir / "daemon.json").read_text()
+    assert f'"url": "{daemon.url}"' in daemon_file  # local clients find https
 
 
 def test_no_clear_text_api_beyond_loopback(tmp_path: Path) -> None:

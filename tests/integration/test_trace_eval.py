@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from cella import Client
 from cella.eval import Task, run_eval
-from tests.daemon import Daemon, free_port, running_daemon
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.vm
 
@@ -85,23 +85,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Daemon]:
-    with running_daemon(
-        tmp_path_factory.mktemp("traced"), pool_size="0", otlp_endpoint=receiver.url
-    ) as d:
-        yield d
+def daemon_settings(receiver: Receiver) -> dict[str, str]:
+    return {"pool_size": "0", "otlp_endpoint": receiver.url}
 
 
 @pytest.fixture(scope="module")
-def client(traced: Daemon) -> Iterator[Client]:
-    with Client(traced.url, traced.admin_key) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def prepared(client: Client) -> Iterator[str]:
+def prepared(admin: Client) -> Iterator[str]:
     """A project with a bug and a test, snapshotted once: every task forks it."""
-    base = client.create()
+    base = admin.create()
     base.files.write("/workspace/calc.py", BUGGY, parents=True)
     snap = base.snapshot("prepared")
     yield snap.id
@@ -133,7 +124,7 @@ KNOWN = {t.id: s for t, s in zip(TASKS, [1, 1, 1, 1, 0, 0, 1, 0], strict=True)}
 
 
 def test_eval_runs_isolated_tasks_with_known_scores(
-    traced: Daemon, client: Client, prepared: str, tmp_path: Path
+    daemon: Daemon, admin: Client, prepared: str, tmp_path: Path
 ) -> None:
     done: list[str] = []
     results = run_eval(
@@ -141,8 +132,8 @@ def test_eval_runs_isolated_tasks_with_known_scores(
         prepared,
         parallel=4,
         out_dir=tmp_path,
-        url=traced.url,
-        api_key=traced.admin_key,
+        url=daemon.url,
+        api_key=daemon.admin_key,
         on_done=lambda r: done.append(r.task_id),
     )
     assert sorted(done) == sorted(KNOWN)
@@ -173,7 +164,7 @@ def test_eval_runs_isolated_tasks_with_known_scores(
 
     # a failed task reruns from the same snapshot and fails the same way
     again = run_eval(
-        [TASKS[4]], prepared, out_dir=tmp_path / "rerun", url=traced.url, api_key=traced.admin_key
+        [TASKS[4]], prepared, out_dir=tmp_path / "rerun", url=daemon.url, api_key=daemon.admin_key
     )
     first = next(r for r in results if r.task_id == TASKS[4].id)
     assert again[0].score == first.score == 0
@@ -182,8 +173,8 @@ def test_eval_runs_isolated_tasks_with_known_scores(
     ]
 
 
-def test_spans_carry_sandbox_command_and_exit_code(client: Client, receiver: Receiver) -> None:
-    with client.create() as sb:
+def test_spans_carry_sandbox_command_and_exit_code(admin: Client, receiver: Receiver) -> None:
+    with admin.create() as sb:
         sb.exec(["sh", "-c", "exit 3"])
         sb.exec("echo traced")
         sb_id = sb.id
@@ -205,23 +196,23 @@ def test_spans_carry_sandbox_command_and_exit_code(client: Client, receiver: Rec
     assert {"created", "exec", "deleted"} <= kinds
 
 
-def test_no_secret_value_or_placeholder_in_any_event(client: Client, traced: Daemon) -> None:
+def test_no_secret_value_or_placeholder_in_any_event(admin: Client, daemon: Daemon) -> None:
     value = "tr4ce-SECRET-6e1d"
-    client.put_secret("tracekey", value, ["example.test"])
-    with client.create(secrets={"TRACE_KEY": "tracekey"}) as sb:
+    admin.put_secret("tracekey", value, ["example.test"])
+    with admin.create(secrets={"TRACE_KEY": "tracekey"}) as sb:
         placeholder = sb.exec('printf %s "$TRACE_KEY"').text
         assert placeholder.startswith("cella-secret-")
         sb.exec(f"echo {value}; echo $TRACE_KEY; echo {placeholder} >&2")  # in argv and output
         sb.files.write(f"/tmp/{value}.txt", f"{value}\n{placeholder}\n")  # in a path
         sb.exec(["false", value])
-    events = [e.model_dump(mode="json") for e in client.events(sb.id)]  # kept after delete
+    events = [e.model_dump(mode="json") for e in admin.events(sb.id)]  # kept after delete
     assert events[-1]["type"] == "deleted"
     text = json.dumps(events)
     assert value not in text and placeholder not in text
     assert "[secret:tracekey]" in text
     stream = subprocess.run(
         [sys.executable, "-m", "cella.cli", "trace", sb.id, "--json"],
-        env=traced.env(None),
+        env=daemon.env(None),
         capture_output=True,
         text=True,
         check=True,
@@ -229,12 +220,12 @@ def test_no_secret_value_or_placeholder_in_any_event(client: Client, traced: Dae
     assert value not in stream and placeholder not in stream and stream.count("\n") == len(events)
 
 
-def test_follow_lineage_and_the_cli(client: Client, traced: Daemon, tmp_path: Path) -> None:
-    parent = client.create()
+def test_follow_lineage_and_the_cli(admin: Client, daemon: Daemon, tmp_path: Path) -> None:
+    parent = admin.create()
     seen: list[str] = []
 
     def follow() -> None:
-        for event in client.follow(parent.id):
+        for event in admin.follow(parent.id):
             seen.append(event.type)
 
     reader = threading.Thread(target=follow, daemon=True)
@@ -243,7 +234,7 @@ def test_follow_lineage_and_the_cli(client: Client, traced: Daemon, tmp_path: Pa
     snap = parent.snapshot("s1")
     branch = snap.fork(1)[0]
     grandchild = branch.fork(1)[0]
-    tree = client.lineage(grandchild.id)
+    tree = admin.lineage(grandchild.id)
     assert tree.id == parent.id and tree.kind == "sandbox"
     assert [c.id for c in tree.children] == [snap.id]
     assert [c.id for c in tree.children[0].children] == [branch.id]
@@ -252,7 +243,7 @@ def test_follow_lineage_and_the_cli(client: Client, traced: Daemon, tmp_path: Pa
     def cli(*args: str) -> str:
         return subprocess.run(
             [sys.executable, "-m", "cella.cli", *args],
-            env=traced.env(None),
+            env=daemon.env(None),
             capture_output=True,
             text=True,
             check=True,
@@ -300,7 +291,7 @@ def test_follow_lineage_and_the_cli(client: Client, traced: Daemon, tmp_path: Pa
             "--out",
             str(tmp_path / "out2"),
         ],
-        env=traced.env(None),
+        env=daemon.env(None),
         capture_output=True,
         text=True,
     )
