@@ -74,8 +74,9 @@ def serve(
         app = create_gateway_app(settings, ray, node_root)
     else:
         from cella.server.app import create_app
+        from cella.server.compat import ADAPTERS
 
-        app = create_app(settings)
+        app = create_app(settings, ADAPTERS)
     uvicorn.run(
         app,
         host=host,

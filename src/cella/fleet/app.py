@@ -7,8 +7,6 @@ call on a sandbox is streamed to and from its node as is (bodies, JSON Lines, We
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +15,23 @@ from fastapi.responses import JSONResponse
 
 from cella import errors
 from cella.config import DaemonSettings
+from cella.fleet import langsmith
 from cella.fleet.gateway import Gateway
+from cella.fleet.node_client import Node
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
 from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
-from cella.server.deps import Auth, principal
+from cella.server.app import build_app, routes
+from cella.server.deps import Auth
+from cella.server.front import serve
+from cella.server.routes import evals, keys
 from cella.server.routes.egress import SecretName
-from cella.service.keys import require_admin
+from cella.server.sockets import bearer, opened
+from cella.service.keys import Principal, require_admin
+
+Placed = tuple[Node, Principal]  # a sandbox's node, and the caller acting there
 
 
 def create_gateway_app(
@@ -33,40 +39,19 @@ def create_gateway_app(
 ) -> FastAPI:
     gateway = Gateway(settings, address, node_root)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.shutdown()
-
-    from cella.server import ui
-    from cella.server.app import install_error_handlers
-    from cella.server.routes import evals, keys
-
-    app = FastAPI(
+    app = build_app(
+        settings,
         title="cella fleet gateway",
-        version="1",
         description="One cella API for the node daemons of a Ray cluster.",
-        lifespan=lifespan,
+        open_front=lambda: gateway,
+        doors=[
+            routes(keys.router),  # the gateway's own keys (and their audit log)
+            routes(evals.router),  # runs are kept by the gateway (before the catch-all)
+            routes(router(gateway)),
+            lambda app: langsmith.install(app, gateway),
+        ],
     )
-    app.state.settings = settings
-    app.state.daemon = gateway  # what the shared routes' dependencies read: `.keys`
-    install_error_handlers(app)
-    from cella.server.audit import AuditKeyUse
-
-    app.add_middleware(AuditKeyUse, keep=settings.audit_keep)  # the gateway's own keys
-    app.include_router(keys.router)
-    app.include_router(evals.router)  # runs are kept by the gateway (before the catch-all)
-    app.include_router(router(gateway))
-    ui.install(app)
-    from cella.server.forwarded import ForwardedProto
-
-    app.add_middleware(ForwardedProto)  # behind a proxy that terminates TLS
-    from cella.fleet import langsmith
-
-    langsmith.install(app, gateway)
+    serve(app, gateway)  # already, for an app driven in process without its lifespan
     return app
 
 
@@ -207,27 +192,26 @@ def router(gateway: Gateway) -> APIRouter:
         tenant): answered by one node."""
         return await forward(request, gateway.membership.any_node(), who)
 
+    async def placed(ws: WebSocket, sandbox_id: str, tenant: str | None = None) -> Placed:
+        who = bearer(ws, tenant)
+        return await gateway.locator.node_of(who, sandbox_id), who
+
+    # the relay accepts a socket once the node has accepted its own
     @api.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/connect")
     async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
-        try:
-            who = principal(ws, ws.headers.get("authorization"))
-            node = await gateway.locator.node_of(who, sandbox_id)
-        except errors.CellaError as exc:
-            await ws.close(code=4403, reason=exc.message[:120])
-            return
-        await relay_websocket(ws, node, who)
+        found = await opened(ws, lambda: placed(ws, sandbox_id), accept=False)
+        if found is not None:
+            await relay_websocket(ws, *found)
 
     @api.websocket("/v1/sandboxes/{sandbox_id}/terminal")
     async def terminal(ws: WebSocket, sandbox_id: str) -> None:
         """The web console's terminal, relayed to the sandbox's node."""
-        try:
-            who = principal(ws, ws.headers.get("authorization"), ws.query_params.get("tenant"))
-            node = await gateway.locator.node_of(who, sandbox_id)
-        except errors.CellaError as exc:
-            await ws.accept()
-            await ws.close(code=4000 + exc.status, reason=exc.message[:120])
-            return
-        await relay_websocket(ws, node, who)
+        tenant = ws.query_params.get("tenant")
+        found = await opened(
+            ws, lambda: placed(ws, sandbox_id, tenant), accept=False, accept_refusal=True
+        )
+        if found is not None:
+            await relay_websocket(ws, *found)
 
     @api.websocket("/v1/services/{sandbox_id}/{rest:path}")
     async def service_ws(ws: WebSocket, sandbox_id: str, rest: str) -> None:

@@ -16,8 +16,9 @@ from cella.fleet.launch import shape_of
 from cella.fleet.node_client import Node
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.server.compat.langsmith.create import SNAPSHOT_FIELDS, read_create
-from cella.server.compat.langsmith.shapes import DATAPLANE, PREFIXES
+from cella.server.compat.langsmith.shapes import DATAPLANE, ERROR_SHAPE, PREFIXES
 from cella.server.deps import Caller, api_key_caller
+from cella.server.error_shapes import add_error_shape
 
 PAGE = 500  # what one node is asked for at most when the gateway pages a merged list
 
@@ -26,6 +27,7 @@ def install(app: FastAPI, gateway: Gateway) -> None:
     for prefix in PREFIXES:
         app.include_router(control(gateway, prefix))
     app.include_router(dataplane(gateway))
+    add_error_shape(app, ERROR_SHAPE)  # its SDK reads the same errors as from a node
 
 
 def control(gateway: Gateway, prefix: str) -> APIRouter:

@@ -1,86 +1,95 @@
-"""The REST API under /v1 (FastAPI). Routes are thin: the daemon's service rooms do the work."""
+"""The HTTP apps (FastAPI). `build_app` is what every cella app is, a node daemon's or a fleet
+gateway's: its error shapes, its doors (sets of routes), the web console, and the
+middleware that sees every request. `create_app` is a node daemon's: cella's REST API
+under /v1, whose routes are thin (the daemon's service rooms do the work), and the
+foreign APIs it is given beside it."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import APIRouter, FastAPI
+from starlette.middleware import Middleware
 
-from cella import errors
 from cella.config import DaemonSettings
+from cella.server import ui
+from cella.server.audit import AuditKeyUse
+from cella.server.error_shapes import install_error_handlers
+from cella.server.forwarded import ForwardedProto
+from cella.server.front import Served, serve
+from cella.server.hosts import HostRouting
+from cella.server.routes import (
+    egress,
+    evals,
+    files,
+    host,
+    keys,
+    ports,
+    sandboxes,
+    snapshots,
+    templates,
+    terminal,
+)
+from cella.service.daemon import Daemon
 
-log = logging.getLogger("cella.server")
+Door = Callable[[FastAPI], None]  # installs a set of routes (and what they need) on an app
+API = (sandboxes, ports, snapshots, files, keys, egress, templates, host, evals, terminal)
 
 
-def create_app(settings: DaemonSettings | None = None) -> FastAPI:
-    settings = settings or DaemonSettings()
+def routes(router: APIRouter) -> Door:
+    return lambda app: app.include_router(router)
+
+
+def build_app(
+    settings: DaemonSettings,
+    *,
+    title: str,
+    description: str,
+    open_front: Callable[[], Served],
+    doors: Sequence[Door],
+    inner: Sequence[Middleware] = (),
+) -> FastAPI:
+    """An app served by what `open_front` opens when the app starts (and shuts down when it
+    stops), with `doors` installed in order (the first route that matches a request takes
+    it), then the web console; `inner` middleware sees requests after the audit log."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from cella.service.daemon import Daemon
-
-        daemon = Daemon.open(settings)
-        app.state.daemon = daemon
+        front = open_front()
+        serve(app, front)
         try:
-            await daemon.start()
+            await front.start()
             yield
         finally:
-            await daemon.shutdown()
+            await front.shutdown()
 
-    app = FastAPI(
-        title="cella",
-        version="1",
-        description="MicroVM sandboxes for AI coding agents.",
-        lifespan=lifespan,
-    )
+    app = FastAPI(title=title, version="1", description=description, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
-
-    from cella.server.routes import (
-        egress,
-        evals,
-        files,
-        host,
-        keys,
-        ports,
-        sandboxes,
-        snapshots,
-        templates,
-        terminal,
-    )
-
-    app.include_router(sandboxes.router)
-    app.include_router(ports.router)
-    app.include_router(snapshots.router)
-    app.include_router(files.router)
-    app.include_router(keys.router)
-    app.include_router(egress.router)
-    app.include_router(templates.router)
-    app.include_router(host.router)
-    app.include_router(evals.router)
-    app.include_router(terminal.router)
-    from cella.server.compat import e2b, langsmith
-
-    langsmith.install(app)
-    e2b.install(app)
-    from cella.server import ui
-
+    for door in doors:
+        door(app)
     ui.install(app)
-    from cella.server.hosts import HostRouting
-
-    app.add_middleware(HostRouting, domain=settings.ports_domain, own_ports=e2b.OWN_PORTS)
-    from cella.server.audit import AuditKeyUse
-
+    for cls, args, kwargs in inner:
+        app.add_middleware(cls, *args, **kwargs)
     app.add_middleware(AuditKeyUse, keep=settings.audit_keep)
-    from cella.server.forwarded import ForwardedProto
+    app.add_middleware(ForwardedProto)  # outermost: behind a proxy that terminates TLS
+    return app
 
-    app.add_middleware(ForwardedProto)
+
+def create_app(settings: DaemonSettings | None = None, adapters: Sequence[Door] = ()) -> FastAPI:
+    """A node daemon's app. `adapters` install the foreign APIs it serves beside /v1
+    (`cella.server.compat.ADAPTERS`, what `cella serve` gives it: LangSmith's and E2B's)."""
+    settings = settings or DaemonSettings()
+    app = build_app(
+        settings,
+        title="cella",
+        description="MicroVM sandboxes for AI coding agents.",
+        open_front=lambda: Daemon.open(settings),
+        doors=[*(routes(api.router) for api in API), *adapters],
+        inner=[Middleware(HostRouting, domain=settings.ports_domain)],
+    )
 
     @app.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
@@ -91,55 +100,3 @@ def create_app(settings: DaemonSettings | None = None) -> FastAPI:
         return daemon.health()  # type: ignore[no-any-return]
 
     return app
-
-
-def describe(problems: Sequence[Any]) -> str:
-    """Validation errors (pydantic's) as one line: `field: what is wrong; ...`."""
-    parts = []
-    for err in list(problems)[:10]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
-
-
-def error_body(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(errors.CellaError)
-    async def cella_error(request: Request, exc: errors.CellaError) -> JSONResponse:
-        from cella.server.compat import e2b, langsmith
-
-        if e2b.envd.owns(request):  # each foreign SDK reads its own shape
-            return e2b.envd.error_response(request, exc)  # type: ignore[return-value]
-        if e2b.owns(request.url.path):
-            status, body = e2b.error_response(exc)
-            return JSONResponse(body, status_code=status)
-        if request.url.path.startswith(langsmith.PREFIXES):  # its SDK reads its own shape
-            dataplane = "/dataplane/" in request.url.path
-            status, body = langsmith.error_response(exc, dataplane)
-            headers = {"retry-after": "0"} if status == 429 else None
-            return JSONResponse(body, status_code=status, headers=headers)
-        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await cella_error(request, errors.InvalidArgument(describe(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        from cella.server.compat import e2b
-
-        if e2b.owns(request.url.path):
-            body = {"code": exc.status_code, "message": str(exc.detail)}
-            return JSONResponse(body, status_code=exc.status_code)
-        code = {404: "not_found", 405: "method_not_allowed", 401: "unauthenticated"}.get(
-            exc.status_code, "http_error"
-        )
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body("internal", f"{type(exc).__name__}"), status_code=500)

@@ -5,13 +5,10 @@ headers, so nothing a request carries (file contents, secret values) is logged."
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cella.server.front import Front
 from cella.service.keys import Principal
-from cella.store import KeyUse
-from cella.store.db import now
 
 
 class AuditKeyUse:
@@ -43,17 +40,10 @@ class AuditKeyUse:
 
     def _record(self, scope: Scope, status: int) -> None:
         who: Principal | None = scope.get("state", {}).get("key_use")
-        daemon: Any = getattr(scope["app"].state, "daemon", None)
-        if who is None or who.key_id is None or daemon is None:
+        front: Front | None = getattr(scope["app"].state, "daemon", None)
+        if who is None or front is None:
             return
         client = scope.get("client")
-        use = KeyUse(
-            key_id=who.key_id,
-            tenant=who.tenant,
-            at=now(),
-            method=scope.get("method") or "WEBSOCKET",
-            path=scope["path"],
-            status=status,
-            client=f"{client[0]}:{client[1]}" if client else None,
-        )
-        daemon.store.add_key_uses([use], self.keep)
+        method = scope.get("method") or "WEBSOCKET"
+        where = f"{client[0]}:{client[1]}" if client else None
+        front.keys.record_use(who, method, scope["path"], status, where, self.keep)

@@ -1,4 +1,6 @@
-"""What routes depend on: the daemon, the caller (`Auth`), and JSON Lines framing."""
+"""What routes depend on: the daemon (`DaemonDep`), or for the routes a fleet gateway serves
+too, whichever of the two serves them (`FrontDep`); the caller (`Auth`); JSON Lines
+framing."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from starlette.requests import HTTPConnection
 
 from cella import errors
 from cella.models.keys import TENANT
+from cella.server.front import Front, front_of
 from cella.service.daemon import Daemon
 from cella.service.keys import (
     READ_ONLY_HEADER,
@@ -52,7 +55,7 @@ def admitted(conn: HTTPConnection, key: str, tenant: str | None) -> Principal:
     """The principal of `key` for this request: a read-only key only reads (a WebSocket
     runs commands or carries traffic: never a read), and the request is remembered for
     the audit log of key use (`cella.server.audit`)."""
-    who = daemon(conn).keys.authenticate(key)
+    who = front_of(conn).keys.authenticate(key)
     method = conn.scope.get("method") or "WEBSOCKET"
     conn.state.key_use = who  # before any refusal: refused uses are logged too
     require_write(who, method)
@@ -63,7 +66,7 @@ def from_session(conn: HTTPConnection, token: str, tenant: str | None) -> Princi
     """The principal of a web console session (its cookie). Whatever is not a read needs the
     session's CSRF token (header, or `csrf` query parameter for WebSockets, which also
     must come from this origin)."""
-    sessions = daemon(conn).sessions
+    sessions = front_of(conn).sessions
     who = sessions.principal(token)
     method = conn.scope.get("method") or "WEBSOCKET"
     conn.state.key_use = who
@@ -113,7 +116,8 @@ def api_key_caller(
 
 Auth = Annotated[Principal, Depends(principal)]
 Caller = Annotated[Principal, Depends(api_key_caller)]
-Service = Annotated[Daemon, Depends(daemon)]
+DaemonDep = Annotated[Daemon, Depends(daemon)]
+FrontDep = Annotated[Front, Depends(front_of)]
 
 
 def jsonl(obj: Any) -> bytes:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE
-from cella.store import KeyRecord, Store
+from cella.store import KeyRecord, KeyUse, Store
+from cella.store.db import now
 
 ADMIN_TENANT = "admin"
 
@@ -74,6 +76,29 @@ class Keys:
         require_admin(who)
         if not self.store.revoke_key(key_id):
             raise errors.NotFound(f"no key {key_id!r}")
+
+    # -- the audit log of key use ---------------------------------------------------------
+
+    def record_use(
+        self, who: Principal, method: str, path: str, status: int, client: str | None, keep: int
+    ) -> None:
+        """One request made with `who`'s key (the newest `keep` are kept)."""
+        if who.key_id is None:
+            return
+        use = KeyUse(
+            key_id=who.key_id,
+            tenant=who.tenant,
+            at=now(),
+            method=method,
+            path=path,
+            status=status,
+            client=client,
+        )
+        self.store.add_key_uses([use], keep)
+
+    def uses(self, key_id: str | None, tenant: str | None, limit: int) -> Sequence[KeyUse]:
+        """The newest uses, newest first, of one key or one tenant's keys (or all)."""
+        return self.store.key_uses(key_id, tenant, limit)
 
 
 def require_write(who: Principal, method: str) -> None:

@@ -126,6 +126,24 @@ class Ports:
         if not hmac.compare_digest(token.encode(), self.traffic_token(sandbox_id).encode()):
             raise errors.PermissionDenied("this sandbox's ports need its traffic access token")
 
+    def host_caller(
+        self, sandbox_id: str, port: int, *, access: str, traffic: str, service_token: str
+    ) -> str:
+        """The tenant a request to a port by host name acts for: anyone's, when the
+        sandbox's ports are public; else only with its traffic token (E2B's) or a service
+        token. The code interpreter's port takes the sandbox's access token, public or not."""
+        row = self.registry.store.get_sandbox(sandbox_id)
+        if row is None:
+            raise errors.NotFound(f"no sandbox {sandbox_id}")
+        if port == INTERPRETER_PORT:
+            self.check_access(row.id, access)
+        elif not row.network.public_ports:
+            if traffic:
+                self.check_traffic(row.id, traffic)
+            else:
+                self.verify(service_token, sandbox_id, port)
+        return row.tenant
+
     def _sign(self, body: str) -> bytes:
         return hmac.new(self._key, body.encode(), hashlib.sha256).digest()
 

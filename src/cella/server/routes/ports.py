@@ -28,13 +28,14 @@ from fastapi import APIRouter, Path, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from starlette.datastructures import URL
 
-from cella import errors
 from cella.guest.client import GuestStream
 from cella.models import ExposedPort, ExposeRequest
-from cella.server.deps import Auth, Service, daemon, principal
+from cella.server.deps import Auth, DaemonDep, daemon
 from cella.server.hosts import ROUTED_HOST
+from cella.server.sockets import bearer, opened
+from cella.server.websocket_relay import relay
 from cella.service.daemon import Daemon
-from cella.service.ports import INTERPRETER_PORT, HttpResponse, ServiceToken, guest_path
+from cella.service.ports import HttpResponse, ServiceToken, guest_path
 
 router = APIRouter(tags=["ports"])
 PortP = Annotated[int, Path(ge=1, le=65535, description="TCP port inside the sandbox")]
@@ -80,7 +81,7 @@ def exposed(request: Request, token: ServiceToken) -> ExposedPort:
 
 @router.post("/v1/sandboxes/{sandbox_id}/ports/{port}/expose", response_model=ExposedPort)
 async def expose(
-    sandbox_id: str, port: PortP, body: ExposeRequest, request: Request, svc: Service, who: Auth
+    sandbox_id: str, port: PortP, body: ExposeRequest, request: Request, svc: DaemonDep, who: Auth
 ) -> ExposedPort:
     """A service URL for a server listening on `port` inside the sandbox."""
     return exposed(request, svc.ports.mint(who.tenant, sandbox_id, port, body.expires_in_seconds))
@@ -106,7 +107,7 @@ SERVICE_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     include_in_schema=False,
 )
 async def service(
-    sandbox_id: str, port: PortP, path: str, request: Request, svc: Service
+    sandbox_id: str, port: PortP, path: str, request: Request, svc: DaemonDep
 ) -> Response:
     token = svc.ports.verify(_token(request, sandbox_id, port) or "", sandbox_id, port)
     if TOKEN_QUERY in request.query_params:  # a browser: the cookie, then the clean URL
@@ -134,7 +135,7 @@ async def service(
     include_in_schema=False,
 )
 async def by_host(
-    sandbox_id: str, port: PortP, path: str, request: Request, svc: Service
+    sandbox_id: str, port: PortP, path: str, request: Request, svc: DaemonDep
 ) -> Response:
     """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`): its own origin. Asked for
     by this path on the daemon's host instead, it is served as a service URL is."""
@@ -147,20 +148,14 @@ async def by_host(
 
 
 def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> str:
-    """The tenant a request to a port by host name acts for: anyone's, when the sandbox's
-    ports are public; else only with its traffic token (E2B's) or a service token. The
-    code interpreter's port takes the sandbox's access token, public or not."""
-    row = svc.store.get_sandbox(sandbox_id)
-    if row is None:
-        raise errors.NotFound(f"no sandbox {sandbox_id}")
-    if port == INTERPRETER_PORT:
-        svc.ports.check_access(row.id, conn.headers.get(ACCESS_HEADER, ""))
-    elif not row.network.public_ports:
-        if traffic := conn.headers.get(TRAFFIC_HEADER):
-            svc.ports.check_traffic(row.id, traffic)
-        else:
-            svc.ports.verify(_token(conn, sandbox_id, port) or "", sandbox_id, port)
-    return row.tenant
+    """The tenant a request to a port by host name acts for (`Ports.host_caller`)."""
+    return svc.ports.host_caller(
+        sandbox_id,
+        port,
+        access=conn.headers.get(ACCESS_HEADER, ""),
+        traffic=conn.headers.get(TRAFFIC_HEADER, ""),
+        service_token=_token(conn, sandbox_id, port) or "",
+    )
 
 
 async def _forward(
@@ -276,13 +271,14 @@ async def by_host_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str
 async def _relay(
     ws: WebSocket, sandbox_id: str, port: int, path: str, caller: Callable[[Daemon], str]
 ) -> None:
-    from cella.server.websocket_relay import relay
-
     svc = daemon(ws)
-    try:
-        stream = await svc.ports.open(caller(svc), sandbox_id, port)
-    except errors.CellaError as exc:
-        await ws.close(code=4403, reason=exc.message[:120])
+
+    async def guest_port() -> GuestStream:
+        return await svc.ports.open(caller(svc), sandbox_id, port)
+
+    # accepted by the relay once the guest's server has accepted
+    stream = await opened(ws, guest_port, accept=False)
+    if stream is None:
         return
     target = guest_path(path) + (f"?{ws.url.query}" if ws.url.query else "")
     await relay(ws, stream, port, target)
@@ -291,15 +287,13 @@ async def _relay(
 @router.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/connect")
 async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
     """One TCP connection to `port` inside the sandbox, as binary messages both ways."""
-    svc = daemon(ws)
-    try:
-        who = principal(ws, ws.headers.get("authorization"))
-        stream = await svc.ports.open(who.tenant, sandbox_id, port)
-    except errors.CellaError as exc:
-        await ws.close(code=4000 + exc.status, reason=exc.message[:120])
-        return
-    await ws.accept()
-    await pipe(ws, stream)
+
+    async def guest_port() -> GuestStream:
+        return await daemon(ws).ports.open(bearer(ws).tenant, sandbox_id, port)
+
+    stream = await opened(ws, guest_port)
+    if stream is not None:
+        await pipe(ws, stream)
 
 
 async def pipe(ws: WebSocket, stream: GuestStream) -> None:

@@ -28,7 +28,7 @@ from cella.models import (
     encode_data,
     parse_pairs,
 )
-from cella.server.deps import Auth, Service, jsonl
+from cella.server.deps import Auth, DaemonDep, jsonl
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -36,14 +36,14 @@ ID = Annotated[str, "sandbox id"]
 
 
 @router.post("", status_code=201, response_model=Sandbox)
-async def create_sandbox(body: SandboxCreate, svc: Service, who: Auth) -> Sandbox:
+async def create_sandbox(body: SandboxCreate, svc: DaemonDep, who: Auth) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
     return Sandbox.model_validate(await svc.create(who.tenant, body))
 
 
 @router.get("", response_model=SandboxList)
 async def list_sandboxes(
-    svc: Service,
+    svc: DaemonDep,
     who: Auth,
     state: SandboxState | None = None,
     label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
@@ -58,37 +58,37 @@ async def list_sandboxes(
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)
-async def get_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
+async def get_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     return Sandbox.model_validate(svc.registry.get(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/stop", response_model=Sandbox)
-async def stop_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
+async def stop_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     """Ends every process in the sandbox; its file system is kept."""
     return Sandbox.model_validate(await svc.lifecycle.stop(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/pause", response_model=Sandbox)
-async def pause_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
+async def pause_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     """Freezes the sandbox: no CPU, memory and processes kept for `resume`."""
     return Sandbox.model_validate(await svc.lifecycle.pause(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/resume", response_model=Sandbox)
-async def resume_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Sandbox:
+async def resume_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     """Paused: runs on with its processes. Stopped: boots again on the same disk."""
     return Sandbox.model_validate(await svc.lifecycle.resume(who.tenant, sandbox_id))
 
 
 @router.delete("/{sandbox_id}", status_code=204)
-async def delete_sandbox(sandbox_id: ID, svc: Service, who: Auth) -> Response:
+async def delete_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Response:
     """Destroys the sandbox and frees its disk."""
     await svc.lifecycle.delete(who.tenant, sandbox_id)
     return Response(status_code=204)
 
 
 @router.get("/{sandbox_id}/usage", response_model=SandboxUsage)
-async def sandbox_usage(sandbox_id: ID, svc: Service, who: Auth) -> SandboxUsage:
+async def sandbox_usage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> SandboxUsage:
     """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
     return SandboxUsage.model_validate(await svc.usage.usage(who.tenant, sandbox_id))
 
@@ -100,7 +100,7 @@ Types = Annotated[list[str] | None, Query(alias="type", description="only these 
 @router.get("/{sandbox_id}/events", response_model=EventList)
 async def sandbox_events(
     sandbox_id: ID,
-    svc: Service,
+    svc: DaemonDep,
     who: Auth,
     after: After = 0,
     types: Types = None,
@@ -124,7 +124,7 @@ async def sandbox_events(
 )
 async def stream_events(
     sandbox_id: ID,
-    svc: Service,
+    svc: DaemonDep,
     who: Auth,
     after: After = 0,
     types: Types = None,
@@ -141,24 +141,24 @@ async def stream_events(
 
 
 @router.get("/{sandbox_id}/processes", response_model=ProcessList)
-async def list_processes(sandbox_id: ID, svc: Service, who: Auth) -> ProcessList:
+async def list_processes(sandbox_id: ID, svc: DaemonDep, who: Auth) -> ProcessList:
     """Commands that outlive their connection, e.g. the image's `entrypoint`."""
     return ProcessList(processes=[p.summary() for p in svc.processes.list(who.tenant, sandbox_id)])
 
 
 @router.get("/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
-async def get_process(sandbox_id: ID, process_id: str, svc: Service, who: Auth) -> ProcessInfo:
+async def get_process(sandbox_id: ID, process_id: str, svc: DaemonDep, who: Auth) -> ProcessInfo:
     return svc.processes.get(who.tenant, sandbox_id, process_id).info()
 
 
 @router.get("/{sandbox_id}/lineage", response_model=LineageNode)
-async def sandbox_lineage(sandbox_id: ID, svc: Service, who: Auth) -> LineageNode:
+async def sandbox_lineage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> LineageNode:
     """The family the sandbox belongs to, from its first ancestor: snapshots and forks."""
     return LineageNode.model_validate(svc.trace.lineage(who.tenant, sandbox_id))
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult)
-async def exec_command(sandbox_id: ID, body: ExecRequest, svc: Service, who: Auth) -> ExecResult:
+async def exec_command(sandbox_id: ID, body: ExecRequest, svc: DaemonDep, who: Auth) -> ExecResult:
     """Runs a command to completion and returns its exit status and output."""
     return await svc.exec.run(who.tenant, sandbox_id, body)
 
@@ -174,7 +174,7 @@ async def exec_command(sandbox_id: ID, body: ExecRequest, svc: Service, who: Aut
     },
 )
 async def exec_stream(
-    sandbox_id: ID, body: ExecRequest, svc: Service, who: Auth
+    sandbox_id: ID, body: ExecRequest, svc: DaemonDep, who: Auth
 ) -> StreamingResponse:
     """Runs a command and streams started/stdout/stderr/exit events as JSON Lines."""
     svc.exec.check(who.tenant, sandbox_id)  # unknown or stopped sandboxes fail before streaming

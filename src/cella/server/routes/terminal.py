@@ -19,7 +19,8 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from cella import errors
 from cella.models import ExecRequest
-from cella.server.deps import daemon, principal
+from cella.server.deps import daemon
+from cella.server.sockets import bearer, opened
 from cella.service.processes import Process, ProcessSpec
 
 router = APIRouter(tags=["sandboxes"])
@@ -38,9 +39,9 @@ async def terminal(
 ) -> None:
     """`tenant`: an admin key acting for that tenant (a browser cannot set headers on a
     WebSocket); a refusal is a close with code 4000 + the HTTP status, and its reason."""
-    svc = daemon(ws)
-    try:
-        who = principal(ws, ws.headers.get("authorization"), tenant)
+
+    async def shell() -> Process:
+        who = bearer(ws, tenant)
         if not (1 <= cols <= MAX_SIZE and 1 <= rows <= MAX_SIZE):
             raise errors.InvalidArgument(f"cols and rows must be 1-{MAX_SIZE}")
         spec = ProcessSpec(
@@ -50,14 +51,12 @@ async def terminal(
             kill_on_disconnect=True,
             ttl=10.0,
         )
-        proc = await svc.processes.start(
-            who.tenant, sandbox_id, f"terminal-{secrets.token_hex(6)}", spec
-        )
-    except errors.CellaError as exc:
-        await ws.accept()  # then closed with the reason: a browser sees no refused handshake's
-        await ws.close(code=4000 + exc.status, reason=exc.message[:120])
+        name = f"terminal-{secrets.token_hex(6)}"
+        return await daemon(ws).processes.start(who.tenant, sandbox_id, name, spec)
+
+    proc = await opened(ws, shell, accept_refusal=True)  # a browser reads the reason
+    if proc is None:
         return
-    await ws.accept()
     async with proc.attached():
         await _relay(ws, proc)
 

@@ -21,7 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cella import errors
-from cella.server.deps import CSRF_HEADER, SESSION_COOKIE, daemon
+from cella.server.deps import CSRF_HEADER, SESSION_COOKIE
+from cella.server.front import front_of
 from cella.service.sessions import Sessions
 
 STATIC = Path(__file__).parent / "static"
@@ -71,7 +72,7 @@ class SecurityHeaders:
 
 
 def _sessions(request: Request) -> Sessions:
-    return daemon(request).sessions
+    return front_of(request).sessions
 
 
 def _logged_in(request: Request) -> bool:

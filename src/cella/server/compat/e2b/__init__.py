@@ -5,10 +5,12 @@
 from fastapi import FastAPI
 
 from cella.server.compat.e2b import control, envd
-from cella.server.compat.e2b.shapes import error_response, owns
+from cella.server.compat.e2b.shapes import ERROR_SHAPE
+from cella.server.error_shapes import ErrorShape, add_error_shape
+from cella.server.hosts import add_own_ports
 from cella.service.ports import INTERPRETER_PORT
 
-__all__ = ["OWN_PORTS", "error_response", "install", "owns"]
+__all__ = ["OWN_PORTS", "install"]
 
 # the guest services E2B's SDK reaches by host name, `{port}-{sandbox_id}.{domain}`, and
 # the header that names the sandbox when it reaches them at E2B_SANDBOX_URL instead
@@ -18,3 +20,6 @@ OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", INTERPRETER_PORT: "e2b-sandbox-id
 def install(app: FastAPI) -> None:
     app.include_router(control.router())
     app.include_router(envd.router())
+    add_error_shape(app, ErrorShape(envd.owns, envd.error_response))  # envd's, then the API's
+    add_error_shape(app, ERROR_SHAPE)
+    add_own_ports(app, OWN_PORTS)

@@ -7,8 +7,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from cella import errors
 from cella.models import SandboxState
+from cella.server.error_shapes import ErrorShape
 from cella.store import SandboxRecord
 from cella.store.records import epoch
 
@@ -34,6 +39,20 @@ def error_response(exc: errors.CellaError) -> tuple[int, dict[str, Any]]:
     """E2B's `{code, message}` (the SDK reads both before it looks at the status)."""
     status = exc.status if exc.status < 500 or exc.status in (502, 503, 504) else 500
     return status, {"code": status, "message": exc.message}
+
+
+def render_error(_: Request, exc: errors.CellaError) -> Response:
+    status, body = error_response(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def render_http_error(exc: StarletteHTTPException) -> Response:
+    body = {"code": exc.status_code, "message": str(exc.detail)}
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+# the control plane's errors, the framework's own (no such route, method) included
+ERROR_SHAPE = ErrorShape(lambda request: owns(request.url.path), render_error, render_http_error)
 
 
 def template_id(row: SandboxRecord) -> str:

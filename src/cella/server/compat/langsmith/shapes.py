@@ -6,11 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from cella import errors
 from cella.models import ExecDefaults, SandboxState
-from cella.server.app import describe
+from cella.server.error_shapes import ErrorShape, describe
 from cella.store import SandboxRecord, SnapshotRecord
 
 PREFIXES = ("/api/v2/sandboxes", "/v2/sandboxes")
@@ -131,6 +133,15 @@ def error_response(exc: errors.CellaError, dataplane: bool) -> tuple[int, dict[s
         return 404, {"detail": {"error": "FileNotFound", "message": exc.message}}
     status, kind = ERRORS.get(exc.code, (500 if exc.status >= 500 else exc.status, exc.code))
     return status, {"detail": {"error": kind, "message": exc.message}}
+
+
+def render_error(request: Request, exc: errors.CellaError) -> Response:
+    status, body = error_response(exc, "/dataplane/" in request.url.path)
+    headers = {"retry-after": "0"} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+ERROR_SHAPE = ErrorShape(lambda request: request.url.path.startswith(PREFIXES), render_error)
 
 
 def not_supported(what: str) -> errors.CellaError:

@@ -1,0 +1,49 @@
+"""What the routes a node daemon and a fleet gateway both serve (API keys and their audit
+log, the web console's sessions, eval runs, and every caller's authentication) use of the
+process that serves them. `Daemon` and the fleet's `Gateway` both implement it; mypy
+checks each where an app is given the one it serves (`serve`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection
+
+from cella.service.evals import Evals
+from cella.service.keys import Keys, Principal
+from cella.service.sessions import Sessions
+
+
+class Front(Protocol):
+    @property
+    def keys(self) -> Keys: ...
+
+    @property
+    def sessions(self) -> Sessions: ...
+
+    @property
+    def evals(self) -> Evals: ...
+
+    async def snapshot_id(self, who: Principal, ref: str) -> str:
+        """The id of the caller's snapshot `ref` (an id, name or name:tag)."""
+        ...
+
+
+class Served(Front, Protocol):
+    """A front with a life of its own: started before its app takes requests, shut down
+    after the app's last one."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def serve(app: Starlette, front: Front) -> None:
+    """`front` answers the app's requests from now on."""
+    app.state.daemon = front
+
+
+def front_of(conn: HTTPConnection) -> Front:
+    found: Front = conn.app.state.daemon
+    return found
