@@ -7,29 +7,32 @@ from fastapi.responses import FileResponse
 
 from cella.models import ForkRequest, Sandbox, SandboxList, Snapshot, SnapshotCreate, SnapshotList
 from cella.models.fleet import SnapshotExport, SnapshotImport
-from cella.server.deps import Auth, Service
+from cella.server.deps import Auth, DaemonDep
 from cella.service.keys import require_admin
+from cella.service.transfer import NodeSource
 
 router = APIRouter(tags=["snapshots"])
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=Snapshot)
 async def create_snapshot(
-    sandbox_id: str, body: SnapshotCreate, svc: Service, who: Auth
+    sandbox_id: str, body: SnapshotCreate, svc: DaemonDep, who: Auth
 ) -> Snapshot:
     """Saves the sandbox's disk and memory; it keeps running afterwards."""
     return Snapshot.model_validate(await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name))
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxList)
-async def fork_sandbox(sandbox_id: str, body: ForkRequest, svc: Service, who: Auth) -> SandboxList:
+async def fork_sandbox(
+    sandbox_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
+) -> SandboxList:
     """`count` isolated copies of a running sandbox, sharing unchanged disk and memory."""
-    rows = await svc.snapshots.fork(who.tenant, sandbox_id, body.count)
+    rows = await svc.forks.fork(who.tenant, sandbox_id, body.count)
     return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 
 @router.get("/v1/snapshots", response_model=SnapshotList)
-async def list_snapshots(svc: Service, who: Auth, all_tenants: bool = False) -> SnapshotList:
+async def list_snapshots(svc: DaemonDep, who: Auth, all_tenants: bool = False) -> SnapshotList:
     if all_tenants:
         require_admin(who, "list every tenant's snapshots")
     rows = svc.snapshots.find(None if all_tenants else who.tenant)
@@ -37,22 +40,22 @@ async def list_snapshots(svc: Service, who: Auth, all_tenants: bool = False) -> 
 
 
 @router.get("/v1/snapshots/{snapshot_id}", response_model=Snapshot)
-async def get_snapshot(snapshot_id: str, svc: Service, who: Auth) -> Snapshot:
+async def get_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> Snapshot:
     """A snapshot by id, `name:tag` or bare name (as `snapshot` in a create takes them)."""
     return Snapshot.model_validate(svc.snapshots.resolve(who.tenant, snapshot_id))
 
 
 @router.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, response_model=SandboxList)
 async def fork_snapshot(
-    snapshot_id: str, body: ForkRequest, svc: Service, who: Auth
+    snapshot_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
 ) -> SandboxList:
     """`count` new sandboxes restored from the snapshot (its checksums are checked first)."""
-    rows = await svc.snapshots.fork_snapshot(who.tenant, snapshot_id, body.count)
+    rows = await svc.forks.fork_snapshot(who.tenant, snapshot_id, body.count)
     return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 
 @router.delete("/v1/snapshots/{snapshot_id}", status_code=204)
-async def delete_snapshot(snapshot_id: str, svc: Service, who: Auth) -> Response:
+async def delete_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> Response:
     """Refused (409 in_use) while a sandbox or another snapshot is built on it."""
     await svc.snapshots.delete(who.tenant, snapshot_id)
     return Response(status_code=204)
@@ -66,27 +69,25 @@ class BigChunks(FileResponse):
 
 
 @router.get("/v1/snapshots/{snapshot_id}/export", response_model=SnapshotExport)
-async def export_snapshot(snapshot_id: str, svc: Service, who: Auth) -> SnapshotExport:
+async def export_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> SnapshotExport:
     """What another node needs to take the snapshot in (any tenant's)."""
     require_admin(who, "export a snapshot")
-    return await svc.snapshots.export(snapshot_id)
+    return await svc.shipping.export(snapshot_id)
 
 
 @router.get("/v1/snapshots/{snapshot_id}/files/{name}", response_class=FileResponse)
-async def snapshot_file(snapshot_id: str, name: str, svc: Service, who: Auth) -> FileResponse:
+async def snapshot_file(snapshot_id: str, name: str, svc: DaemonDep, who: Auth) -> FileResponse:
     """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work."""
     require_admin(who, "read a snapshot's files")
-    return BigChunks(svc.snapshots.file(snapshot_id, name))
+    return BigChunks(svc.shipping.file(snapshot_id, name))
 
 
 @router.post("/v1/snapshots/import", status_code=201, response_model=Snapshot)
-async def import_snapshot(body: SnapshotImport, svc: Service, who: Auth) -> Snapshot:
+async def import_snapshot(body: SnapshotImport, svc: DaemonDep, who: Auth) -> Snapshot:
     """Takes in another node's snapshot (and those its disk sits on), checked against its
     manifest; a snapshot already here is returned as it is."""
-    from cella.fleet.transfer import NodeSource
-
     require_admin(who, "import a snapshot")
     source = NodeSource(body.source_url, body.source_key, body.source_ca)
     export = await source.export(body.snapshot_id)
-    row = await svc.snapshots.take_in(export, source.export, source.pull)
+    row = await svc.shipping.take_in(export, source.export, source.pull)
     return Snapshot.model_validate(row)
