@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from cella import errors
 from cella.models import BuildEvent, Template, TemplateBuild, TemplateList
-from cella.server.deps import Auth, Service, jsonl
+from cella.server.deps import Auth, DaemonDep, jsonl
+from cella.service.background import Background
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
@@ -26,28 +27,30 @@ PROGRESS: dict[int | str, dict[str, Any]] = {
 
 
 @router.get("", response_model=TemplateList)
-async def list_templates(svc: Service, who: Auth) -> TemplateList:
+async def list_templates(svc: DaemonDep, who: Auth) -> TemplateList:
     return TemplateList(templates=svc.templates.list())
 
 
 @router.get("/{name}", response_model=Template)
-async def get_template(name: str, svc: Service, who: Auth) -> Template:
+async def get_template(name: str, svc: DaemonDep, who: Auth) -> Template:
     return svc.templates.get(name)
 
 
 @router.post("", response_class=StreamingResponse, responses=PROGRESS)
-async def build_template(body: TemplateBuild, svc: Service, who: Auth) -> StreamingResponse:
+async def build_template(body: TemplateBuild, svc: DaemonDep, who: Auth) -> StreamingResponse:
     """Builds (or rebuilds) a template from an OCI/Docker image: fetch, unpack, file system,
     warm snapshot. The same image digest again is a cache hit."""
     require_admin(who, "build templates")
-    return _stream(lambda progress: svc.templates.build_image(who.tenant, body, progress))
+    return _stream(
+        svc.background, lambda progress: svc.templates.build_image(who.tenant, body, progress)
+    )
 
 
 @router.post("/{name}/dockerfile", response_class=StreamingResponse, responses=PROGRESS)
 async def build_dockerfile(
     name: str,
     request: Request,
-    svc: Service,
+    svc: DaemonDep,
     who: Auth,
     dockerfile: str = "Dockerfile",
     allow: Annotated[list[str] | None, Query(description="hosts the build may reach")] = None,
@@ -60,6 +63,7 @@ async def build_dockerfile(
     # listener takes the request's remaining messages
     spool = await _spool(request, svc.files.max_upload_bytes)
     return _stream(
+        svc.background,
         lambda progress: svc.templates.build_dockerfile(
             who.tenant,
             name,
@@ -68,12 +72,12 @@ async def build_dockerfile(
             dockerfile=dockerfile,
             allow=allow,
             disk_mib=disk_mib,
-        )
+        ),
     )
 
 
 @router.delete("/{name}", status_code=204)
-async def delete_template(name: str, svc: Service, who: Auth) -> Response:
+async def delete_template(name: str, svc: DaemonDep, who: Auth) -> Response:
     """Removes a template built from an image (409 while sandboxes or snapshots use it)."""
     require_admin(who, "remove templates")
     await svc.templates.delete(name)
@@ -99,9 +103,11 @@ async def _chunks(spool: IO[bytes]) -> AsyncIterator[bytes]:
             yield chunk
 
 
-def _stream(build: Callable[[Callable[[str], None]], Awaitable[Template]]) -> StreamingResponse:
-    """Runs the build as a task of its own (a client that goes away does not stop it) and
-    streams its progress, then its outcome."""
+def _stream(
+    background: Background, build: Callable[[Callable[[str], None]], Awaitable[Template]]
+) -> StreamingResponse:
+    """Runs the build as a task of the daemon's own (a client that goes away does not stop
+    it, the daemon's shutdown does) and streams its progress, then its outcome."""
     queue: asyncio.Queue[BuildEvent] = asyncio.Queue()
 
     def progress(line: str) -> None:
@@ -116,9 +122,7 @@ def _stream(build: Callable[[Callable[[str], None]], Awaitable[Template]]) -> St
         except Exception as exc:
             queue.put_nowait(BuildEvent(type="error", code="internal", message=repr(exc)))
 
-    task = asyncio.create_task(run(), name="template-build")
-    _builds.add(task)
-    task.add_done_callback(_builds.discard)
+    background.start(run(), name="template-build")
 
     async def lines() -> AsyncIterator[bytes]:
         while True:
@@ -128,6 +132,3 @@ def _stream(build: Callable[[Callable[[str], None]], Awaitable[Template]]) -> St
                 return
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
-_builds: set[asyncio.Task[None]] = set()  # running builds, kept from the garbage collector
