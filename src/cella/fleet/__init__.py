@@ -1,5 +1,5 @@
 """A fleet of cella node daemons on a Ray cluster, behind one gateway.
 
-Only `cluster`, `node_actor`, `gateway` and `evals` import Ray (the `cella[ray]` extra); the
-single-host daemon imports nothing from here.
+`cluster` and `node_actor` import Ray (the `cella[ray]` extra), and with them `membership`
+(so the gateway) and `evals`; the single-host daemon imports nothing from here.
 """
