@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import json
 import struct
-from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,6 +20,7 @@ from cella import errors
 STREAM_TYPE = "application/connect+json"  # exactly: the SDK refuses any parameter
 END_STREAM = 0x02
 MAX_MESSAGE = 16 << 20
+Handler = TypeVar("Handler")
 # cella's error codes as Connect's, with the HTTP status Connect gives each
 CODES: dict[str, str] = {
     "not_found": "not_found",
@@ -50,6 +51,14 @@ STATUS = {
     "unimplemented": 501,
     "internal": 500,
 }
+
+
+def method_of(table: Mapping[str, Handler], service: str, method: str) -> Handler:
+    """The handler of an RPC method of `service`, or a refusal that names it."""
+    handler = table.get(method)
+    if handler is None:
+        raise errors.InvalidArgument(f"not supported by cella: {service}/{method}")
+    return handler
 
 
 def connect_error(exc: errors.CellaError) -> tuple[int, dict[str, str]]:

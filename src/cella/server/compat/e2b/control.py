@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from cella import errors
 from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate, SandboxUpdate
 from cella.models.sandbox import MAX_LIFETIME_SECONDS
-from cella.server.app import describe
 from cella.server.compat.e2b.shapes import (
     BASE,
     Access,
@@ -27,7 +26,8 @@ from cella.server.compat.e2b.shapes import (
     sandbox_json,
     state_of,
 )
-from cella.server.deps import Caller, Service
+from cella.server.deps import Caller, DaemonDep
+from cella.server.error_shapes import describe
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
 from cella.store import SandboxRecord
@@ -64,13 +64,13 @@ def router() -> APIRouter:
 
     @api.post("/v2/sandboxes", status_code=201)
     @api.post("/sandboxes", status_code=201)
-    async def create(svc: Service, who: Caller, body: JsonBody) -> Json:
+    async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         spec = create_spec(svc, who, body)
         return shown(svc, await svc.create(who.tenant, spec))
 
     @api.get("/v2/sandboxes")
     @api.get("/sandboxes")
-    async def list_sandboxes(request: Request, svc: Service, who: Caller) -> Response:
+    async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Response:
         q = request.query_params
         rows = [r for r in svc.registry.find(who.tenant) if r.state not in ("deleting", "error")]
         wanted = metadata_filter(q.get("metadata"))
@@ -93,24 +93,26 @@ def router() -> APIRouter:
         return JSONResponse(listed, headers=headers)
 
     @api.get("/sandboxes/{sandbox_id}")
-    async def get(sandbox_id: str, svc: Service, who: Caller) -> Json:
+    async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
         row = sandbox(svc, who, sandbox_id)
         return detail_json(row, access(svc, row), disk_of(svc, row))
 
     @api.delete("/sandboxes/{sandbox_id}", status_code=204)
-    async def kill(sandbox_id: str, svc: Service, who: Caller) -> Response:
+    async def kill(sandbox_id: str, svc: DaemonDep, who: Caller) -> Response:
         sandbox(svc, who, sandbox_id)
         await svc.lifecycle.delete(who.tenant, sandbox_id)
         return Response(status_code=204)
 
     @api.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
-    async def set_timeout(sandbox_id: str, svc: Service, who: Caller, body: JsonBody) -> Response:
+    async def set_timeout(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
         row = sandbox(svc, who, sandbox_id)
         await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
         return Response(status_code=204)
 
     @api.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-    async def pause(sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None) -> Response:
+    async def pause(
+        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
+    ) -> Response:
         row = sandbox(svc, who, sandbox_id)
         if state_of(row) == "paused":
             raise errors.InvalidState(f"sandbox {sandbox_id} is already paused")
@@ -124,7 +126,7 @@ def router() -> APIRouter:
     @api.post("/sandboxes/{sandbox_id}/connect")
     @api.post("/sandboxes/{sandbox_id}/resume")
     async def connect(
-        sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None
+        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
     ) -> Response:
         """200 if it was running, 201 if it was resumed (paused or stopped)."""
         body = body or {}
@@ -141,14 +143,14 @@ def router() -> APIRouter:
 
     @api.post("/sandboxes/{sandbox_id}/fork", status_code=201)
     async def fork(
-        sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None
+        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
     ) -> list[Json]:
         body = body or {}
         sandbox(svc, who, sandbox_id)
         count = int_param(body.get("count"), 1, "count")
         if not 1 <= count <= 20:
             raise errors.InvalidArgument("count must be 1-20")
-        rows = await svc.snapshots.fork(who.tenant, sandbox_id, count)
+        rows = await svc.forks.fork(who.tenant, sandbox_id, count)
         if body.get("timeout") is not None:
             rows = [
                 await svc.lifecycle.update(who.tenant, r.id, ttl_seconds=lifetime(r, body))
@@ -157,7 +159,9 @@ def router() -> APIRouter:
         return [{"sandbox": shown(svc, r)} for r in rows]
 
     @api.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-    async def snapshot(sandbox_id: str, svc: Service, who: Caller, body: MaybeBody = None) -> Json:
+    async def snapshot(
+        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
+    ) -> Json:
         body = body or {}
         sandbox(svc, who, sandbox_id)
         if body.get("memory") is False:
@@ -167,7 +171,7 @@ def router() -> APIRouter:
         return {"snapshotID": snap.id, "names": [name]}
 
     @api.get("/snapshots")
-    async def list_snapshots(request: Request, svc: Service, who: Caller) -> Response:
+    async def list_snapshots(request: Request, svc: DaemonDep, who: Caller) -> Response:
         q = request.query_params
         rows = [s for s in svc.snapshots.find(who.tenant) if s.state == "ready"]
         if source := q.get("sandboxID"):
@@ -183,7 +187,7 @@ def router() -> APIRouter:
         return JSONResponse(page, headers=headers)
 
     @api.delete("/templates/{ref:path}", status_code=204)
-    async def delete_snapshot(ref: str, svc: Service, who: Caller) -> Response:
+    async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
         """E2B deletes snapshots as templates: by id or name."""
         snap = svc.snapshots.resolve(who.tenant, unquote(ref))
         await svc.snapshots.delete(who.tenant, snap.id)
@@ -291,5 +295,5 @@ def int_param(value: Any, default: int, name: str) -> int:
 
 def disk_of(svc: Daemon, row: SandboxRecord) -> int:
     with contextlib.suppress(errors.CellaError):
-        return svc.driver.template_disk_mib(row.template)
+        return svc.templates.disk_mib(row.template)
     return 0

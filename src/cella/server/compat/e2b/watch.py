@@ -1,13 +1,13 @@
 """Watching a directory for E2B's SDK: the guest's listing is polled (the agent has no
 inotify) and compared, so creations, writes (size or mtime changed) and removals are seen
-within a poll; a rename shows as a removal and a creation. A watcher nobody reads for
+within a poll; a rename shows as a removal and a creation. A recursive watch sees what the
+files room's walk reaches (its bounds on depth and entries). A watcher nobody reads for
 `IDLE` seconds stops by itself."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import posixpath
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -15,27 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cella import errors
-from cella.guest.protocol import Entry
+from cella.service.background import Background
 from cella.service.files import Files
 
 POLL = 0.25
 IDLE = 600.0
-MAX_ENTRIES = 20_000
 Seen = dict[str, tuple[str, int, int]]  # relative path -> (kind, size, mtime)
 
 
 async def listing(files: Files, tenant: str, sandbox_id: str, root: str, recursive: bool) -> Seen:
-    seen: Seen = {}
-    pending = [""]
-    while pending:
-        below = pending.pop()
-        entries: list[Entry] = await files.list(tenant, sandbox_id, posixpath.join(root, below))
-        for entry in entries:
-            name = posixpath.join(below, entry.name)
-            seen[name] = (entry.kind, entry.size, entry.mtime_ns)
-            if recursive and entry.kind == "dir" and len(seen) < MAX_ENTRIES:
-                pending.append(name)
-    return seen
+    walk = files.walk(tenant, sandbox_id, root, depth=None if recursive else 1)
+    return {
+        found.relative: (found.entry.kind, found.entry.size, found.entry.mtime_ns)
+        async for found in walk
+    }
 
 
 def changes(before: Seen, after: Seen) -> list[dict[str, Any]]:
@@ -82,14 +75,21 @@ class Watchers:
         self._all: dict[str, Watcher] = {}
 
     async def create(
-        self, files: Files, tenant: str, sandbox_id: str, root: str, recursive: bool
+        self,
+        background: Background,
+        files: Files,
+        tenant: str,
+        sandbox_id: str,
+        root: str,
+        recursive: bool,
     ) -> Watcher:
         entry = await files.stat(tenant, sandbox_id, root)
         if entry.kind != "dir":
             raise errors.NotADirectory(f"{root} is not a directory")
         seen = await listing(files, tenant, sandbox_id, root, recursive)
         watcher = Watcher(secrets.token_hex(8), tenant, sandbox_id, root, recursive, files, seen)
-        watcher.task = asyncio.create_task(watcher.poll(), name=f"watch-{watcher.id}")
+        # the daemon's task: its shutdown stops the poll
+        watcher.task = background.start(watcher.poll(), name=f"watch-{watcher.id}")
         watcher.task.add_done_callback(lambda _: self._all.pop(watcher.id, None))
         self._all[watcher.id] = watcher
         return watcher

@@ -22,7 +22,7 @@ from cella.server.compat.langsmith.shapes import (
     sandbox_json,
     snapshot_json,
 )
-from cella.server.deps import Caller, Service
+from cella.server.deps import Caller, DaemonDep
 from cella.service.daemon import Daemon
 from cella.service.lifecycle import UNSET
 from cella.store import SandboxRecord, SnapshotRecord
@@ -46,9 +46,9 @@ def router(prefix: str) -> APIRouter:
     # -- boxes --------------------------------------------------------------------------
 
     @api.post("/boxes")
-    async def create_box(request: Request, svc: Service, who: Caller, body: JsonBody) -> Json:
+    async def create_box(request: Request, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         spec = create_spec(svc, who.tenant, body)
-        task = asyncio.ensure_future(svc.create(who.tenant, spec))
+        task = svc.background.start(svc.create(who.tenant, spec), name=f"create-{spec.name}")
         if body.get("wait_for_ready", True):
             timeout = float(body.get("timeout") or 30)
             try:
@@ -65,17 +65,17 @@ def router(prefix: str) -> APIRouter:
         return shown(svc, request, await task)
 
     @api.get("/boxes")
-    async def list_boxes(request: Request, svc: Service, who: Caller) -> Json:
+    async def list_boxes(request: Request, svc: DaemonDep, who: Caller) -> Json:
         rows = svc.registry.find(who.tenant)
         return {"sandboxes": [shown(svc, request, r) for r in rows if r.state != "deleting"]}
 
     @api.get("/boxes/{name}")
-    async def get_box(name: str, request: Request, svc: Service, who: Caller) -> Json:
+    async def get_box(name: str, request: Request, svc: DaemonDep, who: Caller) -> Json:
         return shown(svc, request, box(svc, who.tenant, name))
 
     @api.patch("/boxes/{name}")
     async def update_box(
-        name: str, request: Request, svc: Service, who: Caller, body: JsonBody
+        name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
         row = box(svc, who.tenant, name)
         unknown = set(body) - {"name", "idle_ttl_seconds", "delete_after_stop_seconds",
@@ -97,31 +97,31 @@ def router(prefix: str) -> APIRouter:
         return shown(svc, request, row)
 
     @api.delete("/boxes/{name}", status_code=204)
-    async def delete_box(name: str, svc: Service, who: Caller) -> Response:
+    async def delete_box(name: str, svc: DaemonDep, who: Caller) -> Response:
         await svc.lifecycle.delete(who.tenant, box(svc, who.tenant, name).id)
         return Response(status_code=204)
 
     @api.get("/boxes/{name}/status")
-    async def box_status(name: str, request: Request, svc: Service, who: Caller) -> Json:
+    async def box_status(name: str, request: Request, svc: DaemonDep, who: Caller) -> Json:
         view = shown(svc, request, box(svc, who.tenant, name))
         return {"status": view["status"], "status_message": view["status_message"]}
 
     @api.post("/boxes/{name}/start")
-    async def start_box(name: str, svc: Service, who: Caller) -> Json:
+    async def start_box(name: str, svc: DaemonDep, who: Caller) -> Json:
         row = box(svc, who.tenant, name)
         # booting takes seconds: the SDK polls /status for it
-        background(svc.lifecycle.resume(who.tenant, row.id))
+        svc.background.start(svc.lifecycle.resume(who.tenant, row.id), name=f"start-{row.id}")
         return {"status": "provisioning"}
 
     @api.post("/boxes/{name}/stop")
-    async def stop_box(name: str, svc: Service, who: Caller) -> Json:
+    async def stop_box(name: str, svc: DaemonDep, who: Caller) -> Json:
         row = box(svc, who.tenant, name)
-        background(svc.lifecycle.stop(who.tenant, row.id))
+        svc.background.start(svc.lifecycle.stop(who.tenant, row.id), name=f"stop-{row.id}")
         return {"status": "stopped"}
 
     @api.post("/boxes/{name}/service-url")
     async def service_url(
-        name: str, request: Request, svc: Service, who: Caller, body: JsonBody
+        name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
         row = box(svc, who.tenant, name)
         if body.get("access"):
@@ -143,14 +143,14 @@ def router(prefix: str) -> APIRouter:
         }
 
     @api.post("/boxes/{name}/download-url")
-    async def download_url(name: str, svc: Service, who: Caller) -> Json:
+    async def download_url(name: str, svc: DaemonDep, who: Caller) -> Json:
         box(svc, who.tenant, name)
         raise not_supported("pre-signed download URLs; read the file through the data plane")
 
     # -- snapshots ------------------------------------------------------------------------
 
     @api.post("/boxes/{name}/snapshot")
-    async def capture(name: str, svc: Service, who: Caller, body: JsonBody) -> Json:
+    async def capture(name: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         row = box(svc, who.tenant, name)
         if body.get("docker_image"):
             raise not_supported("exporting a Docker image from inside a sandbox")
@@ -162,7 +162,7 @@ def router(prefix: str) -> APIRouter:
         return snapshot_view(svc, who.tenant, snap)
 
     @api.post("/snapshots")
-    async def create_snapshot(svc: Service, who: Caller, body: JsonBody) -> Json:
+    async def create_snapshot(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         raise not_supported(
             f"building a snapshot from the image {body.get('docker_image')!r}: an operator "
             "makes a template of it (`cella template build NAME --from-image REF`); capture "
@@ -171,7 +171,7 @@ def router(prefix: str) -> APIRouter:
 
     @api.get("/snapshots")
     async def list_snapshots(
-        svc: Service,
+        svc: DaemonDep,
         who: Caller,
         name_contains: str | None = None,
         limit: int = Query(default=50, ge=1, le=500),
@@ -187,7 +187,7 @@ def router(prefix: str) -> APIRouter:
         }
 
     @api.get("/snapshots/{ref:path}")
-    async def get_snapshot(ref: str, svc: Service, who: Caller) -> Json:
+    async def get_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Json:
         try:
             snap = svc.snapshots.resolve(who.tenant, ref)
         except errors.NotFound:
@@ -195,14 +195,14 @@ def router(prefix: str) -> APIRouter:
         return snapshot_view(svc, who.tenant, snap)
 
     @api.get("/snapshots-by-name/{name:path}")
-    async def snapshot_tags(name: str, svc: Service, who: Caller) -> Json:
+    async def snapshot_tags(name: str, svc: DaemonDep, who: Caller) -> Json:
         if ":" in name:
             raise errors.InvalidArgument("a snapshot name has no tag (drop ':tag')")
         tags = svc.snapshots.tags(who.tenant, name)
         return {"name": name, "tags": [{"tag": t, "snapshot_id": sid} for t, sid in tags]}
 
     @api.delete("/snapshots/{ref:path}", status_code=204)
-    async def delete_snapshot(ref: str, svc: Service, who: Caller) -> Response:
+    async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
         snap = svc.snapshots.resolve(who.tenant, ref)
         await svc.snapshots.delete(who.tenant, snap.id)
         return Response(status_code=204)
@@ -250,22 +250,5 @@ def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
 
 def fs_mib(svc: Daemon, template: str) -> int:
     with contextlib.suppress(errors.CellaError):
-        return svc.driver.template_disk_mib(template)
+        return svc.templates.disk_mib(template)
     return 0
-
-
-_tasks: set[asyncio.Task[Any]] = set()
-
-
-def background(coro: Any) -> None:
-    """Start and stop run on after the answer (the SDK polls); their errors land in the
-    sandbox's state, not in a request."""
-    task = asyncio.ensure_future(coro)
-    _tasks.add(task)
-    task.add_done_callback(_finished)
-
-
-def _finished(task: asyncio.Task[Any]) -> None:
-    _tasks.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: its outcome is in the sandbox's state
