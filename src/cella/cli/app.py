@@ -120,7 +120,7 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
 
 
 from cella.cli import eval as eval_cli  # noqa: E402
-from cella.cli import fleet, keys, sandbox, secret, snapshot, template  # noqa: E402
+from cella.cli import files, fleet, keys, sandbox, secret, snapshot, template  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 
@@ -151,6 +151,7 @@ def mcp(
 
 
 app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(files.app, name="files")
 app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(secret.app, name="secret")

@@ -32,6 +32,11 @@ def describe(event: Event) -> str:
         return f"wrote {d.get('path')} ({_size(d.get('size'))}, sha256 {str(d.get('sha256'))[:12]})"
     if kind == "file_remove":
         return f"removed {d.get('path')}" + (" (recursive)" if d.get("recursive") else "")
+    if kind == "file_move":
+        return f"moved {d.get('source')} to {d.get('destination')}"
+    if kind == "chown":
+        owner = f"{d.get('user')}:{d.get('group') or ''}"
+        return f"gave {d.get('path')} to {owner}" + (" (recursive)" if d.get("recursive") else "")
     if kind == "archive_upload":
         return f"unpacked an archive into {d.get('path')} ({_size(d.get('size'))})"
     if kind == "egress":

@@ -23,6 +23,7 @@ from cella.models import (
     ExecResult,
     ExposedPort,
     FileEntry,
+    FileWalk,
     HeaderRule,
     KeyRotation,
     KeyUseInfo,
@@ -708,6 +709,32 @@ class Files:
         except errors.NotFound:
             return False
         return True
+
+    def walk(self, path: str, *, depth: int | None = None, limit: int | None = None) -> FileWalk:
+        """The entries under the directory `path`, breadth first (each with its `path`):
+        `depth` levels down and at most `limit` of them, as deep and as many as the
+        daemon's bounds allow when not given; `truncated` says a bound ended the walk."""
+        params: dict[str, Any] = {"path": path}
+        if depth is not None:
+            params["depth"] = depth
+        if limit is not None:
+            params["limit"] = limit
+        response = self._request("GET", "/walk", params=params)
+        return FileWalk.model_validate(response.json())
+
+    def move(self, source: str, destination: str) -> FileEntry:
+        """Renames a file or directory (a file at `destination` is replaced)."""
+        body = {"source": source, "destination": destination}
+        response = self._request("POST", "/move", json=body)
+        return FileEntry.model_validate(response.json())
+
+    def chown(
+        self, path: str, user: str, group: str | None = None, *, recursive: bool = False
+    ) -> None:
+        """Gives `path` (`recursive`: and all below it) to `user` and `group` (without one,
+        the user's login group)."""
+        body = {"path": path, "user": user, "group": group, "recursive": recursive}
+        self._request("POST", "/chown", json=body)
 
     def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
         self._request("POST", "/mkdir", json={"path": path, "parents": parents, "mode": mode})

@@ -4,7 +4,7 @@ import { badge, bytes, h, time } from "../dom.js";
 
 const GROUPS = {
   exec: ["exec"],
-  files: ["file_write", "file_remove", "mkdir", "chmod"],
+  files: ["file_write", "file_remove", "file_move", "mkdir", "chmod", "chown"],
   egress: ["egress"],
   limits: ["limit_hit"],
   lifecycle: null, // everything else
