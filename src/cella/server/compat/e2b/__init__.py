@@ -18,8 +18,8 @@ OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", INTERPRETER_PORT: "e2b-sandbox-id
 
 
 def install(app: FastAPI) -> None:
-    app.include_router(control.router())
-    app.include_router(envd.router())
+    app.include_router(control.router)
+    app.include_router(envd.router)
     add_error_shape(app, ErrorShape(envd.owns, envd.error_response))  # envd's, then the API's
     add_error_shape(app, ERROR_SHAPE)
     add_own_ports(app, OWN_PORTS)

@@ -44,156 +44,159 @@ def not_supported(what: str) -> errors.CellaError:
     return errors.InvalidArgument(f"not supported by cella: {what}")
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    def access(svc: Daemon, row: SandboxRecord) -> Access:
-        # every sandbox has a traffic token, public or not: it is all E2B's code
-        # interpreter SDK sends with its `/contexts` calls
-        traffic = svc.ports.traffic_token(row.id)
-        return Access(svc.ports.access_token(row.id), traffic, svc.settings.ports_domain)
 
-    def shown(svc: Daemon, row: SandboxRecord) -> Json:
-        return sandbox_json(row, access(svc, row))
+def access(svc: Daemon, row: SandboxRecord) -> Access:
+    # every sandbox has a traffic token, public or not: it is all E2B's code
+    # interpreter SDK sends with its `/contexts` calls
+    traffic = svc.ports.traffic_token(row.id)
+    return Access(svc.ports.access_token(row.id), traffic, svc.settings.ports_domain)
 
-    def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
-        try:
-            return svc.registry.get(who.tenant, sandbox_id)
-        except errors.NotFound:
-            raise errors.NotFound(f"sandbox {sandbox_id} not found") from None
 
-    @api.post("/v2/sandboxes", status_code=201)
-    @api.post("/sandboxes", status_code=201)
-    async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
-        spec = create_spec(svc, who, body)
-        return shown(svc, await svc.create(who.tenant, spec))
+def shown(svc: Daemon, row: SandboxRecord) -> Json:
+    return sandbox_json(row, access(svc, row))
 
-    @api.get("/v2/sandboxes")
-    @api.get("/sandboxes")
-    async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Response:
-        q = request.query_params
-        rows = [r for r in svc.registry.find(who.tenant) if r.state not in ("deleting", "error")]
-        wanted = metadata_filter(q.get("metadata"))
-        rows = [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
-        if states := q.get("state"):
-            rows = [r for r in rows if state_of(r) in states.split(",")]
-        if template := q.get("template"):
-            rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
-        if q.get("order") == "desc":
-            rows.reverse()
-        start = page_start(q.get("nextToken"))
-        limit = int_param(q.get("limit"), 100, "limit")
-        page = rows[start : start + limit]
-        headers = {}
-        if start + limit < len(rows):
-            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-        listed = []
-        for r in page:
-            listed.append(detail_json(r, None, disk_of(svc, r)))
-        return JSONResponse(listed, headers=headers)
 
-    @api.get("/sandboxes/{sandbox_id}")
-    async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
-        row = sandbox(svc, who, sandbox_id)
-        return detail_json(row, access(svc, row), disk_of(svc, row))
+def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
+    try:
+        return svc.registry.get(who.tenant, sandbox_id)
+    except errors.NotFound:
+        raise errors.NotFound(f"sandbox {sandbox_id} not found") from None
 
-    @api.delete("/sandboxes/{sandbox_id}", status_code=204)
-    async def kill(sandbox_id: str, svc: DaemonDep, who: Caller) -> Response:
-        sandbox(svc, who, sandbox_id)
-        await svc.lifecycle.delete(who.tenant, sandbox_id)
-        return Response(status_code=204)
 
-    @api.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
-    async def set_timeout(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
-        row = sandbox(svc, who, sandbox_id)
-        await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
-        return Response(status_code=204)
+@router.post("/v2/sandboxes", status_code=201)
+@router.post("/sandboxes", status_code=201)
+async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    spec = create_spec(svc, who, body)
+    return shown(svc, await svc.create(who.tenant, spec))
 
-    @api.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-    async def pause(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
-    ) -> Response:
-        row = sandbox(svc, who, sandbox_id)
-        if state_of(row) == "paused":
-            raise errors.InvalidState(f"sandbox {sandbox_id} is already paused")
-        if (body or {}).get("memory") is False:  # the filesystem only: a stop
-            await svc.lifecycle.stop(who.tenant, row.id)
-        else:
-            await svc.lifecycle.pause(who.tenant, row.id)
-        return Response(status_code=204)
 
-    @api.post("/v2/sandboxes/{sandbox_id}/connect")
-    @api.post("/sandboxes/{sandbox_id}/connect")
-    @api.post("/sandboxes/{sandbox_id}/resume")
-    async def connect(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
-    ) -> Response:
-        """200 if it was running, 201 if it was resumed (paused or stopped)."""
-        body = body or {}
-        row = sandbox(svc, who, sandbox_id)
-        status = 200
-        if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
-            row = await svc.lifecycle.resume(who.tenant, row.id)
-            row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
-            status = 201
-        elif body.get("timeout") is not None and row.ttl_seconds is not None:
-            longer = max(lifetime(row, body), row.ttl_seconds)  # only ever extended
-            row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=longer)
-        return JSONResponse(shown(svc, row), status_code=status)
+@router.get("/v2/sandboxes")
+@router.get("/sandboxes")
+async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Response:
+    q = request.query_params
+    rows = [r for r in svc.registry.find(who.tenant) if r.state not in ("deleting", "error")]
+    wanted = metadata_filter(q.get("metadata"))
+    rows = [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
+    if states := q.get("state"):
+        rows = [r for r in rows if state_of(r) in states.split(",")]
+    if template := q.get("template"):
+        rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
+    if q.get("order") == "desc":
+        rows.reverse()
+    start = page_start(q.get("nextToken"))
+    limit = int_param(q.get("limit"), 100, "limit")
+    page = rows[start : start + limit]
+    headers = {}
+    if start + limit < len(rows):
+        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    listed = []
+    for r in page:
+        listed.append(detail_json(r, None, disk_of(svc, r)))
+    return JSONResponse(listed, headers=headers)
 
-    @api.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-    async def fork(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
-    ) -> list[Json]:
-        body = body or {}
-        sandbox(svc, who, sandbox_id)
-        count = int_param(body.get("count"), 1, "count")
-        if not 1 <= count <= 20:
-            raise errors.InvalidArgument("count must be 1-20")
-        rows = await svc.forks.fork(who.tenant, sandbox_id, count)
-        if body.get("timeout") is not None:
-            rows = [
-                await svc.lifecycle.update(who.tenant, r.id, ttl_seconds=lifetime(r, body))
-                for r in rows
-            ]
-        return [{"sandbox": shown(svc, r)} for r in rows]
 
-    @api.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-    async def snapshot(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None
-    ) -> Json:
-        body = body or {}
-        sandbox(svc, who, sandbox_id)
-        if body.get("memory") is False:
-            raise not_supported("filesystem-only snapshots (cella's keep memory too)")
-        name = str(body.get("name") or f"snapshot-of-{sandbox_id}")
-        snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest")
-        return {"snapshotID": snap.id, "names": [name]}
+@router.get("/sandboxes/{sandbox_id}")
+async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
+    row = sandbox(svc, who, sandbox_id)
+    return detail_json(row, access(svc, row), disk_of(svc, row))
 
-    @api.get("/snapshots")
-    async def list_snapshots(request: Request, svc: DaemonDep, who: Caller) -> Response:
-        q = request.query_params
-        rows = [s for s in svc.snapshots.find(who.tenant) if s.state == "ready"]
-        if source := q.get("sandboxID"):
-            rows = [s for s in rows if s.sandbox_id == source]
-        if name := q.get("name"):
-            rows = [s for s in rows if s.name == name]
-        start = page_start(q.get("nextToken"))
-        limit = int_param(q.get("limit"), 100, "limit")
-        headers = {}
-        if start + limit < len(rows):
-            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-        page = [{"snapshotID": s.id, "names": [s.name]} for s in rows[start : start + limit]]
-        return JSONResponse(page, headers=headers)
 
-    @api.delete("/templates/{ref:path}", status_code=204)
-    async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
-        """E2B deletes snapshots as templates: by id or name."""
-        snap = svc.snapshots.resolve(who.tenant, unquote(ref))
-        await svc.snapshots.delete(who.tenant, snap.id)
-        return Response(status_code=204)
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, svc: DaemonDep, who: Caller) -> Response:
+    sandbox(svc, who, sandbox_id)
+    await svc.lifecycle.delete(who.tenant, sandbox_id)
+    return Response(status_code=204)
 
-    return api
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
+    row = sandbox(svc, who, sandbox_id)
+    await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Response:
+    row = sandbox(svc, who, sandbox_id)
+    if state_of(row) == "paused":
+        raise errors.InvalidState(f"sandbox {sandbox_id} is already paused")
+    if (body or {}).get("memory") is False:  # the filesystem only: a stop
+        await svc.lifecycle.stop(who.tenant, row.id)
+    else:
+        await svc.lifecycle.pause(who.tenant, row.id)
+    return Response(status_code=204)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/resume")
+async def connect(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Response:
+    """200 if it was running, 201 if it was resumed (paused or stopped)."""
+    body = body or {}
+    row = sandbox(svc, who, sandbox_id)
+    status = 200
+    if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
+        row = await svc.lifecycle.resume(who.tenant, row.id)
+        row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+        status = 201
+    elif body.get("timeout") is not None and row.ttl_seconds is not None:
+        longer = max(lifetime(row, body), row.ttl_seconds)  # only ever extended
+        row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=longer)
+    return JSONResponse(shown(svc, row), status_code=status)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> list[Json]:
+    body = body or {}
+    sandbox(svc, who, sandbox_id)
+    count = int_param(body.get("count"), 1, "count")
+    if not 1 <= count <= 20:
+        raise errors.InvalidArgument("count must be 1-20")
+    rows = await svc.forks.fork(who.tenant, sandbox_id, count)
+    if body.get("timeout") is not None:
+        rows = [
+            await svc.lifecycle.update(who.tenant, r.id, ttl_seconds=lifetime(r, body))
+            for r in rows
+        ]
+    return [{"sandbox": shown(svc, r)} for r in rows]
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def snapshot(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Json:
+    body = body or {}
+    sandbox(svc, who, sandbox_id)
+    if body.get("memory") is False:
+        raise not_supported("filesystem-only snapshots (cella's keep memory too)")
+    name = str(body.get("name") or f"snapshot-of-{sandbox_id}")
+    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest")
+    return {"snapshotID": snap.id, "names": [name]}
+
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request, svc: DaemonDep, who: Caller) -> Response:
+    q = request.query_params
+    rows = [s for s in svc.snapshots.find(who.tenant) if s.state == "ready"]
+    if source := q.get("sandboxID"):
+        rows = [s for s in rows if s.sandbox_id == source]
+    if name := q.get("name"):
+        rows = [s for s in rows if s.name == name]
+    start = page_start(q.get("nextToken"))
+    limit = int_param(q.get("limit"), 100, "limit")
+    headers = {}
+    if start + limit < len(rows):
+        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    page = [{"snapshotID": s.id, "names": [s.name]} for s in rows[start : start + limit]]
+    return JSONResponse(page, headers=headers)
+
+
+@router.delete("/templates/{ref:path}", status_code=204)
+async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
+    """E2B deletes snapshots as templates: by id or name."""
+    snap = svc.snapshots.resolve(who.tenant, unquote(ref))
+    await svc.snapshots.delete(who.tenant, snap.id)
+    return Response(status_code=204)
 
 
 def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:

@@ -36,15 +36,16 @@ def error_response(request: Request, exc: errors.CellaError) -> Response:
     return JSONResponse(body, status_code=status)
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
-    api.include_router(interpreter.router())
+router = APIRouter(include_in_schema=False)
+router.include_router(interpreter.router)
 
-    @api.get("/health", status_code=204)
-    async def health(request: Request) -> Response:
-        target(request)
-        return Response(status_code=204)
 
-    for room in (processes, filesystem, files):
-        api.include_router(room.router())
-    return api
+@router.get("/health", status_code=204)
+async def health(request: Request) -> Response:
+    target(request)
+    return Response(status_code=204)
+
+
+router.include_router(processes.router)
+router.include_router(filesystem.router)
+router.include_router(files.router)

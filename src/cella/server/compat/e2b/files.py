@@ -15,41 +15,39 @@ from fastapi.responses import StreamingResponse
 from cella import errors
 from cella.server.compat.e2b.target import Target, first_missing, own, target
 
+router = APIRouter(include_in_schema=False)
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
 
-    @api.get("/files")
-    async def read_file(request: Request, path: str, username: str | None = None) -> Response:
-        where = target(request, username)
-        chunks = await where.svc.files.read(where.tenant, where.sandbox_id, where.path(path))
-        return StreamingResponse(chunks, media_type="application/octet-stream")
+@router.get("/files")
+async def read_file(request: Request, path: str, username: str | None = None) -> Response:
+    where = target(request, username)
+    chunks = await where.svc.files.read(where.tenant, where.sandbox_id, where.path(path))
+    return StreamingResponse(chunks, media_type="application/octet-stream")
 
-    @api.post("/files")
-    async def write_files(
-        request: Request, path: str | None = None, username: str | None = None
-    ) -> list[dict[str, str]]:
-        where = target(request, username)
-        kind = request.headers.get("content-type", "")
-        written = []
-        if kind.startswith("multipart/form-data"):
-            form = await request.form()
-            for item in form.getlist("file"):
-                if isinstance(item, str):
-                    raise errors.InvalidArgument("a `file` part without a file")
-                dest = where.path(path or item.filename)
-                written.append(await _write(where, dest, _upload(item)))
-        else:
-            dest = where.path(path)
-            body: AsyncIterator[bytes] = request.stream()
-            if request.headers.get("content-encoding", "").lower() == "gzip":
-                body = _gunzip(body)
-            written.append(await _write(where, dest, body))
-        if not written:
-            raise errors.InvalidArgument("no file in the request")
-        return written
 
-    return api
+@router.post("/files")
+async def write_files(
+    request: Request, path: str | None = None, username: str | None = None
+) -> list[dict[str, str]]:
+    where = target(request, username)
+    kind = request.headers.get("content-type", "")
+    written = []
+    if kind.startswith("multipart/form-data"):
+        form = await request.form()
+        for item in form.getlist("file"):
+            if isinstance(item, str):
+                raise errors.InvalidArgument("a `file` part without a file")
+            dest = where.path(path or item.filename)
+            written.append(await _write(where, dest, _upload(item)))
+    else:
+        dest = where.path(path)
+        body: AsyncIterator[bytes] = request.stream()
+        if request.headers.get("content-encoding", "").lower() == "gzip":
+            body = _gunzip(body)
+        written.append(await _write(where, dest, body))
+    if not written:
+        raise errors.InvalidArgument("no file in the request")
+    return written
 
 
 async def _write(where: Target, path: str, body: AsyncIterator[bytes]) -> dict[str, str]:

@@ -23,26 +23,25 @@ TYPE_BITS = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR, "symlink": stat_
 OWNERS = {0: "root", 1000: DEFAULT_USER}
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.post("/filesystem.Filesystem/WatchDir")
-    async def watch_dir(request: Request) -> Response:
-        """The async SDK's watch: a stream of events."""
-        where = target(request)
-        body = await connect.read_first(request)
-        watcher = await new_watcher(where, body)
-        every = connect.keepalive_interval(request)
-        return connect.stream(WATCHERS.stream(watcher), {"keepalive": {}}, every)
 
-    @api.post("/filesystem.Filesystem/{method}")
-    async def filesystem(method: str, request: Request) -> Response:
-        where = target(request)
-        handler = connect.method_of(FILESYSTEM, "filesystem.Filesystem", method)
-        body = await connect.read_unary(request)
-        return connect.unary(await handler(where, body))
+@router.post("/filesystem.Filesystem/WatchDir")
+async def watch_dir(request: Request) -> Response:
+    """The async SDK's watch: a stream of events."""
+    where = target(request)
+    body = await connect.read_first(request)
+    watcher = await new_watcher(where, body)
+    every = connect.keepalive_interval(request)
+    return connect.stream(WATCHERS.stream(watcher), {"keepalive": {}}, every)
 
-    return api
+
+@router.post("/filesystem.Filesystem/{method}")
+async def filesystem(method: str, request: Request) -> Response:
+    where = target(request)
+    handler = connect.method_of(FILESYSTEM, "filesystem.Filesystem", method)
+    body = await connect.read_unary(request)
+    return connect.unary(await handler(where, body))
 
 
 def entry_json(entry: Entry, path: str) -> dict[str, Any]:

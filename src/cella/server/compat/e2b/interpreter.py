@@ -15,31 +15,29 @@ from cella.service.ports import INTERPRETER_PORT, guest_path
 FORWARDED = {"content-type", "content-length", "accept"}
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.api_route("/execute", methods=["POST"])
-    @api.api_route("/contexts", methods=["GET", "POST"])
-    @api.api_route("/contexts/{rest:path}", methods=["POST", "DELETE"])
-    async def interpreter(request: Request) -> Response:
-        svc: Daemon = daemon(request)
-        row = running(svc, request)
-        path = guest_path(request.url.path)
-        check_interpreter(svc, row.id, path, request)
-        target = path + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
-        reply = await svc.ports.http(
-            row.tenant,
-            row.id,
-            INTERPRETER_PORT,
-            request.method,
-            target,
-            headers,
-            request.stream(),
-        )
-        return guest_reply(reply, lambda _: None, sandboxed=True)
 
-    return api
+@router.api_route("/execute", methods=["POST"])
+@router.api_route("/contexts", methods=["GET", "POST"])
+@router.api_route("/contexts/{rest:path}", methods=["POST", "DELETE"])
+async def interpreter(request: Request) -> Response:
+    svc: Daemon = daemon(request)
+    row = running(svc, request)
+    path = guest_path(request.url.path)
+    check_interpreter(svc, row.id, path, request)
+    target = path + (f"?{request.url.query}" if request.url.query else "")
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
+    reply = await svc.ports.http(
+        row.tenant,
+        row.id,
+        INTERPRETER_PORT,
+        request.method,
+        target,
+        headers,
+        request.stream(),
+    )
+    return guest_reply(reply, lambda _: None, sandboxed=True)
 
 
 def check_interpreter(svc: Daemon, sandbox_id: str, path: str, request: Request) -> None:

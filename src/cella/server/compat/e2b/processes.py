@@ -23,15 +23,13 @@ PROCESS_KEEPALIVE: dict[str, Any] = {"event": {"keepalive": {}}}
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.post("/process.Process/{method}")
-    async def process(method: str, request: Request) -> Response:
-        where = target(request)
-        return await connect.method_of(PROCESS, "process.Process", method)(where, request)
 
-    return api
+@router.post("/process.Process/{method}")
+async def process(method: str, request: Request) -> Response:
+    where = target(request)
+    return await connect.method_of(PROCESS, "process.Process", method)(where, request)
 
 
 async def start(where: Target, request: Request) -> Response:

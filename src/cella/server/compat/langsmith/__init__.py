@@ -15,5 +15,5 @@ __all__ = ["ERROR_SHAPE", "PREFIXES", "install"]
 def install(app: FastAPI) -> None:
     for prefix in PREFIXES:
         app.include_router(control.router(prefix))
-    app.include_router(dataplane.router())
+    app.include_router(dataplane.router)
     add_error_shape(app, ERROR_SHAPE)

@@ -35,30 +35,30 @@ WS_CHUNK = 256 << 10  # the SDK accepts WebSocket messages up to 1 MiB
 TERMINAL = (120, 40)  # the SDK sends no size; a terminal needs one
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.websocket("/execute/ws")
-    async def execute_ws(ws: WebSocket, sandbox_id: str) -> None:
-        await serve_execute(ws, sandbox_id)
 
-    @api.post("/execute/stream/start")
-    async def execute_start(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
-    ) -> StreamingResponse:
-        await awake(svc, who, sandbox_id)
-        proc = await start_process(svc, who.tenant, sandbox_id, {**body, "close_stdin": True})
-        return StreamingResponse(sse(proc, 0, 0), media_type="text/event-stream")
+@router.websocket("/execute/ws")
+async def execute_ws(ws: WebSocket, sandbox_id: str) -> None:
+    await serve_execute(ws, sandbox_id)
 
-    @api.post("/execute/stream/resume")
-    async def execute_resume(
-        sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
-    ) -> StreamingResponse:
-        proc = svc.processes.get(who.tenant, sandbox_id, str(body.get("command_id")))
-        out, err = int(body.get("stdout_offset") or 0), int(body.get("stderr_offset") or 0)
-        return StreamingResponse(sse(proc, out, err), media_type="text/event-stream")
 
-    return api
+@router.post("/execute/stream/start")
+async def execute_start(
+    sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
+) -> StreamingResponse:
+    await awake(svc, who, sandbox_id)
+    proc = await start_process(svc, who.tenant, sandbox_id, {**body, "close_stdin": True})
+    return StreamingResponse(sse(proc, 0, 0), media_type="text/event-stream")
+
+
+@router.post("/execute/stream/resume")
+async def execute_resume(
+    sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
+) -> StreamingResponse:
+    proc = svc.processes.get(who.tenant, sandbox_id, str(body.get("command_id")))
+    out, err = int(body.get("stdout_offset") or 0), int(body.get("stderr_offset") or 0)
+    return StreamingResponse(sse(proc, out, err), media_type="text/event-stream")
 
 
 def seconds_or_none(msg: Json, field: str, default: float | None) -> float | None:

@@ -11,9 +11,7 @@ from fastapi import APIRouter
 from cella.server.compat.langsmith import commands, files, tunnels
 from cella.server.compat.langsmith.shapes import DATAPLANE
 
-
-def router() -> APIRouter:
-    api = APIRouter(prefix=DATAPLANE + "/{sandbox_id}", include_in_schema=False)
-    for room in (files, commands, tunnels):
-        api.include_router(room.router())
-    return api
+router = APIRouter(prefix=DATAPLANE + "/{sandbox_id}", include_in_schema=False)
+router.include_router(files.router)
+router.include_router(commands.router)
+router.include_router(tunnels.router)

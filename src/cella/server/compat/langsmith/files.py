@@ -28,103 +28,102 @@ GLOB_SECONDS = 10.0
 HOME = "/root"
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.post("/upload")
-    async def upload(sandbox_id: str, path: str, svc: DaemonDep, who: Caller, file: Upload) -> Json:
-        await awake(svc, who, sandbox_id)
-        target = absolute(path)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            while chunk := await file.read(256 << 10):
-                yield chunk
+@router.post("/upload")
+async def upload(sandbox_id: str, path: str, svc: DaemonDep, who: Caller, file: Upload) -> Json:
+    await awake(svc, who, sandbox_id)
+    target = absolute(path)
 
-        entry = await svc.files.write(who.tenant, sandbox_id, target, chunks(), parents=True)
-        return {"path": target, "size": entry.size}
+    async def chunks() -> AsyncIterator[bytes]:
+        while chunk := await file.read(256 << 10):
+            yield chunk
 
-    @api.api_route("/download", methods=["GET", "HEAD"])
-    async def download(
-        sandbox_id: str,
-        path: str,
-        request: Request,
-        svc: DaemonDep,
-        who: Caller,
-        range_: str | None = Header(default=None, alias="range"),
-        if_range: str | None = Header(default=None),
-        if_none_match: str | None = Header(default=None),
-    ) -> Response:
-        await awake(svc, who, sandbox_id)
-        target = absolute(path)
-        entry = await svc.files.stat(who.tenant, sandbox_id, target)
-        if entry.kind == "dir":
-            raise errors.IsADirectory(f"{target} is a directory")
-        etag = f'"{entry.size:x}-{entry.mtime_ns:x}"'
-        headers = {
-            "etag": etag,
-            "last-modified": formatdate(entry.mtime_ns / 1e9, usegmt=True),
-            "accept-ranges": "bytes",
-            "content-type": "application/octet-stream",
-        }
-        if if_none_match and etag in if_none_match:
-            return Response(status_code=304, headers=headers)
-        span = None if (if_range and if_range != etag) else byte_range(range_, entry.size)
-        if isinstance(span, str):  # unsatisfiable
-            return Response(status_code=416, headers={"content-range": f"bytes */{entry.size}"})
-        if request.method == "HEAD":
-            return Response(headers={**headers, "content-length": str(entry.size)})
-        if span is None:
-            body = await svc.files.read(who.tenant, sandbox_id, target)
-            return StreamingResponse(body, headers={**headers, "content-length": str(entry.size)})
-        first, last = span
-        headers["content-range"] = f"bytes {first}-{last}/{entry.size}"
-        headers["content-length"] = str(last - first + 1)
-        body = slice_of(svc, who.tenant, sandbox_id, target, first, last - first + 1)
-        return StreamingResponse(body, status_code=206, headers=headers)
+    entry = await svc.files.write(who.tenant, sandbox_id, target, chunks(), parents=True)
+    return {"path": target, "size": entry.size}
 
-    @api.post("/glob")
-    async def glob(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
-        await awake(svc, who, sandbox_id)
-        root = absolute(str(body.get("path") or HOME))
-        limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
-        matcher = glob_regex(str(body.get("pattern") or "*"))
-        matches, truncated = await walk(svc, who.tenant, sandbox_id, root, matcher, limit)
-        return {
-            "matches": [
-                {
-                    "path": full,
-                    "is_dir": e.kind == "dir",
-                    "size_bytes": e.size,
-                    "modified_at": time.strftime(
-                        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.mtime_ns / 1e9)
-                    ),
-                }
-                for full, e in matches
-            ],
-            "truncated": truncated,
-        }
 
-    @api.post("/grep")
-    async def grep(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
-        await awake(svc, who, sandbox_id)
-        root = absolute(str(body.get("path") or HOME))
-        limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
-        argv = ["grep", "-rnIF", "--", str(body.get("pattern") or ""), root]
-        if body.get("glob") and "/" not in body["glob"] and "**" not in body["glob"]:
-            argv[1:1] = [f"--include={body['glob']}"]
-        result = await svc.exec.run(who.tenant, sandbox_id, ExecRequest(command=argv, timeout=60))
-        matches = []
-        for line in result.stdout.decode(errors="replace").splitlines():
-            path, _, rest = line.partition(":")
-            number, _, text = rest.partition(":")
-            if number.isdigit():
-                matches.append({"path": path, "line": int(number), "text": text})
-        if body.get("glob") and ("/" in body["glob"] or "**" in body["glob"]):
-            rx = glob_regex(body["glob"])
-            matches = [m for m in matches if rx.match(posixpath.relpath(str(m["path"]), root))]
-        return {"matches": matches[:limit], "truncated": len(matches) > limit}
+@router.api_route("/download", methods=["GET", "HEAD"])
+async def download(
+    sandbox_id: str,
+    path: str,
+    request: Request,
+    svc: DaemonDep,
+    who: Caller,
+    range_: str | None = Header(default=None, alias="range"),
+    if_range: str | None = Header(default=None),
+    if_none_match: str | None = Header(default=None),
+) -> Response:
+    await awake(svc, who, sandbox_id)
+    target = absolute(path)
+    entry = await svc.files.stat(who.tenant, sandbox_id, target)
+    if entry.kind == "dir":
+        raise errors.IsADirectory(f"{target} is a directory")
+    etag = f'"{entry.size:x}-{entry.mtime_ns:x}"'
+    headers = {
+        "etag": etag,
+        "last-modified": formatdate(entry.mtime_ns / 1e9, usegmt=True),
+        "accept-ranges": "bytes",
+        "content-type": "application/octet-stream",
+    }
+    if if_none_match and etag in if_none_match:
+        return Response(status_code=304, headers=headers)
+    span = None if (if_range and if_range != etag) else byte_range(range_, entry.size)
+    if isinstance(span, str):  # unsatisfiable
+        return Response(status_code=416, headers={"content-range": f"bytes */{entry.size}"})
+    if request.method == "HEAD":
+        return Response(headers={**headers, "content-length": str(entry.size)})
+    if span is None:
+        body = await svc.files.read(who.tenant, sandbox_id, target)
+        return StreamingResponse(body, headers={**headers, "content-length": str(entry.size)})
+    first, last = span
+    headers["content-range"] = f"bytes {first}-{last}/{entry.size}"
+    headers["content-length"] = str(last - first + 1)
+    body = slice_of(svc, who.tenant, sandbox_id, target, first, last - first + 1)
+    return StreamingResponse(body, status_code=206, headers=headers)
 
-    return api
+
+@router.post("/glob")
+async def glob(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    await awake(svc, who, sandbox_id)
+    root = absolute(str(body.get("path") or HOME))
+    limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
+    matcher = glob_regex(str(body.get("pattern") or "*"))
+    matches, truncated = await walk(svc, who.tenant, sandbox_id, root, matcher, limit)
+    return {
+        "matches": [
+            {
+                "path": full,
+                "is_dir": e.kind == "dir",
+                "size_bytes": e.size,
+                "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.mtime_ns / 1e9)),
+            }
+            for full, e in matches
+        ],
+        "truncated": truncated,
+    }
+
+
+@router.post("/grep")
+async def grep(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    await awake(svc, who, sandbox_id)
+    root = absolute(str(body.get("path") or HOME))
+    limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
+    argv = ["grep", "-rnIF", "--", str(body.get("pattern") or ""), root]
+    if body.get("glob") and "/" not in body["glob"] and "**" not in body["glob"]:
+        argv[1:1] = [f"--include={body['glob']}"]
+    result = await svc.exec.run(who.tenant, sandbox_id, ExecRequest(command=argv, timeout=60))
+    matches = []
+    for line in result.stdout.decode(errors="replace").splitlines():
+        path, _, rest = line.partition(":")
+        number, _, text = rest.partition(":")
+        if number.isdigit():
+            matches.append({"path": path, "line": int(number), "text": text})
+    if body.get("glob") and ("/" in body["glob"] or "**" in body["glob"]):
+        rx = glob_regex(body["glob"])
+        matches = [m for m in matches if rx.match(posixpath.relpath(str(m["path"]), root))]
+    return {"matches": matches[:limit], "truncated": len(matches) > limit}
 
 
 def absolute(path: str) -> str:

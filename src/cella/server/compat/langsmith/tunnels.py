@@ -18,14 +18,12 @@ from cella.service.keys import Principal
 TUNNEL_OK, TUNNEL_DIAL_FAILED, TUNNEL_BAD_VERSION = b"\x00", b"\x02", b"\x03"
 
 
-def router() -> APIRouter:
-    api = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
-    @api.websocket("/tunnel")
-    async def tunnel(ws: WebSocket, sandbox_id: str) -> None:
-        await serve_tunnel(ws, sandbox_id)
 
-    return api
+@router.websocket("/tunnel")
+async def tunnel(ws: WebSocket, sandbox_id: str) -> None:
+    await serve_tunnel(ws, sandbox_id)
 
 
 async def serve_tunnel(ws: WebSocket, sandbox_id: str) -> None:
