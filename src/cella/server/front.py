@@ -1,7 +1,7 @@
 """What the routes a node daemon and a fleet gateway both serve (API keys and their audit
 log, the web console's sessions, eval runs, and every caller's authentication) use of the
 process that serves them. `Daemon` and the fleet's `Gateway` both implement it; mypy
-checks each where an app is given the one it serves (`serve`)."""
+checks each where an app is given the one it serves (`serve`, `build_app`)."""
 
 from __future__ import annotations
 
