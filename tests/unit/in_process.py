@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from cella import AsyncClient, Client
 from cella.config import DaemonSettings
 from cella.server.app import create_app
+from cella.server.compat import ADAPTERS
 from cella.service.daemon import Daemon
 from cella.store import Store
 from tests.unit.fake_runtime import FakeDriver, FakeVM
@@ -53,7 +54,7 @@ async def serving(root: Path, **settings: Any) -> AsyncIterator[InProcess]:
     )
     daemon = Daemon(config, Store(root / "cella.db"), FakeDriver(root))
     admin_key = daemon.keys.ensure_admin_key(root).read_text().strip()
-    app = create_app(config)
+    app = create_app(config, ADAPTERS)  # the foreign APIs too, as `cella serve` has them
     app.state.daemon = daemon  # what the app's lifespan does with a real runtime
     try:
         yield InProcess(app, daemon, admin_key)
