@@ -1,16 +1,21 @@
-"""File operations on a real microVM."""
+"""File operations on a real microVM: the agent's own, and the files room's walk, move and
+chown through the daemon's API, the SDK and the CLI."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
 
-from cella import errors
+from cella import Client, errors
 from cella.runtime.qemu.vm import QemuVM
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
@@ -116,3 +121,82 @@ async def test_bad_archive_is_refused_and_leaves_agent_working(vm: QemuVM) -> No
     with pytest.raises(errors.NotADirectory):
         [c async for c in vm.agent.tar_out("/etc/hostname")]
     assert (await vm.agent.exec(["true"])).exit_code == 0
+
+
+def test_walk_move_and_chown_through_the_api(admin: Client) -> None:
+    """The files room's walk, move and chown on a real guest, through /v1 and the SDK: the
+    walk's order and bounds, links not followed, names that look like options or carry
+    spaces moved as names, owners given (recursively) and refused."""
+    with admin.create() as sb:
+        sb.exec("mkdir -p /tmp/t/a/b/c && echo hi > '/tmp/t/a/x y' && touch /tmp/t/a/b/c/z"
+                " && ln -s /etc /tmp/t/link", check=True)  # fmt: skip
+        tree = sb.files.walk("/tmp/t")
+        assert [(e.path, e.kind) for e in tree.entries] == [
+            ("/tmp/t/a", "dir"),
+            ("/tmp/t/link", "symlink"),  # listed, not followed
+            ("/tmp/t/a/b", "dir"),
+            ("/tmp/t/a/x y", "file"),
+            ("/tmp/t/a/b/c", "dir"),
+            ("/tmp/t/a/b/c/z", "file"),
+        ]
+        assert not tree.truncated
+        shallow = sb.files.walk("/tmp/t", depth=1)
+        assert [e.name for e in shallow.entries] == ["a", "link"] and not shallow.truncated
+        cut = sb.files.walk("/tmp/t", limit=3)
+        assert len(cut.entries) == 3 and cut.truncated
+        with pytest.raises(errors.NotFound):
+            sb.files.walk("/tmp/none")
+
+        moved = sb.files.move("/tmp/t/a/x y", "/tmp/t/--help")
+        assert (moved.name, moved.kind, moved.size) == ("--help", "file", 3)
+        assert sb.files.read("/tmp/t/--help") == b"hi\n"
+        assert not sb.files.exists("/tmp/t/a/x y")
+        sb.files.move("/tmp/t/a/b", "/tmp/t/-R")  # a directory, named like an option
+        assert sb.files.stat("/tmp/t/-R/c/z").kind == "file"
+        with pytest.raises(errors.NotFound):
+            sb.files.move("/tmp/t/nothing", "/tmp/t/elsewhere")
+
+        owners = "stat -c %U:%G /tmp/t/-R /tmp/t/-R/c/z /tmp/t/--help"
+        assert sb.exec(owners).stdout.split() == [b"root:root"] * 3  # control
+        sb.files.chown("/tmp/t/-R", "user", recursive=True)
+        sb.files.chown("/tmp/t/--help", "user", "root")
+        assert sb.exec(owners).stdout.split() == [b"user:user", b"user:user", b"user:root"]
+        with pytest.raises(errors.InvalidArgument):  # not a name: refused before the guest
+            sb.files.chown("/tmp/t/--help", "--reference=/etc/shadow")
+        with pytest.raises(errors.UnknownUser):
+            sb.files.chown("/tmp/t/--help", "nosuchuser")
+        assert sb.exec(owners).stdout.split()[2] == b"user:root"  # unchanged by the refusals
+        commands = [str(e.data.get("command")) for e in sb.events(types=["exec"])]
+        assert not any("--reference" in c for c in commands)
+
+        kinds = [e.type for e in sb.events()]
+        assert kinds.count("file_move") == 2 and kinds.count("chown") == 2
+
+
+def test_walk_move_and_chown_through_the_cli(daemon: Daemon, admin: Client) -> None:
+    def cella(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", "files", *args],
+            env=daemon.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    with admin.create() as sb:
+        sb.files.write("/tmp/c/d/f.txt", "cli", parents=True)
+        walked = cella("walk", sb.id, "/tmp/c", "--json")
+        assert walked.returncode == 0, walked.stderr
+        tree = json.loads(walked.stdout)
+        assert [e["path"] for e in tree["entries"]] == ["/tmp/c/d", "/tmp/c/d/f.txt"]
+        assert tree["truncated"] is False
+        cut = cella("walk", sb.id, "/tmp/c", "--limit", "1")
+        assert cut.returncode == 0 and "/tmp/c/d" in cut.stdout and "truncated" in cut.stderr
+        moved = cella("mv", sb.id, "/tmp/c/d/f.txt", "/tmp/c/g.txt")
+        assert moved.returncode == 0, moved.stderr
+        assert sb.files.read("/tmp/c/g.txt") == b"cli"
+        owned = cella("chown", sb.id, "/tmp/c", "user:root", "-R")
+        assert owned.returncode == 0, owned.stderr
+        assert sb.exec("stat -c %U:%G /tmp/c/g.txt").stdout == b"user:root\n"
+        refused = cella("chown", sb.id, "/tmp/c", "no body")
+        assert refused.returncode == 1 and "invalid_argument" in refused.stderr
