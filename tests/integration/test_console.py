@@ -20,7 +20,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from cella import Client, Sandbox
+from cella import Client, Sandbox, errors
 from cella.eval import Task, run_eval
 from tests.daemon import Daemon, running_daemon
 
@@ -510,7 +510,7 @@ def test_eval_runs_api_refuses_bad_input(
     alpha.record_eval_result(run.id, EvalResult(task_id="t2", passed=False, error="it broke"))
     done = alpha.finish_eval_run(run.id)
     assert (done.passed, done.failed, done.errors) == (1, 0, 1) and done.finished_at
-    with pytest.raises(Exception, match="finished"):
+    with pytest.raises(errors.InvalidState, match="finished"):
         alpha.record_eval_result(run.id, EvalResult(task_id="t3"))
     assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]
 
