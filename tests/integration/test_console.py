@@ -639,7 +639,7 @@ def test_secret_values_are_never_rendered(
         sb.delete()
 
 
-def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
+def test_every_control_has_a_label(page: Any, alpha: Client, box: Sandbox) -> None:
     unlabelled = """() => [...document.querySelectorAll('input, select, button, textarea')]
         .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
                       && !el.textContent.trim() && el.type !== 'hidden')
@@ -659,8 +659,16 @@ def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
     page.goto(page.url.split("#")[0] + "#/sandboxes")  # and the keyboard reaches the list
     page.wait_for_selector("#sandboxes tbody tr")
     page.focus("#search")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    assert page.evaluate("document.activeElement.closest('#sandboxes') !== null")
+    for _ in range(4):  # the state filter, New sandbox, the first row's link, its first action
+        page.keyboard.press("Tab")
+    on_row = "document.activeElement.closest('#sandboxes tbody tr')?.dataset.id ?? null"
+    focused = page.evaluate(on_row)
+    assert focused is not None
+    control = page.evaluate("document.activeElement.outerHTML")
+    other = alpha.create(name="redraws-the-list")  # a new row redraws the list under the keyboard
+    try:
+        page.wait_for_selector(f"#sandboxes tr[data-id='{other.id}']")
+        assert page.evaluate(on_row) == focused
+        assert page.evaluate("document.activeElement.outerHTML") == control
+    finally:
+        other.delete()
