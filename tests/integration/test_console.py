@@ -20,7 +20,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from cella import Client, Sandbox
+from cella import Client, Sandbox, errors
 from cella.eval import Task, run_eval
 from tests.daemon import Daemon
 
@@ -508,7 +508,7 @@ def test_eval_runs_api_refuses_bad_input(
     alpha.record_eval_result(run.id, EvalResult(task_id="t2", passed=False, error="it broke"))
     done = alpha.finish_eval_run(run.id)
     assert (done.passed, done.failed, done.errors) == (1, 0, 1) and done.finished_at
-    with pytest.raises(Exception, match="finished"):
+    with pytest.raises(errors.InvalidState, match="finished"):
         alpha.record_eval_result(run.id, EvalResult(task_id="t3"))
     assert [r.task_id for r in alpha.eval_run(run.id).results] == ["t1", "t2"]
 
@@ -637,7 +637,7 @@ def test_secret_values_are_never_rendered(
         sb.delete()
 
 
-def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
+def test_every_control_has_a_label(page: Any, alpha: Client, box: Sandbox) -> None:
     unlabelled = """() => [...document.querySelectorAll('input, select, button, textarea')]
         .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
                       && !el.textContent.trim() && el.type !== 'hidden')
@@ -657,8 +657,16 @@ def test_every_control_has_a_label(page: Any, box: Sandbox) -> None:
     page.goto(page.url.split("#")[0] + "#/sandboxes")  # and the keyboard reaches the list
     page.wait_for_selector("#sandboxes tbody tr")
     page.focus("#search")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    page.keyboard.press("Tab")
-    assert page.evaluate("document.activeElement.closest('#sandboxes') !== null")
+    for _ in range(4):  # the state filter, New sandbox, the first row's link, its first action
+        page.keyboard.press("Tab")
+    on_row = "document.activeElement.closest('#sandboxes tbody tr')?.dataset.id ?? null"
+    focused = page.evaluate(on_row)
+    assert focused is not None
+    control = page.evaluate("document.activeElement.outerHTML")
+    other = alpha.create(name="redraws-the-list")  # a new row redraws the list under the keyboard
+    try:
+        page.wait_for_selector(f"#sandboxes tr[data-id='{other.id}']")
+        assert page.evaluate(on_row) == focused
+        assert page.evaluate("document.activeElement.outerHTML") == control
+    finally:
+        other.delete()

@@ -80,3 +80,17 @@ export function confirmAction(text) {
     document.getElementById("confirm-ok").focus();
   });
 }
+
+// A polled table redraws its rows: the control the keyboard was on is found again in the
+// new row of the same data-id (or that row's first control, or `fallback` if it is gone).
+const CONTROLS = "a[href], button, input, select";
+export function replaceRows(body, fallback, rows) {
+  const el = document.activeElement;
+  const tr = el && body.contains(el) ? el.closest("tr") : null;
+  const keep = tr ? { id: tr.dataset.id, at: [...tr.querySelectorAll(CONTROLS)].indexOf(el) } : null;
+  body.replaceChildren(...rows);
+  if (!keep) return;
+  const again = [...body.rows].find((row) => row.dataset.id === keep.id);
+  const controls = again ? [...again.querySelectorAll(CONTROLS)] : [];
+  (controls[keep.at] || controls[0] || fallback).focus();
+}

@@ -1,7 +1,7 @@
 // The live list of sandboxes: state, template, limits, usage, labels, age; filter,
 // search and actions.
 import { api, query, session } from "../api.js";
-import { age, badge, h, mib, toast } from "../dom.js";
+import { age, badge, h, mib, replaceRows, toast } from "../dom.js";
 import { actionButtons } from "./actions.js";
 
 const POLL_MS = 500;
@@ -48,7 +48,7 @@ export async function render(main) {
     }
     drawn = view;
     count.textContent = `${shown.length} of ${rows.length}`;
-    body.replaceChildren(...shown.map((sb) => {
+    replaceRows(body, search, shown.map((sb) => {
       const u = usage.get(sb.id) || {};
       return h("tr", { dataset: { id: sb.id, state: sb.state } },
         h("td", {}, h("a", { href: sandboxLink(sb) }, sb.name || sb.id), sb.name ? h("div", { class: "muted mono" }, sb.id) : null,

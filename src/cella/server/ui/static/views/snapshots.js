@@ -1,6 +1,6 @@
 // Snapshots: fork one into N branches, open the lineage of its source, delete it.
 import { api, session } from "../api.js";
-import { age, badge, bytes, confirmAction, h, toast } from "../dom.js";
+import { age, badge, bytes, confirmAction, h, replaceRows, toast } from "../dom.js";
 
 export async function render(main, _args, params) {
   const body = h("tbody");
@@ -16,7 +16,7 @@ export async function render(main, _args, params) {
     const state = JSON.stringify(data.snapshots.map((sn) => [sn.id, sn.state]));
     if (state === drawn) return; // unchanged: what is typed in the table stays
     drawn = state;
-    body.replaceChildren(...data.snapshots.filter((sn) => sn.state !== "deleted").map((sn) => {
+    replaceRows(body, main, data.snapshots.filter((sn) => sn.state !== "deleted").map((sn) => {
       const count = h("input", { type: "number", min: 1, max: 64, value: 3, class: "count", "aria-label": `branches of ${sn.id}` });
       const tenant = session.admin && sn.tenant !== session.tenant ? sn.tenant : undefined;
       const suffix = tenant ? `?tenant=${encodeURIComponent(tenant)}` : "";
