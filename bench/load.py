@@ -16,7 +16,7 @@ from typing import Any
 from bench._stats import report, summary_ms
 from cella import AsyncClient
 from cella.runtime.qemu.vm import qemu_cmdline
-from tests.conftest import qemu_pids
+from tests.vms import qemu_pids
 from tests.daemon import Daemon, kill_vms_of
 
 
