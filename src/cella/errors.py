@@ -8,7 +8,8 @@ matching class, so callers can catch by type on either side of the wire:
     │   ├── InvalidArgument (400) ── UnknownUser (400)
     │   ├── Unauthenticated (401), PermissionDenied (403): DestinationForbidden,
     │   ├── NotFound (404)
-    │   ├── PayloadTooLarge (413), CommandFailed (422), QuotaExceeded (429)
+    │   ├── PayloadTooLarge (413), RangeNotSatisfiable (416), CommandFailed (422),
+    │   │   QuotaExceeded (429)
     │   ├── SandboxLost (410): its fleet node died or left
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
     │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
@@ -53,6 +54,7 @@ __all__ = [
     "PermissionDenied",
     "PortClosed",
     "QuotaExceeded",
+    "RangeNotSatisfiable",
     "RequestError",
     "SandboxCrashed",
     "SandboxError",
@@ -129,6 +131,13 @@ class NotFound(RequestError):
 class PayloadTooLarge(RequestError):
     code = "payload_too_large"
     status = 413
+
+
+class RangeNotSatisfiable(RequestError):
+    """416: a `Range` outside the file (the message is the `Content-Range` to send)."""
+
+    code = "range_not_satisfiable"
+    status = 416
 
 
 class CommandFailed(RequestError):

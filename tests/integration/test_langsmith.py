@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from langsmith.sandbox import (
     AsyncSandboxClient,
     CommandTimeoutError,
@@ -28,8 +30,9 @@ from langsmith.sandbox import (
     SandboxOperationError,
     ValidationError,
 )
+from langsmith.sandbox._verify import SandboxTokenVerificationError, SandboxTokenVerifier
 
-from cella import Client
+from cella import Client, errors
 from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 
@@ -192,13 +195,195 @@ def test_tunnels_and_service_urls(sb: Sandbox) -> None:
     assert httpx.get(f"{service.service_url}/index.txt").status_code == 403  # no token
 
 
+WHOAMI = """
+import http.server, json
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        seen = {k.lower(): self.headers.get_all(k) for k in set(self.headers.keys())}
+        body = json.dumps({"path": self.path, "headers": seen}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_POST = do_GET
+http.server.HTTPServer(("127.0.0.1", 8010), Echo).serve_forever()
+"""
+
+
+def test_login_service_urls_tell_the_guest_who_signed_in(
+    sb: Sandbox, client: SandboxClient, daemon: Daemon
+) -> None:
+    sb.write("/srv/whoami.py", WHOAMI)
+    sb.run("nohup python3 /srv/whoami.py >/dev/null 2>&1 &")
+    wait = "(echo > /dev/tcp/127.0.0.1/8010) 2>/dev/null && break; sleep 0.1"
+    sb.run(f"for i in $(seq 100); do {wait}; done")
+    login = client.service(sb.name, 8010, access="restricted")  # the client's call only
+    assert login.access == "restricted" and login.url.endswith("/")
+
+    # a key of the tenant opens it (LangSmith's header); a forged identity is replaced
+    forged = {"x-langsmith-user-token": "forged", "x-langsmith-user-id": "mallory"}
+    got = httpx.get(f"{login.url}who?x=1", headers={"x-api-key": daemon.admin_key, **forged})
+    assert got.status_code == 200, got.text
+    seen = got.json()["headers"]
+    assert got.json()["path"] == "/who?x=1"
+    (token,) = seen["x-langsmith-user-token"]
+    (user_id,) = seen["x-langsmith-user-id"]
+    assert token != "forged" and user_id != "mallory" and user_id.startswith("key-")
+    assert "x-api-key" not in seen and "authorization" not in seen  # the key stays outside
+    (host,) = seen["host"]
+    assert host == daemon.url.partition("://")[2]
+
+    # the guest's server verifies it as LangSmith documents, against the daemon's JWKS
+    verifier = SandboxTokenVerifier(api_url=daemon.url)
+    user = verifier.verify_user_token(token, audience=host, issuer=daemon.url)
+    assert user.subject == user_id and user.expires_at.timestamp() > time.time()
+    again = asyncio.run(
+        SandboxTokenVerifier(api_url=daemon.url).averify_user_token(token, audience=host)
+    )
+    assert again.subject == user_id
+    # ...and refuses what the daemon did not sign, or signed for another host
+    with pytest.raises(SandboxTokenVerificationError, match="empty"):
+        verifier.verify_user_token("", audience=host)
+    with pytest.raises(SandboxTokenVerificationError, match="invalid token"):
+        verifier.verify_user_token(token, audience="other.example")
+    kid = jwt.get_unverified_header(token)["kid"]
+    claims = jwt.decode(token, options={"verify_signature": False})
+    impostor = jwt.encode(
+        claims, Ed25519PrivateKey.generate(), algorithm="EdDSA", headers={"kid": kid}
+    )
+    with pytest.raises(SandboxTokenVerificationError, match="invalid token"):
+        verifier.verify_user_token(impostor, audience=host)
+
+    # a cella key (Bearer) opens it too; no key, or another tenant's, does not
+    bearer = httpx.get(login.url, headers={"authorization": f"Bearer {daemon.admin_key}"})
+    assert bearer.status_code == 200 and bearer.json()["headers"]["x-langsmith-user-token"]
+    assert httpx.get(login.url).status_code == 401
+    with daemon.client() as admin:
+        stranger = admin.create_key("stranger")["key"]
+        assert httpx.get(login.url, headers={"x-api-key": stranger}).status_code == 404
+        # cella's own call gives the same URL
+        made = admin.get(sb.id).login_url(8010)
+    assert made.url.rstrip("/") == login.url.rstrip("/")
+    assert made.jwks_url == f"{daemon.url}/.well-known/jwks.json"
+
+    # the token mode beside it: its own token opens it, and the guest gets no user
+    token_mode = sb.service(port=8010, expires_in_seconds=60)
+    plain = token_mode.get("/", headers=forged).json()["headers"]
+    assert "x-langsmith-user-token" not in plain and "x-langsmith-user-id" not in plain
+    with pytest.raises(ValueError):
+        client.service(sb.name, 8010, access="everyone")  # type: ignore[call-overload]
+
+
+def signed_by_the_daemon(daemon: Daemon, claims: dict[str, Any]) -> str:
+    """A token signed with the daemon's own current key (its file in DATA_DIR/signing)."""
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    newest = max((daemon.data_dir / "signing").glob("*.pem"), key=lambda p: p.name)
+    key = load_pem_private_key(newest.read_bytes(), password=None)
+    kid = newest.stem.partition("-")[2]
+    return jwt.encode(claims, key, algorithm="EdDSA", headers={"kid": kid})  # type: ignore[arg-type]
+
+
+def test_download_links_open_one_file_without_a_key(
+    sb: Sandbox, client: SandboxClient, daemon: Daemon
+) -> None:
+    sb.write("out/report.csv", "a,b\n1,2\n")
+    sb.write("out/private.txt", "not shared\n")
+    link = sb.generate_download_url("out/report.csv", expires_in_seconds=300)
+    assert link.expires_at and link.token in link.download_url
+    got = httpx.get(link.download_url)  # no key
+    assert got.status_code == 200 and got.text == "a,b\n1,2\n"
+    assert got.headers["content-disposition"].startswith('attachment; filename="report.csv"')
+    assert got.headers["content-type"].startswith("text/csv")
+    part = httpx.get(link.download_url, headers={"range": "bytes=4-"})
+    assert part.status_code == 206 and part.text == "1,2\n"
+    assert part.headers["content-range"] == "bytes 4-7/8"
+    head = httpx.head(link.download_url)
+    assert head.status_code == 200 and head.headers["content-length"] == "8" and not head.content
+
+    # the same token for another path is refused; that file's own link opens it
+    elsewhere = httpx.get(link.download_url.replace("report.csv", "private.txt"))
+    assert elsewhere.status_code == 403 and "another file" in elsewhere.text
+    own = client.generate_download_url(sb.name, "/root/out/private.txt")
+    assert own.expires_at is None  # none asked for: it never expires
+    assert httpx.get(own.download_url).text == "not shared\n"
+
+    # a changed signature, and a payload changed under the old signature, are refused
+    url, _, token = link.download_url.partition("?token=")
+    head_b64, body_b64, sig = token.split(".")
+    flipped = sig[:10] + ("A" if sig[10] != "A" else "B") + sig[11:]
+    assert httpx.get(f"{url}?token={head_b64}.{body_b64}.{flipped}").status_code == 403
+    claims = jwt.decode(token, options={"verify_signature": False})
+    moved = {**claims, "path": "/root/out/private.txt"}
+    moved_b64 = jwt.utils.base64url_encode(json.dumps(moved).encode()).decode()
+    private_url = url.replace("report.csv", "private.txt")
+    assert httpx.get(f"{private_url}?token={head_b64}.{moved_b64}.{sig}").status_code == 403
+
+    # an expired link is refused; the same claims unexpired (the control) are served
+    past = signed_by_the_daemon(daemon, {**claims, "exp": int(time.time()) - 120})
+    refused = httpx.get(f"{url}?token={past}")
+    assert refused.status_code == 403 and "expired" in refused.text
+    fresh = signed_by_the_daemon(daemon, {**claims, "exp": int(time.time()) + 120})
+    assert httpx.get(f"{url}?token={fresh}").text == "a,b\n1,2\n"
+    assert httpx.get(url).status_code == 403  # no token at all
+
+    # what the daemon signs verifies against its JWKS (public keys only, no key needed)
+    keys = httpx.get(f"{daemon.url}/.well-known/jwks.json").json()["keys"]
+    assert keys and all("d" not in k for k in keys)
+    jwk = jwt.PyJWKSet.from_dict({"keys": keys})[jwt.get_unverified_header(token)["kid"]]
+    assert jwt.decode(token, jwk, algorithms=["EdDSA"], audience=claims["aud"])["sub"] == sb.id
+
+
+def test_download_links_from_the_async_sdk_cella_sdk_and_cli(sb: Sandbox, daemon: Daemon) -> None:
+    sb.write("/root/out/async.txt", "made async\n")
+
+    async def made() -> tuple[str, str]:
+        async with AsyncSandboxClient(
+            api_endpoint=f"{daemon.url}/api/v2/sandboxes", api_key=daemon.admin_key
+        ) as aclient:
+            box = await aclient.get_sandbox(sb.name)
+            inline = await box.generate_download_url(
+                "out/async.txt", expires_in_seconds=60, content_disposition="inline"
+            )
+            plain = await aclient.generate_download_url(sb.name, "out/async.txt")
+            return inline.download_url, plain.download_url
+
+    inline_url, plain_url = asyncio.run(made())
+    inline = httpx.get(inline_url)
+    assert inline.text == "made async\n"
+    assert inline.headers["content-disposition"].startswith('inline; filename="async.txt"')
+    assert httpx.get(plain_url).headers["content-disposition"].startswith("attachment")
+
+    with daemon.client() as cella:
+        files = cella.get(sb.id).files
+        link = files.download_url("/root/out/async.txt", expires_in_seconds=60)
+        with pytest.raises(errors.InvalidArgument, match="absolute"):
+            files.download_url("out/async.txt")
+    assert link.expires_at is not None and link.path == "/root/out/async.txt"
+    assert httpx.get(link.url).text == "made async\n"
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "files", "url", sb.id, "/root/out/async.txt", "--json"],
+        env=daemon.env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert httpx.get(json.loads(out.stdout)["url"]).text == "made async\n"
+
+
 def test_start_stop_keeps_files(client: SandboxClient) -> None:
     with client.sandbox(name="my-vm") as box:
         box.run("echo hello > /tmp/state.txt")
+        link = box.generate_download_url("/tmp/state.txt", expires_in_seconds=600)
         box.stop()
         assert client.get_sandbox("my-vm").status == "stopped"
         box.start(timeout=120)
         assert box.run("cat /tmp/state.txt").stdout == "hello\n"
+        box.stop()  # a download link wakes a stopped box, as LangSmith's do
+        assert httpx.get(link.download_url, timeout=120).text == "hello\n"
+        assert client.get_sandbox("my-vm").status == "ready"
 
 
 def test_snapshots_with_moving_tags(client: SandboxClient) -> None:

@@ -1,4 +1,5 @@
 """`cella files ...`: a sandbox's directory trees walked, files moved and given to users,
+links that download one file without a key,
 through the sync SDK (copies are `cella sandbox cp`)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from cella.cli._output import Listing, console, emit_json, out
 from cella.sdk import Client
 
 app = typer.Typer(
-    help="Walk, move and chown files in a sandbox.",
+    help="Walk, move and chown files in a sandbox; links that download one.",
     no_args_is_help=True,
     rich_markup_mode="markdown",
 )
@@ -67,3 +68,26 @@ def chown(
     with Client() as client:
         client.get(sandbox_id).files.chown(path, user, group or None, recursive=recursive)
     console.print(f"{path} now belongs to {owner}", highlight=False, markup=False)
+
+
+@app.command()
+def url(
+    sandbox_id: str,
+    path: str,
+    expires: Annotated[
+        int, typer.Option(help="seconds the link lasts; 0: it never expires")
+    ] = 3600,
+    inline: Annotated[bool, typer.Option(help="served inline, not as an attachment")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Print a link that downloads one file without a key (pinned to PATH), until it expires."""
+    with Client() as client:
+        link = client.get(sandbox_id).files.download_url(
+            path,
+            expires_in_seconds=expires or None,
+            content_disposition="inline" if inline else "attachment",
+        )
+    if json_:
+        emit_json(link.model_dump(mode="json"))
+    else:
+        out.print(link.url, highlight=False, markup=False, soft_wrap=True)

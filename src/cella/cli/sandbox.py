@@ -367,10 +367,24 @@ def expose(
     sandbox_id: str,
     port: int,
     expires_in: Annotated[int, typer.Option(help="seconds the URL stays valid")] = 600,
+    login: Annotated[
+        bool, typer.Option(help="no token: a key or session of the tenant opens it")
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Give a server listening on PORT inside the sandbox a URL (with a token that expires).
-    Open `browser_url` in a browser; programs send the token as X-Cella-Service-Token."""
+    Open `browser_url` in a browser; programs send the token as X-Cella-Service-Token.
+    With --login, the URL is opened with an API key or console session of the tenant, and
+    the server gets a signed X-Langsmith-User-Token naming the caller."""
+    if login:
+        with Client() as client:
+            found = client.get(sandbox_id).login_url(port)
+        if json_:
+            emit_json(found.model_dump(mode="json"))
+        else:
+            out.print(f"url       {found.url}", markup=False)
+            out.print(f"jwks_url  {found.jwks_url}", markup=False)
+        return
     with Client() as client:
         exposed = client.get(sandbox_id).expose(port, expires_in_seconds=expires_in)
     if json_:

@@ -17,6 +17,7 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet import langsmith
 from cella.fleet.gateway import Gateway
+from cella.fleet.jwks import fleet_jwks
 from cella.fleet.node_client import Node
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
@@ -24,12 +25,13 @@ from cella.models import Capacity, ForkRequest, KeyRotation
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.app import build_app, routes
-from cella.server.deps import Auth
+from cella.server.deps import Auth, KeyOrSession
 from cella.server.front import serve
 from cella.server.routes import evals, keys
 from cella.server.routes.egress import SecretName
 from cella.server.sockets import bearer, opened
 from cella.service.keys import Principal, require_admin
+from cella.service.logins import FLEET_USER
 
 Placed = tuple[Node, Principal]  # a sandbox's node, and the caller acting there
 
@@ -133,6 +135,36 @@ def router(gateway: Gateway) -> APIRouter:
         if node is None:
             raise errors.NotFound(f"no service of sandbox {sandbox_id!r}")
         return await forward(request, node, None, node_key=False)
+
+    @api.api_route("/v1/logins/{sandbox_id}/{rest:path}", methods=METHODS, tags=["ports"])
+    async def login_service(
+        sandbox_id: str, rest: str, request: Request, who: KeyOrSession
+    ) -> Response:
+        """A login-mode service URL: the caller is authenticated here, and the node told
+        who it is (the guest's user token names the gateway's key id)."""
+        node = await gateway.locator.node_of(who, sandbox_id)
+        user = who.key_id or f"tenant:{who.tenant}"
+        return await forward(request, node, who, extra={FLEET_USER: user})
+
+    @api.api_route("/v1/downloads/{sandbox_id}/{rest:path}", methods=["GET", "HEAD"])
+    async def download(sandbox_id: str, rest: str, request: Request) -> Response:
+        """A download link: its own token authenticates it, on the node."""
+        node = gateway.locator.serving(sandbox_id)
+        if node is None:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r} to download from")
+        return await forward(request, node, None, node_key=False)
+
+    @api.get("/.well-known/jwks.json", tags=["meta"])
+    async def jwks() -> dict[str, Any]:
+        """Every node's public signing keys (each node signs with its own)."""
+        return await fleet_jwks(gateway.membership)
+
+    @api.post("/v1/signing-keys/rotate", tags=["keys"])
+    async def rotate_signing(who: Auth) -> dict[str, Any]:
+        """A new signing key on every node; the old ones stay published."""
+        require_admin(who, "rotate the signing keys")
+        await gateway.membership.each("POST", "/v1/signing-keys/rotate", None)
+        return await fleet_jwks(gateway.membership)
 
     @api.get("/v1/snapshots", tags=["snapshots"])
     async def list_snapshots(who: Auth, all_tenants: bool = False) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 from cella import errors
 from cella.fleet.node_client import Node
 from cella.service.keys import READ_ONLY_HEADER, Principal
+from cella.service.logins import FLEET_USER
 
 HOP_BY_HOP = {
     "connection",
@@ -33,6 +34,7 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "x-cella-tenant",
     READ_ONLY_HEADER,
     "x-forwarded-proto",
+    FLEET_USER,  # the gateway says who its caller is, no one else
 }
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -45,6 +47,7 @@ async def forward(
     langsmith: bool = False,
     *,
     node_key: bool = True,
+    extra: dict[str, str] | None = None,
 ) -> Response:
     """The request, streamed to `node` as `who` (with the node's key, unless `node_key` is
     false: the request carries its own credential), and its answer streamed back."""
@@ -55,6 +58,7 @@ async def forward(
     if node_key:
         headers += list(node.headers(who, langsmith).items())
     headers.append(("x-forwarded-proto", request.url.scheme))  # URLs the node hands out
+    headers += list((extra or {}).items())
     upstream = node.client.build_request(
         request.method,
         request.url.path,

@@ -17,6 +17,8 @@ from cella.models.files import (
     AccountName,
     ChmodRequest,
     ChownRequest,
+    DownloadUrl,
+    DownloadUrlRequest,
     FileEntry,
     FileWalk,
     GuestPath,
@@ -40,7 +42,7 @@ from cella.models.network import (
     SecretPut,
 )
 from cella.models.pairs import parse_pairs
-from cella.models.ports import ExposedPort, ExposeRequest
+from cella.models.ports import ExposedPort, ExposeRequest, LoginUrl
 from cella.models.sandbox import (
     Event,
     EventList,
@@ -74,6 +76,8 @@ __all__ = [
     "Capacity",
     "ChmodRequest",
     "ChownRequest",
+    "DownloadUrl",
+    "DownloadUrlRequest",
     "EgressBoundary",
     "EgressDecision",
     "EgressLog",
@@ -97,6 +101,7 @@ __all__ = [
     "KeyRotation",
     "KeyUseInfo",
     "LineageNode",
+    "LoginUrl",
     "MkdirRequest",
     "MoveRequest",
     "NetworkPolicy",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
@@ -104,3 +105,23 @@ class FileWalk(BaseModel):
     truncated: bool = Field(
         description="a bound (depth, entries) ended the walk before the tree did"
     )
+
+
+class DownloadUrlRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    path: GuestPath
+    expires_in_seconds: int | None = Field(
+        default=3600, ge=1, le=365 * 86400, description="null: a link that never expires"
+    )
+    content_type: str | None = Field(
+        default=None, max_length=200, description="served as; guessed from the name if left out"
+    )
+    content_disposition: Literal["attachment", "inline"] = "attachment"
+
+
+class DownloadUrl(BaseModel):
+    url: str = Field(description="GET (or HEAD, with Range) it without a key")
+    token: str = Field(description="the signed token the URL carries")
+    path: str
+    expires_at: datetime | None = Field(description="null: it never expires")

@@ -19,3 +19,12 @@ class ExposedPort(BaseModel):
     browser_url: str = Field(description="the same URL carrying the token once, for a browser")
     token: str = Field(description="send as X-Cella-Service-Token")
     expires_at: datetime
+
+
+class LoginUrl(BaseModel):
+    port: int
+    url: str = Field(
+        description="a login-mode service URL: requests need a key or console session of the "
+        "sandbox's tenant; the server gets X-Langsmith-User-Token, signed by the daemon"
+    )
+    jwks_url: str = Field(description="where the server finds the keys to verify it with")

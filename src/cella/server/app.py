@@ -21,6 +21,7 @@ from cella.server.forwarded import ForwardedProto
 from cella.server.front import Served, serve
 from cella.server.hosts import HostRouting
 from cella.server.routes import (
+    downloads,
     egress,
     evals,
     files,
@@ -35,7 +36,19 @@ from cella.server.routes import (
 from cella.service.daemon import Daemon
 
 Door = Callable[[FastAPI], None]  # installs a set of routes (and what they need) on an app
-API = (sandboxes, ports, snapshots, files, keys, egress, templates, host, evals, terminal)
+API = (
+    sandboxes,
+    ports,
+    snapshots,
+    files,
+    downloads,
+    keys,
+    egress,
+    templates,
+    host,
+    evals,
+    terminal,
+)
 
 
 def routes(router: APIRouter) -> Door:

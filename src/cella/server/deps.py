@@ -114,7 +114,21 @@ def api_key_caller(
     return admitted(request, x_api_key.strip(), x_cella_tenant)
 
 
+def key_or_session(
+    request: HTTPConnection,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
+    """A caller by cella's key, LangSmith's (`X-Api-Key`) or a console session: how a
+    login-mode service URL is opened."""
+    if x_api_key and not authorization:
+        return admitted(request, x_api_key.strip(), x_cella_tenant)
+    return principal(request, authorization, x_cella_tenant)
+
+
 Auth = Annotated[Principal, Depends(principal)]
+KeyOrSession = Annotated[Principal, Depends(key_or_session)]
 Caller = Annotated[Principal, Depends(api_key_caller)]
 DaemonDep = Annotated[Daemon, Depends(daemon)]
 FrontDep = Annotated[Front, Depends(front_of)]

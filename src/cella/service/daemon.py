@@ -25,6 +25,7 @@ from cella.runtime.contract import Driver
 from cella.runtime.select import open_driver
 from cella.service.admission import Admission
 from cella.service.background import Background
+from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
 from cella.service.exec import Exec
@@ -32,6 +33,7 @@ from cella.service.files import Files
 from cella.service.forks import Forks
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
+from cella.service.logins import Logins
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
 from cella.service.reaper import Reaper
@@ -39,6 +41,7 @@ from cella.service.recovery import Recovery
 from cella.service.registry import Registry
 from cella.service.sessions import Sessions
 from cella.service.shipping import Shipping
+from cella.service.signing import Signer
 from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
@@ -83,6 +86,9 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
+        self.signer = Signer(driver.paths.root / "signing")
+        self.downloads = Downloads(self.registry, self.files, self.lifecycle, self.signer)
+        self.logins = Logins(self.registry, self.signer)
         self.evals = Evals(store, self._tenant_of)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)

@@ -9,6 +9,7 @@ a sandbox row is built (`new_record`, shared with forks), how a VM is readied fo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -224,6 +225,25 @@ class Lifecycle:
                 raise
             self.events.emit(sandbox_id, "paused")
         return self.registry.get(tenant, sandbox_id)
+
+    async def awake(self, tenant: str, sandbox_id: str, read_only: bool = False) -> SandboxRecord:
+        """The sandbox, running: a stopped, stopping or paused one is resumed first (what
+        LangSmith's calls expect; not for a `read_only` caller: waking commits RAM and a
+        quota slot), and one still starting is waited for."""
+        row = self.registry.get(tenant, sandbox_id)
+        if row.state in (S.stopped, S.paused, S.stopping):
+            if read_only:
+                raise errors.PermissionDenied(
+                    f"this key is read-only: sandbox {sandbox_id} is {row.state}, and "
+                    "resuming it is a write"
+                )
+            return await self.resume(tenant, sandbox_id)
+        for _ in range(600):  # a minute at most
+            if row.state not in (S.creating, S.starting):
+                break
+            await asyncio.sleep(0.1)
+            row = self.registry.get(tenant, sandbox_id)
+        return row
 
     async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         """Paused: the VM runs on. Stopped: boots the same overlay again (files and

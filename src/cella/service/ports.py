@@ -158,12 +158,14 @@ class Ports:
         target: str,
         headers: list[tuple[str, str]],
         body: AsyncIterable[bytes],
+        host: str | None = None,
     ) -> HttpResponse:
-        """One HTTP/1.1 request to the guest server on `port`; the response streams."""
+        """One HTTP/1.1 request to the guest server on `port` (its `Host` the port's
+        loopback address, or `host`); the response streams."""
         stream = await self.open(tenant, sandbox_id, port)
         conn = h11.Connection(h11.CLIENT)
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-        sent += [("host", f"127.0.0.1:{port}"), ("connection", "close")]
+        sent += [("host", host or f"127.0.0.1:{port}"), ("connection", "close")]
         if not any(k.lower() == "content-length" for k, _ in sent):
             sent.append(("transfer-encoding", "chunked"))  # a body of unknown length
         try:

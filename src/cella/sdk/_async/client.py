@@ -15,6 +15,7 @@ import httpx2
 from cella.models import (
     BuildEvent,
     Capacity,
+    DownloadUrl,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -27,6 +28,7 @@ from cella.models import (
     KeyRotation,
     KeyUseInfo,
     LineageNode,
+    LoginUrl,
     ProcessInfo,
     ProcessList,
     ProcessSummary,
@@ -581,6 +583,13 @@ class AsyncSandbox:
         )
         return ExposedPort.model_validate(response.json())
 
+    async def login_url(self, port: int) -> LoginUrl:
+        """A login-mode URL for a server on `port`: opened with a key or console session of
+        this tenant (no token, no expiry); the server gets `X-Langsmith-User-Token`, a JWT
+        the daemon signs (verify it against `jwks_url`)."""
+        response = await self.client.request("POST", f"{self._path}/ports/{port}/login-url")
+        return LoginUrl.model_validate(response.json())
+
     async def usage(self) -> SandboxUsage:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = await self.client.request("GET", f"{self._path}/usage")
@@ -702,6 +711,26 @@ class AsyncFiles:
         ) as response:
             async for chunk in response.aiter_bytes():
                 yield chunk
+
+    async def download_url(
+        self,
+        path: str,
+        *,
+        expires_in_seconds: int | None = 3600,
+        content_type: str | None = None,
+        content_disposition: str = "attachment",
+    ) -> DownloadUrl:
+        """A link that downloads the file `path` without a key, until it expires (None:
+        never): pinned to this sandbox and this path."""
+        body: dict[str, Any] = {
+            "path": path,
+            "expires_in_seconds": expires_in_seconds,
+            "content_disposition": content_disposition,
+        }
+        if content_type is not None:
+            body["content_type"] = content_type
+        response = await self._request("POST", "/download-url", json=body)
+        return DownloadUrl.model_validate(response.json())
 
     async def list(self, path: str) -> builtins.list[FileEntry]:
         response = await self._request("GET", "/list", params={"path": path})

@@ -16,6 +16,7 @@ import httpx2
 from cella.models import (
     BuildEvent,
     Capacity,
+    DownloadUrl,
     EgressDecision,
     Event,
     ExecDefaults,
@@ -28,6 +29,7 @@ from cella.models import (
     KeyRotation,
     KeyUseInfo,
     LineageNode,
+    LoginUrl,
     ProcessInfo,
     ProcessList,
     ProcessSummary,
@@ -573,6 +575,13 @@ class Sandbox:
         )
         return ExposedPort.model_validate(response.json())
 
+    def login_url(self, port: int) -> LoginUrl:
+        """A login-mode URL for a server on `port`: opened with a key or console session of
+        this tenant (no token, no expiry); the server gets `X-Langsmith-User-Token`, a JWT
+        the daemon signs (verify it against `jwks_url`)."""
+        response = self.client.request("POST", f"{self._path}/ports/{port}/login-url")
+        return LoginUrl.model_validate(response.json())
+
     def usage(self) -> SandboxUsage:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = self.client.request("GET", f"{self._path}/usage")
@@ -692,6 +701,26 @@ class Files:
         ) as response:
             for chunk in response.iter_bytes():
                 yield chunk
+
+    def download_url(
+        self,
+        path: str,
+        *,
+        expires_in_seconds: int | None = 3600,
+        content_type: str | None = None,
+        content_disposition: str = "attachment",
+    ) -> DownloadUrl:
+        """A link that downloads the file `path` without a key, until it expires (None:
+        never): pinned to this sandbox and this path."""
+        body: dict[str, Any] = {
+            "path": path,
+            "expires_in_seconds": expires_in_seconds,
+            "content_disposition": content_disposition,
+        }
+        if content_type is not None:
+            body["content_type"] = content_type
+        response = self._request("POST", "/download-url", json=body)
+        return DownloadUrl.model_validate(response.json())
 
     def list(self, path: str) -> builtins.list[FileEntry]:
         response = self._request("GET", "/list", params={"path": path})

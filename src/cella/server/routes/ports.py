@@ -5,6 +5,11 @@
   whoever holds the token: in a header (`X-Cella-Service-Token`, or the LangSmith SDK's
   `X-Langsmith-Sandbox-Service-Token`), in a cookie, or once in the URL (`?cella_token=`:
   a browser gets the cookie and the same URL without it).
+- `POST /v1/sandboxes/{id}/ports/{port}/login-url` gives a login-mode URL instead:
+  `/v1/logins/{id}/{port}/...` forwards HTTP for whoever holds a key or console session of
+  the sandbox's tenant, and tells the guest's server who that is (`cella.service.logins`:
+  a user token signed by the daemon, the guest's `Host` the one the caller used, its
+  audience). The caller's credentials never reach the guest.
 - `WS /v1/sandboxes/{id}/ports/{port}/connect` carries one raw TCP connection (API key
   auth) as binary messages; an empty message is the end of one direction (a TCP half
   close): what `cella sandbox port-forward` uses.
@@ -29,12 +34,14 @@ from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from starlette.datastructures import URL
 
 from cella.guest.client import GuestStream
-from cella.models import ExposedPort, ExposeRequest
-from cella.server.deps import Auth, DaemonDep, daemon
+from cella.models import ExposedPort, ExposeRequest, LoginUrl
+from cella.server.deps import Auth, DaemonDep, KeyOrSession, daemon
 from cella.server.hosts import ROUTED_HOST
 from cella.server.sockets import bearer, opened
 from cella.server.websocket_relay import relay
 from cella.service.daemon import Daemon
+from cella.service.keys import Principal
+from cella.service.logins import FLEET_USER, USER_HEADERS, USER_ID_HEADER, USER_TOKEN_HEADER
 from cella.service.ports import HttpResponse, ServiceToken, guest_path
 
 router = APIRouter(tags=["ports"])
@@ -62,6 +69,7 @@ ORIGIN_WIDE = frozenset(
     }
 )
 ACCESS_HEADER = "x-access-token"  # the sandbox's access token (E2B's envd and interpreter)
+LOGINS = "/v1/logins"
 
 
 def service_url(request: Request | WebSocket, sandbox_id: str, port: int) -> str:
@@ -85,6 +93,25 @@ async def expose(
 ) -> ExposedPort:
     """A service URL for a server listening on `port` inside the sandbox."""
     return exposed(request, svc.ports.mint(who.tenant, sandbox_id, port, body.expires_in_seconds))
+
+
+def login_url(request: Request, sandbox_id: str, port: int) -> LoginUrl:
+    base = str(request.base_url).rstrip("/")
+    return LoginUrl(
+        port=port,
+        url=f"{base}{LOGINS}/{sandbox_id}/{port}",
+        jwks_url=f"{base}/.well-known/jwks.json",
+    )
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/ports/{port}/login-url", response_model=LoginUrl)
+async def login(
+    sandbox_id: str, port: PortP, request: Request, svc: DaemonDep, who: Auth
+) -> LoginUrl:
+    """A login-mode URL for a server on `port`: no token, no expiry; a key or console
+    session of this tenant opens it, and the server is told who (a signed user token)."""
+    svc.registry.get(who.tenant, sandbox_id)
+    return login_url(request, sandbox_id, port)
 
 
 def _token(request: Request | WebSocket, sandbox_id: str, port: int) -> str | None:
@@ -145,6 +172,46 @@ async def by_host(
         return guest_reply(reply, lambda c: cookie_for_host(c, host), sandboxed=False)
     prefix = f"/v1/hosts/{sandbox_id}/{port}"
     return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
+
+
+@router.api_route(
+    LOGINS + "/{sandbox_id}/{port}/{path:path}",
+    methods=SERVICE_METHODS,
+    include_in_schema=False,
+)
+async def login_service(
+    sandbox_id: str, port: PortP, path: str, request: Request, svc: DaemonDep, who: KeyOrSession
+) -> Response:
+    host = request.headers.get("host") or request.url.netloc
+    subject = _subject(request, who)
+    token = svc.logins.user_token(
+        who.tenant,
+        sandbox_id,
+        subject,
+        audience=host,
+        issuer=str(request.base_url).rstrip("/"),
+    )
+    headers = [
+        (k, v)
+        for k, v in guest_headers(request.headers.items())
+        if k.lower() not in ("authorization", "x-api-key") and not k.lower().startswith("x-cella-")
+    ]
+    headers += [(USER_TOKEN_HEADER, token), (USER_ID_HEADER, subject)]
+    sent = guest_path(path)
+    target = sent + (f"?{request.url.query}" if request.url.query else "")
+    reply = await svc.ports.http(
+        who.tenant, sandbox_id, port, request.method, target, headers, request.stream(), host
+    )
+    prefix = f"{LOGINS}/{sandbox_id}/{port}"
+    return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
+
+
+def _subject(request: Request, who: Principal) -> str:
+    """Who a login-mode request is from: the caller's key id; through a fleet gateway (its
+    key acting for the tenant), the gateway's caller."""
+    if request.headers.get("x-cella-tenant") and (user := request.headers.get(FLEET_USER)):
+        return user
+    return who.key_id or f"tenant:{who.tenant}"
 
 
 def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> str:
@@ -242,7 +309,7 @@ def guest_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     kept = []
     for key, value in headers:
         name = key.lower()
-        if name in CREDENTIALS:
+        if name in CREDENTIALS or name in USER_HEADERS:  # the daemon says who, or no one
             continue
         if name == "cookie":
             pairs = [p.strip() for p in value.split(";")]

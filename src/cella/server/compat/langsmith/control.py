@@ -14,6 +14,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from cella import errors
 from cella.models import SandboxCreate, SandboxUpdate
 from cella.server.compat.langsmith.create import CELLA_NAMES, read_create, seconds, validated
+from cella.server.compat.langsmith.files import absolute
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
     exec_defaults,
@@ -23,8 +24,11 @@ from cella.server.compat.langsmith.shapes import (
     snapshot_json,
 )
 from cella.server.deps import Caller, DaemonDep
+from cella.server.routes.downloads import link_url
+from cella.server.routes.ports import login_url
 from cella.service.daemon import Daemon
 from cella.service.lifecycle import UNSET
+from cella.service.logins import ACCESS as LOGIN_ACCESS
 from cella.store import SandboxRecord, SnapshotRecord
 
 Json = dict[str, Any]
@@ -124,8 +128,8 @@ def router(prefix: str) -> APIRouter:
         name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
         row = box(svc, who.tenant, name)
-        if body.get("access"):
-            raise not_supported(f"login-mode service URLs (access={body['access']!r})")
+        if body.get("access") is not None:
+            return login_service_url(request, row.id, body)
         token = svc.ports.mint(
             who.tenant,
             row.id,
@@ -143,9 +147,31 @@ def router(prefix: str) -> APIRouter:
         }
 
     @api.post("/boxes/{name}/download-url")
-    async def download_url(name: str, svc: DaemonDep, who: Caller) -> Json:
-        box(svc, who.tenant, name)
-        raise not_supported("pre-signed download URLs; read the file through the data plane")
+    async def download_url(
+        name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
+    ) -> Json:
+        """cella's download link (`/v1/downloads/...`), made to wake a stopped box."""
+        row = box(svc, who.tenant, name)
+        unknown = set(body) - {"path", "expires_in_seconds", "content_type", "content_disposition"}
+        if unknown:
+            raise not_supported(f"download links with {sorted(unknown)}")
+        if not isinstance(body.get("path"), str) or not body["path"]:
+            raise errors.InvalidArgument("a download link needs the file's path")
+        expires = body.get("expires_in_seconds")
+        if expires is not None and (not isinstance(expires, int) or isinstance(expires, bool)):
+            raise errors.InvalidArgument(f"expires_in_seconds: a whole number, not {expires!r}")
+        link = svc.downloads.mint(
+            who.tenant,
+            row.id,
+            absolute(body["path"]),
+            expires,
+            content_type=body.get("content_type") or None,
+            disposition=body.get("content_disposition") or "attachment",
+            wake=True,
+        )
+        expires_at = None if link.expires_at is None else iso(link.expires_at)
+        return {"download_url": link_url(request, link), "token": link.token,
+                "expires_at": expires_at}  # fmt: skip
 
     # -- snapshots ------------------------------------------------------------------------
 
@@ -208,6 +234,23 @@ def router(prefix: str) -> APIRouter:
         return Response(status_code=204)
 
     return api
+
+
+def login_service_url(request: Request, sandbox_id: str, body: Json) -> Json:
+    """A login-mode service URL (cella's `/v1/logins/...`): any key or console session of
+    the tenant opens it, and the guest's server gets a signed `X-Langsmith-User-Token`.
+    Both of LangSmith's access levels mean the tenant's members here; there is no grant
+    to keep, so the token mode stays open beside it."""
+    access = body["access"]
+    if access not in LOGIN_ACCESS:
+        raise errors.InvalidArgument(f"access must be one of {LOGIN_ACCESS}, not {access!r}")
+    if body.get("embed_origins"):
+        raise not_supported("embedding a login-mode service URL in other origins")
+    port = body.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise errors.InvalidArgument(f"port must be 1-65535, got {port!r}")
+    url = login_url(request, sandbox_id, port).url
+    return {"service_url": url, "browser_url": f"{url}/", "access": access, "embed_origins": []}
 
 
 def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
