@@ -41,6 +41,13 @@ from cella.models.network import (
 )
 from cella.models.pairs import parse_pairs
 from cella.models.ports import ExposedPort, ExposeRequest
+from cella.models.registries import (
+    Registry,
+    RegistryCreate,
+    RegistryList,
+    RegistryUpdate,
+    SnapshotFromImage,
+)
 from cella.models.sandbox import (
     Event,
     EventList,
@@ -104,6 +111,10 @@ __all__ = [
     "ProcessInfo",
     "ProcessList",
     "ProcessSummary",
+    "Registry",
+    "RegistryCreate",
+    "RegistryList",
+    "RegistryUpdate",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",
@@ -115,6 +126,7 @@ __all__ = [
     "SecretPut",
     "Snapshot",
     "SnapshotCreate",
+    "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
     "Template",

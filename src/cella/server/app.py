@@ -27,6 +27,7 @@ from cella.server.routes import (
     host,
     keys,
     ports,
+    registries,
     sandboxes,
     snapshots,
     templates,
@@ -35,7 +36,9 @@ from cella.server.routes import (
 from cella.service.daemon import Daemon
 
 Door = Callable[[FastAPI], None]  # installs a set of routes (and what they need) on an app
-API = (sandboxes, ports, snapshots, files, keys, egress, templates, host, evals, terminal)
+API = (
+    sandboxes, ports, snapshots, files, keys, egress, registries, templates, host, evals, terminal,
+)  # fmt: skip
 
 
 def routes(router: APIRouter) -> Door:

@@ -30,6 +30,8 @@ from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.forks import Forks
+from cella.service.image_registries import ImageRegistries
+from cella.service.image_snapshots import ImageSnapshots
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.ports import Ports
@@ -84,6 +86,7 @@ class Daemon:
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.evals = Evals(store, self._tenant_of)
+        self.image_registries = ImageRegistries(store)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
@@ -97,6 +100,9 @@ class Daemon:
             self.lifecycle,
             self.exec,
             self.files,
+        )
+        self.images = ImageSnapshots(
+            self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
         )
 
     @classmethod
