@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from cella import errors
@@ -15,6 +16,7 @@ from cella.service.image_registries import ImageRegistries, image_host
 from cella.service.image_snapshots import registry_reference
 from cella.store import Store
 from cella.store.sealing import KeyFile, Sealer
+from tests.unit.in_process import serving
 from tests.unit.test_sealing import on_disk
 
 PASSWORD = "pw-8c1f0e2a9d7b4c35"
@@ -85,3 +87,31 @@ def test_references_that_could_name_host_files_are_refused() -> None:
     assert image_tag("reg.test:5000/team/app:3.12") == "3.12"
     assert image_tag("reg.test:5000/team/app") == "latest"
     assert image_tag("reg.test/app@sha256:" + "a" * 64) == "latest"
+
+
+async def test_langsmith_create_snapshot_refuses_before_anything_is_made(tmp_path: Path) -> None:
+    """Through the real app (fake runtime): each refusal is the SDK's error shape and leaves
+    no snapshot row; the control, a registry image, is taken (a row, `building`)."""
+    async with serving(tmp_path) as app:
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            head = {"X-Api-Key": app.admin_key}
+
+            async def post(**body: object) -> httpx2.Response:
+                return await c.post("/api/v2/sandboxes/snapshots", headers=head, json=body)
+
+            base = {"name": "pg", "fs_capacity_bytes": 1 << 30}
+            for path in ("/etc/passwd", "oci:/var/lib/cella/images/oci", "../x"):
+                r = await post(**base, docker_image=path)
+                assert r.status_code == 422 and "not a registry image" in r.text, r.text
+            r = await post(**base, docker_image="reg.test/a:1", registry_id="nope")
+            assert r.status_code == 404 and "Registry 'nope' not found" in r.text
+            r = await post(**base, docker_image="reg.test/a:1", labels={"a": "b"})
+            assert r.status_code == 400 and "not supported by cella" in r.text
+            assert app.daemon.snapshots.find(None) == []
+            # the control (a closed port on loopback: the pull fails later, in the background)
+            r = await post(**base, docker_image="127.0.0.1:9/a:7")
+            assert r.status_code == 200, r.text
+            made = r.json()
+            assert made["status"] == "building" and made["name"] == "pg"
+            assert [s.id for s in app.daemon.snapshots.find(None)] == [made["id"]]

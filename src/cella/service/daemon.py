@@ -177,7 +177,10 @@ class Daemon:
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
-            return await self.forks.boot(tenant, spec)
+            defaults = self.images.defaults(tenant, spec.snapshot, spec.exec_defaults)
+            return await self.forks.boot(
+                tenant, spec.model_copy(update={"exec_defaults": defaults})
+            )
         command: list[str] = []
         if spec.run_entrypoint:
             config = self.templates.image_config(spec.template)

@@ -65,11 +65,10 @@ class ImageSnapshots:
         """Starts building snapshot `name` from the registry image `image`; returns its row,
         `creating`. A registry that is not the tenant's, or not the image's host, is refused
         here; a pull the registry refuses fails the snapshot."""
-        if not oci.skopeo_source(image).startswith("docker://"):  # never a path on the host
-            raise errors.InvalidArgument(f"{image!r} is not a registry image reference")
-        credentials = (
-            None if registry is None else self.registries.credentials(tenant, registry, image)
-        )
+        image = registry_reference(image)  # never a path or another transport on the host
+        credentials = None
+        if registry is not None:
+            credentials = self.registries.credentials(tenant, registry, image)
 
         async def build(template: str, progress: Progress) -> Template:
             async with self.templates.lock(template):
@@ -143,6 +142,18 @@ class ImageSnapshots:
 
         return self._start(tenant, name, tag, defaults, build)
 
+    def defaults(self, tenant: str, ref: str, own: ExecDefaults) -> ExecDefaults:
+        """A new sandbox's exec defaults when it comes from snapshot `ref`: its own, over
+        those of a snapshot built from an image (the image's USER, WORKDIR and ENV under the
+        build's run_config), as a sandbox of the image's template would have them."""
+        snap = self.snapshots.resolve(tenant, ref)
+        if not snap.template.startswith(OWNED_PREFIX) or not snap.sandbox_id:
+            return own
+        image = self.snapshots.source_of(snap)[0].exec_defaults
+        return ExecDefaults(
+            user=own.user or image.user, cwd=own.cwd or image.cwd, env={**image.env, **own.env}
+        )
+
     async def delete(self, tenant: str, snapshot_id: str) -> None:
         """Deletes the snapshot, and its image's template once nothing else is built on it."""
         snap = self.snapshots.get(tenant, snapshot_id)
@@ -192,6 +203,8 @@ class ImageSnapshots:
             finally:
                 with contextlib.suppress(errors.CellaError):
                     await self.lifecycle.delete(tenant, box.id)
+                # sandboxes come from the snapshot, never from the template: no pool of it
+                await self.templates.pool.forget(template.name)
         except BaseException as exc:
             log.info("snapshot %s from an image failed: %s", record.id, exc)
             self.snapshots.store.update_snapshot(record.id, state="error", error=error_text(exc))

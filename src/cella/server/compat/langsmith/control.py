@@ -183,13 +183,19 @@ def router(prefix: str) -> APIRouter:
         if not body.get("name") or not body.get("docker_image"):
             raise errors.InvalidArgument("a snapshot from an image needs name and docker_image")
         image = str(body["docker_image"])
+        registry = None if body.get("registry_id") is None else str(body["registry_id"])
+        if registry is not None:
+            try:
+                svc.image_registries.get(who.tenant, registry)
+            except errors.NotFound:
+                raise errors.NotFound(f"Registry '{registry}' not found") from None
         snap = svc.images.from_image(
             who.tenant,
             str(body["name"]),
             image,
             tag=str(body.get("tag") or image_tag(image)),
             disk_mib=capacity_mib(body),
-            registry=None if body.get("registry_id") is None else str(body["registry_id"]),
+            registry=registry,
             defaults=exec_defaults(body.get("run_config")),
         )
         return snapshot_view(svc, who.tenant, snap)
