@@ -407,8 +407,10 @@ def test_snapshots_with_moving_tags(client: SandboxClient) -> None:
     assert [t.tag for t in client.list_snapshot_tags("my-env")] == ["latest"]
     with pytest.raises(ResourceNotFoundError):
         client.get_snapshot(second.id)
-    with pytest.raises(SandboxClientError, match="not supported"):
-        client.create_snapshot("pg", docker_image="postgres:16", fs_capacity_bytes=1 << 30)
+    # an image is a registry reference: never a file on the daemon's host
+    with pytest.raises(SandboxClientError, match="not a registry image reference"):
+        client.create_snapshot("pg", docker_image="/etc/passwd", fs_capacity_bytes=1 << 30)
+    assert "pg" not in [s.name for s in client.list_snapshots()]
 
 
 def test_retention_and_updates(client: SandboxClient) -> None:

@@ -120,7 +120,16 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
 
 
 from cella.cli import eval as eval_cli  # noqa: E402
-from cella.cli import files, fleet, keys, sandbox, secret, snapshot, template  # noqa: E402
+from cella.cli import (  # noqa: E402
+    files,
+    fleet,
+    keys,
+    registry,
+    sandbox,
+    secret,
+    snapshot,
+    template,
+)
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 
@@ -155,6 +164,7 @@ app.add_typer(files.app, name="files")
 app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(secret.app, name="secret")
+app.add_typer(registry.app, name="registry")
 app.add_typer(template.app, name="template")
 app.add_typer(eval_cli.app, name="eval")
 app.add_typer(fleet.app, name="fleet")

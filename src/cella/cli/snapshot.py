@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -56,6 +57,35 @@ def listing(infos: Sequence[SnapshotInfo]) -> Listing:
             i.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
     return table
+
+
+@app.command("from-image")
+def from_image(
+    name: str,
+    image: str,
+    tag: Annotated[str | None, typer.Option(help="tag within NAME (default: the image's)")] = None,
+    registry: Annotated[
+        str | None, typer.Option(help="pull with this registry's credentials (`cella registry`)")
+    ] = None,
+    disk_mib: Annotated[int | None, typer.Option(help="file system size in MiB")] = None,
+    wait: Annotated[bool, typer.Option(help="wait until it is ready or failed")] = True,
+    json_: JsonOpt = False,
+) -> None:
+    """A snapshot from a registry image, yours alone (built, booted once, snapshotted)."""
+    with Client() as client:
+        snap = client.snapshot_from_image(
+            name, image, tag=tag, disk_mib=disk_mib, registry=registry
+        )
+        while wait and snap.info.state == "creating":
+            time.sleep(2)
+            snap = client.get_snapshot(snap.id)
+    if json_:
+        emit_json(snap.info.model_dump(mode="json"))
+    elif snap.info.state == "error":
+        console.print(f"[red]{snap.id} failed:[/red] {escape(snap.info.error or '')}")
+        raise typer.Exit(1)
+    else:
+        console.print(f"{snap.id} {snap.info.state}")
 
 
 @app.command()

@@ -81,6 +81,9 @@ class TemplateMeta(BaseModel):
     disk_mib: int
     built_at: float = Field(default_factory=time.time)
     seconds: dict[str, float] = Field(default_factory=dict, description="time per step")
+    tenant: str | None = Field(
+        default=None, description="the one tenant that may use it (None: every tenant)"
+    )
 
 
 def meta_path(paths: Paths, name: str) -> Path:
@@ -92,6 +95,12 @@ def read_meta(paths: Paths, name: str) -> TemplateMeta | None:
         return TemplateMeta.model_validate_json(meta_path(paths, name).read_text())
     except (OSError, ValueError):
         return None
+
+
+def owner_of(paths: Paths, name: str) -> str | None:
+    """The tenant a template built for one tenant belongs to (None: every tenant's)."""
+    meta = read_meta(paths, name)
+    return meta.tenant if meta is not None else None
 
 
 def list_meta(paths: Paths) -> list[TemplateMeta]:
@@ -135,11 +144,14 @@ def build_from_image(
     kind: Literal["image", "dockerfile"] = "image",
     source: str | None = None,
     limits: ImportLimits | None = None,
+    tenant: str | None = None,
 ) -> TemplateMeta:
     """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
     same image digest already built as this name is a cache hit. `cert_dir` holds CA
     certificates (`*.crt`) registries are checked against; `credentials` is `user:password`.
-    An image over `limits` (default: the settings') is refused before it is unpacked."""
+    An image over `limits` (default: the settings') is refused before it is unpacked. With
+    `tenant`, the template is that tenant's alone (its base may still be shared by digest:
+    the image was fetched with the tenant's own access first)."""
     limits = limits or ImportLimits.of(DaemonSettings())
     layout = paths.images / "oci"
     layout.mkdir(parents=True, exist_ok=True)
@@ -149,8 +161,8 @@ def build_from_image(
         meta = _build(
             paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials, limits
         )
-        if meta.kind != kind:  # a cache hit of an image built the other way
-            meta = meta.model_copy(update={"kind": kind})
+        if meta.kind != kind or meta.tenant != tenant:  # a cache hit of another build
+            meta = meta.model_copy(update={"kind": kind, "tenant": tenant})
             _write_meta(paths, meta)
         return meta
 

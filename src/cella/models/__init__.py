@@ -43,6 +43,13 @@ from cella.models.network import (
 )
 from cella.models.pairs import parse_pairs
 from cella.models.ports import ExposedPort, ExposeRequest, LoginUrl
+from cella.models.registries import (
+    Registry,
+    RegistryCreate,
+    RegistryList,
+    RegistryUpdate,
+    SnapshotFromImage,
+)
 from cella.models.sandbox import (
     Event,
     EventList,
@@ -109,6 +116,10 @@ __all__ = [
     "ProcessInfo",
     "ProcessList",
     "ProcessSummary",
+    "Registry",
+    "RegistryCreate",
+    "RegistryList",
+    "RegistryUpdate",
     "Sandbox",
     "SandboxCreate",
     "SandboxList",
@@ -120,6 +131,7 @@ __all__ = [
     "SecretPut",
     "Snapshot",
     "SnapshotCreate",
+    "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
     "Template",

@@ -224,6 +224,14 @@ class SnapshotCreate(BaseModel):
     model_config = {"extra": "forbid"}
 
     name: str = Field(default="snapshot", min_length=1, max_length=128)
+    docker_image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="an image in the sandbox's own Docker to snapshot instead of the VM "
+        "(answers `creating`: poll the snapshot)",
+    )
+    disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
 
 
 class Snapshot(BaseModel):

@@ -31,6 +31,8 @@ from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.forks import Forks
+from cella.service.image_registries import ImageRegistries
+from cella.service.image_snapshots import ImageSnapshots
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
@@ -90,6 +92,7 @@ class Daemon:
         self.downloads = Downloads(self.registry, self.files, self.lifecycle, self.signer)
         self.logins = Logins(self.registry, self.signer)
         self.evals = Evals(store, self._tenant_of)
+        self.image_registries = ImageRegistries(store)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
@@ -103,6 +106,9 @@ class Daemon:
             self.lifecycle,
             self.exec,
             self.files,
+        )
+        self.images = ImageSnapshots(
+            self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
         )
 
     @classmethod
@@ -177,7 +183,10 @@ class Daemon:
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
-            return await self.forks.boot(tenant, spec)
+            defaults = self.images.defaults(tenant, spec.snapshot, spec.exec_defaults)
+            return await self.forks.boot(
+                tenant, spec.model_copy(update={"exec_defaults": defaults})
+            )
         command: list[str] = []
         if spec.run_entrypoint:
             config = self.templates.image_config(spec.template)

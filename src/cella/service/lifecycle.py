@@ -16,6 +16,7 @@ from typing import Any
 
 from cella import errors
 from cella.config import DaemonSettings
+from cella.images import oci
 from cella.models import ExecDefaults, SandboxCreate, SandboxState
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
@@ -116,6 +117,9 @@ class Lifecycle:
             base_mib = self.driver.template_disk_mib(req.template)
         except errors.NotFound:
             raise errors.InvalidArgument(f"unknown template {req.template!r}") from None
+        if oci.owner_of(self.driver.paths, req.template) not in (None, tenant):
+            # one tenant's image: to every other tenant it does not exist
+            raise errors.InvalidArgument(f"unknown template {req.template!r}")
         if req.disk_mib is not None and req.disk_mib < base_mib:
             raise errors.InvalidArgument(f"disk_mib must be at least the template's {base_mib} MiB")
         shape = Shape(req.template, req.vcpus, req.memory_mib)

@@ -96,26 +96,55 @@ class Snapshots:
     def tags_of(self, tenant: str, snapshot_id: str) -> list[str]:
         return [t for _, t, sid in self.store.tags(tenant) if sid == snapshot_id]
 
+    def begin(self, tenant: str, name: str, template: str) -> SnapshotRecord:
+        """A snapshot row that is `creating` while its sandbox is still to be made (one
+        built from an image); `snapshot(..., into=)` fills it in."""
+        return self.store.insert_snapshot(
+            SnapshotRecord(
+                id=f"snap-{os.urandom(8).hex()}",
+                tenant=tenant,
+                name=name,
+                sandbox_id="",
+                state=SnapshotState.creating,
+                template=template,
+                vcpus=0,
+                memory_mib=0,
+            )
+        )
+
     async def snapshot(
-        self, tenant: str, sandbox_id: str, name: str, tag: str | None = None
+        self,
+        tenant: str,
+        sandbox_id: str,
+        name: str,
+        tag: str | None = None,
+        into: SnapshotRecord | None = None,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant; it runs on afterwards. With
-        `tag`, `name:tag` points at it once it is ready."""
+        `tag`, `name:tag` points at it once it is ready; with `into`, the snapshot is that
+        row (made by `begin`)."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(tenant, sandbox_id)
-            record = self.store.insert_snapshot(
-                SnapshotRecord(
-                    id=f"snap-{os.urandom(8).hex()}",
-                    tenant=tenant,
-                    name=name,
-                    sandbox_id=sandbox_id,
-                    parent_snapshot_id=row.base_snapshot_id,
-                    state=SnapshotState.creating,
-                    template=row.template,
-                    vcpus=row.vcpus,
-                    memory_mib=row.memory_mib,
+            fields = {
+                "sandbox_id": sandbox_id,
+                "parent_snapshot_id": row.base_snapshot_id,
+                "template": row.template,
+                "vcpus": row.vcpus,
+                "memory_mib": row.memory_mib,
+            }
+            if into is None:
+                record = self.store.insert_snapshot(
+                    SnapshotRecord(
+                        id=f"snap-{os.urandom(8).hex()}",
+                        tenant=tenant,
+                        name=name,
+                        state=SnapshotState.creating,
+                        **fields,  # type: ignore[arg-type]
+                    )
                 )
-            )
+            else:
+                self.store.update_snapshot(into.id, **fields)
+                record = self.get(tenant, into.id)
             self.root.mkdir(parents=True, exist_ok=True)
             dest = self.directory(record.id)
             try:

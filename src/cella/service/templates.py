@@ -52,6 +52,7 @@ Progress = Callable[[str], None]
 BUILDER_TEMPLATE = "docker"  # has buildah
 BUILD_DIR = "/build"
 BUILDAH = ["buildah", "--storage-driver", "vfs"]  # vfs: no overlay mount needed in the guest
+OWNED_PREFIX = "img-"  # templates of one tenant's images (snapshots built from images)
 
 
 class Templates:
@@ -80,7 +81,8 @@ class Templates:
 
     # -- reading -------------------------------------------------------------------------
 
-    def list(self) -> list[Template]:
+    def list(self, tenant: str | None = None) -> list[Template]:
+        """Every template `tenant` may use (None: all of them, every tenant's own too)."""
         out = [
             Template(
                 name=spec.name,
@@ -90,10 +92,11 @@ class Templates:
             )
             for spec in builtin_templates().values()
         ]
-        return out + [self._of(meta) for meta in oci.list_meta(self.paths)]
+        metas = oci.list_meta(self.paths)
+        return out + [self._of(m) for m in metas if tenant is None or m.tenant in (None, tenant)]
 
-    def get(self, name: str) -> Template:
-        for template in self.list():
+    def get(self, name: str, tenant: str | None = None) -> Template:
+        for template in self.list(tenant):
             if template.name == name:
                 return template
         raise errors.NotFound(f"no template {name!r}")
@@ -136,19 +139,19 @@ class Templates:
         """A template from an image; ends with its warm snapshot made."""
         self._check_name(req.name)
         credentials = self._credentials(tenant, req.registry_secret, req.image)
-        async with self._lock(req.name):
+        async with self.lock(req.name):
             await asyncio.to_thread(
                 oci.build_from_image,
                 self.paths,
                 req.name,
                 req.image,
-                _threadsafe(progress),
+                threadsafe(progress),
                 disk_mib=req.disk_mib,
-                cert_dir=self._certs(),
+                cert_dir=self.certs(),
                 credentials=credentials,
                 limits=oci.ImportLimits.of(self.settings),
             )
-            await self._warm(req.name, progress)
+            await self.warm_up(req.name, progress)
         return self.get(req.name)  # with the snapshot's time
 
     async def build_dockerfile(
@@ -194,11 +197,11 @@ class Templates:
             await self.files.upload_archive(tenant, box.id, f"{BUILD_DIR}/context", hashed())
             source = f"Dockerfile (context sha256:{digest.hexdigest()[:16]})"
             progress("building the image (buildah)")
-            await self._run(tenant, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
+            await self.run_step(tenant, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
                             "--layers=false", "-f", f"{BUILD_DIR}/context/{dockerfile}",
                             "-t", "cella-build", f"{BUILD_DIR}/context"], progress)  # fmt: skip
             progress("exporting the image")
-            await self._run(tenant, box.id, [*BUILDAH, "push", "cella-build",
+            await self.run_step(tenant, box.id, [*BUILDAH, "push", "cella-build",
                             f"oci:{BUILD_DIR}/layout:cella-build"], progress)  # fmt: skip
             limits = oci.ImportLimits.of(self.settings)
             with tempfile.TemporaryDirectory(dir=self.paths.build_tmp) as tmp:
@@ -209,13 +212,13 @@ class Templates:
                 # blob by blob, checked: what the builder made is the guest's, and an
                 # archive of it would be unpacked on the host
                 image = await oci.copy_layout(read, f"{BUILD_DIR}/layout", Path(tmp), limits)
-                async with self._lock(name):
+                async with self.lock(name):
                     await asyncio.to_thread(
                         oci.build_from_image,
                         self.paths,
                         name,
                         image,
-                        _threadsafe(progress),
+                        threadsafe(progress),
                         disk_mib=disk_mib,
                         kind="dockerfile",
                         source=source,
@@ -224,17 +227,22 @@ class Templates:
         finally:
             with contextlib.suppress(errors.CellaError):
                 await self.lifecycle.delete(tenant, box.id)
-        async with self._lock(name):
-            await self._warm(name, progress)
+        async with self.lock(name):
+            await self.warm_up(name, progress)
         return self.get(name)
 
-    async def _run(
-        self, tenant: str, sandbox_id: str, argv: builtins.list[str], progress: Progress
+    async def run_step(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        argv: builtins.list[str],
+        progress: Progress,
+        step: str | None = None,
     ) -> None:
         """Runs a build step in the builder, its output as progress; fails the build on a
         non-zero exit with the step's last lines."""
         tail: builtins.list[str] = []
-        req = ExecRequest(command=argv, timeout=3000)
+        req = ExecRequest(command=argv, timeout=3000, user="root")
         status: ExitStatus | None = None
         pending = b""
         async for event in self.exec.stream(tenant, sandbox_id, req):
@@ -251,10 +259,10 @@ class Templates:
         if status is None or status.exit_code != 0:
             code = status.exit_code if status else None
             raise errors.BuildFailed(
-                f"the {argv[3]} step failed (exit {code}): " + " / ".join(tail[-5:])
+                f"the {step or argv[3]} step failed (exit {code}): " + " / ".join(tail[-5:])
             )
 
-    async def _warm(self, name: str, progress: Progress) -> None:
+    async def warm_up(self, name: str, progress: Progress) -> None:
         """The new build replaces the old in pools and warm snapshots; then its own warm
         snapshot is made, so the first sandbox restores rather than boots."""
         await self.pool.forget(name)
@@ -293,7 +301,7 @@ class Templates:
                 f"template {name!r} is in use by {len(users)} sandbox(es) and "
                 f"{len(snaps)} snapshot(s): delete those first"
             )
-        async with self._lock(name):
+        async with self.lock(name):
             await self.pool.forget(name)
             oci.meta_path(self.paths, name).unlink(missing_ok=True)
             for warm in (self.paths.images / "snapshots").glob(f"{name}-*"):
@@ -301,13 +309,24 @@ class Templates:
             if all(m.image != meta.image for m in oci.list_meta(self.paths)):
                 (self.paths.templates / meta.image).unlink(missing_ok=True)
 
+    async def delete_owned(self, tenant: str, name: str) -> None:
+        """Removes one of `tenant`'s own templates once nothing is built on it (nothing
+        happens while something is, or when it is not the tenant's)."""
+        meta = oci.read_meta(self.paths, name)
+        if meta is None or meta.tenant != tenant:
+            return
+        with contextlib.suppress(errors.Conflict, errors.NotFound):
+            await self.delete(name)
+
     # -- helpers -------------------------------------------------------------------------
 
     def _check_name(self, name: str) -> None:
         if name in builtin_templates():
             raise errors.InvalidArgument(f"{name!r} is a built-in template (`cella setup`)")
+        if oci.owner_of(self.paths, name) is not None or name.startswith(OWNED_PREFIX):
+            raise errors.InvalidArgument(f"{name!r} is a name of one tenant's image templates")
 
-    def _lock(self, name: str) -> asyncio.Lock:
+    def lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
     def _credentials(self, tenant: str, secret: str | None, image: str) -> str | None:
@@ -328,7 +347,7 @@ class Templates:
             raise errors.InvalidArgument(f"secret {secret!r} is not bound to {host}")
         return row.value
 
-    def _certs(self) -> Path | None:
+    def certs(self) -> Path | None:
         """The operator's extra CAs as a directory skopeo reads (`*.crt`)."""
         pem = self.settings.extra_ca_pem()
         if not pem:
@@ -340,7 +359,7 @@ class Templates:
         return self._cert_dir
 
 
-def _threadsafe(progress: Progress) -> Progress:
+def threadsafe(progress: Progress) -> Progress:
     """`progress` callable from a worker thread (it runs on the event loop)."""
     loop = asyncio.get_running_loop()
 

@@ -21,6 +21,7 @@ from cella.store.records import (
     EventRecord,
     KeyRecord,
     KeyUse,
+    RegistryRecord,
     SandboxRecord,
     SecretRecord,
     SecretRef,
@@ -374,10 +375,14 @@ class Store:
         row = self._exec(
             "SELECT tenant, name, value FROM secrets WHERE value LIKE 'sealed:%' LIMIT 1"
         ).fetchone()
-        if row is None:
-            return True
+        held = self._exec(
+            "SELECT tenant, id, value FROM registries WHERE value LIKE 'sealed:%' LIMIT 1"
+        ).fetchone()
         try:
-            sealer.open(row["value"], _owner(row))
+            if row is not None:
+                sealer.open(row["value"], _owner(row))
+            if held is not None:
+                sealer.open(held["value"], _registry_owner(held))
         except errors.HostError:
             return False
         return True
@@ -395,12 +400,21 @@ class Store:
                         "UPDATE secrets SET value = ? WHERE tenant = ? AND name = ?",
                         (value, row["tenant"], row["name"]),
                     )
+                held = self._db.execute("SELECT tenant, id, value FROM registries").fetchall()
+                for row in held:
+                    if row["value"] is None:
+                        continue
+                    owner = _registry_owner(row)
+                    value = new.seal(old.open(row["value"], owner), owner)
+                    self._db.execute(
+                        "UPDATE registries SET value = ? WHERE id = ?", (value, row["id"])
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
         self._sealer = new
-        return len(rows)
+        return len(rows) + len(held)
 
     def _sealing(self) -> Sealer:
         if self._sealer is None:
@@ -453,6 +467,56 @@ class Store:
         cur = self._exec("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))
         return cur.rowcount > 0
 
+    # -- image registries (a password is read only to pull an image with it) -------------
+
+    def put_registry(self, record: RegistryRecord) -> RegistryRecord:
+        """Inserts the registry, or replaces the one with its id (created_at kept)."""
+        record.updated_at = now()
+        record.created_at = record.created_at or record.updated_at
+        sealed = (
+            None
+            if record.password is None
+            else self._sealing().seal(record.password, _registry_owner(record))
+        )
+        try:
+            self._exec(
+                "INSERT INTO registries (id, tenant, name, url, username, value, created_at, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "name = excluded.name, url = excluded.url, username = excluded.username, "
+                "value = excluded.value, updated_at = excluded.updated_at",
+                (record.id, record.tenant, record.name, record.url, record.username, sealed,
+                 record.created_at, record.updated_at),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            raise errors.Conflict(f"a registry named {record.name!r} exists") from None
+        return record
+
+    def get_registry(self, tenant: str, key: str) -> RegistryRecord | None:
+        """The tenant's registry by id or name."""
+        row = self._exec(
+            "SELECT * FROM registries WHERE tenant = ? AND (id = ? OR name = ?)",
+            (tenant, key, key),
+        ).fetchone()
+        return self._registry(row) if row else None
+
+    def list_registries(self, tenant: str) -> list[RegistryRecord]:
+        rows = self._exec(
+            "SELECT * FROM registries WHERE tenant = ? ORDER BY created_at DESC, id", (tenant,)
+        ).fetchall()
+        return [self._registry(r) for r in rows]
+
+    def _registry(self, row: sqlite3.Row) -> RegistryRecord:
+        data = dict(row)
+        sealed = data.pop("value")
+        password = None if sealed is None else self._sealing().open(sealed, _registry_owner(row))
+        return RegistryRecord(**data, password=password)
+
+    def delete_registry(self, tenant: str, registry_id: str) -> bool:
+        cur = self._exec(
+            "DELETE FROM registries WHERE tenant = ? AND id = ?", (tenant, registry_id)
+        )
+        return cur.rowcount > 0
+
 
 def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
@@ -498,6 +562,13 @@ def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
 def _owner(row: sqlite3.Row) -> str:
     """What a sealed value is bound to: its row."""
     return f"{row['tenant']}/{row['name']}"
+
+
+def _registry_owner(row: sqlite3.Row | RegistryRecord) -> str:
+    """A registry's password is bound to its tenant and id (never a secret's row)."""
+    if isinstance(row, RegistryRecord):
+        return f"registry:{row.tenant}/{row.id}"
+    return f"registry:{row['tenant']}/{row['id']}"
 
 
 def _key(row: sqlite3.Row) -> KeyRecord:

@@ -145,4 +145,17 @@ MIGRATIONS: list[str] = [
         expires INTEGER NOT NULL
     );
     """,
+    """
+    CREATE TABLE registries (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        url TEXT NOT NULL,
+        username TEXT,
+        value TEXT,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    """,
 ]

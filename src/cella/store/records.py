@@ -115,6 +115,21 @@ class SecretRecord:
 
 
 @dataclass(slots=True)
+class RegistryRecord:
+    """A tenant's image registry: where images are pulled from, and as whom. The password
+    is sealed at rest and leaves the daemon only toward the registry's own host."""
+
+    id: str
+    tenant: str
+    name: str
+    url: str
+    username: str | None = None
+    password: str | None = None
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
 class KeyRecord:
     id: str
     tenant: str

@@ -33,6 +33,7 @@ from cella.models import (
     ProcessInfo,
     ProcessList,
     ProcessSummary,
+    Registry,
     SandboxUsage,
     Secret,
     Template,
@@ -270,6 +271,44 @@ class Client:
         """Seals every secret value under a new key (admin); returns how many."""
         response = self.request("POST", "/v1/secrets-key/rotate")
         return int(KeyRotation.model_validate(response.json()).resealed)
+
+    # -- image registries ----------------------------------------------------------------
+
+    def create_registry(
+        self, name: str, url: str, *, username: str | None = None, password: str | None = None
+    ) -> Registry:
+        """Keeps a registry's credentials for pulling images (the password is write-only),
+        to name in `snapshot_from_image(registry=...)`."""
+        body = create_body(name=name, url=url, username=username, password=password)
+        response = self.request("POST", "/v1/registries", json=body)
+        return Registry.model_validate(response.json())
+
+    def registries(self) -> builtins.list[Registry]:
+        response = self.request("GET", "/v1/registries")
+        return [Registry.model_validate(r) for r in response.json()["registries"]]
+
+    def get_registry(self, key: str) -> Registry:
+        """A registry by id or name."""
+        response = self.request("GET", f"/v1/registries/{key}")
+        return Registry.model_validate(response.json())
+
+    def delete_registry(self, key: str) -> None:
+        self.request("DELETE", f"/v1/registries/{key}")
+
+    def snapshot_from_image(
+        self,
+        name: str,
+        image: str,
+        *,
+        tag: str | None = None,
+        disk_mib: int | None = None,
+        registry: str | None = None,
+    ) -> Snapshot:
+        """Starts building a snapshot from a registry image (pulled with `registry`'s
+        credentials); it is `creating` until the build ends: poll `get_snapshot`."""
+        body = create_body(name=name, image=image, tag=tag, disk_mib=disk_mib, registry=registry)
+        response = self.request("POST", "/v1/snapshots", json=body)
+        return Snapshot(self, SnapshotInfo.model_validate(response.json()))
 
     def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""

@@ -5,7 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from fastapi.responses import FileResponse
 
-from cella.models import ForkRequest, Sandbox, SandboxList, Snapshot, SnapshotCreate, SnapshotList
+from cella import errors
+from cella.models import (
+    ForkRequest,
+    Sandbox,
+    SandboxList,
+    Snapshot,
+    SnapshotCreate,
+    SnapshotFromImage,
+    SnapshotList,
+)
 from cella.models.fleet import SnapshotExport, SnapshotImport
 from cella.server.deps import Auth, DaemonDep
 from cella.service.keys import require_admin
@@ -18,8 +27,32 @@ router = APIRouter(tags=["snapshots"])
 async def create_snapshot(
     sandbox_id: str, body: SnapshotCreate, svc: DaemonDep, who: Auth
 ) -> Snapshot:
-    """Saves the sandbox's disk and memory; it keeps running afterwards."""
+    """Saves the sandbox's disk and memory; it keeps running afterwards. With
+    `docker_image`, that image of the sandbox's own Docker becomes the snapshot instead."""
+    if body.docker_image is not None:
+        return Snapshot.model_validate(
+            svc.images.from_sandbox(
+                who.tenant, sandbox_id, body.name, body.docker_image, disk_mib=body.disk_mib
+            )
+        )
+    if body.disk_mib is not None:
+        raise errors.InvalidArgument("disk_mib applies to a snapshot of a docker_image")
     return Snapshot.model_validate(await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name))
+
+
+@router.post("/v1/snapshots", status_code=201, response_model=Snapshot)
+async def snapshot_from_image(body: SnapshotFromImage, svc: DaemonDep, who: Auth) -> Snapshot:
+    """Builds a snapshot from a registry image, pulled with one of the caller's registries;
+    answers `creating` at once (poll it until `ready` or `error`)."""
+    row = svc.images.from_image(
+        who.tenant,
+        body.name,
+        body.image,
+        tag=body.tag,
+        disk_mib=body.disk_mib,
+        registry=body.registry,
+    )
+    return Snapshot.model_validate(row)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxList)
@@ -57,7 +90,7 @@ async def fork_snapshot(
 @router.delete("/v1/snapshots/{snapshot_id}", status_code=204)
 async def delete_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> Response:
     """Refused (409 in_use) while a sandbox or another snapshot is built on it."""
-    await svc.snapshots.delete(who.tenant, snapshot_id)
+    await svc.images.delete(who.tenant, snapshot_id)
     return Response(status_code=204)
 
 

@@ -28,12 +28,12 @@ PROGRESS: dict[int | str, dict[str, Any]] = {
 
 @router.get("", response_model=TemplateList)
 async def list_templates(svc: DaemonDep, who: Auth) -> TemplateList:
-    return TemplateList(templates=svc.templates.list())
+    return TemplateList(templates=svc.templates.list(who.tenant))
 
 
 @router.get("/{name}", response_model=Template)
 async def get_template(name: str, svc: DaemonDep, who: Auth) -> Template:
-    return svc.templates.get(name)
+    return svc.templates.get(name, who.tenant)
 
 
 @router.post("", response_class=StreamingResponse, responses=PROGRESS)

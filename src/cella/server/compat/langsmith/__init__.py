@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from cella.server.compat.langsmith import control, dataplane
+from cella.server.compat.langsmith import control, dataplane, registries
 from cella.server.compat.langsmith.shapes import ERROR_SHAPE, PREFIXES
 from cella.server.error_shapes import add_error_shape
 
@@ -15,5 +15,6 @@ __all__ = ["ERROR_SHAPE", "PREFIXES", "install"]
 def install(app: FastAPI) -> None:
     for prefix in PREFIXES:
         app.include_router(control.router(prefix))
+        app.include_router(registries.router(prefix))
     app.include_router(dataplane.router)
     add_error_shape(app, ERROR_SHAPE)

@@ -20,6 +20,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from cella import errors
 from cella.models import ExecRequest
+from cella.server.compat.langsmith import buildkit
 from cella.server.compat.langsmith.shapes import ERRORS
 from cella.server.compat.langsmith.waking import awake
 from cella.server.deps import Caller, DaemonDep, daemon
@@ -93,6 +94,7 @@ async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) ->
     except (ValidationError, TypeError) as exc:
         problems = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
         raise errors.InvalidArgument(describe(problems)) from None
+    await buildkit.check(svc, tenant, sandbox_id, str(msg.get("command") or ""))
     pty = bool(msg.get("pty"))
     spec = ProcessSpec(
         request=request,

@@ -178,22 +178,53 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes/{name}/snapshot")
     async def capture(name: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         row = box(svc, who.tenant, name)
-        if body.get("docker_image"):
-            raise not_supported("exporting a Docker image from inside a sandbox")
+        unknown = set(body) - {"name", "tag", "docker_image", "fs_capacity_bytes", "run_config"}
+        if unknown:
+            raise not_supported(f"capturing a snapshot with {sorted(unknown)}")
         if not body.get("name"):
             raise errors.InvalidArgument("a snapshot needs a name")
-        snap = await svc.snapshots.snapshot(
-            who.tenant, row.id, str(body["name"]), str(body.get("tag") or "latest")
-        )
+        snap_name, tag = str(body["name"]), str(body.get("tag") or "latest")
+        if body.get("docker_image"):  # the image in the sandbox's Docker, not the VM
+            snap = svc.images.from_sandbox(
+                who.tenant,
+                row.id,
+                snap_name,
+                str(body["docker_image"]),
+                tag=tag,
+                disk_mib=capacity_mib(body),
+                defaults=exec_defaults(body.get("run_config")),
+            )
+            return snapshot_view(svc, who.tenant, snap)
+        if body.get("run_config") or body.get("fs_capacity_bytes"):
+            raise not_supported("run_config or fs_capacity_bytes on a capture of the running VM")
+        snap = await svc.snapshots.snapshot(who.tenant, row.id, snap_name, tag)
         return snapshot_view(svc, who.tenant, snap)
 
     @api.post("/snapshots")
     async def create_snapshot(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
-        raise not_supported(
-            f"building a snapshot from the image {body.get('docker_image')!r}: an operator "
-            "makes a template of it (`cella template build NAME --from-image REF`); capture "
-            "a running sandbox instead"
+        unknown = set(body) - {"name", "docker_image", "fs_capacity_bytes", "tag",
+                               "registry_id", "run_config"}  # fmt: skip
+        if unknown:
+            raise not_supported(f"building a snapshot with {sorted(unknown)}")
+        if not body.get("name") or not body.get("docker_image"):
+            raise errors.InvalidArgument("a snapshot from an image needs name and docker_image")
+        image = str(body["docker_image"])
+        registry = None if body.get("registry_id") is None else str(body["registry_id"])
+        if registry is not None:
+            try:
+                svc.image_registries.get(who.tenant, registry)
+            except errors.NotFound:
+                raise errors.NotFound(f"Registry '{registry}' not found") from None
+        snap = svc.images.from_image(
+            who.tenant,
+            str(body["name"]),
+            image,
+            tag=str(body.get("tag") or image_tag(image)),
+            disk_mib=capacity_mib(body),
+            registry=registry,
+            defaults=exec_defaults(body.get("run_config")),
         )
+        return snapshot_view(svc, who.tenant, snap)
 
     @api.get("/snapshots")
     async def list_snapshots(
@@ -230,7 +261,7 @@ def router(prefix: str) -> APIRouter:
     @api.delete("/snapshots/{ref:path}", status_code=204)
     async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
         snap = svc.snapshots.resolve(who.tenant, ref)
-        await svc.snapshots.delete(who.tenant, snap.id)
+        await svc.images.delete(who.tenant, snap.id)
         return Response(status_code=204)
 
     return api
@@ -289,6 +320,22 @@ def given(change: SandboxUpdate, field: str) -> Any:
 
 def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
     return snapshot_json(snap, svc.snapshots.tags_of(tenant, snap.id), fs_mib(svc, snap.template))
+
+
+def capacity_mib(body: Json) -> int | None:
+    """`fs_capacity_bytes` in MiB (rounded up), None when not given."""
+    value = body.get("fs_capacity_bytes")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 40:
+        raise errors.InvalidArgument("fs_capacity_bytes must be a positive number of bytes")
+    return max(-(-value >> 20), 512)
+
+
+def image_tag(image: str) -> str:
+    """The tag an image reference names (`repo:tag`), else `latest`, as LangSmith's is."""
+    last = image.rsplit("/", 1)[-1].split("@", 1)[0]
+    return last.partition(":")[2] or "latest"
 
 
 def fs_mib(svc: Daemon, template: str) -> int:
