@@ -57,6 +57,7 @@ from cella.models.sandbox import (
     SnapshotCreate,
     SnapshotList,
     SnapshotState,
+    StopRequest,
 )
 from cella.models.templates import (
     BuildEvent,
@@ -117,6 +118,7 @@ __all__ = [
     "SnapshotCreate",
     "SnapshotList",
     "SnapshotState",
+    "StopRequest",
     "Template",
     "TemplateBuild",
     "TemplateList",

@@ -97,10 +97,17 @@ class Snapshots:
         return [t for _, t, sid in self.store.tags(tenant) if sid == snapshot_id]
 
     async def snapshot(
-        self, tenant: str, sandbox_id: str, name: str, tag: str | None = None
+        self,
+        tenant: str,
+        sandbox_id: str,
+        name: str,
+        tag: str | None = None,
+        *,
+        memory: bool = True,
     ) -> SnapshotRecord:
-        """Disk and memory of a running sandbox at one instant; it runs on afterwards. With
-        `tag`, `name:tag` points at it once it is ready."""
+        """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
+        alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
+        points at it once it is ready."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(tenant, sandbox_id)
             record = self.store.insert_snapshot(
@@ -114,6 +121,7 @@ class Snapshots:
                     template=row.template,
                     vcpus=row.vcpus,
                     memory_mib=row.memory_mib,
+                    memory=memory,
                 )
             )
             self.root.mkdir(parents=True, exist_ok=True)
@@ -121,7 +129,7 @@ class Snapshots:
             try:
                 self._check_space(row)
                 manifest, paused = await self.driver.snapshot_vm(
-                    vm, dest, template=row.template, sandbox_id=sandbox_id
+                    vm, dest, memory=memory, template=row.template, sandbox_id=sandbox_id
                 )
             except BaseException as exc:
                 if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
@@ -142,9 +150,25 @@ class Snapshots:
             self.events.emit(
                 sandbox_id,
                 "snapshot",
-                {"snapshot_id": record.id, "name": name, "tag": tag, "paused_ms": paused_ms},
+                {
+                    "snapshot_id": record.id,
+                    "name": name,
+                    "tag": tag,
+                    "memory": memory,
+                    "paused_ms": paused_ms,
+                },
             )
         return self.get(tenant, record.id)
+
+    def memory_bytes(self, snapshot_id: str) -> int | None:
+        """What the snapshot's memory takes on this node; None when it has none (or its
+        files are not here)."""
+        snap = self.directory(snapshot_id)
+        if not snap.exists():
+            return None
+        with contextlib.suppress(errors.SnapshotCorrupt):
+            return snap.memory_bytes()
+        return None
 
     def _needs(self, row: SandboxRecord) -> int:
         """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""

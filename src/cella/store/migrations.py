@@ -145,4 +145,8 @@ MIGRATIONS: list[str] = [
         expires INTEGER NOT NULL
     );
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN stop_keeps_memory INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE snapshots ADD COLUMN memory INTEGER NOT NULL DEFAULT 1;
+    """,
 ]

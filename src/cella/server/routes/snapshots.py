@@ -18,8 +18,10 @@ router = APIRouter(tags=["snapshots"])
 async def create_snapshot(
     sandbox_id: str, body: SnapshotCreate, svc: DaemonDep, who: Auth
 ) -> Snapshot:
-    """Saves the sandbox's disk and memory; it keeps running afterwards."""
-    return Snapshot.model_validate(await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name))
+    """Saves the sandbox's disk and memory (`memory: false`: its disk alone); it keeps
+    running afterwards."""
+    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name, memory=body.memory)
+    return Snapshot.model_validate(snap)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxList)
