@@ -13,7 +13,13 @@ from fastapi import APIRouter, Body, Query, Request, Response
 
 from cella import errors
 from cella.models import SandboxCreate, SandboxUpdate
-from cella.server.compat.langsmith.create import CELLA_NAMES, read_create, seconds, validated
+from cella.server.compat.langsmith.create import (
+    CELLA_NAMES,
+    flag,
+    read_create,
+    seconds,
+    validated,
+)
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
     exec_defaults,
@@ -116,6 +122,7 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes/{name}/stop")
     async def stop_box(name: str, svc: DaemonDep, who: Caller) -> Json:
         row = box(svc, who.tenant, name)
+        # preserve_memory_on_stop (the row's stop_keeps_memory) makes this stop a pause
         svc.background.start(svc.lifecycle.stop(who.tenant, row.id), name=f"stop-{row.id}")
         return {"status": "stopped"}
 
@@ -154,10 +161,19 @@ def router(prefix: str) -> APIRouter:
         row = box(svc, who.tenant, name)
         if body.get("docker_image"):
             raise not_supported("exporting a Docker image from inside a sandbox")
+        if body.get("checkpoint"):
+            raise not_supported(
+                f"promoting a checkpoint ({body['checkpoint']!r}); omit it to capture the "
+                "running sandbox"
+            )
         if not body.get("name"):
             raise errors.InvalidArgument("a snapshot needs a name")
         snap = await svc.snapshots.snapshot(
-            who.tenant, row.id, str(body["name"]), str(body.get("tag") or "latest")
+            who.tenant,
+            row.id,
+            str(body["name"]),
+            str(body.get("tag") or "latest"),
+            memory=flag(body, "include_memory") or False,  # LangSmith's default: the disk
         )
         return snapshot_view(svc, who.tenant, snap)
 
@@ -245,7 +261,12 @@ def given(change: SandboxUpdate, field: str) -> Any:
 
 
 def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
-    return snapshot_json(snap, svc.snapshots.tags_of(tenant, snap.id), fs_mib(svc, snap.template))
+    return snapshot_json(
+        snap,
+        svc.snapshots.tags_of(tenant, snap.id),
+        fs_mib(svc, snap.template),
+        svc.snapshots.memory_bytes(snap.id) if snap.memory else None,
+    )
 
 
 def fs_mib(svc: Daemon, template: str) -> int:
