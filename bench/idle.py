@@ -18,8 +18,8 @@ from pathlib import Path
 from bench._stats import report, summary_ms
 from bench.starts import pss_kib
 from cella import Client
-from tests.vms import qemu_pids
 from tests.daemon import Daemon, kill_vms_of
+from tests.vms import qemu_pids
 
 
 def mem_available_mib() -> int:

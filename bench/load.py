@@ -16,8 +16,8 @@ from typing import Any
 from bench._stats import report, summary_ms
 from cella import AsyncClient
 from cella.runtime.qemu.vm import qemu_cmdline
-from tests.vms import qemu_pids
 from tests.daemon import Daemon, kill_vms_of
+from tests.vms import qemu_pids
 
 
 async def run_load(url: str, key: str, creates: int, execs: int) -> dict[str, Any]:

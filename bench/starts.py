@@ -24,8 +24,8 @@ from cella.config import DaemonSettings
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.jail import jail_ids
-from tests.vms import qemu_of
 from tests.daemon import Daemon, kill_vms_of
+from tests.vms import qemu_of
 
 
 def pool_full(d: Daemon) -> bool:

@@ -230,3 +230,38 @@ def test_corrupted_snapshot_is_refused(
         snap.fork(1)
     assert {s.id for s in admin.list()} == before  # nothing was created
     assert parent.exec("echo fine").stdout == b"fine\n"
+
+
+def test_memory_is_an_option_of_stop_snapshot_and_create(
+    admin: Client, sandbox_factory: SandboxFactory
+) -> None:
+    """cella's own API: a stop that keeps memory is a pause, a snapshot may leave memory
+    out, and a create from a snapshot restores its memory, insists on it, or boots."""
+    sb = sandbox_factory(admin, stop_keeps_memory=True)
+    assert sb.info.stop_keeps_memory
+    sb.files.write("/workspace/note.txt", "kept")
+    sb.exec(COUNTER)
+    assert sb.stop().state == "paused"  # the sandbox's own choice
+    assert sb.resume().state == "running" and counting(sb)  # the same counter runs on
+    assert sb.stop(memory=False).state == "stopped"  # asked for per stop
+    assert sb.resume().state == "running"
+    assert sb.files.read("/workspace/note.txt") == b"kept" and not counter_runs(sb)
+    sb.exec(COUNTER)
+    assert counting(sb)
+    disk = sb.snapshot("disk-only", memory=False)
+    full = sb.snapshot("with-memory")
+    assert (disk.info.memory, full.info.memory) == (False, True)
+    booted = sandbox_factory(admin, snapshot=disk.id)
+    assert booted.files.read("/workspace/note.txt") == b"kept" and not counter_runs(booted)
+    never = sandbox_factory(admin, snapshot=full.id, restore_memory="never")
+    assert never.files.read("/workspace/note.txt") == b"kept" and not counter_runs(never)
+    with pytest.raises(errors.InvalidArgument, match="without memory"):
+        admin.create(snapshot=disk.id, restore_memory="always")
+    always = sandbox_factory(admin, snapshot=full.id, restore_memory="always")
+    assert counter_runs(always) and counting(always)
+
+
+def counter_runs(sb: Sandbox) -> bool:
+    """Whether COUNTER's process is there (the brackets keep pgrep's own shell out)."""
+    found = sb.exec("pgrep -f 'while [t]rue' >/dev/null && echo yes || echo no")
+    return found.stdout == b"yes\n"

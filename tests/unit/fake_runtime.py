@@ -224,6 +224,7 @@ class FakeDriver:
         self.flattened: list[str] = []  # snapshots flatten() was asked for
         self.layers = False  # snapshot_vm makes RAM layers (flattened by flatten())
         self.spares_used = 0  # restores that finished a prespawned VM
+        self.cold_boots = 0  # VMs booted from a snapshot's disk alone
         self.flatten_gate: asyncio.Event | None = None  # holds flatten() until set
         self.killed: list[int] = []
 
@@ -276,6 +277,20 @@ class FakeDriver:
             return spare
         return self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
 
+    async def boot_snapshot(
+        self,
+        snap: SnapshotDir,
+        directory: Path,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+    ) -> FakeVM:
+        snap.verify()
+        vm = self._vm(directory, vcpus, memory_mib)
+        self.cold_boots += 1
+        return vm
+
     async def prespawn(self, snap: SnapshotDir, directory: Path) -> FakeVM:
         manifest = snap.verify()
         vm = self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
@@ -310,9 +325,13 @@ class FakeDriver:
         return self._seal(dest, {"vcpus": vcpus, "memory_mib": memory_mib})
 
     async def snapshot_vm(
-        self, vm: Any, dest: SnapshotDir, **meta: Any
+        self, vm: Any, dest: SnapshotDir, *, memory: bool = True, **meta: Any
     ) -> tuple[dict[str, Any], float]:
         meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}
+        if not memory:
+            dest.path.mkdir(parents=True, exist_ok=True)
+            dest.disk.write_bytes(b"disk")
+            return dest.seal(meta), 0.001
         if not self.layers:
             return self._seal(dest, meta), 0.001
         dest.path.mkdir(parents=True, exist_ok=True)  # a RAM layer, as a restored VM's is

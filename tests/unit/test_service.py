@@ -520,3 +520,46 @@ async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> 
         await d.pool.close()
         await d.registry.detach_all()
         d.store.close()
+
+
+async def test_a_stop_that_keeps_memory_pauses(daemon: Daemon) -> None:
+    life = daemon.lifecycle
+    row = await life.create("t", SandboxCreate(stop_keeps_memory=True))
+    assert row.stop_keeps_memory and daemon.store.get_sandbox(row.id).stop_keeps_memory  # type: ignore[union-attr]
+    vm = fake_vm(daemon, row.id)
+    kept = await life.stop("t", row.id)
+    assert kept.state == S.paused and vm.paused and not vm.stopped_cleanly
+    assert (await life.resume("t", row.id)).state == S.running and fake_vm(daemon, row.id) is vm
+    # asked for per stop, either way
+    assert (await life.stop("t", row.id, memory=False)).state == S.stopped
+    assert vm.stopped_cleanly
+    await life.resume("t", row.id)
+    plain = await life.create("t", SandboxCreate())
+    assert (await life.stop("t", plain.id)).state == S.stopped
+    await life.resume("t", plain.id)
+    assert (await life.stop("t", plain.id, memory=True)).state == S.paused
+
+
+async def test_a_snapshot_without_memory_is_booted_from(daemon: Daemon) -> None:
+    driver = daemon.registry.driver
+    assert isinstance(driver, FakeDriver)
+    row = await daemon.lifecycle.create("t", SandboxCreate())
+    disk = await daemon.snapshots.snapshot("t", row.id, "disk", memory=False)
+    full = await daemon.snapshots.snapshot("t", row.id, "full")
+    assert (disk.memory, full.memory) == (False, True)
+    assert sorted(p.name for p in SnapshotDir(daemon.snapshots.root / disk.id).path.iterdir()) == [
+        "disk.qcow2",
+        "manifest.json",
+    ]
+    assert daemon.snapshots.memory_bytes(disk.id) is None
+    assert daemon.snapshots.memory_bytes(full.id) == len(b"ram")  # the fake's RAM file
+
+    await daemon.create("t", SandboxCreate(snapshot=disk.id))
+    assert driver.cold_boots == 1
+    await daemon.create("t", SandboxCreate(snapshot=full.id))  # if_present: restored
+    assert driver.cold_boots == 1
+    with pytest.raises(errors.InvalidArgument, match="without memory"):
+        await daemon.create("t", SandboxCreate(snapshot=disk.id, restore_memory="always"))
+    await daemon.lifecycle.delete("t", row.id)
+    await daemon.create("t", SandboxCreate(snapshot=full.id, restore_memory="never"))
+    assert driver.cold_boots == 2

@@ -66,6 +66,7 @@ from cella.models.sandbox import (
     SnapshotCreate,
     SnapshotList,
     SnapshotState,
+    StopRequest,
 )
 from cella.models.templates import (
     BuildEvent,
@@ -134,6 +135,7 @@ __all__ = [
     "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
+    "StopRequest",
     "Template",
     "TemplateBuild",
     "TemplateList",

@@ -26,6 +26,7 @@ class SandboxState(StrEnum):
 
 
 ExpiryAction = Literal["stop", "pause", "delete"]
+RestoreMemory = Literal["if_present", "always", "never"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_LIFETIME_SECONDS = 30 * 86400  # a sandbox's TTL and idle limit
@@ -82,6 +83,17 @@ class SandboxCreate(BaseModel):
         default=None, description="a stopped sandbox is deleted after this"
     )
     max_pids: int | None = Field(default=None, ge=16, le=1 << 20, description="guest processes")
+    stop_keeps_memory: bool = Field(
+        default=False,
+        description="a stop (asked for, or on idling) pauses the VM: processes and memory "
+        "are kept for the next resume, and the host keeps holding its RAM",
+    )
+    restore_memory: RestoreMemory = Field(
+        default="if_present",
+        description="with `snapshot`: restore its memory when it has one (`if_present`), "
+        "insist on it (`always`: refused for a snapshot without memory), or boot from its "
+        "disk alone (`never`)",
+    )
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     run_entrypoint: bool = Field(
         default=False,
@@ -148,6 +160,7 @@ class Sandbox(BaseModel):
     idle_action: ExpiryAction = "stop"
     max_pids: int | None = None
     delete_after_stop_seconds: int | None = None
+    stop_keeps_memory: bool = False
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     last_active_at: datetime | None = None
     stopped_at: datetime | None = None
@@ -232,6 +245,21 @@ class SnapshotCreate(BaseModel):
         "(answers `creating`: poll the snapshot)",
     )
     disk_mib: int | None = Field(default=None, ge=512, le=1 << 20)
+    memory: bool = Field(
+        default=True,
+        description="keep the VM's memory too (sandboxes made from it run on where it was); "
+        "false: the disk alone, which sandboxes boot from",
+    )
+
+
+class StopRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    memory: bool | None = Field(
+        default=None,
+        description="keep processes and memory (a pause) or not (a stop); "
+        "default: the sandbox's `stop_keeps_memory`",
+    )
 
 
 class Snapshot(BaseModel):
@@ -246,6 +274,7 @@ class Snapshot(BaseModel):
     template: str
     vcpus: int
     memory_mib: int
+    memory: bool = Field(default=True, description="false: its disk alone")
     size_bytes: int | None = None
     paused_ms: float | None = Field(default=None, description="how long the source was paused")
     error: str | None = None

@@ -220,6 +220,18 @@ class Driver(Protocol):
         only the state is left to load."""
         ...
 
+    async def boot_snapshot(
+        self,
+        snap: SnapshotDir,
+        directory: Path,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+    ) -> VM:
+        """A VM booted from `snap`'s disk alone (its memory, if any, left out)."""
+        ...
+
     async def prespawn(self, snap: SnapshotDir, directory: Path) -> VM:
         """A VM process started ahead for a later `restore(snap, directory, spare=...)`:
         everything but the state (a pool of these makes restores shorter)."""
@@ -238,8 +250,11 @@ class Driver(Protocol):
     ) -> dict[str, Any]: ...
 
     async def snapshot_vm(
-        self, vm: VM, dest: SnapshotDir, **meta: Any
-    ) -> tuple[dict[str, Any], float]: ...
+        self, vm: VM, dest: SnapshotDir, *, memory: bool = True, **meta: Any
+    ) -> tuple[dict[str, Any], float]:
+        """The VM's disk and memory (`memory=False`: its disk alone) in `dest`; returns the
+        manifest and how long the VM was paused."""
+        ...
 
     async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:
         """A layered snapshot (`SnapshotDir.is_layered`) made whole; others as they are."""

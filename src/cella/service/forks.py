@@ -1,5 +1,6 @@
 """Forks: new sandboxes restored from a snapshot, each on its own overlay, sharing the
-snapshot's unchanged disk and memory.
+snapshot's unchanged disk and memory. A snapshot without memory (or a create that asks for
+none of it, `restore_memory="never"`) boots from the snapshot's disk instead.
 
 Owns fork admission (the branches are admitted together, as one request), booting a
 sandbox from a snapshot (`snapshot` in a create), and undoing the branches already made
@@ -14,6 +15,7 @@ import contextlib
 
 from cella import errors
 from cella.models import SandboxCreate, SnapshotState
+from cella.models.sandbox import RestoreMemory
 from cella.service.admission import Admission
 from cella.service.lifecycle import Lifecycle, new_record
 from cella.service.registry import Registry
@@ -51,19 +53,32 @@ class Forks:
         assert spec.snapshot is not None
         snap = self.snapshots.resolve(tenant, spec.snapshot)
         self.admission.check_shape(snap.vcpus, snap.memory_mib, spec.disk_mib)
-        [row] = await self.fork_snapshot(tenant, snap.id, 1, spec)
+        [row] = await self.fork_snapshot(tenant, snap.id, 1, spec, spec.restore_memory)
         return row
 
     async def fork_snapshot(
-        self, tenant: str, snapshot_id: str, count: int, spec: SandboxCreate | None = None
+        self,
+        tenant: str,
+        snapshot_id: str,
+        count: int,
+        spec: SandboxCreate | None = None,
+        restore_memory: RestoreMemory = "if_present",
     ) -> list[SandboxRecord]:
         """`count` new sandboxes restored from the snapshot, each on its own overlay, made
-        like the snapshot's source unless `spec` says otherwise."""
+        like the snapshot's source unless `spec` says otherwise. Its memory is restored
+        as `restore_memory` says: when it has one, insisted on, or never (a boot from its
+        disk)."""
         snap_row = self.snapshots.get(tenant, snapshot_id)
         if snap_row.state != SnapshotState.ready:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
+        if restore_memory == "always" and not snap_row.memory:
+            raise errors.InvalidArgument(
+                f"restore_memory=always: snapshot {snapshot_id} was taken without memory "
+                "(boot from its disk: if_present or never)"
+            )
+        memory = snap_row.memory and restore_memory != "never"
         snap = self.snapshots.directory(snapshot_id)
-        if count > 1:  # one shared RAM file beats a copy of the layer in every branch
+        if count > 1 and memory:  # one shared RAM file beats a copy of the layer in every branch
             with contextlib.suppress(errors.SnapshotCorrupt):
                 await self.snapshots.flat(snap_row.id)  # if it cannot be, the layer restores
         snap.verify()  # refuse a corrupted snapshot before creating anything
@@ -94,7 +109,7 @@ class Forks:
 
         async def one(row: SandboxRecord) -> str:
             async with gate:
-                return await self._restore_fork(snap_row, snap, row)
+                return await self._restore_fork(snap_row, snap, row, memory)
 
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -106,12 +121,21 @@ class Forks:
         return [self.registry.get(tenant, r.id) for r in rows]
 
     async def _restore_fork(
-        self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord
+        self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord, memory: bool
     ) -> str:
         async with self.registry.lock(row.id):
             vm = None
             try:
-                vm = await self.lifecycle.restore_vm(snap, row.id)
+                if memory:
+                    vm = await self.lifecycle.restore_vm(snap, row.id)
+                else:  # its files, none of what ran
+                    vm = await self.driver.boot_snapshot(
+                        snap,
+                        self.registry.directory(row.id),
+                        vcpus=row.vcpus,
+                        memory_mib=row.memory_mib,
+                        boot_timeout=self.lifecycle.settings.boot_timeout,
+                    )
                 await self.lifecycle.ready(vm, row)  # the parent's policy and placeholders
             except BaseException as exc:
                 if vm is not None:
@@ -126,6 +150,7 @@ class Forks:
                 {
                     "parent_id": snap_row.sandbox_id,
                     "snapshot_id": snap_row.id,
+                    "memory": memory,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
                 },
             )

@@ -61,6 +61,7 @@ def new_record(
         idle_action=spec.idle_action,
         max_pids=spec.max_pids,
         delete_after_stop_seconds=spec.delete_after_stop_seconds,
+        stop_keeps_memory=spec.stop_keeps_memory,
         exec_defaults=spec.exec_defaults,
         labels=dict(spec.labels),
         network=spec.network,
@@ -83,6 +84,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         idle_action=row.idle_action,
         max_pids=row.max_pids,
         delete_after_stop_seconds=row.delete_after_stop_seconds,
+        stop_keeps_memory=row.stop_keeps_memory,
         exec_defaults=row.exec_defaults,
         labels=row.labels,
         network=row.network,
@@ -198,8 +200,15 @@ class Lifecycle:
 
     # -- transitions ---------------------------------------------------------------------
 
-    async def stop(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        """Ends every process; the disk (files, installed packages) stays."""
+    async def stop(
+        self, tenant: str, sandbox_id: str, *, memory: bool | None = None
+    ) -> SandboxRecord:
+        """Ends every process; the disk (files, installed packages) stays. A stop that
+        keeps memory (`memory`, by default the sandbox's `stop_keeps_memory`; the reaper's
+        idle and TTL stops too) is a pause: the processes run on after `resume`."""
+        row = self.registry.get(tenant, sandbox_id)
+        if (row.stop_keeps_memory if memory is None else memory) and row.state != S.stopped:
+            return await self.pause(tenant, sandbox_id)
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             if row.state == S.stopped:

@@ -21,7 +21,7 @@ from cella.models import Snapshot, SnapshotState
 from cella.models.fleet import SecretBinding, SnapshotExport
 from cella.service.registry import Registry
 from cella.service.snapshots import Snapshots
-from cella.storage.snapshots import FILES, SnapshotDir
+from cella.storage.snapshots import SnapshotDir, files_of, has_memory
 from cella.store import SnapshotRecord
 
 
@@ -104,7 +104,7 @@ class Shipping:
             tmp = self.root / f".incoming-{meta.id}-{os.urandom(4).hex()}"
             tmp.mkdir()
             try:
-                for name in FILES:
+                for name in files_of(export.manifest):
                     await pull(meta.id, name, tmp / name)
                 incoming = SnapshotDir(tmp)
                 incoming.manifest_path.write_text(json.dumps(export.manifest, sort_keys=True))
@@ -119,7 +119,7 @@ class Shipping:
                         }
                     )
                 )
-                for name in FILES:
+                for name in files_of(export.manifest):
                     (tmp / name).chmod(0o400)
                 shutil.rmtree(self.root / meta.id, ignore_errors=True)
                 tmp.rename(self.root / meta.id)
@@ -145,6 +145,7 @@ class Shipping:
                     template=meta.template,
                     vcpus=meta.vcpus,
                     memory_mib=meta.memory_mib,
+                    memory=has_memory(export.manifest),
                     **fields,  # type: ignore[arg-type]
                 )
             )

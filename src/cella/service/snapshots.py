@@ -119,10 +119,13 @@ class Snapshots:
         name: str,
         tag: str | None = None,
         into: SnapshotRecord | None = None,
+        *,
+        memory: bool = True,
     ) -> SnapshotRecord:
-        """Disk and memory of a running sandbox at one instant; it runs on afterwards. With
-        `tag`, `name:tag` points at it once it is ready; with `into`, the snapshot is that
-        row (made by `begin`)."""
+        """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
+        alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
+        points at it once it is ready; with `into`, the snapshot is that row (made by
+        `begin`)."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(tenant, sandbox_id)
             fields = {
@@ -131,6 +134,7 @@ class Snapshots:
                 "template": row.template,
                 "vcpus": row.vcpus,
                 "memory_mib": row.memory_mib,
+                "memory": memory,
             }
             if into is None:
                 record = self.store.insert_snapshot(
@@ -150,7 +154,7 @@ class Snapshots:
             try:
                 self._check_space(row)
                 manifest, paused = await self.driver.snapshot_vm(
-                    vm, dest, template=row.template, sandbox_id=sandbox_id
+                    vm, dest, memory=memory, template=row.template, sandbox_id=sandbox_id
                 )
             except BaseException as exc:
                 if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
@@ -171,9 +175,25 @@ class Snapshots:
             self.events.emit(
                 sandbox_id,
                 "snapshot",
-                {"snapshot_id": record.id, "name": name, "tag": tag, "paused_ms": paused_ms},
+                {
+                    "snapshot_id": record.id,
+                    "name": name,
+                    "tag": tag,
+                    "memory": memory,
+                    "paused_ms": paused_ms,
+                },
             )
         return self.get(tenant, record.id)
+
+    def memory_bytes(self, snapshot_id: str) -> int | None:
+        """What the snapshot's memory takes on this node; None when it has none (or its
+        files are not here)."""
+        snap = self.directory(snapshot_id)
+        if not snap.exists():
+            return None
+        with contextlib.suppress(errors.SnapshotCorrupt):
+            return snap.memory_bytes()
+        return None
 
     def _needs(self, row: SandboxRecord) -> int:
         """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""

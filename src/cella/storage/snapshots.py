@@ -7,7 +7,9 @@ A snapshot of a VM that was itself restored keeps its memory as a layer instead 
 `ram.base` (a hard link to the RAM file the VM was restored from, so it lives as long as
 the layer does) and the pages written since (`ram.index`, `ram.layer`; see
 `cella.runtime.qemu.ramdiff`), until it is flattened into a `ram` of its own.
-Nothing is restored before its files match the manifest. Hashing the RAM file takes a while,
+A snapshot taken without memory holds only `disk.qcow2` (its manifest says `"memory":
+false`); a sandbox made from it boots from that disk. Nothing is restored before its
+files match the manifest. Hashing the RAM file takes a while,
 so a verified file is remembered by (device, inode, size, mtime) and hashed again only when
 those change.
 """
@@ -25,6 +27,8 @@ from cella import errors
 from cella.storage.overlay import backing_file, rebase_unsafe
 
 FILES = ("ram", "state", "disk.qcow2")
+DISK_FILES = ("disk.qcow2",)  # a snapshot without memory
+MEMORY_FILES = ("ram", "ram.index", "ram.layer")  # what a snapshot's memory takes
 LAYERED_FILES = ("ram.base", "ram.index", "ram.layer", "state", "disk.qcow2")
 SHARED = ("ram.base",)  # another snapshot's file: not counted as this one's, not re-moded
 _verified: dict[tuple[int, int, int, int], str] = {}
@@ -65,6 +69,18 @@ class SnapshotDir:
     def is_layered(self, manifest: dict[str, Any] | None = None) -> bool:
         return bool((manifest or self.manifest()).get("layered"))
 
+    def has_memory(self, manifest: dict[str, Any] | None = None) -> bool:
+        """Whether a VM can be restored from it (processes and all), or only booted from
+        its disk."""
+        return has_memory(manifest or self.manifest())
+
+    def memory_bytes(self, manifest: dict[str, Any] | None = None) -> int | None:
+        """The bytes its memory takes here (a layer's own pages only); None without memory."""
+        manifest = manifest or self.manifest()
+        if not has_memory(manifest):
+            return None
+        return sum(int(manifest["bytes"].get(name, 0)) for name in MEMORY_FILES)
+
     def exists(self) -> bool:
         return self.manifest_path.exists()
 
@@ -80,7 +96,8 @@ class SnapshotDir:
     def seal(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Hashes the files and writes the manifest last (its presence means complete)."""
         layered = self.ram_base.exists()
-        names = LAYERED_FILES if layered else FILES
+        memory = layered or self.ram.exists()
+        names = LAYERED_FILES if layered else FILES if memory else DISK_FILES
         manifest = {
             **meta,
             "sha256": {name: sha256_of(self.path / name) for name in names},
@@ -90,6 +107,8 @@ class SnapshotDir:
         }
         if layered:
             manifest["layered"] = True
+        if not memory:
+            manifest["memory"] = False
         self._write_manifest(manifest)
         for name in names:
             if name not in SHARED:
@@ -102,7 +121,7 @@ class SnapshotDir:
         tmp.rename(self.manifest_path)
 
     def files(self, manifest: dict[str, Any] | None = None) -> tuple[str, ...]:
-        return LAYERED_FILES if self.is_layered(manifest) else FILES
+        return files_of(manifest or self.manifest())
 
     def mark_flat(self) -> dict[str, Any]:
         """Once `ram` holds the base with the layer written over it: the manifest names
@@ -151,6 +170,17 @@ class SnapshotDir:
                     f"snapshot {self.path.name}: {name} does not match its checksum"
                 )
         return manifest
+
+
+def has_memory(manifest: dict[str, Any]) -> bool:
+    return manifest.get("memory", True) is not False
+
+
+def files_of(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The files a snapshot with this manifest holds."""
+    if manifest.get("layered"):
+        return LAYERED_FILES
+    return FILES if has_memory(manifest) else DISK_FILES
 
 
 def sha256_of(path: Path) -> str:

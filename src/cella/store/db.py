@@ -550,12 +550,14 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["state"] = SandboxState(out["state"])
+    out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
     return SandboxRecord(**out)
 
 
 def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
     out = dict(row)
     out["state"] = SnapshotState(out["state"])
+    out["memory"] = bool(out["memory"])
     return SnapshotRecord(**out)
 
 

@@ -158,4 +158,8 @@ MIGRATIONS: list[str] = [
         UNIQUE (tenant, name)
     );
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN stop_keeps_memory INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE snapshots ADD COLUMN memory INTEGER NOT NULL DEFAULT 1;
+    """,
 ]

@@ -44,6 +44,7 @@ class SandboxRecord:
     delete_after_stop_seconds: int | None = None
     exec_defaults: ExecDefaults = field(default_factory=ExecDefaults)
     stopped_at: str | None = None
+    stop_keeps_memory: bool = False  # a stop pauses the VM (processes and memory kept)
     labels: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)
@@ -94,6 +95,7 @@ class SnapshotRecord:
     vcpus: int
     memory_mib: int
     parent_snapshot_id: str | None = None
+    memory: bool = True  # False: its disk alone, booted from (nothing that ran is kept)
     size_bytes: int | None = None
     paused_ms: float | None = None
     error: str | None = None

@@ -26,7 +26,12 @@ from cella.runtime.qemu import ramdiff
 from cella.runtime.qemu.accel import AccelMode, choose_accel, qemu_accel
 from cella.runtime.qemu.args import QEMU, VMConfig
 from cella.runtime.qemu.jail import Jail, JailIds, ensure_jailer, process_uid
-from cella.runtime.qemu.snapshot import flatten_snapshot, snapshot_fresh_boot, snapshot_running
+from cella.runtime.qemu.snapshot import (
+    flatten_snapshot,
+    snapshot_disk,
+    snapshot_fresh_boot,
+    snapshot_running,
+)
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay, image_info, overlay_bytes
 from cella.storage.snapshots import SnapshotDir
@@ -241,9 +246,10 @@ class QemuDriver:
         )
 
     async def snapshot_vm(
-        self, vm: VM, dest: SnapshotDir, **meta: Any
+        self, vm: VM, dest: SnapshotDir, *, memory: bool = True, **meta: Any
     ) -> tuple[dict[str, Any], float]:
-        """Snapshots a running VM (disk and memory); returns the manifest and pause time."""
+        """Snapshots a running VM (disk and memory, or with `memory=False` its disk only);
+        returns the manifest and pause time."""
         await self._ensure_prepared()
         assert isinstance(vm, QemuVM)
         cfg = vm.config
@@ -253,6 +259,8 @@ class QemuDriver:
             "initrd": str(cfg.initrd),
             **meta,
         }
+        if not memory:
+            return await snapshot_disk(vm, dest, full_meta)
         return await snapshot_running(
             vm,
             dest,
@@ -288,6 +296,29 @@ class QemuDriver:
             self._restoring[snap.path] -= 1
             if not self._restoring[snap.path]:
                 del self._restoring[snap.path]
+
+    async def boot_snapshot(
+        self,
+        snap: SnapshotDir,
+        directory: Path,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        boot_timeout: float = 60.0,
+    ) -> QemuVM:
+        """A VM booted afresh from a snapshot's disk (checked first), on a new overlay:
+        its files, none of its memory (with or without a memory image)."""
+        await self._ensure_prepared()
+        await asyncio.to_thread(snap.verify)
+        directory.mkdir(parents=True)
+        try:
+            create_overlay(snap.disk, directory / DISK)
+            return await self.start(
+                directory, vcpus=vcpus, memory_mib=memory_mib, boot_timeout=boot_timeout
+            )
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
 
     async def prespawn(self, snap: SnapshotDir, directory: Path) -> QemuVM:
         """A QEMU started ahead for a later restore of `snap` into `directory`: its disk

@@ -122,6 +122,7 @@ async def snapshot_running(
     migration) produced corrupted forks under TCG here - guest kernel panics and a crashed
     init in most of a dozen forks - so it is not done.
     """
+    await sync_guest(vm, required=False)  # its disk stands alone too (restore "never")
     tmp = _tmp_dir(dest)
     base = vm.config.ram_file
     if base is not None and not vm.config.ram_shared and vm.pid is not None:
@@ -179,6 +180,51 @@ async def snapshot_running(
         raise
     finally:
         shutil.rmtree(socket_dir(tmp), ignore_errors=True)
+
+
+async def sync_guest(vm: QemuVM, *, required: bool) -> None:
+    """Writes what the guest holds in its page cache to its disk, so the disk alone has
+    every file (a boot from it, not only a restore of the memory, finds them). `required`:
+    a guest that cannot sync fails the snapshot instead of leaving its disk short."""
+    try:
+        # a guest that stalls its sync holds up only its own best-effort snapshot briefly
+        done = await vm.agent.exec(["sync"], timeout=120 if required else 10)
+    except errors.CellaError as exc:
+        if required:
+            raise errors.CellaError(f"could not sync the guest's file systems: {exc}") from None
+        return
+    if done.exit_code != 0 and required:
+        raise errors.CellaError(f"`sync` in the guest exited {done.exit_code}")
+
+
+async def snapshot_disk(
+    vm: QemuVM, dest: SnapshotDir, meta: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    """The VM's disk alone (no memory): what the guest wrote is synced to it, then the VM is
+    paused (QEMU drains and flushes its disks when it stops) while the overlay is copied.
+    A sandbox made from it boots from the disk; nothing that ran is carried over."""
+    assert vm.config.disk is not None
+    await sync_guest(vm, required=True)
+    tmp = _tmp_dir(dest)
+    try:
+        loop = asyncio.get_running_loop()
+        paused_at = loop.time()
+        await vm.pause()
+        try:
+            await _run(
+                "cp",
+                "--sparse=always",
+                "--reflink=auto",
+                str(vm.config.disk),
+                str(tmp / "disk.qcow2"),
+            )
+        finally:
+            await vm.resume()
+        paused = loop.time() - paused_at
+        return await asyncio.to_thread(_finish, tmp, dest, {**meta, "memory": False}), paused
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 async def _snapshot_layered(

@@ -132,6 +132,8 @@ class AsyncClient:
         exec_defaults: ExecDefaults | None = None,
         delete_after_stop_seconds: int | None = None,
         run_entrypoint: bool = False,
+        stop_keeps_memory: bool | None = None,
+        restore_memory: str | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -143,7 +145,9 @@ class AsyncClient:
         name) starts it from a snapshot instead of the template; `exec_defaults` are the
         user, cwd and env every command runs with unless it says otherwise (a template
         built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
-        starts the image's Entrypoint and Cmd as process `entrypoint`.
+        starts the image's Entrypoint and Cmd as process `entrypoint`. `stop_keeps_memory`
+        makes every stop of it (asked for or on idling) a pause that keeps processes and
+        memory; `restore_memory` (with `snapshot`): `if_present`, `always` or `never`.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -152,6 +156,8 @@ class AsyncClient:
             exec_defaults=exec_defaults.model_dump() if exec_defaults else None,
             delete_after_stop_seconds=delete_after_stop_seconds,
             run_entrypoint=run_entrypoint or None,
+            stop_keeps_memory=stop_keeps_memory,
+            restore_memory=restore_memory,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -588,9 +594,11 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self
 
-    async def snapshot(self, name: str = "snapshot") -> AsyncSnapshot:
-        """Disk and memory at this instant; the sandbox keeps running."""
-        response = await self.client.request("POST", f"{self._path}/snapshots", json={"name": name})
+    async def snapshot(self, name: str = "snapshot", *, memory: bool = True) -> AsyncSnapshot:
+        """Disk and memory at this instant (`memory=False`: the disk alone, which sandboxes
+        made from it boot from); the sandbox keeps running."""
+        body = {"name": name, "memory": memory}
+        response = await self.client.request("POST", f"{self._path}/snapshots", json=body)
         return AsyncSnapshot(self.client, SnapshotInfo.model_validate(response.json()))
 
     async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
@@ -598,9 +606,12 @@ class AsyncSandbox:
         response = await self.client.request("POST", f"{self._path}/fork", json={"count": count})
         return self.client._sandboxes(response)
 
-    async def stop(self) -> AsyncSandbox:
-        """Ends all processes; files and installed packages stay for `resume()`."""
-        response = await self.client.request("POST", f"{self._path}/stop")
+    async def stop(self, *, memory: bool | None = None) -> AsyncSandbox:
+        """Ends all processes; files and installed packages stay for `resume()`. With
+        `memory=True` (or the sandbox's `stop_keeps_memory`) it pauses instead: processes
+        and memory are kept."""
+        body = None if memory is None else {"memory": memory}
+        response = await self.client.request("POST", f"{self._path}/stop", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self
 

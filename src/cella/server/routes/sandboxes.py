@@ -25,6 +25,7 @@ from cella.models import (
     SandboxList,
     SandboxState,
     SandboxUsage,
+    StopRequest,
     encode_data,
     parse_pairs,
 )
@@ -63,9 +64,13 @@ async def get_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
 
 
 @router.post("/{sandbox_id}/stop", response_model=Sandbox)
-async def stop_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
-    """Ends every process in the sandbox; its file system is kept."""
-    return Sandbox.model_validate(await svc.lifecycle.stop(who.tenant, sandbox_id))
+async def stop_sandbox(
+    sandbox_id: ID, svc: DaemonDep, who: Auth, body: StopRequest | None = None
+) -> Sandbox:
+    """Ends every process in the sandbox; its file system is kept. With `memory: true` (or
+    the sandbox's `stop_keeps_memory`) it is paused instead: processes and memory kept."""
+    memory = body.memory if body is not None else None
+    return Sandbox.model_validate(await svc.lifecycle.stop(who.tenant, sandbox_id, memory=memory))
 
 
 @router.post("/{sandbox_id}/pause", response_model=Sandbox)

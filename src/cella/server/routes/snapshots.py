@@ -27,8 +27,9 @@ router = APIRouter(tags=["snapshots"])
 async def create_snapshot(
     sandbox_id: str, body: SnapshotCreate, svc: DaemonDep, who: Auth
 ) -> Snapshot:
-    """Saves the sandbox's disk and memory; it keeps running afterwards. With
-    `docker_image`, that image of the sandbox's own Docker becomes the snapshot instead."""
+    """Saves the sandbox's disk and memory (`memory: false`: its disk alone); it keeps
+    running afterwards. With `docker_image`, that image of the sandbox's own Docker becomes
+    the snapshot instead."""
     if body.docker_image is not None:
         return Snapshot.model_validate(
             svc.images.from_sandbox(
@@ -37,7 +38,8 @@ async def create_snapshot(
         )
     if body.disk_mib is not None:
         raise errors.InvalidArgument("disk_mib applies to a snapshot of a docker_image")
-    return Snapshot.model_validate(await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name))
+    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name, memory=body.memory)
+    return Snapshot.model_validate(snap)
 
 
 @router.post("/v1/snapshots", status_code=201, response_model=Snapshot)

@@ -13,7 +13,13 @@ from fastapi import APIRouter, Body, Query, Request, Response
 
 from cella import errors
 from cella.models import SandboxCreate, SandboxUpdate
-from cella.server.compat.langsmith.create import CELLA_NAMES, read_create, seconds, validated
+from cella.server.compat.langsmith.create import (
+    CELLA_NAMES,
+    flag,
+    read_create,
+    seconds,
+    validated,
+)
 from cella.server.compat.langsmith.files import absolute
 from cella.server.compat.langsmith.proxy_config import network_of
 from cella.server.compat.langsmith.shapes import (
@@ -120,6 +126,7 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes/{name}/stop")
     async def stop_box(name: str, svc: DaemonDep, who: Caller) -> Json:
         row = box(svc, who.tenant, name)
+        # preserve_memory_on_stop (the row's stop_keeps_memory) makes this stop a pause
         svc.background.start(svc.lifecycle.stop(who.tenant, row.id), name=f"stop-{row.id}")
         return {"status": "stopped"}
 
@@ -178,9 +185,22 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes/{name}/snapshot")
     async def capture(name: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         row = box(svc, who.tenant, name)
-        unknown = set(body) - {"name", "tag", "docker_image", "fs_capacity_bytes", "run_config"}
+        unknown = set(body) - {
+            "name",
+            "tag",
+            "docker_image",
+            "fs_capacity_bytes",
+            "run_config",
+            "include_memory",
+            "checkpoint",
+        }
         if unknown:
             raise not_supported(f"capturing a snapshot with {sorted(unknown)}")
+        if body.get("checkpoint"):
+            raise not_supported(
+                f"promoting a checkpoint ({body['checkpoint']!r}); omit it to capture the "
+                "running sandbox"
+            )
         if not body.get("name"):
             raise errors.InvalidArgument("a snapshot needs a name")
         snap_name, tag = str(body["name"]), str(body.get("tag") or "latest")
@@ -197,7 +217,13 @@ def router(prefix: str) -> APIRouter:
             return snapshot_view(svc, who.tenant, snap)
         if body.get("run_config") or body.get("fs_capacity_bytes"):
             raise not_supported("run_config or fs_capacity_bytes on a capture of the running VM")
-        snap = await svc.snapshots.snapshot(who.tenant, row.id, snap_name, tag)
+        snap = await svc.snapshots.snapshot(
+            who.tenant,
+            row.id,
+            snap_name,
+            tag,
+            memory=flag(body, "include_memory") or False,  # LangSmith's default: the disk
+        )
         return snapshot_view(svc, who.tenant, snap)
 
     @api.post("/snapshots")
@@ -319,7 +345,12 @@ def given(change: SandboxUpdate, field: str) -> Any:
 
 
 def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
-    return snapshot_json(snap, svc.snapshots.tags_of(tenant, snap.id), fs_mib(svc, snap.template))
+    return snapshot_json(
+        snap,
+        svc.snapshots.tags_of(tenant, snap.id),
+        fs_mib(svc, snap.template),
+        svc.snapshots.memory_bytes(snap.id) if snap.memory else None,
+    )
 
 
 def capacity_mib(body: Json) -> int | None:

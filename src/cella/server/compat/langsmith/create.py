@@ -95,8 +95,22 @@ def read_create(body: Json) -> BoxCreate:
             "idle_action": "stop",
             "delete_after_stop_seconds": seconds(body, "delete_after_stop_seconds"),
             "exec_defaults": exec_defaults(body.get("run_config")),
+            "stop_keeps_memory": flag(body, "preserve_memory_on_stop") or False,
+            "restore_memory": RESTORE_MEMORY[flag(body, "restore_memory")],
         },
     )
+
+
+# LangSmith's restore_memory (nil, true, false) as cella's
+RESTORE_MEMORY = {None: "if_present", True: "always", False: "never"}
+
+
+def flag(body: Json, field: str) -> bool | None:
+    """A boolean field of the body (None: not given); anything else is refused."""
+    value = body.get(field)
+    if value is not None and not isinstance(value, bool):
+        raise errors.InvalidArgument(f"{field}: must be true or false, not {value!r}")
+    return value
 
 
 def validated(model: type[Model], fields: Json) -> Model:

@@ -22,7 +22,7 @@ STATUS = {
     S.creating: "provisioning",
     S.starting: "provisioning",
     S.running: "ready",
-    S.paused: "ready",
+    S.paused: "stopped",  # a stop that kept memory (`preserve_memory_on_stop`)
     S.stopping: "stopped",
     S.stopped: "stopped",
     S.error: "failed",
@@ -85,10 +85,15 @@ def sandbox_json(row: SandboxRecord, base_url: str, fs_mib: int) -> dict[str, An
         "fs_capacity_bytes": (row.disk_mib or fs_mib) << 20,
         "run_config": run_config(row.exec_defaults),
         "persistent": True,
+        "preserve_memory_on_stop": row.stop_keeps_memory,
     }
 
 
-def snapshot_json(row: SnapshotRecord, tags: list[str], fs_mib: int) -> dict[str, Any]:
+def snapshot_json(
+    row: SnapshotRecord, tags: list[str], fs_mib: int, memory_bytes: int | None = None
+) -> dict[str, Any]:
+    """`memory_snapshot_size_bytes` is set iff the snapshot holds memory (the SDK's sign
+    that a sandbox made from it resumes instead of booting)."""
     return {
         "id": row.id,
         "name": row.name,
@@ -97,6 +102,7 @@ def snapshot_json(row: SnapshotRecord, tags: list[str], fs_mib: int) -> dict[str
         "source_sandbox_id": row.sandbox_id,
         "fs_capacity_bytes": fs_mib << 20,
         "fs_used_bytes": row.size_bytes,
+        "memory_snapshot_size_bytes": (memory_bytes or 0) if row.memory else None,
         "tags": tags,
         "created_at": iso(row.created_at),
         "updated_at": iso(row.updated_at),
