@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,3 +290,46 @@ def test_dockerfile_build_names_the_missing_buildkit(client: SandboxClient, tmp_
         calls = sb.run("cat /var/tmp/calls").stdout
         assert "buildctl --addr unix:///var/tmp/bk-run/buildkitd.sock build" in calls, calls
         assert "docker load" in calls, calls
+
+
+def test_cella_cli_registry_and_snapshot_from_image(daemon: Daemon, registries: Registries) -> None:
+    """cella's own equivalents: `cella registry` (the password on stdin, never printed) and
+    `cella snapshot from-image --registry`, which waits for the build; then a fork of it."""
+
+    def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", *args],
+            env=daemon.env(None),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
+    added = cli("registry", "add", "cli-reg", "--url", registries.private.addr,
+                "--username", "puller", "--json", stdin="s3cret\n")  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    try:
+        listed = cli("registry", "ls", "--json")
+        assert [r["name"] for r in json.loads(listed.stdout)] == ["cli-reg"]
+        assert "s3cret" not in listed.stdout + added.stdout
+        # without the registry the pull is refused and the command says so
+        failed = cli("snapshot", "from-image", "cli-nologin", registries.private_busybox)
+        assert failed.returncode == 1 and "failed" in failed.stdout + failed.stderr
+        made = cli("snapshot", "from-image", "cli-bb", registries.private_busybox,
+                   "--registry", "cli-reg", "--json")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        snap = json.loads(made.stdout)
+        assert snap["state"] == "ready" and snap["template"].startswith("img-")
+        forked = cli("snapshot", "fork", snap["id"], "--json")
+        assert forked.returncode == 0, forked.stderr
+        [box] = json.loads(forked.stdout)
+        with daemon.client() as admin:
+            sb = admin.get(box["id"])
+            r = sb.exec("cat /app/hello.txt")
+            assert r.exit_code == 0 and r.stdout == b"from the upper layer\n"
+            sb.delete()
+        assert cli("snapshot", "rm", snap["id"]).returncode == 0
+    finally:
+        assert cli("registry", "rm", "cli-reg").returncode == 0
+    assert json.loads(cli("registry", "ls", "--json").stdout) == []
