@@ -42,6 +42,7 @@ from cella.models.network import (
 from cella.models.pairs import parse_pairs
 from cella.models.ports import ExposedPort, ExposeRequest
 from cella.models.sandbox import (
+    AccessDelegation,
     Event,
     EventList,
     ExecDefaults,
@@ -70,6 +71,7 @@ from cella.models.templates import (
 __all__ = [
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
+    "AccessDelegation",
     "AccountName",
     "BuildEvent",
     "Capacity",

@@ -111,7 +111,11 @@ class Lifecycle:
 
     # -- create --------------------------------------------------------------------------
 
-    async def create(self, tenant: str, req: SandboxCreate) -> SandboxRecord:
+    async def create(
+        self, tenant: str, req: SandboxCreate, delegation: dict[str, Any] | None = None
+    ) -> SandboxRecord:
+        """A sandbox restored from its template's warm snapshot (or a pooled VM of it);
+        `delegation`: the access grant it keeps (`service.delegation`)."""
         self.admission.check_shape(req.vcpus, req.memory_mib, req.disk_mib)
         try:
             base_mib = self.driver.template_disk_mib(req.template)
@@ -129,7 +133,9 @@ class Lifecycle:
             held = vm if vm is not None else spare[1] if spare is not None else None
             sandbox_id = held.directory.name if held and held.directory else new_sandbox_id()
             origin = "pool" if vm is not None else "restore"
-            row = self.registry.insert(new_record(tenant, sandbox_id, req, secret_refs, origin))
+            row = self.registry.insert(
+                new_record(tenant, sandbox_id, req, secret_refs, origin, delegation=delegation)
+            )
         async with self.registry.lock(sandbox_id):
             try:
                 if spare is not None:  # a QEMU waiting for the warm snapshot's state
