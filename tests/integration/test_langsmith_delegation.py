@@ -100,8 +100,11 @@ def test_a_sandbox_calls_the_api_as_its_creator_until_the_key_is_revoked(
         "grep -rl cdt_ /etc /root /home /tmp /var 2>/dev/null; true"
     ).stdout
     assert "cdt_" not in seen and "cdt_" not in listed["body"]
+    # the LangSmith SDK in the guest is pointed at it; a sandbox without a grant is not
+    assert delegated.run("echo $LANGSMITH_ENDPOINT").stdout == "http://cella.api\n"
 
     # the control: the same call from a sandbox without delegation is refused
+    assert plain.run("echo ${LANGSMITH_ENDPOINT:-none}").stdout == "none\n"
     refused = call(plain, "GET", "/api/v2/sandboxes/boxes")
     assert refused["status"] == 403 and "denied" in refused["body"]
 

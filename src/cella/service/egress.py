@@ -23,6 +23,7 @@ from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service.delegation import proxy_access
@@ -290,6 +291,8 @@ class SandboxEgress:
             env |= CA_ENV  # tools with bundles of their own use the one that trusts our CAs
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
+        if row.delegation:  # the LangSmith SDK in the guest finds this API (no key needed)
+            env["LANGSMITH_ENDPOINT"] = f"http://{API_HOST}"
         return env
 
     async def trust_ca(self, vm: VM) -> None:
