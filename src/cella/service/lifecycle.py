@@ -209,7 +209,7 @@ class Lifecycle:
         idle and TTL stops too) is a pause: the processes run on after `resume`."""
         row = self.registry.get(tenant, sandbox_id)
         if (row.stop_keeps_memory if memory is None else memory) and row.state != S.stopped:
-            return await self.pause(tenant, sandbox_id)
+            return await self.pause(tenant, sandbox_id, as_stop=True)
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             if row.state == S.stopped:
@@ -224,8 +224,10 @@ class Lifecycle:
             self.events.emit(sandbox_id, "stopped")
         return self.registry.get(tenant, sandbox_id)
 
-    async def pause(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        """Freezes the VM: no CPU, memory kept; processes go on after `resume`."""
+    async def pause(self, tenant: str, sandbox_id: str, *, as_stop: bool = False) -> SandboxRecord:
+        """Freezes the VM: no CPU, memory kept; processes go on after `resume`. `as_stop`:
+        a stop that keeps memory, stopped as far as retention goes
+        (`delete_after_stop_seconds` counts from now) until it is resumed."""
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             if row.state == S.paused:
@@ -237,6 +239,8 @@ class Lifecycle:
             except BaseException:
                 self.registry.update(sandbox_id, state=S.running)
                 raise
+            if as_stop:
+                self.registry.update(sandbox_id, stopped_at=iso(time.time()))
             self.events.emit(sandbox_id, "paused")
         return self.registry.get(tenant, sandbox_id)
 
@@ -252,7 +256,7 @@ class Lifecycle:
                 if vm is None:
                     raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
                 await vm.resume()
-                self.registry.update(sandbox_id, state=S.running)
+                self.registry.update(sandbox_id, state=S.running, stopped_at=None)
                 self.events.emit(sandbox_id, "resumed", {"from": "paused"})
                 return self.registry.get(tenant, sandbox_id)
             if row.state != S.stopped:
