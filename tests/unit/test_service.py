@@ -382,11 +382,16 @@ def test_a_stopped_sandbox_is_deleted_after_its_retention() -> None:
         delete_after_stop_seconds=600,
         stopped_at=(now - timedelta(seconds=61)).isoformat(),
     )
+    # a stop that kept memory (a pause) counts; a pause that was no stop does not
+    kept = record(
+        S.paused, delete_after_stop_seconds=30, stopped_at=(now - timedelta(seconds=61)).isoformat()
+    )
+    paused = record(S.paused, delete_after_stop_seconds=20)
     got = [
         (e.sandbox.delete_after_stop_seconds, e.limit, e.action)
-        for e in due([stopped, fresh], now.timestamp(), lambda _: False)
+        for e in due([stopped, fresh, kept, paused], now.timestamp(), lambda _: False)
     ]
-    assert got == [(60, "stopped", "delete")]
+    assert got == [(60, "stopped", "delete"), (30, "stopped", "delete")]
 
 
 async def test_names_are_unique_and_exec_defaults_apply(daemon: Daemon) -> None:
@@ -529,7 +534,10 @@ async def test_a_stop_that_keeps_memory_pauses(daemon: Daemon) -> None:
     vm = fake_vm(daemon, row.id)
     kept = await life.stop("t", row.id)
     assert kept.state == S.paused and vm.paused and not vm.stopped_cleanly
-    assert (await life.resume("t", row.id)).state == S.running and fake_vm(daemon, row.id) is vm
+    assert kept.stopped_at is not None  # for its retention after a stop
+    resumed = await life.resume("t", row.id)
+    assert resumed.state == S.running and fake_vm(daemon, row.id) is vm
+    assert resumed.stopped_at is None
     # asked for per stop, either way
     assert (await life.stop("t", row.id, memory=False)).state == S.stopped
     assert vm.stopped_cleanly

@@ -51,6 +51,7 @@ from cella.models.registries import (
     SnapshotFromImage,
 )
 from cella.models.sandbox import (
+    AccessDelegation,
     Event,
     EventList,
     ExecDefaults,
@@ -79,6 +80,7 @@ from cella.models.templates import (
 __all__ = [
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
+    "AccessDelegation",
     "AccountName",
     "BuildEvent",
     "Capacity",

@@ -7,7 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
 
@@ -27,6 +27,7 @@ class SandboxState(StrEnum):
 
 ExpiryAction = Literal["stop", "pause", "delete"]
 RestoreMemory = Literal["if_present", "always", "never"]
+DelegatedPermission = Literal["sandboxes:read", "sandboxes:write"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_LIFETIME_SECONDS = 30 * 86400  # a sandbox's TTL and idle limit
@@ -55,6 +56,27 @@ class ExecDefaults(BaseModel):
             if not key or "=" in key or "\x00" in key or "\x00" in item:
                 raise ValueError(f"invalid environment variable {key!r}")
         return value
+
+
+class AccessDelegation(BaseModel):
+    """Lets code in the sandbox call cella's API (`http://cella.api`, /v1 and LangSmith's)
+    as the key that created it: `inherit` everything that key may do, or `explicit`
+    `permissions`: `sandboxes:read` (reads only) and `sandboxes:write` (reads and writes).
+    The egress proxy adds a short-lived token to each such request, and the key is checked
+    again every time: revoked, and the sandbox's calls are refused."""
+
+    model_config = {"extra": "forbid", "from_attributes": True}
+
+    mode: Literal["inherit", "explicit"]
+    permissions: list[DelegatedPermission] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _permissions(self) -> AccessDelegation:
+        if self.mode == "inherit" and self.permissions:
+            raise ValueError("permissions go with mode explicit, not inherit")
+        if self.mode == "explicit" and not self.permissions:
+            raise ValueError("mode explicit needs permissions")
+        return self
 
 
 class SandboxCreate(BaseModel):
@@ -93,6 +115,9 @@ class SandboxCreate(BaseModel):
         description="with `snapshot`: restore its memory when it has one (`if_present`), "
         "insist on it (`always`: refused for a snapshot without memory), or boot from its "
         "disk alone (`never`)",
+    )
+    access_delegation: AccessDelegation | None = Field(
+        default=None, description="cella's API for code in the sandbox, as its creator"
     )
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     run_entrypoint: bool = Field(
@@ -161,6 +186,7 @@ class Sandbox(BaseModel):
     max_pids: int | None = None
     delete_after_stop_seconds: int | None = None
     stop_keeps_memory: bool = False
+    access_delegation: AccessDelegation | None = None
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     last_active_at: datetime | None = None
     stopped_at: datetime | None = None

@@ -37,6 +37,7 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
+from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.policy.egress import (
     Boundary,
     Decision,
@@ -89,6 +90,7 @@ class Net:
     secrets: tuple[Binding, ...] = ()
     headers: tuple[HeaderRule, ...] = ()
     needles: list[tuple[bytes, bytes]] = field(default_factory=list)
+    api: ApiAccess | None = None  # cella's API, with access delegation
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -154,7 +156,7 @@ def _net_from(msg: dict[str, Any]) -> Net:
         for r in msg.get("headers", [])
     )
     policy = Policy.parse(msg.get("allow", ()), msg.get("deny", ()))
-    return Net(msg["sandbox"], policy, bindings, headers)
+    return Net(msg["sandbox"], policy, bindings, headers, api=access_from(msg))
 
 
 class Egress:
@@ -281,6 +283,12 @@ class Egress:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         net = self._net(flow.client_conn)
         req = flow.request
+        if net is not None and net.api is not None and is_api(net.api, req.host):
+            authorize(req.headers, net.api)
+            flow.metadata["cella"] = Tally(net, req.host, req.port, req.scheme, REASON)
+            if net.needles:  # checked for secrets as they stream, like every response
+                req.headers["accept-encoding"] = "identity"
+            return
         decision, _ = await self._decide(net, req.host, req.port)
         if net is None or not decision.allowed:
             flow.response = _denied(req.host, req.port, decision)
@@ -395,6 +403,10 @@ class Egress:
             return
         net = self._net(data.client)
         host, port = str(data.server.address[0]), int(data.server.address[1])
+        if net is not None and net.api is not None and is_api(net.api, host):
+            data.server.address = net.api.upstream  # the daemon, whatever port was asked
+            self._verdicts[data.server.id] = REASON
+            return
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:
             data.server.error = f"cella egress: {host}:{port} {decision.reason}"

@@ -23,6 +23,7 @@ from cella.models import ExecRequest, SandboxCreate
 from cella.paths import Paths, owner_only
 from cella.runtime.contract import Driver
 from cella.runtime.select import open_driver
+from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.downloads import Downloads
@@ -176,16 +177,31 @@ class Daemon:
             self._spans.close()  # flushes what is batched
         self.store.close()
 
-    async def create(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
+    async def create(
+        self, tenant: str, spec: SandboxCreate, creator: Principal | None = None
+    ) -> SandboxRecord:
         """A new sandbox: from its template (its image's config under the sandbox's own
         exec defaults), or booted from `spec.snapshot`; with `run_entrypoint`, the image's
-        Entrypoint and Cmd are started as process `entrypoint`."""
+        Entrypoint and Cmd are started as process `entrypoint`. `creator`: the key that
+        asks, which `access_delegation` lets the sandbox act as."""
+        if spec.access_delegation is not None and self.settings.tls_cert is not None:
+            raise errors.InvalidArgument(
+                "access_delegation: not supported by a daemon serving TLS (the egress proxy "
+                "reaches the API over plain HTTP on loopback)"
+            )
+        if spec.access_delegation is not None and creator is not None:
+            own = self.keys.by_id(creator.key_id) if creator.key_id else None
+            if own is None or own.tenant != tenant:  # an admin acting for it, a gateway
+                raise errors.InvalidArgument(
+                    "access_delegation needs the tenant's own API key, not one acting for it"
+                )
+        granted = delegation.grant(spec.access_delegation, creator)
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
             defaults = self.images.defaults(tenant, spec.snapshot, spec.exec_defaults)
             return await self.forks.boot(
-                tenant, spec.model_copy(update={"exec_defaults": defaults})
+                tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
             )
         command: list[str] = []
         if spec.run_entrypoint:
@@ -197,7 +213,7 @@ class Daemon:
                 )
         defaults = self.templates.defaults(spec.template, spec.exec_defaults)
         row = await self.lifecycle.create(
-            tenant, spec.model_copy(update={"exec_defaults": defaults})
+            tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
         )
         if command:
             await self.processes.start(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import ipaddress
 import json
@@ -22,14 +23,26 @@ from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
+from cella.service.delegation import proxy_access
 from cella.service.registry import Registry
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
 REFUSAL_EVENT_SECONDS = 10.0
 BOUNDARY_REFRESH_SECONDS = 30.0  # the host's interface addresses can change (DHCP, hotplug)
+
+
+def api_address(settings: DaemonSettings) -> tuple[str, int]:
+    """Where the daemon's own API is reached from this host (any-address listens: loopback)."""
+    host, port = settings.host_port
+    host = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_unspecified:
+            host = "127.0.0.1"
+    return host, port
 
 
 def proxy_env() -> dict[str, str]:
@@ -71,6 +84,7 @@ class SandboxEgress:
         self._refresher: asyncio.Task[None] | None = None
         self._ca: bytes | None = None
         self.max_connections = settings.max_connections_per_sandbox
+        self.api = api_address(settings)  # where `cella.api` leads a delegated sandbox
         self._addresses: dict[VM, str] = {}
         self._held: dict[str, int] = {}  # sandbox id -> connections open now
         self._last_refusal: dict[str, float] = {}
@@ -156,8 +170,17 @@ class SandboxEgress:
             list(row.network.deny),
             self._bindings(row),
             self._headers(row),
+            self._api(row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
+
+    def _api(self, row: SandboxRecord) -> dict[str, Any] | None:
+        """cella's API for a sandbox with access delegation: the address the proxy takes
+        `cella.api` to, and the key it mints the sandbox's tokens with."""
+        key = proxy_access(row)
+        if key is None:
+            return None
+        return {"upstream": list(self.api), "key": key.hex()}
 
     def _release(self, vm: VM) -> None:
         addr = self._addresses.pop(vm, None)
@@ -268,6 +291,8 @@ class SandboxEgress:
             env |= CA_ENV  # tools with bundles of their own use the one that trusts our CAs
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
+        if row.delegation:  # the LangSmith SDK in the guest finds this API (no key needed)
+            env["LANGSMITH_ENDPOINT"] = f"http://{API_HOST}"
         return env
 
     async def trust_ca(self, vm: VM) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from cella import errors
 from cella.models import SandboxCreate, SnapshotState
@@ -47,13 +48,17 @@ class Forks:
         snap = await self.snapshots.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
         return await self.fork_snapshot(tenant, snap.id, count)
 
-    async def boot(self, tenant: str, spec: SandboxCreate) -> SandboxRecord:
+    async def boot(
+        self, tenant: str, spec: SandboxCreate, delegation: dict[str, Any] | None = None
+    ) -> SandboxRecord:
         """A new sandbox from `spec.snapshot` (its files, memory and processes), made as
         `spec` says otherwise (name, limits, egress, secrets); its shape is the snapshot's."""
         assert spec.snapshot is not None
         snap = self.snapshots.resolve(tenant, spec.snapshot)
         self.admission.check_shape(snap.vcpus, snap.memory_mib, spec.disk_mib)
-        [row] = await self.fork_snapshot(tenant, snap.id, 1, spec, spec.restore_memory)
+        [row] = await self.fork_snapshot(
+            tenant, snap.id, 1, spec, spec.restore_memory, delegation=delegation
+        )
         return row
 
     async def fork_snapshot(
@@ -63,6 +68,7 @@ class Forks:
         count: int,
         spec: SandboxCreate | None = None,
         restore_memory: RestoreMemory = "if_present",
+        delegation: dict[str, Any] | None = None,
     ) -> list[SandboxRecord]:
         """`count` new sandboxes restored from the snapshot, each on its own overlay, made
         like the snapshot's source unless `spec` says otherwise. Its memory is restored
@@ -101,6 +107,7 @@ class Forks:
                         parent_id=snap_row.sandbox_id,
                         snapshot_id=snap_row.id,
                         base_snapshot_id=snap_row.id,
+                        delegation=delegation,
                     )
                 )
                 for _ in range(count)

@@ -13,10 +13,13 @@ from pathlib import Path
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE
+from cella.models import SandboxState
+from cella.policy import delegation
 from cella.store import KeyRecord, KeyUse, Store
 from cella.store.db import now
 
 ADMIN_TENANT = "admin"
+GONE = (SandboxState.deleting, SandboxState.deleted, SandboxState.error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +61,31 @@ class Keys:
         return path
 
     def authenticate(self, key: str) -> Principal:
+        if key.startswith(delegation.PREFIX):
+            return self.delegated(key)
         row = self.store.key_by_hash(hash_key(key))
         if row is None:
             raise errors.Unauthenticated("unknown or revoked API key")
         return Principal(row.tenant, row.admin, row.read_only, row.id)
+
+    def delegated(self, token: str) -> Principal:
+        """Whom a sandbox's delegation token acts as, checked now: fresh, from a live
+        sandbox with a grant, whose creator's key is still valid; limited as the grant says
+        (`explicit` without `sandboxes:write` reads only; admin rights pass by `inherit`)."""
+        sandbox_id = delegation.sandbox_of(token)
+        row = self.store.get_sandbox(sandbox_id) if sandbox_id else None
+        if row is None or not row.delegation or row.state in GONE:
+            raise errors.Unauthenticated("not a valid delegation token")
+        if not delegation.valid(token, bytes.fromhex(row.delegation["key"])):
+            raise errors.Unauthenticated("an expired or forged delegation token")
+        key = self.store.key_by_id(row.delegation["key_id"])
+        if key is None or key.tenant != row.tenant:
+            raise errors.Unauthenticated(
+                f"sandbox {row.id} acts for a key that was revoked: its access ended with it"
+            )
+        inherit = row.delegation["mode"] == "inherit"
+        writes = inherit or "sandboxes:write" in row.delegation["permissions"]
+        return Principal(key.tenant, key.admin and inherit, key.read_only or not writes, key.id)
 
     def by_id(self, key_id: str) -> Principal | None:
         """The holder of a key that is still valid, by the key's id."""

@@ -113,7 +113,11 @@ class Lifecycle:
 
     # -- create --------------------------------------------------------------------------
 
-    async def create(self, tenant: str, req: SandboxCreate) -> SandboxRecord:
+    async def create(
+        self, tenant: str, req: SandboxCreate, delegation: dict[str, Any] | None = None
+    ) -> SandboxRecord:
+        """A sandbox restored from its template's warm snapshot (or a pooled VM of it);
+        `delegation`: the access grant it keeps (`service.delegation`)."""
         self.admission.check_shape(req.vcpus, req.memory_mib, req.disk_mib)
         try:
             base_mib = self.driver.template_disk_mib(req.template)
@@ -134,7 +138,9 @@ class Lifecycle:
             held = vm if vm is not None else spare[1] if spare is not None else None
             sandbox_id = held.directory.name if held and held.directory else new_sandbox_id()
             origin = "pool" if vm is not None else "restore"
-            row = self.registry.insert(new_record(tenant, sandbox_id, req, secret_refs, origin))
+            row = self.registry.insert(
+                new_record(tenant, sandbox_id, req, secret_refs, origin, delegation=delegation)
+            )
         async with self.registry.lock(sandbox_id):
             try:
                 if spare is not None:  # a QEMU waiting for the warm snapshot's state
@@ -208,7 +214,7 @@ class Lifecycle:
         idle and TTL stops too) is a pause: the processes run on after `resume`."""
         row = self.registry.get(tenant, sandbox_id)
         if (row.stop_keeps_memory if memory is None else memory) and row.state != S.stopped:
-            return await self.pause(tenant, sandbox_id)
+            return await self.pause(tenant, sandbox_id, as_stop=True)
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             if row.state == S.stopped:
@@ -223,8 +229,10 @@ class Lifecycle:
             self.events.emit(sandbox_id, "stopped")
         return self.registry.get(tenant, sandbox_id)
 
-    async def pause(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        """Freezes the VM: no CPU, memory kept; processes go on after `resume`."""
+    async def pause(self, tenant: str, sandbox_id: str, *, as_stop: bool = False) -> SandboxRecord:
+        """Freezes the VM: no CPU, memory kept; processes go on after `resume`. `as_stop`:
+        a stop that keeps memory, stopped as far as retention goes
+        (`delete_after_stop_seconds` counts from now) until it is resumed."""
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(tenant, sandbox_id)
             if row.state == S.paused:
@@ -236,6 +244,8 @@ class Lifecycle:
             except BaseException:
                 self.registry.update(sandbox_id, state=S.running)
                 raise
+            if as_stop:
+                self.registry.update(sandbox_id, stopped_at=iso(time.time()))
             self.events.emit(sandbox_id, "paused")
         return self.registry.get(tenant, sandbox_id)
 
@@ -270,7 +280,7 @@ class Lifecycle:
                 if vm is None:
                     raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
                 await vm.resume()
-                self.registry.update(sandbox_id, state=S.running)
+                self.registry.update(sandbox_id, state=S.running, stopped_at=None)
                 self.events.emit(sandbox_id, "resumed", {"from": "paused"})
                 return self.registry.get(tenant, sandbox_id)
             if row.state != S.stopped:

@@ -32,11 +32,12 @@ class Expiry:
 def due(rows: Iterable[SandboxRecord], now: float, busy: Callable[[str], bool]) -> list[Expiry]:
     """The limits that have run out, and what each one does. A TTL that would leave the
     sandbox as it is (stop a stopped one, pause a paused one) is not due; an exec under way
-    keeps a sandbox from being idle; a stopped sandbox may be deleted some time after."""
+    keeps a sandbox from being idle; a stopped sandbox (also one whose stop kept its memory,
+    paused since) may be deleted some time after."""
     out = []
     for row in rows:
         if (
-            row.state == S.stopped
+            row.state in (S.stopped, S.paused)
             and row.delete_after_stop_seconds
             and row.stopped_at
             and now - epoch(row.stopped_at) >= row.delete_after_stop_seconds

@@ -540,6 +540,8 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
     for key in ("labels", "network", "secrets", "exec_defaults"):
         if key in out:
             out[key] = json.dumps(out[key])
+    if out.get("delegation") is not None:
+        out["delegation"] = json.dumps(out["delegation"])
     return out
 
 
@@ -551,6 +553,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
+    out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None
     return SandboxRecord(**out)
 
 

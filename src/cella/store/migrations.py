@@ -161,5 +161,6 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN stop_keeps_memory INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE snapshots ADD COLUMN memory INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE sandboxes ADD COLUMN delegation TEXT;
     """,
 ]

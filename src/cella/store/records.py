@@ -45,6 +45,8 @@ class SandboxRecord:
     exec_defaults: ExecDefaults = field(default_factory=ExecDefaults)
     stopped_at: str | None = None
     stop_keeps_memory: bool = False  # a stop pauses the VM (processes and memory kept)
+    # access delegation: mode, permissions, the creator's key id, the sandbox's token key
+    delegation: dict[str, Any] | None = None
     labels: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)
@@ -60,6 +62,13 @@ class SandboxRecord:
     last_active_at: str | None = None
     created_at: str = ""
     updated_at: str = ""
+
+    @property
+    def access_delegation(self) -> dict[str, Any] | None:
+        """The delegation as it was asked for (its key and the creator's key id left out)."""
+        if not self.delegation:
+            return None
+        return {"mode": self.delegation["mode"], "permissions": self.delegation["permissions"]}
 
     @property
     def live(self) -> bool:

@@ -134,6 +134,7 @@ class AsyncClient:
         run_entrypoint: bool = False,
         stop_keeps_memory: bool | None = None,
         restore_memory: str | None = None,
+        access_delegation: dict[str, Any] | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -148,6 +149,8 @@ class AsyncClient:
         starts the image's Entrypoint and Cmd as process `entrypoint`. `stop_keeps_memory`
         makes every stop of it (asked for or on idling) a pause that keeps processes and
         memory; `restore_memory` (with `snapshot`): `if_present`, `always` or `never`.
+        `access_delegation` (`{"mode": "inherit"}`, or `"explicit"` with `permissions`)
+        lets code in the sandbox call this API at `http://cella.api` as this client's key.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -158,6 +161,7 @@ class AsyncClient:
             run_entrypoint=run_entrypoint or None,
             stop_keeps_memory=stop_keeps_memory,
             restore_memory=restore_memory,
+            access_delegation=access_delegation,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,

@@ -39,7 +39,7 @@ ID = Annotated[str, "sandbox id"]
 @router.post("", status_code=201, response_model=Sandbox)
 async def create_sandbox(body: SandboxCreate, svc: DaemonDep, who: Auth) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    return Sandbox.model_validate(await svc.create(who.tenant, body))
+    return Sandbox.model_validate(await svc.create(who.tenant, body, creator=who))
 
 
 @router.get("", response_model=SandboxList)

@@ -58,7 +58,8 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes")
     async def create_box(request: Request, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         spec = create_spec(svc, who.tenant, body)
-        task = svc.background.start(svc.create(who.tenant, spec), name=f"create-{spec.name}")
+        made = svc.create(who.tenant, spec, creator=who)
+        task = svc.background.start(made, name=f"create-{spec.name}")
         if body.get("wait_for_ready", True):
             timeout = float(body.get("timeout") or 30)
             try:

@@ -20,7 +20,7 @@ from cella.server.error_shapes import describe
 
 Json = dict[str, Any]
 MIB = 1 << 20
-UNSUPPORTED = ("mount_config", "access_delegation")
+UNSUPPORTED = ("mount_config",)
 SNAPSHOT_FIELDS = ("snapshot_id", "snapshot", "snapshot_name")  # the first given counts
 # LangSmith's names for cella's fields, in what a refusal says
 LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
@@ -97,8 +97,19 @@ def read_create(body: Json) -> BoxCreate:
             "exec_defaults": exec_defaults(body.get("run_config")),
             "stop_keeps_memory": flag(body, "preserve_memory_on_stop") or False,
             "restore_memory": RESTORE_MEMORY[flag(body, "restore_memory")],
+            "access_delegation": delegation_of(body.get("access_delegation")),
         },
     )
+
+
+def delegation_of(given: Any) -> Json | None:
+    """LangSmith's access_delegation (mode INHERIT or EXPLICIT) as cella's; the model checks
+    the permissions (`sandboxes:read`, `sandboxes:write`)."""
+    if given is None:
+        return None
+    if not isinstance(given, dict) or not isinstance(given.get("mode"), str):
+        raise errors.InvalidArgument("access_delegation: an object with a mode")
+    return {**given, "mode": given["mode"].lower()}
 
 
 # LangSmith's restore_memory (nil, true, false) as cella's

@@ -86,7 +86,19 @@ def sandbox_json(row: SandboxRecord, base_url: str, fs_mib: int) -> dict[str, An
         "run_config": run_config(row.exec_defaults),
         "persistent": True,
         "preserve_memory_on_stop": row.stop_keeps_memory,
+        "access_delegation": delegation_json(row),
     }
+
+
+def delegation_json(row: SandboxRecord) -> dict[str, Any] | None:
+    """The grant as it was asked for, in LangSmith's words (no key, no creator)."""
+    grant = row.access_delegation
+    if grant is None:
+        return None
+    shown: dict[str, Any] = {"mode": grant["mode"].upper()}
+    if grant["permissions"]:
+        shown["permissions"] = grant["permissions"]
+    return shown
 
 
 def snapshot_json(
