@@ -29,9 +29,11 @@ from cella.models.files import (
 from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
+    AwsSigning,
     EgressBoundary,
     EgressDecision,
     EgressLog,
+    GcpToken,
     HeaderRule,
     KeyRotation,
     NetworkPolicy,
@@ -70,6 +72,7 @@ __all__ = [
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
     "AccountName",
+    "AwsSigning",
     "BuildEvent",
     "Capacity",
     "ChmodRequest",
@@ -88,6 +91,7 @@ __all__ = [
     "FileEntry",
     "FileWalk",
     "ForkRequest",
+    "GcpToken",
     "GuestPath",
     "HeaderRule",
     "ImageConfig",

@@ -269,9 +269,10 @@ class EgressProxy:
         deny: list[str],
         secrets: list[dict[str, Any]] | None = None,
         headers: list[dict[str, Any]] | None = None,
+        cloud: dict[str, list[dict[str, Any]]] | None = None,
     ) -> None:
-        """What the VM at `addr` may reach, with which credentials; takes effect for its next
-        connection."""
+        """What the VM at `addr` may reach, with which credentials (`cloud`: AWS signing and
+        GCP token rules); takes effect for its next connection."""
         self.addresses.claim(addr)
         msg = {
             "op": "set",
@@ -281,6 +282,7 @@ class EgressProxy:
             "deny": deny,
             "secrets": secrets or [],
             "headers": headers or [],
+            **(cloud or {}),
         }
         self._state[addr] = msg
         self._send(msg)

@@ -19,9 +19,10 @@ from cella.config import DaemonSettings
 from cella.guest.client import GuestStream
 from cella.guest.protocol import EGRESS_ADDR, PROXY_PORT
 from cella.guest.trust import CA_ENV, trust
-from cella.models import NetworkPolicy, SecretPut
+from cella.models import AwsSigning, NetworkPolicy, SecretPut
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.cloud import DUMMY_AWS_ENV, service_account_problem
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service.registry import Registry
@@ -156,6 +157,7 @@ class SandboxEgress:
             list(row.network.deny),
             self._bindings(row),
             self._headers(row),
+            self._cloud(row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -249,23 +251,50 @@ class SandboxEgress:
                 out.append({**rendered, "secrets": used})
         return out
 
+    def _cloud(self, row: SandboxRecord) -> dict[str, list[dict[str, Any]]]:
+        """AWS signing and GCP token rules with their secrets' values (a rule whose secret
+        is gone is not applied, as for headers)."""
+        values = {n: self.store.get_secret(row.tenant, n) for n in row.network.secret_names}
+        found = {n: v.value for n, v in values.items() if v is not None}
+        aws = [
+            {**rule.model_dump(), **{k: found[n] for k, n in _named(rule).items()}}
+            | {"secrets": rule.secrets}
+            for rule in row.network.aws
+            if all(n in found for n in rule.secrets)
+        ]
+        gcp = [
+            {"hosts": r.hosts, "scopes": r.scopes, "secret": r.service_account, "info": sa.value}
+            for r in row.network.gcp
+            if (sa := values[r.service_account]) is not None
+        ]
+        return {"aws": aws, "gcp": gcp}
+
     def check_policy(self, tenant: str, policy: NetworkPolicy) -> None:
-        """The rules stay inside the boundary, and every secret a header rule names
-        exists."""
+        """The rules stay inside the boundary, every secret a rule names exists, and a GCP
+        rule's secret is a service account's key."""
         self.check_rules(policy)
-        for rule in policy.headers:
-            for name in rule.secrets:
-                if self.store.get_secret(tenant, name) is None:
-                    raise errors.InvalidArgument(f"no secret {name!r} (header {rule.name})")
+        for name in policy.secret_names:
+            if self.store.get_secret(tenant, name) is None:
+                raise errors.InvalidArgument(f"no secret {name!r} (in the network rules)")
+        for rule in policy.gcp:
+            secret = self.store.get_secret(tenant, rule.service_account)
+            assert secret is not None
+            why = service_account_problem(secret.value)
+            if why is not None:
+                raise errors.InvalidArgument(f"secret {rule.service_account!r}: {why}")
 
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
-        return bool(row.secrets or row.network.headers)
+        net = row.network
+        return bool(row.secrets or net.headers or net.aws or net.gcp)
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
         if self.intercepts(row) or self.extra_ca:
             env |= CA_ENV  # tools with bundles of their own use the one that trusts our CAs
+        if row.network.aws:  # an AWS SDK signs with these; the proxy signs again for real
+            env |= DUMMY_AWS_ENV
+        env |= row.network.env
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
         return env
@@ -311,7 +340,7 @@ class SandboxEgress:
             row = self.store.get_sandbox(sandbox_id)
             uses = row is not None and (
                 any(r.secret == name for r in row.secrets.values())
-                or any(name in h.secrets for h in row.network.headers)
+                or name in row.network.secret_names
             )
             if row is not None and row.tenant == tenant and uses:
                 self.attach(vm, row)
@@ -348,6 +377,12 @@ class SandboxEgress:
         self.registry.owned(tenant, sandbox_id)
         rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r.id, "at": r.at, **r.data} for r in rows]
+
+
+def _named(rule: AwsSigning) -> dict[str, str]:
+    """The rule's fields that name a secret: the proxy gets their values in their place."""
+    fields = {"access_key_id": rule.access_key_id, "secret_access_key": rule.secret_access_key}
+    return fields | ({"session_token": rule.session_token} if rule.session_token else {})
 
 
 def _auth_header(secret: SecretRecord) -> list[str] | None:
