@@ -222,6 +222,11 @@ class DaemonSettings(BaseSettings):
         "nodes' own addresses are reached from sandboxes only through the operator: a name "
         "in egress_hosts, or an address in one of these networks (env: a JSON list)",
     )
+    egress_aws_hosts: list[str] = Field(
+        default_factory=list,
+        description="names LangSmith's `aws` proxy rules also sign requests to, beside "
+        "*.amazonaws.com: S3-compatible stores (domain or *.domain; env: a JSON list)",
+    )
     egress_upstream_ca: Path | None = Field(
         default=None,
         description="PEM CA the proxy trusts for upstream TLS, besides the host's roots",
