@@ -10,6 +10,7 @@ LangSmith SDK (`aws_auth`, `gcp_auth`, `env_vars`)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import json
 import os
@@ -53,6 +54,7 @@ from tests.netservers import Recorder, Servers, TestCA, free_loopback_block
 pytestmark = pytest.mark.vm
 
 S3_HOST = "s3.us-east-1.amazonaws.com"
+STS_HOST = "sts.amazonaws.com"  # moto too: a service that wants the body's own hash
 TOKEN_HOST = "oauth2.googleapis.com"
 API_HOST = "storage.googleapis.com"
 BUCKET = "cella-data"
@@ -174,7 +176,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     base = tmp_path_factory.mktemp("cloud")
     prefix = free_loopback_block()
     s3, token, api = f"{prefix}.4", f"{prefix}.5", f"{prefix}.6"
-    ca = TestCA(base / "ca", [S3_HOST, TOKEN_HOST, API_HOST, s3, token, api])
+    ca = TestCA(base / "ca", [S3_HOST, STS_HOST, TOKEN_HOST, API_HOST, s3, token, api])
     # moto checks signatures once its first three calls (the IAM setup below) are done
     log = base / "moto.log"
     moto = subprocess.Popen(
@@ -243,7 +245,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
 
 @pytest.fixture(scope="module")
 def daemon_settings(cloud: Cloud) -> dict[str, str]:
-    hosts = {S3_HOST: cloud.s3, TOKEN_HOST: cloud.token, API_HOST: cloud.api}
+    hosts = {S3_HOST: cloud.s3, STS_HOST: cloud.s3, TOKEN_HOST: cloud.token}
+    hosts[API_HOST] = cloud.api
     return {
         "pool_size": "0",
         "egress_hosts": json.dumps(hosts),
@@ -342,8 +345,56 @@ def test_the_same_requests_from_the_host_are_refused(cloud: Cloud) -> None:
     assert httpx.get(api, verify=trust).status_code == 401
     bogus = {"Authorization": "Bearer ya29.made-up"}
     assert httpx.get(api, headers=bogus, verify=trust).status_code == 401
-    good = {"Authorization": f"Bearer {cloud.issued[-1]}"}
+    # the token endpoint: a grant signed by another key is refused, the account's is not
+    account = json.loads(cloud.service_account)
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = int(time.time())
+    claims = {"iss": account["client_email"], "aud": account["token_uri"], "iat": now,
+              "exp": now + 600, "scope": " ".join(SCOPES)}  # fmt: skip
+
+    def grant(key: Any) -> httpx.Response:
+        form = {"grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer",
+                "assertion": jwt.encode(claims, key, algorithm="RS256")}  # fmt: skip
+        return httpx.post(
+            f"https://{cloud.token}/token", data=form, headers={"Host": TOKEN_HOST}, verify=trust
+        )
+
+    assert grant(stranger).status_code == 400
+    issued = grant(account["private_key"])
+    assert issued.status_code == 200
+    good = {"Authorization": f"Bearer {issued.json()['access_token']}"}
     assert httpx.get(api, headers=good, verify=trust).status_code == 200
+
+
+def test_streamed_bodies_and_bodies_signed_by_their_hash(admin: Client, cloud: Cloud) -> None:
+    """A body too big to hold streams through, signed UNSIGNED-PAYLOAD (S3 takes it); a
+    service other than S3 gets the body's own SHA-256 in the signature (the request waits
+    for its body), which moto checks against what arrived."""
+    admin.put_secret("aws-key-id", cloud.key_id, [S3_HOST])
+    admin.put_secret("aws-secret", cloud.secret_key, [S3_HOST])
+    aws = AwsSigning(access_key_id="aws-key-id", secret_access_key="aws-secret")
+    with admin.create(allow=[S3_HOST, STS_HOST], aws=[aws]) as sb:
+        digest = run(sb, "head -c 20000000 /dev/urandom > /tmp/big && sha256sum /tmp/big")
+        url = f"https://{S3_HOST}/{BUCKET}/big.bin"
+        put = "-X PUT -H 'Content-Type: application/octet-stream' --data-binary @/tmp/big"
+        assert status_of(sb, url, put) == "200"
+        got = cloud.s3_client().get_object(Bucket=BUCKET, Key="big.bin")["Body"].read()
+        assert hashlib.sha256(got).hexdigest() == digest.split()[0]
+        form = "Action=GetCallerIdentity&Version=2011-06-15"
+        who = run(sb, f"curl -sS -X POST --data '{form}' https://{STS_HOST}/")
+        assert "<Arn>arn:aws:iam::123456789012:user/agent</Arn>" in who, who
+        no_keys_in(who, cloud)
+    dummy = boto3.client(
+        "sts",
+        endpoint_url=f"https://{cloud.s3}",
+        region_name="us-east-1",
+        aws_access_key_id=DUMMY_AWS_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=DUMMY_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+        verify=str(cloud.ca.cert),
+    )
+    with pytest.raises(ClientError) as refused:  # the guest's own keys get nowhere
+        dummy.get_caller_identity()
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
 
 
 @pytest.fixture(scope="module")
@@ -364,23 +415,27 @@ def test_langsmith_aws_and_gcp_rules(ls_client: SandboxClient, admin: Client, cl
         enabled=False,
         env_vars={"FROM_A_DISABLED_RULE": "1"},
     )
-    config = proxy_config(
-        rules=[
-            aws_auth(
-                access_key_id=workspace_secret("LS_AWS_KEY_ID"),
-                secret_access_key=opaque_secret(cloud.secret_key),
-                env_vars={"AWS_DEFAULT_REGION": "us-east-1"},
-            ),
-            gcp_auth(
-                service_account_json=opaque_secret(cloud.service_account),
-                scopes=SCOPES,
-                env_vars={"GOOGLE_CLOUD_PROJECT": "cella-test"},
-            ),
-            off,
-        ],
-        access_control={"allow_list": [S3_HOST, API_HOST]},
-    )
-    with ls_client.sandbox(name="cloud-creds", proxy_config=config) as box:
+
+    def config(aws_enabled: bool) -> dict[str, Any]:
+        return proxy_config(
+            rules=[
+                aws_auth(
+                    access_key_id=workspace_secret("LS_AWS_KEY_ID"),
+                    secret_access_key=opaque_secret(cloud.secret_key),
+                    enabled=aws_enabled,
+                    env_vars={"AWS_DEFAULT_REGION": "us-east-1"},
+                ),
+                gcp_auth(
+                    service_account_json=opaque_secret(cloud.service_account),
+                    scopes=SCOPES,
+                    env_vars={"GOOGLE_CLOUD_PROJECT": "cella-test"},
+                ),
+                off,
+            ],
+            access_control={"allow_list": [S3_HOST, API_HOST]},
+        )
+
+    with ls_client.sandbox(name="cloud-creds", proxy_config=config(True)) as box:
         url = f"https://{S3_HOST}/{BUCKET}/from-langsmith.txt"
         put = box.run(
             f"printf 'via langsmith' | curl -sS -w '%{{http_code}}' -X PUT "
@@ -393,6 +448,15 @@ def test_langsmith_aws_and_gcp_rules(ls_client: SandboxClient, admin: Client, cl
         assert "AWS_DEFAULT_REGION=us-east-1" in env and "GOOGLE_CLOUD_PROJECT=cella-test" in env
         assert "FROM_A_DISABLED_RULE" not in env
         no_keys_in(env, cloud)
+        # the AWS rule disabled by an update: its variable goes, and S3 refuses the guest
+        ls_client.update_sandbox("cloud-creds", proxy_config=config(False))
+        env = box.run("env").stdout
+        assert "AWS_DEFAULT_REGION" not in env and "GOOGLE_CLOUD_PROJECT=cella-test" in env
+        box.write("/tmp/test-ca.pem", cloud.ca.cert.read_bytes())
+        refused = box.run(
+            f"curl -sS -o /dev/null -w '%{{http_code}}' --cacert /tmp/test-ca.pem '{url}'"
+        )
+        assert refused.stdout == "403"
     got = cloud.s3_client().get_object(Bucket=BUCKET, Key="from-langsmith.txt")
     assert got["Body"].read() == b"via langsmith"
 
