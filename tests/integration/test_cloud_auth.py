@@ -384,6 +384,24 @@ def test_streamed_bodies_and_bodies_signed_by_their_hash(admin: Client, cloud: C
         who = run(sb, f"curl -sS -X POST --data '{form}' https://{STS_HOST}/")
         assert "<Arn>arn:aws:iam::123456789012:user/agent</Arn>" in who, who
         no_keys_in(who, cloud)
+        # keys that cannot give a token: a clear 502 from the proxy, naming why
+        account = json.loads(cloud.service_account)
+        broken = "-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n"
+        other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        stranger = other.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode()
+        for name, key, why in (
+            ("gcp-broken", broken, "cannot sign"),
+            ("gcp-stranger", stranger, "no GCP access token for agent@"),
+        ):
+            admin.put_secret(name, json.dumps({**account, "private_key": key}), [API_HOST])
+            gcp = GcpToken(service_account=name, scopes=SCOPES)
+            sb.set_network(allow=[S3_HOST, STS_HOST, API_HOST], aws=[aws], gcp=[gcp])
+            out = run(sb, f"curl -sS -w ' %{{http_code}}' '{GCS_OBJECT}'")
+            assert out.endswith(" 502") and why in out, out
     dummy = boto3.client(
         "sts",
         endpoint_url=f"https://{cloud.s3}",

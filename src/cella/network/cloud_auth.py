@@ -38,6 +38,7 @@ SIGNED_STREAMING = "STREAMING-AWS4-"  # chunks signed one by one, chained to the
 BUFFERED_LIMIT = 16 << 20  # mitmproxy's stream_large_bodies: bigger bodies stream
 TOKEN_TIMEOUT = 30.0
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # S3 takes it for a body it is not shown the hash of
+PRESIGNED = "x-amz-signature="  # in a query: the URL is signed already
 DEFERRED = "cella-aws"  # flow metadata: an AWS request signed once its body has arrived
 
 # (host, port) -> the address the proxy may connect to for its own requests, or ValueError
@@ -261,10 +262,14 @@ class Tokens:
         async with self._locks.setdefault(key, asyncio.Lock()):
             creds = self._creds.get(key)
             if creds is None:
-                info = json.loads(account.info)
-                creds = service_account.Credentials.from_service_account_info(  # type: ignore[no-untyped-call]
-                    info, scopes=list(account.scopes)
-                )
+                try:
+                    creds = service_account.Credentials.from_service_account_info(  # type: ignore[no-untyped-call]
+                        json.loads(account.info), scopes=list(account.scopes)
+                    )
+                except (ValueError, TypeError) as exc:  # a key that does not load
+                    raise Refused(
+                        502, f"cella egress: secret {account.secret!r} cannot sign: {exc}"
+                    ) from None
                 self._creds[key] = creds
             if not creds.valid:
                 token_uri = urlsplit(creds._token_uri)
@@ -298,6 +303,8 @@ class CloudAuth:
         """Credentials for a request whose head has arrived: (secret names used, values to
         keep out of responses from now on). Refused when they cannot be added."""
         aws = rules.aws_for(req.host)
+        if aws is not None and PRESIGNED in req.path.partition("?")[2].lower():
+            return [], []  # a presigned URL carries its own signature: sent as it is
         if aws is not None:
             scope = aws_scope(aws, req.host, req.headers.get("authorization", ""))
             payload = aws_payload(req, scope[0])
