@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -272,6 +273,14 @@ class DaemonSettings(BaseSettings):
                     ipaddress.ip_address(addr)
                 except ValueError:
                     raise ValueError(f"egress_hosts[{name!r}]: {addr!r} is not an IP") from None
+        return value
+
+    @field_validator("egress_aws_hosts")
+    @classmethod
+    def _egress_aws_hosts(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", name):
+                raise ValueError(f"egress_aws_hosts: {name!r} is not a domain or *.domain")
         return value
 
     @field_validator("egress_tenant_networks")

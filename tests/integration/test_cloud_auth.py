@@ -58,6 +58,7 @@ STS_HOST = "sts.amazonaws.com"  # moto too: a service that wants the body's own 
 TOKEN_HOST = "oauth2.googleapis.com"
 API_HOST = "storage.googleapis.com"
 BUCKET = "cella-data"
+STORE_HOST = f"{BUCKET}.store.test"  # moto again: an S3-compatible store (bucket in the name)
 SCOPES = ["https://www.googleapis.com/auth/devstorage.read_only"]
 GCS_OBJECT = f"https://{API_HOST}/storage/v1/b/cella-bucket/o/hello?alt=media"
 EVERY_ENV = "env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; true"
@@ -176,7 +177,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     base = tmp_path_factory.mktemp("cloud")
     prefix = free_loopback_block()
     s3, token, api = f"{prefix}.4", f"{prefix}.5", f"{prefix}.6"
-    ca = TestCA(base / "ca", [S3_HOST, STS_HOST, TOKEN_HOST, API_HOST, s3, token, api])
+    names = [S3_HOST, STS_HOST, STORE_HOST, TOKEN_HOST, API_HOST]
+    ca = TestCA(base / "ca", [*names, s3, token, api])
     # moto checks signatures once its first three calls (the IAM setup below) are done
     log = base / "moto.log"
     moto = subprocess.Popen(
@@ -245,11 +247,12 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
 
 @pytest.fixture(scope="module")
 def daemon_settings(cloud: Cloud) -> dict[str, str]:
-    hosts = {S3_HOST: cloud.s3, STS_HOST: cloud.s3, TOKEN_HOST: cloud.token}
-    hosts[API_HOST] = cloud.api
+    hosts = {S3_HOST: cloud.s3, STS_HOST: cloud.s3, STORE_HOST: cloud.s3}
+    hosts |= {TOKEN_HOST: cloud.token, API_HOST: cloud.api}
     return {
         "pool_size": "0",
         "egress_hosts": json.dumps(hosts),
+        "egress_aws_hosts": json.dumps(["*.store.test"]),  # LangSmith's aws rules sign there
         "egress_upstream_ca": str(cloud.ca.cert),
     }
 
@@ -450,7 +453,7 @@ def test_langsmith_aws_and_gcp_rules(ls_client: SandboxClient, admin: Client, cl
                 ),
                 off,
             ],
-            access_control={"allow_list": [S3_HOST, API_HOST]},
+            access_control={"allow_list": [S3_HOST, STORE_HOST, API_HOST]},
         )
 
     with ls_client.sandbox(name="cloud-creds", proxy_config=config(True)) as box:
@@ -461,6 +464,8 @@ def test_langsmith_aws_and_gcp_rules(ls_client: SandboxClient, admin: Client, cl
         )
         assert put.stdout.endswith("200"), put.stdout
         assert box.run(f"curl -sS '{url}'").stdout == "via langsmith"
+        store = f"https://{STORE_HOST}/seeded.txt"  # signed as S3 in us-east-1
+        assert box.run(f"curl -sS '{store}'").stdout == "seeded from the host"
         assert json.loads(box.run(f"curl -sS '{GCS_OBJECT}'").stdout)["object"] == "hello from gcs"
         env = box.run(EVERY_ENV).stdout
         assert "AWS_DEFAULT_REGION=us-east-1" in env and "GOOGLE_CLOUD_PROJECT=cella-test" in env

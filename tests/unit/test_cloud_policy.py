@@ -8,6 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from cella.config import DaemonSettings
 from cella.models import AwsSigning, GcpToken, HeaderRule, NetworkPolicy
 from cella.policy.cloud import scope_of_authorization, scope_of_host, service_account_problem
 
@@ -87,3 +88,11 @@ def test_cloud_rules_are_validated() -> None:
         NetworkPolicy(env={"1BAD": "x"})
     with pytest.raises(ValidationError):
         AwsSigning(access_key_id="id", secret_access_key="key", region="Not A Region")
+
+
+def test_the_operators_aws_hosts_are_names() -> None:
+    hosts = ["minio.internal", "*.r2.example.com"]
+    assert DaemonSettings(egress_aws_hosts=hosts).egress_aws_hosts == hosts
+    for bad in ("*", "10.0.0.0/8", "a b.com"):
+        with pytest.raises(ValidationError, match="is not a domain"):
+            DaemonSettings(egress_aws_hosts=[bad])
