@@ -116,7 +116,7 @@ class Net:
         return [r for r in self.headers if host_matches(r.hosts, host)]
 
     def opens(self, host: str) -> bool:
-        """Whether TLS to `host` is intercepted: a secret or a header rule needs it."""
+        """Whether TLS to `host` is intercepted: a secret, header or cloud rule needs it."""
         return bool(self.bound(host) or self.header_rules(host) or self.cloud.covers(host))
 
     def scrub(self, text: str) -> str:
