@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -222,6 +223,11 @@ class DaemonSettings(BaseSettings):
         "nodes' own addresses are reached from sandboxes only through the operator: a name "
         "in egress_hosts, or an address in one of these networks (env: a JSON list)",
     )
+    egress_aws_hosts: list[str] = Field(
+        default_factory=list,
+        description="names LangSmith's `aws` proxy rules also sign requests to, beside "
+        "*.amazonaws.com: S3-compatible stores (domain or *.domain; env: a JSON list)",
+    )
     egress_upstream_ca: Path | None = Field(
         default=None,
         description="PEM CA the proxy trusts for upstream TLS, besides the host's roots",
@@ -267,6 +273,14 @@ class DaemonSettings(BaseSettings):
                     ipaddress.ip_address(addr)
                 except ValueError:
                     raise ValueError(f"egress_hosts[{name!r}]: {addr!r} is not an IP") from None
+        return value
+
+    @field_validator("egress_aws_hosts")
+    @classmethod
+    def _egress_aws_hosts(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", name):
+                raise ValueError(f"egress_aws_hosts: {name!r} is not a domain or *.domain")
         return value
 
     @field_validator("egress_tenant_networks")

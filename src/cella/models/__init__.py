@@ -31,9 +31,11 @@ from cella.models.files import (
 from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
 from cella.models.network import (
+    AwsSigning,
     EgressBoundary,
     EgressDecision,
     EgressLog,
+    GcpToken,
     HeaderRule,
     KeyRotation,
     NetworkPolicy,
@@ -82,6 +84,7 @@ __all__ = [
     "MAX_WALK_ENTRIES",
     "AccessDelegation",
     "AccountName",
+    "AwsSigning",
     "BuildEvent",
     "Capacity",
     "ChmodRequest",
@@ -102,6 +105,7 @@ __all__ = [
     "FileEntry",
     "FileWalk",
     "ForkRequest",
+    "GcpToken",
     "GuestPath",
     "HeaderRule",
     "ImageConfig",

@@ -25,6 +25,13 @@ HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
 SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
 
 
+def _named_hosts(values: list[str]) -> list[str]:
+    for value in values:
+        if parse_rule(value).domain in (None, "*"):
+            raise ValueError(f"{value!r}: credentials are added for named hosts")
+    return [v.strip() for v in values]
+
+
 class HeaderRule(BaseModel):
     """A header the egress proxy sets on requests to `hosts` (whatever the sandbox sent in
     its place). `{secret:NAME}` in the value stands for the tenant's secret NAME, which never
@@ -36,13 +43,7 @@ class HeaderRule(BaseModel):
     name: str = Field(pattern=HEADER_NAME)
     value: str = Field(max_length=8192)
 
-    @field_validator("hosts")
-    @classmethod
-    def _hosts(cls, values: list[str]) -> list[str]:
-        for value in values:
-            if parse_rule(value).domain in (None, "*"):
-                raise ValueError(f"{value!r}: headers are set for named hosts")
-        return [v.strip() for v in values]
+    _hosts = field_validator("hosts")(_named_hosts)
 
     @field_validator("value")
     @classmethod
@@ -56,18 +57,88 @@ class HeaderRule(BaseModel):
         return SECRET_REF.findall(self.value)
 
 
+AWS_HOSTS = ["*.amazonaws.com"]
+GOOGLE_API_HOSTS = ["*.googleapis.com"]  # storage.googleapis.com among them
+AWS_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+class AwsSigning(BaseModel):
+    """The egress proxy signs requests to `hosts` with AWS Signature V4, with the keys in
+    the tenant's secrets named here; the guest's own signature (made with the dummy keys
+    its commands see) is dropped. Service and region come from the request's own signature
+    scope, else the host name, else `service`/`region`."""
+
+    model_config = {"extra": "forbid"}
+
+    hosts: list[str] = Field(
+        default_factory=lambda: list(AWS_HOSTS), min_length=1, max_length=64,
+        description="domain or *.domain rules (S3-compatible stores: their names)",
+    )  # fmt: skip
+    access_key_id: str = Field(pattern=SECRET_NAME, description="secret holding the key id")
+    secret_access_key: str = Field(pattern=SECRET_NAME, description="secret holding the key")
+    session_token: str | None = Field(
+        default=None, pattern=SECRET_NAME, description="secret holding a session token"
+    )
+    region: str = Field(default="us-east-1", pattern=AWS_NAME)
+    service: str = Field(default="s3", pattern=AWS_NAME)
+
+    _hosts = field_validator("hosts")(_named_hosts)
+
+    @property
+    def secrets(self) -> list[str]:
+        names = [self.access_key_id, self.secret_access_key, self.session_token]
+        return [n for n in names if n is not None]
+
+
+class GcpToken(BaseModel):
+    """The egress proxy adds `Authorization: Bearer` to requests to `hosts`, with OAuth
+    access tokens it mints (and caches to expiry) from the service-account JSON in the
+    tenant's secret `service_account`, for `scopes`."""
+
+    model_config = {"extra": "forbid"}
+
+    hosts: list[str] = Field(
+        default_factory=lambda: list(GOOGLE_API_HOSTS), min_length=1, max_length=64
+    )
+    service_account: str = Field(pattern=SECRET_NAME, description="secret holding the JSON")
+    scopes: list[str] = Field(min_length=1, max_length=32)
+
+    _hosts = field_validator("hosts")(_named_hosts)
+
+    @field_validator("scopes")
+    @classmethod
+    def _scopes(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.strip() or any(c.isspace() for c in value.strip()):
+                raise ValueError(f"{value!r} is not a scope")
+        return [v.strip() for v in values]
+
+    @property
+    def secrets(self) -> list[str]:
+        return [self.service_account]
+
+
 class NetworkPolicy(BaseModel):
     """Where a sandbox may connect. Default deny; deny rules win.
 
     A rule is `host[:port]`: `pypi.org`, `*.github.com` (subdomains only), `*` (every name),
     an IP or CIDR (`10.1.0.0/16`); without a port it covers every port. `headers` are set on
-    the way out (credentials from the tenant's secrets)."""
+    the way out, `aws` requests are signed, `gcp` ones get tokens (credentials from the
+    tenant's secrets, never in the guest); `env` is set for every command while it holds."""
 
     model_config = {"extra": "forbid"}
 
     allow: list[str] = Field(default_factory=list, max_length=MAX_RULES)
     deny: list[str] = Field(default_factory=list, max_length=MAX_RULES)
     headers: list[HeaderRule] = Field(default_factory=list, max_length=32)
+    aws: list[AwsSigning] = Field(default_factory=list, max_length=8)
+    gcp: list[GcpToken] = Field(default_factory=list, max_length=8)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="plain variables for every command (tools that want a credential "
+        "variable present while the proxy adds the real one)",
+    )
     public_ports: bool = Field(
         default=False,
         description="servers in the sandbox answer anyone who knows their host name "
@@ -76,6 +147,22 @@ class NetworkPolicy(BaseModel):
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not re.match(ENV_NAME, name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if "\0" in value or len(value) > 8192:
+                raise ValueError(f"{name}: a value holds no NUL and at most 8192 characters")
+        return env
+
+    @property
+    def secret_names(self) -> list[str]:
+        """Every tenant secret the rules use."""
+        rules: list[HeaderRule | AwsSigning | GcpToken] = [*self.headers, *self.aws, *self.gcp]
+        return list(dict.fromkeys(name for rule in rules for name in rule.secrets))
 
 
 class SecretPut(BaseModel):

@@ -1,11 +1,12 @@
 """The egress proxy's mitmproxy addon (loaded by `addon.py`): per-sandbox policy, secret
-substitution, the decision log.
+substitution, cloud credentials (`cloud_auth.py`), the decision log.
 
 Runs inside `mitmdump` (its own interpreter and virtualenv), so it imports only mitmproxy,
-the stdlib and `cella.policy`. The daemon drives it over a socket pair (fd in
-CELLA_EGRESS_FD), one JSON object a line:
+the stdlib, `cella.policy` and `cloud_auth` (botocore, google-auth). The daemon drives it
+over a socket pair (fd in CELLA_EGRESS_FD), one JSON object a line:
 
-  daemon -> proxy  {"op": "set", "addr", "sandbox", "allow", "deny", "secrets": [...]}
+  daemon -> proxy  {"op": "set", "addr", "sandbox", "allow", "deny", "secrets": [...],
+                    "headers": [...], "aws": [...], "gcp": [...]}
                    {"op": "drop", "addr"}      {"op": "reset"}
                    {"op": "boundary", "protected", "tenant_networks", "names"}
   proxy -> daemon  {"op": "ready"}             {"op": "decision", ...}
@@ -32,11 +33,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import http, tcp
+from mitmproxy import ctx, http, tcp
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
+from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.policy.egress import (
     Boundary,
@@ -89,6 +91,7 @@ class Net:
     policy: Policy
     secrets: tuple[Binding, ...] = ()
     headers: tuple[HeaderRule, ...] = ()
+    cloud: CloudRules = field(default_factory=CloudRules)
     needles: list[tuple[bytes, bytes]] = field(default_factory=list)
     api: ApiAccess | None = None  # cella's API, with access delegation
 
@@ -97,6 +100,15 @@ class Net:
         for rule in self.headers:
             for name, value in rule.secrets:
                 found.update(secret_forms(value, f"[secret:{name}]"))
+        for name, value in self.cloud.secrets():
+            found.update(secret_forms(value, f"[secret:{name}]"))
+        self.needles = sorted(found.items(), key=lambda p: -len(p[0]))
+
+    def hide(self, value: str, mark: str) -> None:
+        """Keeps `value` (a credential made for this sandbox) out of what comes back."""
+        if any(needle == value.encode() for needle, _ in self.needles):
+            return  # a cached token: hidden when it was made
+        found = dict(self.needles) | dict(secret_forms(value, mark))
         self.needles = sorted(found.items(), key=lambda p: -len(p[0]))
 
     def bound(self, host: str) -> list[Binding]:
@@ -106,8 +118,8 @@ class Net:
         return [r for r in self.headers if host_matches(r.hosts, host)]
 
     def opens(self, host: str) -> bool:
-        """Whether TLS to `host` is intercepted: a secret or a header rule needs it."""
-        return bool(self.bound(host) or self.header_rules(host))
+        """Whether TLS to `host` is intercepted: a secret, header or cloud rule needs it."""
+        return bool(self.bound(host) or self.header_rules(host) or self.cloud.covers(host))
 
     def scrub(self, text: str) -> str:
         for needle, mark in self.needles:
@@ -156,7 +168,9 @@ def _net_from(msg: dict[str, Any]) -> Net:
         for r in msg.get("headers", [])
     )
     policy = Policy.parse(msg.get("allow", ()), msg.get("deny", ()))
-    return Net(msg["sandbox"], policy, bindings, headers, api=access_from(msg))
+    return Net(
+        msg["sandbox"], policy, bindings, headers, CloudRules.from_json(msg), api=access_from(msg)
+    )
 
 
 class Egress:
@@ -172,6 +186,7 @@ class Egress:
         self._tasks: set[asyncio.Task[None]] = set()
         self._verdicts: dict[str, str] = {}  # server connection id -> why it was allowed
         self._tunnels: set[str] = set()  # server connections of passed-through streams
+        self.cloud = CloudAuth(Tokens(lambda: ctx.options.ssl_verify_upstream_trusted_ca))
 
     # -- control channel ----------------------------------------------------------------
 
@@ -270,6 +285,18 @@ class Egress:
         decision = net.policy.decide(host, port, addresses, trusted=trusted, boundary=self.boundary)
         return decision, addresses
 
+    async def _reach(self, host: str, port: int) -> IPAddress:
+        """The address for the proxy's own request to `host` (a token endpoint named in a
+        tenant's key): the operator's boundary holds for it as for any sandbox."""
+        addresses = await self._resolve(host)
+        trusted = host.lower().rstrip(".") in self.overrides
+        decision = Policy.parse([host], []).decide(
+            host, port, addresses, trusted=trusted, boundary=self.boundary
+        )
+        if not decision.allowed or not addresses:
+            raise ValueError(decision.reason if not decision.allowed else "does not resolve")
+        return addresses[0]
+
     # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -302,6 +329,15 @@ class Egress:
         for rule in net.header_rules(req.host):
             req.headers[rule.name] = rule.value  # whatever the sandbox sent in its place
             tally.credentials.extend(name for name, _ in rule.secrets)
+        if net.cloud.covers(req.host):
+            try:
+                names, made = await self.cloud.head(req, net.cloud, flow.metadata, self._reach)
+            except Refused as exc:
+                flow.response = _refusal(exc.status, net.scrub(str(exc)))
+                return
+            tally.credentials.extend(names)
+            for value in made:
+                net.hide(value, "[cloud-token]")
         if net.needles:
             # responses are searched for secrets as they stream: they must come uncompressed
             req.headers["accept-encoding"] = "identity"
@@ -319,6 +355,7 @@ class Egress:
                     flow.request.headers["content-length"] = str(len(body))
                 if b.name not in tally.credentials:
                     tally.credentials.append(b.name)
+        self.cloud.body(flow.request, flow.metadata)
         tally.bytes_out = len(body)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -469,6 +506,12 @@ def _denied(host: str, port: int, decision: Decision) -> http.Response:
         DENIED_STATUS,
         f"cella egress: {host}:{port} denied: {decision.reason}\n",
         {"Content-Type": "text/plain", "X-Cella-Egress": "denied"},
+    )
+
+
+def _refusal(status: int, message: str) -> http.Response:
+    return http.Response.make(
+        status, message + "\n", {"Content-Type": "text/plain", "X-Cella-Egress": "refused"}
     )
 
 

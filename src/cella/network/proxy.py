@@ -270,9 +270,11 @@ class EgressProxy:
         secrets: list[dict[str, Any]] | None = None,
         headers: list[dict[str, Any]] | None = None,
         api: dict[str, Any] | None = None,
+        cloud: dict[str, list[dict[str, Any]]] | None = None,
     ) -> None:
         """What the VM at `addr` may reach, with which credentials (`api`: cella's own, for
-        access delegation); takes effect for its next connection."""
+        access delegation; `cloud`: AWS signing and GCP token rules); takes effect for its
+        next connection."""
         self.addresses.claim(addr)
         msg = {
             "op": "set",
@@ -283,6 +285,7 @@ class EgressProxy:
             "secrets": secrets or [],
             "headers": headers or [],
             "api": api,
+            **(cloud or {}),
         }
         self._state[addr] = msg
         self._send(msg)

@@ -5,7 +5,6 @@ changes, the egress decision log and the tenant's secret store."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import ipaddress
@@ -23,9 +22,11 @@ from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.cloud import DUMMY_AWS_ENV, service_account_problem
 from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
+from cella.service import proxy_credentials as credentials
 from cella.service.delegation import proxy_access
 from cella.service.registry import Registry
 from cella.store import SandboxRecord, SecretRecord, SecretRef
@@ -168,9 +169,10 @@ class SandboxEgress:
             row.id,
             list(row.network.allow),
             list(row.network.deny),
-            self._bindings(row),
-            self._headers(row),
-            self._api(row),
+            credentials.bindings(self.store, row),
+            credentials.header_rules(self.store, row),
+            api=self._api(row),
+            cloud=credentials.cloud_rules(self.store, row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -236,59 +238,32 @@ class SandboxEgress:
                 {"limit": "connections", "max": self.max_connections, "action": "refused"},
             )
 
-    def _bindings(self, row: SandboxRecord) -> list[dict[str, Any]]:
-        out = []
-        for ref in row.secrets.values():
-            secret = self.store.get_secret(row.tenant, ref.secret)
-            if secret is None:
-                continue  # deleted since: the placeholder stays a placeholder
-            out.append(
-                {
-                    "name": ref.secret,
-                    "placeholder": ref.placeholder,
-                    "value": secret.value,
-                    "hosts": secret.hosts,
-                    "header": _auth_header(secret),
-                    "inject": secret.inject,
-                    "username": secret.username,
-                }
-            )
-        return out
-
-    def _headers(self, row: SandboxRecord) -> list[dict[str, Any]]:
-        """Header rules with their secrets filled in (a rule whose secret is gone is not
-        applied: sending half a credential is worse than none)."""
-        out = []
-        for rule in row.network.headers:
-            value, used = rule.value, []
-            for name in rule.secrets:
-                secret = self.store.get_secret(row.tenant, name)
-                if secret is None:
-                    break
-                value = value.replace(f"{{secret:{name}}}", secret.value)
-                used.append({"name": name, "value": secret.value})
-            else:
-                rendered = {"hosts": rule.hosts, "name": rule.name, "value": value}
-                out.append({**rendered, "secrets": used})
-        return out
-
     def check_policy(self, tenant: str, policy: NetworkPolicy) -> None:
-        """The rules stay inside the boundary, and every secret a header rule names
-        exists."""
+        """The rules stay inside the boundary, every secret a rule names exists, and a GCP
+        rule's secret is a service account's key."""
         self.check_rules(policy)
-        for rule in policy.headers:
-            for name in rule.secrets:
-                if self.store.get_secret(tenant, name) is None:
-                    raise errors.InvalidArgument(f"no secret {name!r} (header {rule.name})")
+        for name in policy.secret_names:
+            if self.store.get_secret(tenant, name) is None:
+                raise errors.InvalidArgument(f"no secret {name!r} (in the network rules)")
+        for rule in policy.gcp:
+            secret = self.store.get_secret(tenant, rule.service_account)
+            assert secret is not None
+            why = service_account_problem(secret.value)
+            if why is not None:
+                raise errors.InvalidArgument(f"secret {rule.service_account!r}: {why}")
 
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
-        return bool(row.secrets or row.network.headers)
+        net = row.network
+        return bool(row.secrets or net.headers or net.aws or net.gcp)
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
         if self.intercepts(row) or self.extra_ca:
             env |= CA_ENV  # tools with bundles of their own use the one that trusts our CAs
+        if row.network.aws:  # an AWS SDK signs with these; the proxy signs again for real
+            env |= DUMMY_AWS_ENV
+        env |= row.network.env
         for name, ref in row.secrets.items():
             env[name] = ref.placeholder
         if row.delegation:  # the LangSmith SDK in the guest finds this API (no key needed)
@@ -336,7 +311,7 @@ class SandboxEgress:
             row = self.store.get_sandbox(sandbox_id)
             uses = row is not None and (
                 any(r.secret == name for r in row.secrets.values())
-                or any(name in h.secrets for h in row.network.headers)
+                or name in row.network.secret_names
             )
             if row is not None and row.tenant == tenant and uses:
                 self.attach(vm, row)
@@ -373,12 +348,3 @@ class SandboxEgress:
         self.registry.owned(tenant, sandbox_id)
         rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r.id, "at": r.at, **r.data} for r in rows]
-
-
-def _auth_header(secret: SecretRecord) -> list[str] | None:
-    if secret.auth == "bearer":
-        return ["Authorization", f"Bearer {secret.value}"]
-    if secret.auth == "basic":
-        pair = f"{secret.username or 'x-access-token'}:{secret.value}"
-        return ["Authorization", "Basic " + base64.b64encode(pair.encode()).decode()]
-    return None

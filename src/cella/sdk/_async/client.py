@@ -13,6 +13,7 @@ from typing import Any
 import httpx2
 
 from cella.models import (
+    AwsSigning,
     BuildEvent,
     Capacity,
     DownloadUrl,
@@ -24,6 +25,7 @@ from cella.models import (
     ExposedPort,
     FileEntry,
     FileWalk,
+    GcpToken,
     HeaderRule,
     KeyRotation,
     KeyUseInfo,
@@ -127,6 +129,9 @@ class AsyncClient:
         deny: builtins.list[str] | None = None,
         secrets: dict[str, str] | None = None,
         headers: builtins.list[HeaderRule] | None = None,
+        aws: builtins.list[AwsSigning] | None = None,
+        gcp: builtins.list[GcpToken] | None = None,
+        egress_env: dict[str, str] | None = None,
         name: str | None = None,
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
@@ -142,17 +147,22 @@ class AsyncClient:
         `host:port`, `*`) permit it; `deny` rules win. `secrets` maps environment variables to
         stored secrets: the sandbox sees placeholders the egress proxy replaces; `headers`
         are set by the proxy on requests to their hosts (`{secret:NAME}` in a value is the
-        secret's value, which never enters the sandbox). `snapshot` (an id, `name:tag` or a
-        name) starts it from a snapshot instead of the template; `exec_defaults` are the
-        user, cwd and env every command runs with unless it says otherwise (a template
-        built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
-        starts the image's Entrypoint and Cmd as process `entrypoint`. `stop_keeps_memory`
-        makes every stop of it (asked for or on idling) a pause that keeps processes and
-        memory; `restore_memory` (with `snapshot`): `if_present`, `always` or `never`.
-        `access_delegation` (`{"mode": "inherit"}`, or `"explicit"` with `permissions`)
-        lets code in the sandbox call this API at `http://cella.api` as this client's key.
+        secret's value, which never enters the sandbox); `aws` rules have the proxy sign
+        requests to AWS with keys from stored secrets (commands see dummy keys), `gcp` rules
+        have it add OAuth tokens it mints from a stored service account's key;
+        `egress_env` is set for every command while these rules hold. `snapshot` (an id,
+        `name:tag` or a name) starts it from a snapshot instead of the template;
+        `exec_defaults` are the user, cwd and env every command runs with unless it says
+        otherwise (a template built from an image adds its Env, WorkingDir and User under
+        them); `run_entrypoint` starts the image's Entrypoint and Cmd as process `entrypoint`.
+        `stop_keeps_memory` makes every stop of it (asked for or on idling) a pause that keeps
+        processes and memory; `restore_memory` (with `snapshot`): `if_present`, `always` or
+        `never`. `access_delegation` (`{"mode": "inherit"}`, or `"explicit"` with
+        `permissions`) lets code in the sandbox call this API at `http://cella.api` as this
+        client's key.
         """
-        network = network_body(allow, deny, headers) if allow or deny or headers else None
+        rules = (allow, deny, headers, aws, gcp, egress_env)
+        network = network_body(*rules) if any(rules) else None
         body = create_body(
             name=name,
             snapshot=snapshot,
@@ -654,9 +664,13 @@ class AsyncSandbox:
         allow: builtins.list[str] | None = None,
         deny: builtins.list[str] | None = None,
         headers: builtins.list[HeaderRule] | None = None,
+        aws: builtins.list[AwsSigning] | None = None,
+        gcp: builtins.list[GcpToken] | None = None,
+        egress_env: dict[str, str] | None = None,
     ) -> AsyncSandbox:
-        """Replaces the egress rules; a running sandbox's next connection follows them."""
-        body = network_body(allow, deny, headers)
+        """Replaces the egress rules (those of `create`); a running sandbox's next connection
+        follows them, and its next command the new `egress_env`."""
+        body = network_body(allow, deny, headers, aws, gcp, egress_env)
         response = await self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

@@ -1,0 +1,83 @@
+"""What the egress proxy is given for a sandbox's credentials: its secret bindings, its
+header rules and its cloud rules, each with the values of the secrets they name (kept on
+the host; the guest holds placeholders or nothing)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from cella.models import AwsSigning
+from cella.store import SandboxRecord, SecretRecord, Store
+
+
+def bindings(store: Store, row: SandboxRecord) -> list[dict[str, Any]]:
+    out = []
+    for ref in row.secrets.values():
+        secret = store.get_secret(row.tenant, ref.secret)
+        if secret is None:
+            continue  # deleted since: the placeholder stays a placeholder
+        out.append(
+            {
+                "name": ref.secret,
+                "placeholder": ref.placeholder,
+                "value": secret.value,
+                "hosts": secret.hosts,
+                "header": _auth_header(secret),
+                "inject": secret.inject,
+                "username": secret.username,
+            }
+        )
+    return out
+
+
+def header_rules(store: Store, row: SandboxRecord) -> list[dict[str, Any]]:
+    """Header rules with their secrets filled in (a rule whose secret is gone is not
+    applied: sending half a credential is worse than none)."""
+    out = []
+    for rule in row.network.headers:
+        value, used = rule.value, []
+        for name in rule.secrets:
+            secret = store.get_secret(row.tenant, name)
+            if secret is None:
+                break
+            value = value.replace(f"{{secret:{name}}}", secret.value)
+            used.append({"name": name, "value": secret.value})
+        else:
+            rendered = {"hosts": rule.hosts, "name": rule.name, "value": value}
+            out.append({**rendered, "secrets": used})
+    return out
+
+
+def cloud_rules(store: Store, row: SandboxRecord) -> dict[str, list[dict[str, Any]]]:
+    """AWS signing and GCP token rules with their secrets' values (a rule whose secret
+    is gone is not applied, as for headers)."""
+    values = {n: store.get_secret(row.tenant, n) for n in row.network.secret_names}
+    found = {n: v.value for n, v in values.items() if v is not None}
+    aws = [
+        {**rule.model_dump(), **{k: found[n] for k, n in _named(rule).items()}}
+        | {"secrets": rule.secrets}
+        for rule in row.network.aws
+        if all(n in found for n in rule.secrets)
+    ]
+    gcp = [
+        {"hosts": r.hosts, "scopes": r.scopes, "secret": r.service_account, "info": sa.value}
+        for r in row.network.gcp
+        if (sa := values[r.service_account]) is not None
+    ]
+    return {"aws": aws, "gcp": gcp}
+
+
+def _named(rule: AwsSigning) -> dict[str, str]:
+    """The rule's fields that name a secret: the proxy gets their values in their place."""
+    fields = {"access_key_id": rule.access_key_id, "secret_access_key": rule.secret_access_key}
+    return fields | ({"session_token": rule.session_token} if rule.session_token else {})
+
+
+def _auth_header(secret: SecretRecord) -> list[str] | None:
+    if secret.auth == "bearer":
+        return ["Authorization", f"Bearer {secret.value}"]
+    if secret.auth == "basic":
+        pair = f"{secret.username or 'x-access-token'}:{secret.value}"
+        return ["Authorization", "Basic " + base64.b64encode(pair.encode()).decode()]
+    return None
