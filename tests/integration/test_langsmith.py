@@ -301,6 +301,12 @@ def test_download_links_open_one_file_without_a_key(
     assert part.headers["content-range"] == "bytes 4-7/8"
     head = httpx.head(link.download_url)
     assert head.status_code == 200 and head.headers["content-length"] == "8" and not head.content
+    beyond = httpx.get(link.download_url, headers={"range": "bytes=100-"})
+    assert beyond.status_code == 416 and beyond.headers["content-range"] == "bytes */8"
+    typed = sb.generate_download_url("out/report.csv", content_type="application/x-report")
+    assert httpx.get(typed.download_url).headers["content-type"] == "application/x-report"
+    with pytest.raises(SandboxClientError, match="media type"):  # a header of its own: no
+        sb.generate_download_url("out/report.csv", content_type="text/csv\r\nX-Evil: 1")
 
     # the same token for another path is refused; that file's own link opens it
     elsewhere = httpx.get(link.download_url.replace("report.csv", "private.txt"))
@@ -371,6 +377,40 @@ def test_download_links_from_the_async_sdk_cella_sdk_and_cli(sb: Sandbox, daemon
     )
     assert out.returncode == 0, out.stderr
     assert httpx.get(json.loads(out.stdout)["url"]).text == "made async\n"
+
+
+def test_rotated_signing_keys_keep_verifying_until_retired(sb: Sandbox, daemon: Daemon) -> None:
+    def kids() -> set[str]:
+        keys = httpx.get(f"{daemon.url}/.well-known/jwks.json").json()["keys"]
+        return {k["kid"] for k in keys}
+
+    sb.write("/root/out/rot.txt", "rotated\n")
+    with daemon.client() as admin:
+        files = admin.get(sb.id).files
+        before = files.download_url("/root/out/rot.txt", expires_in_seconds=600)
+        old_kid = jwt.get_unverified_header(before.token)["kid"]
+        keys = admin.rotate_signing_key()
+        (new_kid,) = [k.kid for k in keys.keys if k.current]
+        assert new_kid != old_kid and old_kid in {k.kid for k in keys.keys}
+        assert {old_kid, new_kid} <= kids()
+        after = files.download_url("/root/out/rot.txt", expires_in_seconds=600)
+        assert jwt.get_unverified_header(after.token)["kid"] == new_kid
+        assert httpx.get(before.url).text == "rotated\n"  # the old key still verifies
+
+        retire = [sys.executable, "-m", "cella.cli", "keys", "signing-retire", old_kid]
+        out = subprocess.run(retire, env=daemon.env(), capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert httpx.get(before.url).status_code == 403  # retired: what it signed is refused
+        assert httpx.get(after.url).text == "rotated\n"  # the control: the current key's
+        assert old_kid not in kids() and new_kid in kids()
+        assert [k.kid for k in admin.signing_keys().keys] == [new_kid]
+        with pytest.raises(errors.Conflict):
+            admin.retire_signing_key(new_kid)  # the key that signs stays
+        with pytest.raises(errors.NotFound):
+            admin.retire_signing_key(old_kid)
+        tenant_key = admin.create_key("rotator")["key"]
+    with daemon.client(tenant_key) as tenant, pytest.raises(errors.PermissionDenied):
+        tenant.rotate_signing_key()
 
 
 def test_start_stop_keeps_files(client: SandboxClient) -> None:

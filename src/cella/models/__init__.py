@@ -29,7 +29,14 @@ from cella.models.files import (
     guest_path,
 )
 from cella.models.host import Capacity
-from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
+from cella.models.keys import (
+    KeyCreate,
+    KeyCreated,
+    KeyInfo,
+    KeyUseInfo,
+    SigningKeyInfo,
+    SigningKeys,
+)
 from cella.models.network import (
     EgressBoundary,
     EgressDecision,
@@ -118,6 +125,8 @@ __all__ = [
     "Secret",
     "SecretList",
     "SecretPut",
+    "SigningKeyInfo",
+    "SigningKeys",
     "Snapshot",
     "SnapshotCreate",
     "SnapshotList",

@@ -34,6 +34,7 @@ from cella.models import (
     ProcessSummary,
     SandboxUsage,
     Secret,
+    SigningKeys,
     Template,
     TemplateList,
 )
@@ -276,6 +277,20 @@ class AsyncClient:
         """Seals every secret value under a new key (admin); returns how many."""
         response = await self.request("POST", "/v1/secrets-key/rotate")
         return int(KeyRotation.model_validate(response.json()).resealed)
+
+    async def signing_keys(self) -> SigningKeys:
+        """The daemon's signing keys (admin): which one signs, which only verify."""
+        response = await self.request("GET", "/v1/signing-keys")
+        return SigningKeys.model_validate(response.json())
+
+    async def rotate_signing_key(self) -> SigningKeys:
+        """A new signing key signs from now on; the old ones keep verifying (admin)."""
+        response = await self.request("POST", "/v1/signing-keys/rotate")
+        return SigningKeys.model_validate(response.json())
+
+    async def retire_signing_key(self, kid: str) -> None:
+        """Retires a key that no longer signs: what it signed stops verifying (admin)."""
+        await self.request("DELETE", f"/v1/signing-keys/{kid}")
 
     async def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""

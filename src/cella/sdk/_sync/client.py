@@ -35,6 +35,7 @@ from cella.models import (
     ProcessSummary,
     SandboxUsage,
     Secret,
+    SigningKeys,
     Template,
     TemplateList,
 )
@@ -270,6 +271,20 @@ class Client:
         """Seals every secret value under a new key (admin); returns how many."""
         response = self.request("POST", "/v1/secrets-key/rotate")
         return int(KeyRotation.model_validate(response.json()).resealed)
+
+    def signing_keys(self) -> SigningKeys:
+        """The daemon's signing keys (admin): which one signs, which only verify."""
+        response = self.request("GET", "/v1/signing-keys")
+        return SigningKeys.model_validate(response.json())
+
+    def rotate_signing_key(self) -> SigningKeys:
+        """A new signing key signs from now on; the old ones keep verifying (admin)."""
+        response = self.request("POST", "/v1/signing-keys/rotate")
+        return SigningKeys.model_validate(response.json())
+
+    def retire_signing_key(self, kid: str) -> None:
+        """Retires a key that no longer signs: what it signed stops verifying (admin)."""
+        self.request("DELETE", f"/v1/signing-keys/{kid}")
 
     def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
