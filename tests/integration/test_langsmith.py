@@ -266,6 +266,10 @@ def test_login_service_urls_tell_the_guest_who_signed_in(
         made = admin.get(sb.id).login_url(8010)
     assert made.url.rstrip("/") == login.url.rstrip("/")
     assert made.jwks_url == f"{daemon.url}/.well-known/jwks.json"
+    expose = [sys.executable, "-m", "cella.cli", "sandbox", "expose", sb.id, "8010", "--login"]
+    out = subprocess.run([*expose, "--json"], env=daemon.env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["url"] == made.url
 
     # the token mode beside it: its own token opens it, and the guest gets no user
     token_mode = sb.service(port=8010, expires_in_seconds=60)
@@ -404,6 +408,11 @@ def test_rotated_signing_keys_keep_verifying_until_retired(sb: Sandbox, daemon: 
         assert httpx.get(after.url).text == "rotated\n"  # the control: the current key's
         assert old_kid not in kids() and new_kid in kids()
         assert [k.kid for k in admin.signing_keys().keys] == [new_kid]
+        listed = [sys.executable, "-m", "cella.cli", "keys", "signing", "--json"]
+        out = subprocess.run(listed, env=daemon.env(), capture_output=True, text=True)
+        assert [(k["kid"], k["current"]) for k in json.loads(out.stdout)["keys"]] == [
+            (new_kid, True)
+        ]
         with pytest.raises(errors.Conflict):
             admin.retire_signing_key(new_kid)  # the key that signs stays
         with pytest.raises(errors.NotFound):
