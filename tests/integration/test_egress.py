@@ -400,6 +400,7 @@ def test_egress_through_the_cli(daemon: Daemon, admin: Client, net: Net) -> None
             "allow": ["web.test"],
             "deny": [],
             "headers": [],
+            "callbacks": [],
             "public_ports": False,
         }
         before = len(net.web_seen.requests)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import subprocess
@@ -33,19 +34,53 @@ from langsmith.sandbox import (
 from langsmith.sandbox._verify import SandboxTokenVerificationError, SandboxTokenVerifier
 
 from cella import Client, errors
+from cella.models import CallbackRule
 from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 
 pytestmark = pytest.mark.vm
 
 
+class CallbackHandler(http.server.BaseHTTPRequestHandler):
+    """A proxy callback: keeps what it was asked (body, signature) and answers the last of
+    `answers`."""
+
+    recorder: Recorder
+    answers: list[dict[str, Any]]
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        signature = self.headers.get("X-LangSmith-Signature-JWT")
+        self.recorder.add({"path": self.path, "body": body, "signature": signature})
+        out = json.dumps(self.answers[-1]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def web() -> Iterator[dict[str, object]]:
+def web() -> Iterator[dict[str, Any]]:
     prefix = free_loopback_block()
     servers = Servers()
     seen = servers.start(EchoHandler, (f"{prefix}.1", 80))
     other_seen = servers.start(EchoHandler, (f"{prefix}.2", 80))
-    yield {"web": f"{prefix}.1", "other": f"{prefix}.2", "seen": seen, "other_seen": other_seen}
+    answers: list[dict[str, Any]] = [{"allow": False}]
+    asked = servers.start(CallbackHandler, (f"{prefix}.3", 80), answers=answers)
+    yield {
+        "web": f"{prefix}.1",
+        "other": f"{prefix}.2",
+        "seen": seen,
+        "other_seen": other_seen,
+        "callback": f"{prefix}.3",
+        "answers": answers,
+        "asked": asked,
+    }
     servers.close()
 
 
@@ -56,7 +91,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def daemon_settings(web: dict[str, str]) -> dict[str, str]:
-    hosts = {"web.test": web["web"], "other.test": web["other"]}
+    hosts = {"web.test": web["web"], "other.test": web["other"], "callback.test": web["callback"]}
     return {
         "pool_size": "1",
         "egress_hosts": json.dumps(hosts),
@@ -420,6 +455,73 @@ def test_rotated_signing_keys_keep_verifying_until_retired(sb: Sandbox, daemon: 
         tenant_key = admin.create_key("rotator")["key"]
     with daemon.client(tenant_key) as tenant, pytest.raises(errors.PermissionDenied):
         tenant.rotate_signing_key()
+
+
+def test_proxy_callbacks_decide_and_add_headers(
+    client: SandboxClient, daemon: Daemon, web: dict[str, Any]
+) -> None:
+    answers, asked = web["answers"], web["asked"]
+    verifier = SandboxTokenVerifier(jwks_url=f"{daemon.url}/.well-known/jwks.json")
+    ask = "http://callback.test/ask"
+    proxy_config = {
+        "access_control": {"allow_list": ["web.test", "other.test"]},
+        "rules": [{"name": "ask", "type": "callback", "match_hosts": ["web.test"],
+                   "callback": {"url": ask}}],
+    }  # fmt: skip
+    with client.sandbox(name="called", proxy_config=proxy_config) as box, daemon.client() as admin:
+        answers.append({"allow": True, "headers": {"X-From-Callback": "yes"}, "ttl_seconds": 600})
+        got = json.loads(box.run("curl -sS http://web.test/one").stdout)
+        assert got["path"] == "/one" and got["headers"]["x-from-callback"] == "yes"
+        (first,) = asked.requests
+        # signed as LangSmith's callbacks are: the SDK's verifier accepts it
+        called = verifier.verify_callback(body=first["body"], signature=first["signature"], aud=ask)
+        assert (called.host, called.port, called.request) == ("web.test", 80, None)
+        assert called.identity.sandbox_id == box.id and called.identity.tenant_id == "admin"
+        # ...and refuses it for another body or another callback URL
+        with pytest.raises(SandboxTokenVerificationError, match="body"):
+            verifier.verify_callback(body=first["body"] + b" ", signature=first["signature"])
+        with pytest.raises(SandboxTokenVerificationError):
+            verifier.verify_callback(
+                body=first["body"], signature=first["signature"], aud=ask + "x"
+            )
+
+        # the answer is kept for its TTL: the next request asks no one; a host without a
+        # callback is not asked at all
+        assert (
+            "x-from-callback"
+            in json.loads(box.run("curl -sS http://web.test/two").stdout)["headers"]
+        )
+        assert (
+            "x-from-callback"
+            not in json.loads(box.run("curl -sS http://other.test/").stdout)["headers"]
+        )
+        assert len(asked.requests) == 1
+
+        # full_request: the request goes along, and a refusal is a 403 the server never sees
+        full = CallbackRule(hosts=["web.test"], url=f"{ask}-full", full_request=True)
+        admin.get(box.id).set_network(allow=["web.test"], callbacks=[full])
+        answers.append({"allow": False, "reason": "not today"})
+        refused = box.run("curl -sS -X POST -d hello http://web.test/three?x=1").stdout
+        assert "denied" in refused and "not today" in refused
+        assert "/three?x=1" not in [r["path"] for r in web["seen"].requests]
+        last = asked.requests[-1]
+        sent = verifier.verify_callback(
+            body=last["body"], signature=last["signature"], aud=f"{ask}-full"
+        )
+        assert sent.request is not None and sent.request.method == "POST"
+        assert (sent.request.path, sent.request.query, sent.request.body) == (
+            "/three",
+            "x=1",
+            b"hello",
+        )
+        answers.append({"allow": True})  # asked again each time: full requests are not kept
+        assert json.loads(box.run("curl -sS http://web.test/four").stdout)["path"] == "/four"
+        assert asked.requests[-1]["path"] == "/ask-full"
+
+        # a callback that is not reachable (the boundary holds its address too) refuses
+        gone = CallbackRule(hosts=["web.test"], url="http://127.0.0.1:9/ask", timeout_seconds=2)
+        admin.get(box.id).set_network(allow=["web.test"], callbacks=[gone])
+        assert "denied" in box.run("curl -sS http://web.test/five").stdout
 
 
 def test_start_stop_keeps_files(client: SandboxClient) -> None:

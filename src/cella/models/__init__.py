@@ -38,6 +38,7 @@ from cella.models.keys import (
     SigningKeys,
 )
 from cella.models.network import (
+    CallbackRule,
     EgressBoundary,
     EgressDecision,
     EgressLog,
@@ -80,6 +81,7 @@ __all__ = [
     "MAX_WALK_ENTRIES",
     "AccountName",
     "BuildEvent",
+    "CallbackRule",
     "Capacity",
     "ChmodRequest",
     "ChownRequest",

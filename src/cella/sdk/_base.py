@@ -15,7 +15,7 @@ import httpx2
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
-from cella.models import HeaderRule, encode_data
+from cella.models import CallbackRule, HeaderRule, encode_data
 
 DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
 CONNECT_TIMEOUT = 10.0
@@ -91,13 +91,17 @@ def create_body(**kwargs: Any) -> dict[str, Any]:
 
 
 def network_body(
-    allow: list[str] | None, deny: list[str] | None, headers: list[HeaderRule] | None
+    allow: list[str] | None,
+    deny: list[str] | None,
+    headers: list[HeaderRule] | None,
+    callbacks: list[CallbackRule] | None = None,
 ) -> dict[str, Any]:
     """Egress rules as the daemon takes them (it validates them, and says what is wrong)."""
     return {
         "allow": allow or [],
         "deny": deny or [],
         "headers": [h.model_dump() for h in headers or []],
+        "callbacks": [c.model_dump() for c in callbacks or []],
     }
 
 

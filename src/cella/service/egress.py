@@ -156,6 +156,8 @@ class SandboxEgress:
             list(row.network.deny),
             self._bindings(row),
             self._headers(row),
+            [c.model_dump() for c in row.network.callbacks],
+            row.tenant,
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -260,7 +262,7 @@ class SandboxEgress:
 
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
-        return bool(row.secrets or row.network.headers)
+        return bool(row.secrets or row.network.headers or row.network.callbacks)
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()

@@ -14,6 +14,7 @@ import httpx2
 
 from cella.models import (
     BuildEvent,
+    CallbackRule,
     Capacity,
     DownloadUrl,
     EgressDecision,
@@ -615,9 +616,11 @@ class AsyncSandbox:
         allow: builtins.list[str] | None = None,
         deny: builtins.list[str] | None = None,
         headers: builtins.list[HeaderRule] | None = None,
+        callbacks: builtins.list[CallbackRule] | None = None,
     ) -> AsyncSandbox:
-        """Replaces the egress rules; a running sandbox's next connection follows them."""
-        body = network_body(allow, deny, headers)
+        """Replaces the egress rules; a running sandbox's next connection follows them.
+        `callbacks` ask an outside URL about requests to their hosts (`CallbackRule`)."""
+        body = network_body(allow, deny, headers, callbacks)
         response = await self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

@@ -15,6 +15,7 @@ import httpx2
 
 from cella.models import (
     BuildEvent,
+    CallbackRule,
     Capacity,
     DownloadUrl,
     EgressDecision,
@@ -607,9 +608,11 @@ class Sandbox:
         allow: builtins.list[str] | None = None,
         deny: builtins.list[str] | None = None,
         headers: builtins.list[HeaderRule] | None = None,
+        callbacks: builtins.list[CallbackRule] | None = None,
     ) -> Sandbox:
-        """Replaces the egress rules; a running sandbox's next connection follows them."""
-        body = network_body(allow, deny, headers)
+        """Replaces the egress rules; a running sandbox's next connection follows them.
+        `callbacks` ask an outside URL about requests to their hosts (`CallbackRule`)."""
+        body = network_body(allow, deny, headers, callbacks)
         response = self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

@@ -6,7 +6,8 @@ IPs, CIDRs. Header rules become cella header rules: a `workspace_secret` ("{NAME
 tenant's secret NAME, an `opaque` value is stored as a tenant secret of its own (write-only,
 like every secret), `plaintext` is sent as is; the guest never sees the secrets. Rules cella
 cannot honour are refused by name, never ignored: regex patterns, AWS SigV4 signing, GCP and
-Azure tokens, rewrites, relays, callbacks."""
+Azure tokens, rewrites, relays. A `callback` rule becomes a cella callback rule
+(`CallbackRule`: the proxy asks its URL, signed with the daemon's key)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import secrets
 from typing import Any
 
 from cella import errors
-from cella.models import HeaderRule, NetworkPolicy, SecretPut
+from cella.models import CallbackRule, HeaderRule, NetworkPolicy, SecretPut
 from cella.server.compat.langsmith.shapes import not_supported
 from cella.service.daemon import Daemon
 
 HEADER_RULE_FIELDS = {"name", "type", "enabled", "description", "headers", "match_hosts"}
+CALLBACK_RULE_FIELDS = {"name", "type", "enabled", "description", "match_hosts", "callback"}
+CALLBACK_FIELDS = {"url", "mode", "timeout_seconds"}
 WORKSPACE_REF = re.compile(r"\{([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
 
 
@@ -41,11 +44,39 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
         # the rules are checked before any opaque header value is stored as a secret
         svc.egress.check_rules(NetworkPolicy(allow=allow, deny=deny))
         headers: list[HeaderRule] = []
+        callbacks: list[CallbackRule] = []
         for rule in config.get("rules") or []:
-            headers += header_rules(rule, svc, tenant)
-        return NetworkPolicy(allow=allow, deny=deny, headers=headers)
+            if isinstance(rule, dict) and rule.get("type") == "callback":
+                callbacks += callback_rules(rule)
+            else:
+                headers += header_rules(rule, svc, tenant)
+        return NetworkPolicy(allow=allow, deny=deny, headers=headers, callbacks=callbacks)
     except ValueError as exc:
         raise errors.InvalidArgument(f"proxy_config: {exc}") from None
+
+
+def callback_rules(rule: dict[str, Any]) -> list[CallbackRule]:
+    """A callback rule as cella reads it: `{"type": "callback", "match_hosts": [...],
+    "callback": {"url", "mode": "host" | "full_request", "timeout_seconds"}}`."""
+    name = rule.get("name", "?")
+    extra = set(rule) - CALLBACK_RULE_FIELDS
+    callback = rule.get("callback")
+    if extra or not isinstance(callback, dict) or set(callback) - CALLBACK_FIELDS:
+        what = sorted(extra) if extra else "its callback's fields"
+        raise not_supported(f"proxy rule {name!r} ({what})")
+    if rule.get("enabled") is False:
+        return []
+    mode = callback.get("mode") or "host"
+    if mode not in ("host", "full_request"):
+        raise errors.InvalidArgument(f"proxy rule {name!r}: mode is host or full_request")
+    fields: dict[str, Any] = {
+        "hosts": rule.get("match_hosts") or [],
+        "url": callback.get("url"),
+        "full_request": mode == "full_request",
+    }
+    if callback.get("timeout_seconds") is not None:
+        fields["timeout_seconds"] = callback["timeout_seconds"]
+    return [CallbackRule.model_validate(fields)]
 
 
 def header_rules(rule: Any, svc: Daemon, tenant: str) -> list[HeaderRule]:
