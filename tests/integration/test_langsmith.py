@@ -477,6 +477,8 @@ def test_proxy_callbacks_decide_and_add_headers(
         called = verifier.verify_callback(body=first["body"], signature=first["signature"], aud=ask)
         assert (called.host, called.port, called.request) == ("web.test", 80, None)
         assert called.identity.sandbox_id == box.id and called.identity.tenant_id == "admin"
+        (current,) = [k.kid for k in admin.signing_keys().keys if k.current]
+        assert jwt.get_unverified_header(first["signature"])["kid"] == current  # after rotations
         # ...and refuses it for another body or another callback URL
         with pytest.raises(SandboxTokenVerificationError, match="body"):
             verifier.verify_callback(body=first["body"] + b" ", signature=first["signature"])
