@@ -18,6 +18,7 @@ import httpx2
 import pytest
 from langsmith.sandbox import ResourceNotFoundError, SandboxClient
 from langsmith.sandbox import SandboxClientError as LangSmithError
+from langsmith.sandbox._verify import SandboxTokenVerifier
 from websockets.sync.client import connect
 
 from cella import Client, errors
@@ -27,6 +28,7 @@ from cella.sdk import Sandbox
 from tests.daemon import Daemon
 from tests.fleet.conftest import NODE_SETTINGS, NODES, QUOTA, SHAPE, Fleet
 from tests.integration.test_langsmith import SERVER as LS_SERVER
+from tests.integration.test_langsmith import WHOAMI
 from tests.integration.test_ports import start_servers
 from tests.raycluster import open_cluster, without_token
 
@@ -208,6 +210,7 @@ def test_every_call_on_a_sandbox_goes_to_its_node(fleet: Fleet, tenant: httpx2.C
         )
         assert got.status_code == 200 and got.text == "hello from the guest\n"
         assert httpx2.get(f"{exposed.url}/hello.txt").status_code == 403
+        check_what_the_node_signs(fleet, sb, key)
         chat = sb.expose(8001)
         ws_url = chat.url.replace("http://", "ws://") + "/chat"
         with connect(ws_url, additional_headers={"X-Cella-Service-Token": chat.token}) as ws:
@@ -236,6 +239,33 @@ def test_every_call_on_a_sandbox_goes_to_its_node(fleet: Fleet, tenant: httpx2.C
         with pytest.raises(errors.NotFound):
             client.get(sb.id)
         assert not fleet.vm_dir(node, sb.id).exists()
+
+
+def check_what_the_node_signs(fleet: Fleet, sb: Sandbox, key: str) -> None:
+    """A download link and a login-mode URL made through the gateway are at the gateway's
+    address, relayed to the node, and what the node signs verifies against the gateway's
+    JWKS (the union of the nodes' keys)."""
+    sb.files.write("/root/out.txt", "linked")
+    link = sb.files.download_url("/root/out.txt", expires_in_seconds=120)
+    assert link.url.startswith(fleet.gateway.url)
+    assert httpx2.get(link.url).text == "linked"  # no key
+    assert httpx2.get(link.url.replace("out.txt", "a.txt")).status_code == 403
+    sb.files.write("/srv/whoami.py", WHOAMI)
+    sb.exec("nohup python3 /srv/whoami.py >/dev/null 2>&1 &")
+    ready = "import socket; socket.create_connection(('127.0.0.1', 8010))"
+    wait_for(lambda: sb.exec(["python3", "-c", ready]).exit_code == 0, what="whoami")
+    login = sb.login_url(8010)
+    assert login.url.startswith(fleet.gateway.url)
+    assert httpx2.get(f"{login.url}/").status_code == 401  # no key
+    got = httpx2.get(f"{login.url}/", headers={"authorization": f"Bearer {key}"})
+    seen = got.json()["headers"]
+    (token,) = seen["x-langsmith-user-token"]
+    (host,) = seen["host"]
+    verifier = SandboxTokenVerifier(api_url=fleet.gateway.url)
+    user = verifier.verify_user_token(token, audience=host)
+    assert user.subject == seen["x-langsmith-user-id"][0]
+    acme = {k["id"] for k in fleet.admin.get("/v1/keys").json() if k["tenant"] == "acme"}
+    assert user.subject in acme  # a key of the gateway's caller, not the node's admin key
 
 
 def test_a_snapshot_forks_on_other_nodes_shipped_once_then_cached(

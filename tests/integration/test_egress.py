@@ -403,6 +403,7 @@ def test_egress_through_the_cli(daemon: Daemon, admin: Client, net: Net) -> None
             "aws": [],
             "gcp": [],
             "env": {},
+            "callbacks": [],
             "public_ports": False,
         }
         before = len(net.web_seen.requests)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import subprocess
@@ -33,19 +34,53 @@ from langsmith.sandbox import (
 from langsmith.sandbox._verify import SandboxTokenVerificationError, SandboxTokenVerifier
 
 from cella import Client, errors
+from cella.models import CallbackRule
 from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 
 pytestmark = pytest.mark.vm
 
 
+class CallbackHandler(http.server.BaseHTTPRequestHandler):
+    """A proxy callback: keeps what it was asked (body, signature) and answers the last of
+    `answers`."""
+
+    recorder: Recorder
+    answers: list[dict[str, Any]]
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        signature = self.headers.get("X-LangSmith-Signature-JWT")
+        self.recorder.add({"path": self.path, "body": body, "signature": signature})
+        out = json.dumps(self.answers[-1]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def web() -> Iterator[dict[str, object]]:
+def web() -> Iterator[dict[str, Any]]:
     prefix = free_loopback_block()
     servers = Servers()
     seen = servers.start(EchoHandler, (f"{prefix}.1", 80))
     other_seen = servers.start(EchoHandler, (f"{prefix}.2", 80))
-    yield {"web": f"{prefix}.1", "other": f"{prefix}.2", "seen": seen, "other_seen": other_seen}
+    answers: list[dict[str, Any]] = [{"allow": False}]
+    asked = servers.start(CallbackHandler, (f"{prefix}.3", 80), answers=answers)
+    yield {
+        "web": f"{prefix}.1",
+        "other": f"{prefix}.2",
+        "seen": seen,
+        "other_seen": other_seen,
+        "callback": f"{prefix}.3",
+        "answers": answers,
+        "asked": asked,
+    }
     servers.close()
 
 
@@ -56,7 +91,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def daemon_settings(web: dict[str, str]) -> dict[str, str]:
-    hosts = {"web.test": web["web"], "other.test": web["other"]}
+    hosts = {"web.test": web["web"], "other.test": web["other"], "callback.test": web["callback"]}
     return {
         "pool_size": "1",
         "egress_hosts": json.dumps(hosts),
@@ -266,6 +301,10 @@ def test_login_service_urls_tell_the_guest_who_signed_in(
         made = admin.get(sb.id).login_url(8010)
     assert made.url.rstrip("/") == login.url.rstrip("/")
     assert made.jwks_url == f"{daemon.url}/.well-known/jwks.json"
+    expose = [sys.executable, "-m", "cella.cli", "sandbox", "expose", sb.id, "8010", "--login"]
+    out = subprocess.run([*expose, "--json"], env=daemon.env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["url"] == made.url
 
     # the token mode beside it: its own token opens it, and the guest gets no user
     token_mode = sb.service(port=8010, expires_in_seconds=60)
@@ -301,6 +340,12 @@ def test_download_links_open_one_file_without_a_key(
     assert part.headers["content-range"] == "bytes 4-7/8"
     head = httpx.head(link.download_url)
     assert head.status_code == 200 and head.headers["content-length"] == "8" and not head.content
+    beyond = httpx.get(link.download_url, headers={"range": "bytes=100-"})
+    assert beyond.status_code == 416 and beyond.headers["content-range"] == "bytes */8"
+    typed = sb.generate_download_url("out/report.csv", content_type="application/x-report")
+    assert httpx.get(typed.download_url).headers["content-type"] == "application/x-report"
+    with pytest.raises(SandboxClientError, match="media type"):  # a header of its own: no
+        sb.generate_download_url("out/report.csv", content_type="text/csv\r\nX-Evil: 1")
 
     # the same token for another path is refused; that file's own link opens it
     elsewhere = httpx.get(link.download_url.replace("report.csv", "private.txt"))
@@ -371,6 +416,114 @@ def test_download_links_from_the_async_sdk_cella_sdk_and_cli(sb: Sandbox, daemon
     )
     assert out.returncode == 0, out.stderr
     assert httpx.get(json.loads(out.stdout)["url"]).text == "made async\n"
+
+
+def test_rotated_signing_keys_keep_verifying_until_retired(sb: Sandbox, daemon: Daemon) -> None:
+    def kids() -> set[str]:
+        keys = httpx.get(f"{daemon.url}/.well-known/jwks.json").json()["keys"]
+        return {k["kid"] for k in keys}
+
+    sb.write("/root/out/rot.txt", "rotated\n")
+    with daemon.client() as admin:
+        files = admin.get(sb.id).files
+        before = files.download_url("/root/out/rot.txt", expires_in_seconds=600)
+        old_kid = jwt.get_unverified_header(before.token)["kid"]
+        keys = admin.rotate_signing_key()
+        (new_kid,) = [k.kid for k in keys.keys if k.current]
+        assert new_kid != old_kid and old_kid in {k.kid for k in keys.keys}
+        assert {old_kid, new_kid} <= kids()
+        after = files.download_url("/root/out/rot.txt", expires_in_seconds=600)
+        assert jwt.get_unverified_header(after.token)["kid"] == new_kid
+        assert httpx.get(before.url).text == "rotated\n"  # the old key still verifies
+
+        retire = [sys.executable, "-m", "cella.cli", "keys", "signing-retire", old_kid]
+        out = subprocess.run(retire, env=daemon.env(), capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert httpx.get(before.url).status_code == 403  # retired: what it signed is refused
+        assert httpx.get(after.url).text == "rotated\n"  # the control: the current key's
+        assert old_kid not in kids() and new_kid in kids()
+        assert [k.kid for k in admin.signing_keys().keys] == [new_kid]
+        listed = [sys.executable, "-m", "cella.cli", "keys", "signing", "--json"]
+        out = subprocess.run(listed, env=daemon.env(), capture_output=True, text=True)
+        assert [(k["kid"], k["current"]) for k in json.loads(out.stdout)["keys"]] == [
+            (new_kid, True)
+        ]
+        with pytest.raises(errors.Conflict):
+            admin.retire_signing_key(new_kid)  # the key that signs stays
+        with pytest.raises(errors.NotFound):
+            admin.retire_signing_key(old_kid)
+        tenant_key = admin.create_key("rotator")["key"]
+    with daemon.client(tenant_key) as tenant, pytest.raises(errors.PermissionDenied):
+        tenant.rotate_signing_key()
+
+
+def test_proxy_callbacks_decide_and_add_headers(
+    client: SandboxClient, daemon: Daemon, web: dict[str, Any]
+) -> None:
+    answers, asked = web["answers"], web["asked"]
+    verifier = SandboxTokenVerifier(jwks_url=f"{daemon.url}/.well-known/jwks.json")
+    ask = "http://callback.test/ask"
+    proxy_config = {
+        "access_control": {"allow_list": ["web.test", "other.test"]},
+        "rules": [{"name": "ask", "type": "callback", "match_hosts": ["web.test"],
+                   "callback": {"url": ask}}],
+    }  # fmt: skip
+    with client.sandbox(name="called", proxy_config=proxy_config) as box, daemon.client() as admin:
+        answers.append({"allow": True, "headers": {"X-From-Callback": "yes"}, "ttl_seconds": 600})
+        got = json.loads(box.run("curl -sS http://web.test/one").stdout)
+        assert got["path"] == "/one" and got["headers"]["x-from-callback"] == "yes"
+        (first,) = asked.requests
+        # signed as LangSmith's callbacks are: the SDK's verifier accepts it
+        called = verifier.verify_callback(body=first["body"], signature=first["signature"], aud=ask)
+        assert (called.host, called.port, called.request) == ("web.test", 80, None)
+        assert called.identity.sandbox_id == box.id and called.identity.tenant_id == "admin"
+        (current,) = [k.kid for k in admin.signing_keys().keys if k.current]
+        assert jwt.get_unverified_header(first["signature"])["kid"] == current  # after rotations
+        # ...and refuses it for another body or another callback URL
+        with pytest.raises(SandboxTokenVerificationError, match="body"):
+            verifier.verify_callback(body=first["body"] + b" ", signature=first["signature"])
+        with pytest.raises(SandboxTokenVerificationError):
+            verifier.verify_callback(
+                body=first["body"], signature=first["signature"], aud=ask + "x"
+            )
+
+        # the answer is kept for its TTL: the next request asks no one; a host without a
+        # callback is not asked at all
+        assert (
+            "x-from-callback"
+            in json.loads(box.run("curl -sS http://web.test/two").stdout)["headers"]
+        )
+        assert (
+            "x-from-callback"
+            not in json.loads(box.run("curl -sS http://other.test/").stdout)["headers"]
+        )
+        assert len(asked.requests) == 1
+
+        # full_request: the request goes along, and a refusal is a 403 the server never sees
+        full = CallbackRule(hosts=["web.test"], url=f"{ask}-full", full_request=True)
+        admin.get(box.id).set_network(allow=["web.test"], callbacks=[full])
+        answers.append({"allow": False, "reason": "not today"})
+        refused = box.run("curl -sS -X POST -d hello http://web.test/three?x=1").stdout
+        assert "denied" in refused and "not today" in refused
+        assert "/three?x=1" not in [r["path"] for r in web["seen"].requests]
+        last = asked.requests[-1]
+        sent = verifier.verify_callback(
+            body=last["body"], signature=last["signature"], aud=f"{ask}-full"
+        )
+        assert sent.request is not None and sent.request.method == "POST"
+        assert (sent.request.path, sent.request.query, sent.request.body) == (
+            "/three",
+            "x=1",
+            b"hello",
+        )
+        answers.append({"allow": True})  # asked again each time: full requests are not kept
+        assert json.loads(box.run("curl -sS http://web.test/four").stdout)["path"] == "/four"
+        assert asked.requests[-1]["path"] == "/ask-full"
+
+        # a callback that is not reachable (the boundary holds its address too) refuses
+        gone = CallbackRule(hosts=["web.test"], url="http://127.0.0.1:9/ask", timeout_seconds=2)
+        admin.get(box.id).set_network(allow=["web.test"], callbacks=[gone])
+        assert "denied" in box.run("curl -sS http://web.test/five").stdout
 
 
 def test_start_stop_keeps_files(client: SandboxClient) -> None:

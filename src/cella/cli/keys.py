@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import KeyInfo
+from cella.models import KeyInfo, SigningKeys
 from cella.sdk import Client
 
 app = typer.Typer(
@@ -92,3 +92,41 @@ def uses(
             str(u.status),
         )
     out.print(table)
+
+
+def _signing_table(keys: SigningKeys) -> None:
+    table = Listing("kid", "created", "signs", ids=("kid",))
+    for k in keys.keys:
+        table.add_row(k.kid, k.created_at.isoformat(timespec="seconds"), "yes" if k.current else "")
+    out.print(table)
+
+
+@app.command("signing")
+def signing(json_: JsonOpt = False) -> None:
+    """The daemon's signing keys (download links, login-mode user tokens): which one signs;
+    the others only verify until retired."""
+    with Client() as client:
+        keys = client.signing_keys()
+    if json_:
+        emit_json(keys.model_dump(mode="json"))
+    else:
+        _signing_table(keys)
+
+
+@app.command("signing-rotate")
+def signing_rotate(json_: JsonOpt = False) -> None:
+    """Make a new signing key; the old ones keep their kid and verify until retired."""
+    with Client() as client:
+        keys = client.rotate_signing_key()
+    if json_:
+        emit_json(keys.model_dump(mode="json"))
+    else:
+        _signing_table(keys)
+
+
+@app.command("signing-retire")
+def signing_retire(kid: str) -> None:
+    """Retire a signing key that no longer signs: what it signed stops verifying."""
+    with Client() as client:
+        client.retire_signing_key(kid)
+    console.print(f"retired signing key {kid}", highlight=False, markup=False)

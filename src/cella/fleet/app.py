@@ -17,7 +17,7 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet import langsmith
 from cella.fleet.gateway import Gateway
-from cella.fleet.jwks import fleet_jwks
+from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
@@ -159,12 +159,25 @@ def router(gateway: Gateway) -> APIRouter:
         """Every node's public signing keys (each node signs with its own)."""
         return await fleet_jwks(gateway.membership)
 
+    @api.get("/v1/signing-keys", tags=["keys"])
+    async def signing_keys(who: Auth) -> dict[str, Any]:
+        """Every node's signing keys (admin)."""
+        require_admin(who, "list the signing keys")
+        return await fleet_signing_keys(gateway.membership)
+
     @api.post("/v1/signing-keys/rotate", tags=["keys"])
     async def rotate_signing(who: Auth) -> dict[str, Any]:
         """A new signing key on every node; the old ones stay published."""
         require_admin(who, "rotate the signing keys")
         await gateway.membership.each("POST", "/v1/signing-keys/rotate", None)
-        return await fleet_jwks(gateway.membership)
+        return await fleet_signing_keys(gateway.membership)
+
+    @api.delete("/v1/signing-keys/{kid}", status_code=204, tags=["keys"])
+    async def retire_signing(kid: str, who: Auth) -> Response:
+        """Retires a key on the node that has it."""
+        require_admin(who, "retire a signing key")
+        await retire_everywhere(gateway.membership, kid)
+        return Response(status_code=204)
 
     @api.get("/v1/snapshots", tags=["snapshots"])
     async def list_snapshots(who: Auth, all_tenants: bool = False) -> dict[str, Any]:

@@ -9,8 +9,9 @@ import asyncio
 import logging
 from typing import Any
 
+from cella import errors
 from cella.fleet.membership import Membership
-from cella.fleet.node_client import Node
+from cella.fleet.node_client import Node, raise_for
 
 log = logging.getLogger(__name__)
 
@@ -32,3 +33,23 @@ async def fleet_jwks(membership: Membership) -> dict[str, list[dict[str, Any]]]:
         for key in keys:
             merged.setdefault(str(key.get("kid")), key)
     return {"keys": list(merged.values())}
+
+
+async def fleet_signing_keys(membership: Membership) -> dict[str, list[dict[str, Any]]]:
+    """Every healthy node's signing keys (admin); each node has a current one."""
+    found: list[dict[str, Any]] = []
+    for _, answer in await membership.each("GET", "/v1/signing-keys", None):
+        found += answer["keys"]
+    return {"keys": found}
+
+
+async def retire_everywhere(membership: Membership, kid: str) -> None:
+    """Retires `kid` on the node that has it (a kid names one node's key)."""
+    retired = False
+    for node in membership.healthy():
+        answer = await node.call("DELETE", f"/v1/signing-keys/{kid}")
+        if answer.status_code != 404:
+            raise_for(answer, node.name)
+            retired = True
+    if not retired:
+        raise errors.NotFound(f"no signing key {kid!r} on any node")

@@ -29,9 +29,17 @@ from cella.models.files import (
     guest_path,
 )
 from cella.models.host import Capacity
-from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
+from cella.models.keys import (
+    KeyCreate,
+    KeyCreated,
+    KeyInfo,
+    KeyUseInfo,
+    SigningKeyInfo,
+    SigningKeys,
+)
 from cella.models.network import (
     AwsSigning,
+    CallbackRule,
     EgressBoundary,
     EgressDecision,
     EgressLog,
@@ -86,6 +94,7 @@ __all__ = [
     "AccountName",
     "AwsSigning",
     "BuildEvent",
+    "CallbackRule",
     "Capacity",
     "ChmodRequest",
     "ChownRequest",
@@ -136,6 +145,8 @@ __all__ = [
     "Secret",
     "SecretList",
     "SecretPut",
+    "SigningKeyInfo",
+    "SigningKeys",
     "Snapshot",
     "SnapshotCreate",
     "SnapshotFromImage",

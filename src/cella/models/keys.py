@@ -46,3 +46,13 @@ class KeyUseInfo(BaseModel):
     path: str
     status: int
     client: str | None
+
+
+class SigningKeyInfo(BaseModel):
+    kid: str = Field(description="the key's id: its RFC 7638 thumbprint")
+    created_at: datetime
+    current: bool = Field(description="the key that signs now; the others only verify")
+
+
+class SigningKeys(BaseModel):
+    keys: list[SigningKeyInfo]

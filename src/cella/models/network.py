@@ -21,15 +21,15 @@ def _rules(values: list[str]) -> list[str]:
     return [v.strip() for v in values]
 
 
-HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
-SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
-
-
 def _named_hosts(values: list[str]) -> list[str]:
     for value in values:
         if parse_rule(value).domain in (None, "*"):
-            raise ValueError(f"{value!r}: credentials are added for named hosts")
+            raise ValueError(f"{value!r}: a rule that acts on requests works on named hosts")
     return [v.strip() for v in values]
+
+
+HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
+SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
 
 
 class HeaderRule(BaseModel):
@@ -118,6 +118,25 @@ class GcpToken(BaseModel):
         return [self.service_account]
 
 
+class CallbackRule(BaseModel):
+    """The egress proxy asks `url` whether a request to `hosts` may go, and with which
+    headers: a POST of JSON (host, port, the sandbox; with `full_request` the request too,
+    its secrets left as placeholders), signed by the daemon (`X-LangSmith-Signature-JWT`,
+    verified against `/.well-known/jwks.json`). The answer `{"allow": true, "headers":
+    {...}, "ttl_seconds": N}` is kept N seconds per host and port (never for
+    `full_request`); anything else, or no answer within `timeout_seconds`, refuses the
+    request (403). The URL's address is held to the operator's boundary."""
+
+    model_config = {"extra": "forbid"}
+
+    hosts: list[str] = Field(min_length=1, max_length=64, description="domain or *.domain rules")
+    url: str = Field(max_length=2048, pattern=r"^https?://[^\s/?#]+(/[^\s]*)?$")
+    full_request: bool = False
+    timeout_seconds: float = Field(default=5.0, gt=0, le=30)
+
+    _hosts = field_validator("hosts")(_named_hosts)
+
+
 class NetworkPolicy(BaseModel):
     """Where a sandbox may connect. Default deny; deny rules win.
 
@@ -139,6 +158,7 @@ class NetworkPolicy(BaseModel):
         description="plain variables for every command (tools that want a credential "
         "variable present while the proxy adds the real one)",
     )
+    callbacks: list[CallbackRule] = Field(default_factory=list, max_length=8)
     public_ports: bool = Field(
         default=False,
         description="servers in the sandbox answer anyone who knows their host name "

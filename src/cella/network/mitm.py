@@ -38,6 +38,7 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
+from cella.network.callbacks import CallbackRule, Callbacks, Signing, full_request
 from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.policy.egress import (
@@ -94,6 +95,8 @@ class Net:
     cloud: CloudRules = field(default_factory=CloudRules)
     needles: list[tuple[bytes, bytes]] = field(default_factory=list)
     api: ApiAccess | None = None  # cella's API, with access delegation
+    callbacks: tuple[CallbackRule, ...] = ()
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -118,8 +121,12 @@ class Net:
         return [r for r in self.headers if host_matches(r.hosts, host)]
 
     def opens(self, host: str) -> bool:
-        """Whether TLS to `host` is intercepted: a secret, header or cloud rule needs it."""
-        return bool(self.bound(host) or self.header_rules(host) or self.cloud.covers(host))
+        """Whether TLS to `host` is intercepted: a secret, header, cloud or callback rule
+        needs it."""
+        callbacks = any(host_matches(r.hosts, host) for r in self.callbacks)
+        return bool(
+            self.bound(host) or self.header_rules(host) or self.cloud.covers(host) or callbacks
+        )
 
     def scrub(self, text: str) -> str:
         for needle, mark in self.needles:
@@ -168,8 +175,16 @@ def _net_from(msg: dict[str, Any]) -> Net:
         for r in msg.get("headers", [])
     )
     policy = Policy.parse(msg.get("allow", ()), msg.get("deny", ()))
+    callbacks = tuple(CallbackRule.of(r) for r in msg.get("callbacks", []))
     return Net(
-        msg["sandbox"], policy, bindings, headers, CloudRules.from_json(msg), api=access_from(msg)
+        msg["sandbox"],
+        policy,
+        bindings,
+        headers,
+        CloudRules.from_json(msg),
+        api=access_from(msg),
+        callbacks=callbacks,
+        tenant=str(msg.get("tenant") or ""),
     )
 
 
@@ -187,6 +202,7 @@ class Egress:
         self._verdicts: dict[str, str] = {}  # server connection id -> why it was allowed
         self._tunnels: set[str] = set()  # server connections of passed-through streams
         self.cloud = CloudAuth(Tokens(lambda: ctx.options.ssl_verify_upstream_trusted_ca))
+        self.callbacks = Callbacks(self._callback_address)
 
     # -- control channel ----------------------------------------------------------------
 
@@ -213,6 +229,8 @@ class Egress:
                     self.nets.clear()
                 elif msg["op"] == "boundary":
                     self.boundary = Boundary.from_json(msg)
+                elif msg["op"] == "signing":
+                    self.callbacks.signing = Signing.of(msg)
             except (KeyError, ValueError) as exc:
                 log.error("bad control message %s: %s", msg.get("op"), exc)
         os._exit(0)  # the daemon is gone: so is its proxy
@@ -342,9 +360,11 @@ class Egress:
             # responses are searched for secrets as they stream: they must come uncompressed
             req.headers["accept-encoding"] = "identity"
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         tally: Tally | None = flow.metadata.get("cella")
         if tally is None:
+            return
+        if not await self._asked(flow, tally):
             return
         body = flow.request.raw_content or b""
         for b in tally.net.bound(flow.request.host):
@@ -357,6 +377,41 @@ class Egress:
                     tally.credentials.append(b.name)
         self.cloud.body(flow.request, flow.metadata)
         tally.bytes_out = len(body)
+
+    async def _asked(self, flow: http.HTTPFlow, tally: Tally) -> bool:
+        """The sandbox's callbacks for this host say it may go (and set their headers);
+        else it is answered 403 here. `network.callbacks` does the asking."""
+        req, net = flow.request, tally.net
+        identity = {"tenant_id": net.tenant, "sandbox_id": net.sandbox}
+        for rule in self.callbacks.rules(net.callbacks, req.host):
+            sent = None
+            if rule.full_request:  # as the sandbox sent it: no secret goes to a callback
+                path, _, query = net.scrub(req.path).partition("?")
+                headers = [(k, net.scrub(v)) for k, v in req.headers.items(True)]
+                url, body = net.scrub(req.pretty_url), req.raw_content or b""
+                sent = full_request(
+                    req.method, url, req.scheme, req.host, path, query, headers, body
+                )
+            verdict = await self.callbacks.ask(rule, identity, req.host, req.port, sent)
+            if not verdict.allowed:
+                decision = Decision(False, verdict.reason)
+                flow.response = _denied(req.host, req.port, decision)
+                flow.metadata.pop("cella", None)
+                self._report(net, req.host, req.port, decision, protocol=req.scheme)
+                return False
+            for name, value in verdict.headers:
+                req.headers[name] = value
+        return True
+
+    async def _callback_address(self, host: str) -> IPAddress | None:
+        """Where a callback URL's host is, if the operator's boundary lets the proxy go there
+        (a name of the operator's table goes anywhere; else only public addresses or the
+        tenant networks)."""
+        trusted = host.lower().rstrip(".") in self.overrides
+        for address in await self._resolve(host):
+            if trusted or self.boundary.closed(address) is None or self.boundary.opened(address):
+                return address
+        return None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         """Every response streams through (big downloads stay off the heap). For a sandbox

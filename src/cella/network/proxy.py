@@ -86,6 +86,7 @@ class EgressProxy:
         self.port = port or self._stored_port()
         self._state: dict[str, dict[str, Any]] = {}
         self._boundary: dict[str, Any] = {"op": "boundary", **Boundary().to_json()}
+        self._signing: dict[str, Any] = {}
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -187,6 +188,8 @@ class EgressProxy:
             ) from None
         self._send({"op": "reset"})
         self._send(self._boundary)
+        if self._signing:
+            self._send(self._signing)
         for msg in self._state.values():
             self._send(msg)
         log.info("egress proxy on 127.0.0.1:%d (pid %s)", self.port, self._proc.pid)
@@ -271,6 +274,8 @@ class EgressProxy:
         headers: list[dict[str, Any]] | None = None,
         api: dict[str, Any] | None = None,
         cloud: dict[str, list[dict[str, Any]]] | None = None,
+        callbacks: list[dict[str, Any]] | None = None,
+        tenant: str = "",
     ) -> None:
         """What the VM at `addr` may reach, with which credentials (`api`: cella's own, for
         access delegation; `cloud`: AWS signing and GCP token rules); takes effect for its
@@ -286,9 +291,16 @@ class EgressProxy:
             "headers": headers or [],
             "api": api,
             **(cloud or {}),
+            "callbacks": callbacks or [],
+            "tenant": tenant,
         }
         self._state[addr] = msg
         self._send(msg)
+
+    def sign_with(self, kid: str, pem: str, issuer: str) -> None:
+        """The key proxy callbacks are signed with (sent again after a restart)."""
+        self._signing = {"op": "signing", "kid": kid, "pem": pem, "issuer": issuer}
+        self._send(self._signing)
 
     def guard(self, boundary: Boundary) -> None:
         """The operator's line around every sandbox's rules (sent again after a restart)."""

@@ -15,7 +15,7 @@ import httpx2
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
-from cella.models import AwsSigning, GcpToken, HeaderRule, encode_data
+from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, encode_data
 
 DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
 CONNECT_TIMEOUT = 10.0
@@ -97,6 +97,7 @@ def network_body(
     aws: list[AwsSigning] | None = None,
     gcp: list[GcpToken] | None = None,
     env: dict[str, str] | None = None,
+    callbacks: list[CallbackRule] | None = None,
 ) -> dict[str, Any]:
     """Egress rules as the daemon takes them (it validates them, and says what is wrong)."""
     return {
@@ -106,6 +107,7 @@ def network_body(
         "aws": [rule.model_dump() for rule in aws or []],
         "gcp": [rule.model_dump() for rule in gcp or []],
         "env": env or {},
+        "callbacks": [c.model_dump() for c in callbacks or []],
     }
 
 

@@ -44,7 +44,7 @@ from cella.service.recovery import Recovery
 from cella.service.registry import Registry
 from cella.service.sessions import Sessions
 from cella.service.shipping import Shipping
-from cella.service.signing import Signer
+from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
@@ -90,6 +90,8 @@ class Daemon:
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.signer = Signer(driver.paths.root / "signing")
+        self.signer.on_rotate.append(self._sign_callbacks)
+        self._sign_callbacks(self.signer.current)
         self.downloads = Downloads(self.registry, self.files, self.lifecycle, self.signer)
         self.logins = Logins(self.registry, self.signer)
         self.evals = Evals(store, self._tenant_of)
@@ -134,6 +136,10 @@ class Daemon:
         daemon.secrets_key = key_file
         daemon.keys.ensure_admin_key(paths.root)
         return daemon
+
+    def _sign_callbacks(self, key: SigningKey) -> None:
+        """The egress proxy signs its callbacks with the current key."""
+        self.egress.proxy.sign_with(key.kid, key.pem(), "cella")
 
     def _tenant_of(self, sandbox_id: str) -> str | None:
         row = self.store.get_sandbox(sandbox_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mimetypes
 import posixpath
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from cella.service.registry import Registry
 from cella.service.signing import Signer
 
 AUDIENCE = "cella:download"
+_TOKEN = r"[A-Za-z0-9!#$&^_.+-]+"
+# a media type and its parameters: what a Content-Type header may carry, nothing else
+MEDIA_TYPE = re.compile(rf'{_TOKEN}/{_TOKEN}( *; *{_TOKEN}=({_TOKEN}|"[ !#-\[\]-~]*"))*')
 MAX_LINK_SECONDS = 365 * 86400
 Disposition = Literal["attachment", "inline"]
 
@@ -80,6 +84,8 @@ class Downloads:
             raise errors.InvalidArgument(f"a link names one file by its absolute path: {path!r}")
         if seconds is not None and not 1 <= seconds <= MAX_LINK_SECONDS:
             raise errors.InvalidArgument(f"a link lasts 1-{MAX_LINK_SECONDS} seconds")
+        if content_type is not None and not MEDIA_TYPE.fullmatch(content_type):
+            raise errors.InvalidArgument(f"not a media type: {content_type!r}")
         if disposition not in ("attachment", "inline"):
             raise errors.InvalidArgument("content_disposition is 'attachment' or 'inline'")
         now = int(time.time())

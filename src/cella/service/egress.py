@@ -173,6 +173,8 @@ class SandboxEgress:
             credentials.header_rules(self.store, row),
             api=self._api(row),
             cloud=credentials.cloud_rules(self.store, row),
+            callbacks=[c.model_dump() for c in row.network.callbacks],
+            tenant=row.tenant,
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -255,7 +257,7 @@ class SandboxEgress:
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
         net = row.network
-        return bool(row.secrets or net.headers or net.aws or net.gcp)
+        return bool(row.secrets or net.headers or net.aws or net.gcp or net.callbacks)
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,13 @@ class SigningKey:
     created: int  # nanoseconds since the epoch: the newest key signs
     private: Ed25519PrivateKey
 
+    def pem(self) -> str:
+        return self.private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode()
+
     def jwk(self) -> dict[str, str]:
         """The public half as a JWK (RFC 8037)."""
         return {**_public_fields(self.private), "kid": self.kid, "alg": ALGORITHM, "use": "sig"}
@@ -41,6 +49,7 @@ class Signer:
         self.directory = directory
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._keys = self._load()
+        self.on_rotate: list[Callable[[SigningKey], None]] = []  # told of each new key
         if not self._keys:
             self.rotate()
 
@@ -66,16 +75,14 @@ class Signer:
         """A new key that signs from now on; the others stay published."""
         private = Ed25519PrivateKey.generate()
         key = SigningKey(thumbprint(private), time.time_ns(), private)
-        pem = private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        pem = key.pem().encode()
         path = self.directory / f"{key.created}-{key.kid}.pem"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
         self._keys.append(key)
+        for hook in self.on_rotate:
+            hook(key)
         return key
 
     def retire(self, kid: str) -> None:

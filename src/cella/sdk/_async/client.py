@@ -15,6 +15,7 @@ import httpx2
 from cella.models import (
     AwsSigning,
     BuildEvent,
+    CallbackRule,
     Capacity,
     DownloadUrl,
     EgressDecision,
@@ -37,6 +38,7 @@ from cella.models import (
     Registry,
     SandboxUsage,
     Secret,
+    SigningKeys,
     Template,
     TemplateList,
 )
@@ -335,6 +337,20 @@ class AsyncClient:
         body = create_body(name=name, image=image, tag=tag, disk_mib=disk_mib, registry=registry)
         response = await self.request("POST", "/v1/snapshots", json=body)
         return AsyncSnapshot(self, SnapshotInfo.model_validate(response.json()))
+
+    async def signing_keys(self) -> SigningKeys:
+        """The daemon's signing keys (admin): which one signs, which only verify."""
+        response = await self.request("GET", "/v1/signing-keys")
+        return SigningKeys.model_validate(response.json())
+
+    async def rotate_signing_key(self) -> SigningKeys:
+        """A new signing key signs from now on; the old ones keep verifying (admin)."""
+        response = await self.request("POST", "/v1/signing-keys/rotate")
+        return SigningKeys.model_validate(response.json())
+
+    async def retire_signing_key(self, kid: str) -> None:
+        """Retires a key that no longer signs: what it signed stops verifying (admin)."""
+        await self.request("DELETE", f"/v1/signing-keys/{kid}")
 
     async def capacity(self) -> Capacity:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
@@ -667,10 +683,12 @@ class AsyncSandbox:
         aws: builtins.list[AwsSigning] | None = None,
         gcp: builtins.list[GcpToken] | None = None,
         egress_env: dict[str, str] | None = None,
+        callbacks: builtins.list[CallbackRule] | None = None,
     ) -> AsyncSandbox:
         """Replaces the egress rules (those of `create`); a running sandbox's next connection
-        follows them, and its next command the new `egress_env`."""
-        body = network_body(allow, deny, headers, aws, gcp, egress_env)
+        follows them, and its next command the new `egress_env`. `callbacks` ask an outside
+        URL about requests to their hosts (`CallbackRule`)."""
+        body = network_body(allow, deny, headers, aws, gcp, egress_env, callbacks)
         response = await self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

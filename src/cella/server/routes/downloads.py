@@ -5,8 +5,9 @@
   key): the path in the URL must be the one the token names.
 - `GET /.well-known/jwks.json` publishes the daemon's signing keys (public halves, no key
   needed), for whoever verifies what the daemon signs.
-- `POST /v1/signing-keys/rotate` (admin) makes a new signing key; the old ones stay
-  published.
+- `GET /v1/signing-keys`, `POST /v1/signing-keys/rotate`, `DELETE /v1/signing-keys/{kid}`
+  (admin): the keys; a new one that signs from then on (the old ones stay published); an
+  old one retired.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from cella.models import DownloadUrl, DownloadUrlRequest
+from cella import errors
+from cella.models import DownloadUrl, DownloadUrlRequest, SigningKeyInfo, SigningKeys
 from cella.server.deps import Auth, DaemonDep
+from cella.service.daemon import Daemon
 from cella.service.downloads import DownloadLink
 from cella.service.keys import require_admin
 
@@ -72,7 +75,10 @@ async def download(
     is served as 206)."""
     link = svc.downloads.check(token, sandbox_id, "/" + path)
     head = request.method == "HEAD"
-    found = await svc.downloads.open(link, request.headers.get("range"), head=head)
+    try:
+        found = await svc.downloads.open(link, request.headers.get("range"), head=head)
+    except errors.RangeNotSatisfiable as exc:  # RFC 9110: say how long the file is
+        return Response(status_code=416, headers={"content-range": exc.message})
     headers = {
         "content-disposition": found.disposition,
         "accept-ranges": "bytes",
@@ -96,8 +102,40 @@ async def jwks(svc: DaemonDep) -> dict[str, Any]:
     return svc.signer.jwks()
 
 
-@router.post("/v1/signing-keys/rotate", tags=["keys"])
-async def rotate(svc: DaemonDep, who: Auth) -> dict[str, Any]:
+def signing_keys(svc: Daemon) -> SigningKeys:
+    current = svc.signer.current.kid
+    return SigningKeys(
+        keys=[
+            SigningKeyInfo(
+                kid=k.kid,
+                created_at=datetime.fromtimestamp(k.created / 1e9, UTC),
+                current=k.kid == current,
+            )
+            for k in svc.signer.keys
+        ]
+    )
+
+
+@router.get("/v1/signing-keys", response_model=SigningKeys, tags=["keys"])
+async def list_signing_keys(svc: DaemonDep, who: Auth) -> SigningKeys:
+    """The daemon's signing keys, oldest first (admin)."""
+    require_admin(who, "list the signing keys")
+    return signing_keys(svc)
+
+
+@router.post("/v1/signing-keys/rotate", response_model=SigningKeys, tags=["keys"])
+async def rotate(svc: DaemonDep, who: Auth) -> SigningKeys:
     """A new signing key signs from now on; the others stay published until retired."""
     require_admin(who, "rotate the signing key")
-    return {"kid": svc.signer.rotate().kid, **svc.signer.jwks()}
+    svc.signer.rotate()
+    return signing_keys(svc)
+
+
+@router.delete("/v1/signing-keys/{kid}", status_code=204, tags=["keys"])
+async def retire(kid: str, svc: DaemonDep, who: Auth) -> Response:
+    """Retires a key that no longer signs: what it signed stops verifying (admin)."""
+    require_admin(who, "retire a signing key")
+    if kid not in {k.kid for k in svc.signer.keys}:
+        raise errors.NotFound(f"no signing key {kid!r}")
+    svc.signer.retire(kid)
+    return Response(status_code=204)

@@ -165,6 +165,9 @@ def router(prefix: str) -> APIRouter:
             raise not_supported(f"download links with {sorted(unknown)}")
         if not isinstance(body.get("path"), str) or not body["path"]:
             raise errors.InvalidArgument("a download link needs the file's path")
+        for field in ("content_type", "content_disposition"):
+            if body.get(field) is not None and not isinstance(body[field], str):
+                raise errors.InvalidArgument(f"{field}: a string, not {body[field]!r}")
         expires = body.get("expires_in_seconds")
         if expires is not None and (not isinstance(expires, int) or isinstance(expires, bool)):
             raise errors.InvalidArgument(f"expires_in_seconds: a whole number, not {expires!r}")

@@ -9,7 +9,9 @@ rule with static keys becomes an AWS signing rule (`*.amazonaws.com` and the ope
 `egress_aws_hosts`), a `gcp` rule a GCP token rule (`*.googleapis.com`); a rule's `env_vars`
 are set for every command while it is enabled. Rules cella cannot honour are refused by
 name, never ignored: regex patterns, AWS roles (STS with LangSmith's External ID),
-Azure tokens, rewrites, relays, callbacks. Nothing is stored until all of it is valid."""
+Azure tokens, rewrites, relays. A `callback` rule becomes a cella callback rule
+(`CallbackRule`: the proxy asks its URL, signed with the daemon's key). Nothing is stored
+until all of it is valid."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cella import errors
-from cella.models import AwsSigning, GcpToken, HeaderRule, NetworkPolicy, SecretPut
+from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, NetworkPolicy, SecretPut
 from cella.models.network import AWS_HOSTS, GOOGLE_API_HOSTS
 from cella.policy.cloud import service_account_problem
 from cella.server.compat.langsmith.shapes import not_supported
@@ -32,6 +34,8 @@ RULE_FIELDS = {"name", "type", "enabled", "description", "env_vars"}
 HEADER_RULE_FIELDS = RULE_FIELDS | {"headers", "match_hosts"}
 AWS_RULE_FIELDS = RULE_FIELDS | {"aws"}
 GCP_RULE_FIELDS = RULE_FIELDS | {"gcp"}
+CALLBACK_RULE_FIELDS = {"name", "type", "enabled", "description", "match_hosts", "callback"}
+CALLBACK_FIELDS = {"url", "mode", "timeout_seconds"}
 WORKSPACE_REF = re.compile(r"\{([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
 
 
@@ -72,11 +76,15 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
         aws: list[AwsSigning] = []
         gcp: list[GcpToken] = []
         env: dict[str, str] = {}
+        callbacks: list[CallbackRule] = []
         aws_hosts = [*AWS_HOSTS, *svc.settings.egress_aws_hosts]
         for rule in config.get("rules") or []:
             if not isinstance(rule, dict):
                 raise errors.InvalidArgument("a proxy rule is an object")
             name, kind = rule.get("name", "?"), rule.get("type") or "headers"
+            if kind == "callback":  # its own fields, checked by callback_rules
+                callbacks += callback_rules(rule)
+                continue
             fields = {"aws": AWS_RULE_FIELDS, "gcp": GCP_RULE_FIELDS}.get(kind, HEADER_RULE_FIELDS)
             extra = set(rule) - fields
             if kind not in ("headers", "header", "aws", "gcp") or extra:
@@ -91,7 +99,15 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
             else:
                 headers += header_rules(rule, opaque)
             env_of(rule, env)
-        policy = NetworkPolicy(allow=allow, deny=deny, headers=headers, aws=aws, gcp=gcp, env=env)
+        policy = NetworkPolicy(
+            allow=allow,
+            deny=deny,
+            headers=headers,
+            aws=aws,
+            gcp=gcp,
+            env=env,
+            callbacks=callbacks,
+        )
     except (ValueError, ValidationError) as exc:
         raise errors.InvalidArgument(f"proxy_config: {exc}") from None
     opaque.store(svc, tenant)
@@ -167,6 +183,30 @@ def env_of(rule: dict[str, Any], env: dict[str, str]) -> None:
         if key in env and env[key] != str(value):
             raise errors.InvalidArgument(f"env_vars: {key} is set differently by two rules")
         env[str(key)] = str(value)
+
+
+def callback_rules(rule: dict[str, Any]) -> list[CallbackRule]:
+    """A callback rule as cella reads it: `{"type": "callback", "match_hosts": [...],
+    "callback": {"url", "mode": "host" | "full_request", "timeout_seconds"}}`."""
+    name = rule.get("name", "?")
+    extra = set(rule) - CALLBACK_RULE_FIELDS
+    callback = rule.get("callback")
+    if extra or not isinstance(callback, dict) or set(callback) - CALLBACK_FIELDS:
+        what = sorted(extra) if extra else "its callback's fields"
+        raise not_supported(f"proxy rule {name!r} ({what})")
+    if rule.get("enabled") is False:
+        return []
+    mode = callback.get("mode") or "host"
+    if mode not in ("host", "full_request"):
+        raise errors.InvalidArgument(f"proxy rule {name!r}: mode is host or full_request")
+    fields: dict[str, Any] = {
+        "hosts": rule.get("match_hosts") or [],
+        "url": callback.get("url"),
+        "full_request": mode == "full_request",
+    }
+    if callback.get("timeout_seconds") is not None:
+        fields["timeout_seconds"] = callback["timeout_seconds"]
+    return [CallbackRule.model_validate(fields)]
 
 
 def header_rules(rule: dict[str, Any], opaque: Opaque) -> list[HeaderRule]:
