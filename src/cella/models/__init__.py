@@ -28,6 +28,7 @@ from cella.models.files import (
 )
 from cella.models.host import Capacity
 from cella.models.keys import KeyCreate, KeyCreated, KeyInfo, KeyUseInfo
+from cella.models.mounts import MAX_MOUNTS, GitMount, GitRef, MountRefresh, MountRefreshList
 from cella.models.network import (
     EgressBoundary,
     EgressDecision,
@@ -67,6 +68,7 @@ from cella.models.templates import (
 )
 
 __all__ = [
+    "MAX_MOUNTS",
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
     "AccountName",
@@ -88,6 +90,8 @@ __all__ = [
     "FileEntry",
     "FileWalk",
     "ForkRequest",
+    "GitMount",
+    "GitRef",
     "GuestPath",
     "HeaderRule",
     "ImageConfig",
@@ -98,6 +102,8 @@ __all__ = [
     "KeyUseInfo",
     "LineageNode",
     "MkdirRequest",
+    "MountRefresh",
+    "MountRefreshList",
     "MoveRequest",
     "NetworkPolicy",
     "OutputCollector",

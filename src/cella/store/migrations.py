@@ -145,4 +145,7 @@ MIGRATIONS: list[str] = [
         expires INTEGER NOT NULL
     );
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]

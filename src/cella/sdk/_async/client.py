@@ -23,10 +23,12 @@ from cella.models import (
     ExposedPort,
     FileEntry,
     FileWalk,
+    GitMount,
     HeaderRule,
     KeyRotation,
     KeyUseInfo,
     LineageNode,
+    MountRefresh,
     ProcessInfo,
     ProcessList,
     ProcessSummary,
@@ -129,6 +131,7 @@ class AsyncClient:
         exec_defaults: ExecDefaults | None = None,
         delete_after_stop_seconds: int | None = None,
         run_entrypoint: bool = False,
+        mounts: builtins.list[GitMount] | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -140,7 +143,10 @@ class AsyncClient:
         name) starts it from a snapshot instead of the template; `exec_defaults` are the
         user, cwd and env every command runs with unless it says otherwise (a template
         built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
-        starts the image's Entrypoint and Cmd as process `entrypoint`.
+        starts the image's Entrypoint and Cmd as process `entrypoint`; `mounts` are git
+        repositories cloned in before it is returned (through its egress rules: a private
+        one needs a header rule for its host) and refreshed every
+        `refresh_interval_seconds` while it runs.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -161,6 +167,7 @@ class AsyncClient:
             labels=labels,
             network=network,
             secrets=secrets,
+            mounts=[m.model_dump(exclude_none=True) for m in mounts] if mounts else None,
         )
         response = await self.request("POST", "/v1/sandboxes", json=body)
         return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
@@ -585,6 +592,13 @@ class AsyncSandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = await self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    async def refresh_mounts(self, mount: str | None = None) -> builtins.list[MountRefresh]:
+        """Fetches the git mounts (or the one with id `mount`) now and resets each to its
+        ref; the commit each is at."""
+        params = {"mount": mount} if mount else None
+        response = await self.client.request("POST", f"{self._path}/mounts/refresh", params=params)
+        return [MountRefresh.model_validate(m) for m in response.json()["mounts"]]
 
     async def set_network(
         self,

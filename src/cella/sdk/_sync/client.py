@@ -24,10 +24,12 @@ from cella.models import (
     ExposedPort,
     FileEntry,
     FileWalk,
+    GitMount,
     HeaderRule,
     KeyRotation,
     KeyUseInfo,
     LineageNode,
+    MountRefresh,
     ProcessInfo,
     ProcessList,
     ProcessSummary,
@@ -130,6 +132,7 @@ class Client:
         exec_defaults: ExecDefaults | None = None,
         delete_after_stop_seconds: int | None = None,
         run_entrypoint: bool = False,
+        mounts: builtins.list[GitMount] | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -141,7 +144,10 @@ class Client:
         name) starts it from a snapshot instead of the template; `exec_defaults` are the
         user, cwd and env every command runs with unless it says otherwise (a template
         built from an image adds its Env, WorkingDir and User under them); `run_entrypoint`
-        starts the image's Entrypoint and Cmd as process `entrypoint`.
+        starts the image's Entrypoint and Cmd as process `entrypoint`; `mounts` are git
+        repositories cloned in before it is returned (through its egress rules: a private
+        one needs a header rule for its host) and refreshed every
+        `refresh_interval_seconds` while it runs.
         """
         network = network_body(allow, deny, headers) if allow or deny or headers else None
         body = create_body(
@@ -162,6 +168,7 @@ class Client:
             labels=labels,
             network=network,
             secrets=secrets,
+            mounts=[m.model_dump(exclude_none=True) for m in mounts] if mounts else None,
         )
         response = self.request("POST", "/v1/sandboxes", json=body)
         return Sandbox(self, SandboxInfo.model_validate(response.json()))
@@ -577,6 +584,13 @@ class Sandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    def refresh_mounts(self, mount: str | None = None) -> builtins.list[MountRefresh]:
+        """Fetches the git mounts (or the one with id `mount`) now and resets each to its
+        ref; the commit each is at."""
+        params = {"mount": mount} if mount else None
+        response = self.client.request("POST", f"{self._path}/mounts/refresh", params=params)
+        return [MountRefresh.model_validate(m) for m in response.json()["mounts"]]
 
     def set_network(
         self,
