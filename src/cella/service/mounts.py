@@ -35,6 +35,7 @@ class Mounts:
         self.background = background
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # one git at a time per sandbox
+        self._commits: dict[str, dict[str, str]] = {}  # the commit each mount was last at
         registry.track_hooks.append(self.watch)
         registry.untrack_hooks.append(self.unwatch)
         registry.forget_hooks.append(self._forget)
@@ -51,8 +52,12 @@ class Mounts:
                 if mount.ref is not None:
                     argv += ["--branch", mount.ref.name]
                 await self._git(tenant, sandbox_id, mount, [*argv, "--", mount.url, mount.path])
+                commit = await self._head(tenant, sandbox_id, mount, True)
+                self._commits.setdefault(sandbox_id, {})[mount.id] = commit
                 self.registry.events.emit(
-                    sandbox_id, "mount_cloned", {"mount": mount.id, "url": mount.url}
+                    sandbox_id,
+                    "mount_cloned",
+                    {"mount": mount.id, "url": mount.url, "commit": commit},
                 )
 
     async def refresh(
@@ -73,11 +78,19 @@ class Mounts:
                                 "--no-tags", "origin", "--", ref], activity)  # fmt: skip
                 await self._git(tenant, sandbox_id, mount, [*GIT, *at, "reset", "--quiet",
                                 "--hard", "FETCH_HEAD", "--"], activity)  # fmt: skip
-                commit = await self._git(
-                    tenant, sandbox_id, mount, [*GIT, *at, "rev-parse", "HEAD"], activity
-                )
-                out.append(MountRefresh(id=mount.id, commit=commit.strip()))
+                commit = await self._head(tenant, sandbox_id, mount, activity)
+                known = self._commits.setdefault(sandbox_id, {})
+                if known.get(mount.id, commit) != commit:  # news only
+                    self.registry.events.emit(
+                        sandbox_id, "mount_updated", {"mount": mount.id, "commit": commit}
+                    )
+                known[mount.id] = commit
+                out.append(MountRefresh(id=mount.id, commit=commit))
         return out
+
+    async def _head(self, tenant: str, sandbox_id: str, mount: GitMount, activity: bool) -> str:
+        argv = [*GIT, "-C", mount.path, "rev-parse", "HEAD"]
+        return (await self._git(tenant, sandbox_id, mount, argv, activity)).strip()
 
     async def _git(
         self,
@@ -125,10 +138,10 @@ class Mounts:
     def _forget(self, sandbox_id: str) -> None:
         self.unwatch(sandbox_id)
         self._locks.pop(sandbox_id, None)
+        self._commits.pop(sandbox_id, None)
 
     async def _loop(self, tenant: str, sandbox_id: str, mounts: list[GitMount]) -> None:
         loop = asyncio.get_running_loop()
-        commits: dict[str, str] = {}
         due = {m.id: loop.time() + (m.refresh_interval_seconds or 0) for m in mounts}
         while True:
             await asyncio.sleep(max(0.0, min(due.values()) - loop.time()))
@@ -142,14 +155,8 @@ class Mounts:
                 if row.state != SandboxState.running:
                     continue  # paused: no CPU to run git; the next turn tries again
                 try:
-                    [done] = await self.refresh(tenant, sandbox_id, mount.id, activity=False)
+                    await self.refresh(tenant, sandbox_id, mount.id, activity=False)
                 except errors.CellaError as exc:  # the next turn tries again
                     self.registry.events.emit(
                         sandbox_id, "mount_refresh_failed", {"mount": mount.id, "error": str(exc)}
                     )
-                    continue
-                if commits.get(mount.id, done.commit) != done.commit:  # news only
-                    self.registry.events.emit(
-                        sandbox_id, "mount_updated", {"mount": mount.id, "commit": done.commit}
-                    )
-                commits[mount.id] = done.commit
