@@ -95,6 +95,7 @@ def create(
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
     `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it."""
+    mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
     with Client() as client:
         sb = client.create(
             template,
@@ -108,7 +109,7 @@ def create(
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
             run_entrypoint=run_entrypoint,
-            mounts=[_git_mount(m) for m in mount or []] or None,
+            mounts=mounts or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
