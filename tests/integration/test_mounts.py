@@ -167,6 +167,17 @@ def test_branch_and_tag_cloned_then_kept_fresh(admin: Client, git: Git) -> None:
         assert v1.id == "pinned" and sh(sb, "cat /work/v1/README") == "v1\n"
         with pytest.raises(errors.NotFound):
             sb.refresh_mounts("nope")
+        # a fork keeps the mounts and refreshes them on its own
+        [branch] = sb.fork()
+        try:
+            assert [m.id for m in branch.info.mounts] == ["main", "pinned"]
+            forked = git.push(git.public_root, "repo.git", "v3.1\n")
+            eventually(
+                "the fork refreshed", lambda: sh(branch, "cat /work/main/README") == "v3.1\n"
+            )
+            assert sh(branch, "git -C /work/main rev-parse HEAD").strip() == forked
+        finally:
+            branch.delete()
         # stopped: no refresh wakes it; resumed: its mounts refresh again
         sb.stop()
         newest = git.push(git.public_root, "repo.git", "v4\n")
@@ -176,6 +187,14 @@ def test_branch_and_tag_cloned_then_kept_fresh(admin: Client, git: Git) -> None:
         sb.resume()
         eventually("refreshed after resume", lambda: sh(sb, "cat /work/main/README") == "v4\n")
         assert sh(sb, "git -C /work/main rev-parse HEAD").strip() == newest
+
+
+def test_refreshes_do_not_keep_a_sandbox_from_going_idle(admin: Client) -> None:
+    mount = GitMount(id="m", path="/work/m", url=PUBLIC, refresh_interval_seconds=1)
+    with admin.create(allow=["pub.test"], mounts=[mount], idle_timeout_seconds=3) as sb:
+        eventually("idle stop", lambda: admin.get(sb.id).info.state == "stopped")
+        # the refreshes ran meanwhile (git fetch in the guest), and did not count
+        assert any("fetch" in e.data["command"] for e in sb.events(types=["exec"]))
 
 
 def test_a_clone_that_fails_fails_the_create_naming_the_mount(admin: Client) -> None:
