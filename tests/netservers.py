@@ -125,7 +125,8 @@ class EchoHandler(http.server.BaseHTTPRequestHandler):
 
 
 class GitHandler(http.server.BaseHTTPRequestHandler):
-    """git smart HTTP through `git http-backend`; every request needs the token (basic)."""
+    """git smart HTTP through `git http-backend`; every request needs the token (basic),
+    unless the token is empty (a public server)."""
 
     root: Path
     token: str
@@ -135,7 +136,7 @@ class GitHandler(http.server.BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization", "")
         self.recorder.add({"method": self.command, "path": self.path, "authorization": auth})
         expected = "Basic " + base64.b64encode(f"x-access-token:{self.token}".encode()).decode()
-        if auth != expected:
+        if self.token and auth != expected:
             self.send_response(401)
             self.send_header("WWW-Authenticate", 'Basic realm="git"')
             self.send_header("Content-Length", "0")

@@ -46,6 +46,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidState",
     "IsADirectory",
+    "MountFailed",
     "NoSpace",
     "NodeUnavailable",
     "NotADirectory",
@@ -104,6 +105,13 @@ class UnknownUser(InvalidArgument):
 class Unauthenticated(RequestError):
     code = "unauthenticated"
     status = 401
+
+
+class MountFailed(InvalidArgument):
+    """A sandbox's mount could not be cloned or refreshed (its repository, ref or the
+    sandbox's egress rules): the caller's to fix."""
+
+    code = "mount_failed"
 
 
 class PermissionDenied(RequestError):

@@ -14,8 +14,8 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
+from cella.models import GitMount, parse_pairs
 from cella.models import Sandbox as SandboxInfo
-from cella.models import parse_pairs
 from cella.sdk import Client, Sandbox
 
 app = typer.Typer(
@@ -84,10 +84,18 @@ def create(
     run_entrypoint: Annotated[
         bool, typer.Option(help="start the template image's Entrypoint/Cmd (see `logs`)")
     ] = False,
+    mount: Annotated[
+        list[str] | None,
+        typer.Option(
+            help='a git mount as JSON, repeatable: {"id", "path", "url", "ref": {"type": '
+            '"branch"|"tag", "name"}, "refresh_interval_seconds"}'
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
     `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it."""
+    mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
     with Client() as client:
         sb = client.create(
             template,
@@ -101,6 +109,7 @@ def create(
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
             run_entrypoint=run_entrypoint,
+            mounts=mounts or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
@@ -246,6 +255,29 @@ def _lifecycle(action: str, sandbox_id: str, json_: bool) -> None:
             )
         else:
             console.print(f"{sandbox_id}: {result.state if result else 'deleted'}")
+
+
+def _git_mount(text: str) -> GitMount:
+    try:
+        return GitMount.model_validate_json(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--mount: {exc}") from None
+
+
+@app.command("refresh-mounts")
+def refresh_mounts(
+    sandbox_id: str,
+    mount: Annotated[str | None, typer.Option(help="only this mount (its id)")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Fetch a sandbox's git mounts now and reset each to its ref."""
+    with Client() as client:
+        done = client.get(sandbox_id).refresh_mounts(mount)
+    if json_:
+        emit_json([d.model_dump(mode="json") for d in done])
+    else:
+        for d in done:
+            out.print(f"{d.id} {d.commit}")
 
 
 @app.command()

@@ -37,6 +37,7 @@ from cella.models.keys import (
     SigningKeyInfo,
     SigningKeys,
 )
+from cella.models.mounts import MAX_MOUNTS, GitMount, GitRef, MountRefresh, MountRefreshList
 from cella.models.network import (
     AwsSigning,
     CallbackRule,
@@ -88,6 +89,7 @@ from cella.models.templates import (
 )
 
 __all__ = [
+    "MAX_MOUNTS",
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
     "AccessDelegation",
@@ -115,6 +117,8 @@ __all__ = [
     "FileWalk",
     "ForkRequest",
     "GcpToken",
+    "GitMount",
+    "GitRef",
     "GuestPath",
     "HeaderRule",
     "ImageConfig",
@@ -126,6 +130,8 @@ __all__ = [
     "LineageNode",
     "LoginUrl",
     "MkdirRequest",
+    "MountRefresh",
+    "MountRefreshList",
     "MoveRequest",
     "NetworkPolicy",
     "OutputCollector",

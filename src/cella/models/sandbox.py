@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
 
 
@@ -133,6 +134,17 @@ class SandboxCreate(BaseModel):
         max_length=64,
         description="environment variable -> secret name; the guest sees a placeholder",
     )
+    mounts: list[GitMount] = Field(
+        default_factory=list,
+        max_length=MAX_MOUNTS,
+        description="git repositories cloned in at create (through the egress rules) and "
+        "refreshed while the sandbox runs; a clone that fails fails the create",
+    )
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, value: list[GitMount]) -> list[GitMount]:
+        return check_mounts(value)
 
     @field_validator("labels")
     @classmethod
@@ -195,6 +207,7 @@ class Sandbox(BaseModel):
     secrets: dict[str, str] = Field(
         default_factory=dict, description="environment variable -> secret name"
     )
+    mounts: list[GitMount] = Field(default_factory=list, description="git repositories")
     accel: str | None
     accel_reason: str | None
     error: str | None = None

@@ -3,7 +3,8 @@
 Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
 `admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
 `shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
-outlive a connection), `files`, `ports` (guest servers, service URLs), `trace` (events and
+outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
+`ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `reaper`, `recovery`, `templates` (built in, from images, from
 Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
 the pool) and `background` (work a request starts and does not wait for). API surfaces (the
@@ -37,6 +38,7 @@ from cella.service.image_snapshots import ImageSnapshots
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
+from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
 from cella.service.reaper import Reaper
@@ -88,6 +90,7 @@ class Daemon:
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
+        self.mounts = Mounts(self.registry, self.exec, self.background)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.signer = Signer(driver.paths.root / "signing")
         self.signer.on_rotate.append(self._sign_callbacks)
@@ -206,9 +209,10 @@ class Daemon:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
             defaults = self.images.defaults(tenant, spec.snapshot, spec.exec_defaults)
-            return await self.forks.boot(
+            booted = await self.forks.boot(
                 tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
             )
+            return await self._with_mounts(tenant, booted)
         command: list[str] = []
         if spec.run_entrypoint:
             config = self.templates.image_config(spec.template)
@@ -221,6 +225,7 @@ class Daemon:
         row = await self.lifecycle.create(
             tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
         )
+        row = await self._with_mounts(tenant, row)
         if command:
             await self.processes.start(
                 tenant,
@@ -229,6 +234,20 @@ class Daemon:
                 ProcessSpec(request=ExecRequest(command=command), ttl=None),
             )
         return row
+
+    async def _with_mounts(self, tenant: str, row: SandboxRecord) -> SandboxRecord:
+        """Clones a new sandbox's mounts; one that fails fails the create as any other
+        failure does: the VM and its files are gone, the row says why."""
+        if not row.mounts:
+            return row
+        try:
+            await self.mounts.clone_all(tenant, row.id)
+        except BaseException as exc:
+            async with self.registry.lock(row.id):
+                await self.lifecycle.teardown(row.id)
+                self.registry.fail(row.id, exc, event="create_failed")
+            raise
+        return self.registry.get(tenant, row.id)
 
     def health(self) -> dict[str, Any]:
         accel = self.driver.accel

@@ -8,6 +8,7 @@ trace event: command, cwd, times, exit status, output sizes, digest and tail.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 
@@ -38,11 +39,13 @@ class Exec:
         stdin: AsyncIterable[bytes] | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
+        activity: bool = True,
     ) -> AsyncIterator[ExecEvent]:
         """Started, then output as produced, then the exit status. `stdin` (an open-ended
         source, instead of the request's fixed bytes), `pty` and `control` are for callers
-        that keep a command interactive (processes, terminals)."""
-        row, vm = self.registry.live(tenant, sandbox_id)  # one store read on the exec path
+        that keep a command interactive (processes, terminals); without `activity` (the daemon's
+        own upkeep) the command does not count against the sandbox's idleness."""
+        row, vm = self.registry.live(tenant, sandbox_id, activity)  # one store read
         output = output or OutputCollector(keep=0)
         kwargs = req.agent_kwargs()
         defaults = row.exec_defaults
@@ -55,7 +58,7 @@ class Exec:
         started_at = time.time()
         start = time.monotonic()
         status: ExitStatus | None = None
-        with self.registry.busy(sandbox_id):
+        with self.registry.busy(sandbox_id) if activity else contextlib.nullcontext():
             try:
                 async for event in vm.agent.exec_stream(req.command, **kwargs):
                     if isinstance(event, Output):
@@ -80,14 +83,19 @@ class Exec:
                 )
 
     async def run(
-        self, tenant: str, sandbox_id: str, req: ExecRequest, keep: int | None = None
+        self,
+        tenant: str,
+        sandbox_id: str,
+        req: ExecRequest,
+        keep: int | None = None,
+        activity: bool = True,
     ) -> ExecResult:
         """Runs to completion; up to `keep` bytes of each stream (default: the daemon's
         setting) are kept in the result, which says how much more there was."""
         output = OutputCollector(keep=self.keep if keep is None else keep)
         start = time.monotonic()
         status: ExitStatus | None = None
-        async for event in self.stream(tenant, sandbox_id, req, output):
+        async for event in self.stream(tenant, sandbox_id, req, output, activity=activity):
             if isinstance(event, ExitStatus):
                 status = event
         assert status is not None

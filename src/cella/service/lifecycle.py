@@ -66,6 +66,7 @@ def new_record(
         labels=dict(spec.labels),
         network=spec.network,
         secrets=secrets,
+        mounts=list(spec.mounts),
         created_from=created_from,
         **lineage,
     )
@@ -89,6 +90,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         labels=row.labels,
         network=row.network,
         secrets={k: v.secret for k, v in row.secrets.items()},
+        mounts=row.mounts,
     )
 
 

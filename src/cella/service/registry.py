@@ -51,6 +51,8 @@ class Registry:
         self._busy: dict[str, int] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self.forget_hooks: list[Callable[[str], None]] = []  # a sandbox was deleted
+        self.track_hooks: list[Callable[[str], None]] = []  # a sandbox's VM runs (again)
+        self.untrack_hooks: list[Callable[[str], None]] = []  # it was stopped or deleted
 
     # -- rows ----------------------------------------------------------------------------
 
@@ -146,13 +148,15 @@ class Registry:
     def vms(self) -> dict[str, VM]:
         return dict(self._vms)
 
-    def live(self, tenant: str, sandbox_id: str) -> tuple[SandboxRecord, VM]:
-        """A running sandbox and its VM; the call counts as activity."""
+    def live(self, tenant: str, sandbox_id: str, activity: bool = True) -> tuple[SandboxRecord, VM]:
+        """A running sandbox and its VM; the call counts as activity unless told not to
+        (the daemon's own upkeep, which must not keep a sandbox from going idle)."""
         row = self.get(tenant, sandbox_id)
         vm = self._vms.get(sandbox_id)
         if row.state != S.running or vm is None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running")
-        self.touch(sandbox_id)
+        if activity:
+            self.touch(sandbox_id)
         return row, vm
 
     def live_pids(self) -> set[int]:
@@ -164,9 +168,13 @@ class Registry:
         task = asyncio.create_task(self._watch(sandbox_id, vm), name=f"watch-{sandbox_id}")
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+        for hook in self.track_hooks:
+            hook(sandbox_id)
 
     def untrack(self, sandbox_id: str) -> VM | None:
         """Takes the VM out of the registry: its end is expected from now on."""
+        for hook in self.untrack_hooks:
+            hook(sandbox_id)
         return self._vms.pop(sandbox_id, None)
 
     async def _watch(self, sandbox_id: str, vm: VM) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
+from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
@@ -522,6 +523,7 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
         "network": record.network.model_dump(),
         "exec_defaults": record.exec_defaults.model_dump(),
+        "mounts": [m.model_dump() for m in record.mounts],
         "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
     }
 
@@ -532,12 +534,14 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
     for key in ("network", "exec_defaults"):
         if isinstance(out.get(key), NetworkPolicy | ExecDefaults):
             out[key] = out[key].model_dump()
+    if "mounts" in out:
+        out["mounts"] = [m.model_dump() if isinstance(m, GitMount) else m for m in out["mounts"]]
     if "secrets" in out:
         out["secrets"] = {
             k: dataclasses.asdict(v) if isinstance(v, SecretRef) else v
             for k, v in out["secrets"].items()
         }
-    for key in ("labels", "network", "secrets", "exec_defaults"):
+    for key in ("labels", "network", "secrets", "exec_defaults", "mounts"):
         if key in out:
             out[key] = json.dumps(out[key])
     if out.get("delegation") is not None:
@@ -551,6 +555,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["network"] = NetworkPolicy.model_validate(json.loads(out["network"]))
     out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
+    out["mounts"] = [GitMount.model_validate(m) for m in json.loads(out["mounts"])]
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None

@@ -163,4 +163,7 @@ MIGRATIONS: list[str] = [
     ALTER TABLE snapshots ADD COLUMN memory INTEGER NOT NULL DEFAULT 1;
     ALTER TABLE sandboxes ADD COLUMN delegation TEXT;
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
 
@@ -50,6 +51,7 @@ class SandboxRecord:
     labels: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)
+    mounts: list[GitMount] = field(default_factory=list)
     accel: str | None = None
     accel_reason: str | None = None
     error: str | None = None

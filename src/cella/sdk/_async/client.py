@@ -27,11 +27,13 @@ from cella.models import (
     FileEntry,
     FileWalk,
     GcpToken,
+    GitMount,
     HeaderRule,
     KeyRotation,
     KeyUseInfo,
     LineageNode,
     LoginUrl,
+    MountRefresh,
     ProcessInfo,
     ProcessList,
     ProcessSummary,
@@ -142,6 +144,7 @@ class AsyncClient:
         stop_keeps_memory: bool | None = None,
         restore_memory: str | None = None,
         access_delegation: dict[str, Any] | None = None,
+        mounts: builtins.list[GitMount] | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -161,7 +164,9 @@ class AsyncClient:
         processes and memory; `restore_memory` (with `snapshot`): `if_present`, `always` or
         `never`. `access_delegation` (`{"mode": "inherit"}`, or `"explicit"` with
         `permissions`) lets code in the sandbox call this API at `http://cella.api` as this
-        client's key.
+        client's key. `mounts` are git repositories cloned in before it is returned (through
+        its egress rules: a private one needs a header rule for its host) and refreshed every
+        `refresh_interval_seconds` while it runs.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         network = network_body(*rules) if any(rules) else None
@@ -186,6 +191,7 @@ class AsyncClient:
             labels=labels,
             network=network,
             secrets=secrets,
+            mounts=[m.model_dump(exclude_none=True) for m in mounts] if mounts else None,
         )
         response = await self.request("POST", "/v1/sandboxes", json=body)
         return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
@@ -674,6 +680,13 @@ class AsyncSandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = await self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    async def refresh_mounts(self, mount: str | None = None) -> builtins.list[MountRefresh]:
+        """Fetches the git mounts (or the one with id `mount`) now and resets each to its
+        ref; the commit each is at."""
+        params = {"mount": mount} if mount else None
+        response = await self.client.request("POST", f"{self._path}/mounts/refresh", params=params)
+        return [MountRefresh.model_validate(m) for m in response.json()["mounts"]]
 
     async def set_network(
         self,

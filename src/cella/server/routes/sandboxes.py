@@ -18,6 +18,7 @@ from cella.models import (
     ExecRequest,
     ExecResult,
     LineageNode,
+    MountRefreshList,
     ProcessInfo,
     ProcessList,
     Sandbox,
@@ -96,6 +97,17 @@ async def delete_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Response:
 async def sandbox_usage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> SandboxUsage:
     """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
     return SandboxUsage.model_validate(await svc.usage.usage(who.tenant, sandbox_id))
+
+
+@router.post("/{sandbox_id}/mounts/refresh", response_model=MountRefreshList)
+async def refresh_mounts(
+    sandbox_id: ID,
+    svc: DaemonDep,
+    who: Auth,
+    mount: Annotated[str | None, Query(description="only this mount (its id)")] = None,
+) -> MountRefreshList:
+    """Fetches the sandbox's git mounts (or one) now and resets each to its ref."""
+    return MountRefreshList(mounts=await svc.mounts.refresh(who.tenant, sandbox_id, mount))
 
 
 After = Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")]

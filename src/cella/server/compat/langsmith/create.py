@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from cella import errors
-from cella.models import NetworkPolicy, SandboxCreate
-from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults, not_supported
+from cella.models import GitMount, NetworkPolicy, SandboxCreate
+from cella.server.compat.langsmith.mounts import mounts_of
+from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults
 from cella.server.error_shapes import describe
 
 Json = dict[str, Any]
 MIB = 1 << 20
-UNSUPPORTED = ("mount_config",)
 SNAPSHOT_FIELDS = ("snapshot_id", "snapshot", "snapshot_name")  # the first given counts
 # LangSmith's names for cella's fields, in what a refusal says
 LANGSMITH_NAMES = {"idle_timeout_seconds": "idle_ttl_seconds", "exec_defaults": "run_config"}
@@ -39,6 +39,7 @@ class BoxCreate:
     fs_capacity_mib: int | None
     proxy_config: Any  # LangSmith's egress rules, as given (None: none)
     settings: Json  # lifetime, idleness and run_config as cella's create fields
+    mounts: tuple[GitMount, ...] = ()  # mount_config's git mounts
 
     def check_snapshot_shape(self, vcpus: int, memory_mib: int) -> None:
         """A size given with a snapshot must be the snapshot's."""
@@ -62,6 +63,8 @@ class BoxCreate:
         a daemon found: the snapshot's id, the egress rules, a disk larger than the
         template's."""
         fields: Json = {"name": self.name, **self.settings}
+        if self.mounts:
+            fields["mounts"] = list(self.mounts)
         if network is not None:
             fields["network"] = network
         if snapshot_id is not None:
@@ -78,9 +81,6 @@ class BoxCreate:
 
 def read_create(body: Json) -> BoxCreate:
     """A LangSmith create's body, read; what cella cannot honour is refused."""
-    for unsupported in UNSUPPORTED:
-        if body.get(unsupported):
-            raise not_supported(unsupported)
     snapshot = next((body[f] for f in SNAPSHOT_FIELDS if body.get(f)), None)
     fs_bytes = body.get("fs_capacity_bytes")
     return BoxCreate(
@@ -90,6 +90,7 @@ def read_create(body: Json) -> BoxCreate:
         mem_bytes=None if body.get("mem_bytes") is None else int(body["mem_bytes"]),
         fs_capacity_mib=None if fs_bytes is None else math.ceil(int(fs_bytes) / MIB),
         proxy_config=body.get("proxy_config"),
+        mounts=tuple(mounts_of(body["mount_config"])) if body.get("mount_config") else (),
         settings={
             "idle_timeout_seconds": seconds(body, "idle_ttl_seconds", DEFAULT_IDLE_TTL),
             "idle_action": "stop",

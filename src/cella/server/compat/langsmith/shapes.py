@@ -137,12 +137,15 @@ ERRORS: dict[str, tuple[int, str]] = {
     "timeout": (408, "Timeout"),
     "no_space": (507, "InsufficientStorage"),
     "snapshot_corrupt": (409, "SnapshotCorrupt"),
+    # a mount that failed to clone: the SDK's creation failure (ResourceCreationError)
+    "mount_failed": (422, "SandboxConfig"),
 }
 
 
 def error_response(exc: errors.CellaError, dataplane: bool) -> tuple[int, dict[str, Any]]:
     """The status and body the LangSmith SDK turns into the matching exception."""
-    if isinstance(exc, errors.InvalidArgument):  # pydantic's shape: the SDK's ValidationError
+    # pydantic's shape: the SDK's ValidationError (a failed mount is a creation failure)
+    if isinstance(exc, errors.InvalidArgument) and exc.code not in ERRORS:
         detail = [{"loc": ["body"], "msg": exc.message, "type": "value_error"}]
         return 422, {"detail": detail}
     if isinstance(exc, errors.InvalidState) and dataplane:
