@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from cella import errors
 from cella.models import GitMount, NetworkPolicy, SandboxCreate
 from cella.server.compat.langsmith.mounts import mounts_of
-from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults
+from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults, not_supported
 from cella.server.error_shapes import describe
 
 Json = dict[str, Any]
@@ -79,8 +79,23 @@ class BoxCreate:
         return validated(SandboxCreate, fields)
 
 
+# the create fields cella reads (`timeout` and `wait_for_ready` are the control plane's)
+READ = {
+    "name", *SNAPSHOT_FIELDS, "vcpus", "mem_bytes", "fs_capacity_bytes", "proxy_config",
+    "mount_config", "idle_ttl_seconds", "delete_after_stop_seconds", "run_config",
+    "preserve_memory_on_stop", "restore_memory", "access_delegation", "labels", "persistent",
+    "timeout", "wait_for_ready",
+}  # fmt: skip
+
+
 def read_create(body: Json) -> BoxCreate:
-    """A LangSmith create's body, read; what cella cannot honour is refused."""
+    """A LangSmith create's body, read; what cella cannot honour is refused by name, never
+    ignored."""
+    unknown = sorted(field for field in set(body) - READ if body[field] is not None)
+    if unknown:
+        raise not_supported(f"creating a sandbox with {unknown}")
+    if flag(body, "persistent") is False:
+        raise not_supported("persistent: false (a sandbox's files always survive its stops)")
     snapshot = next((body[f] for f in SNAPSHOT_FIELDS if body.get(f)), None)
     fs_bytes = body.get("fs_capacity_bytes")
     return BoxCreate(
@@ -99,6 +114,7 @@ def read_create(body: Json) -> BoxCreate:
             "stop_keeps_memory": flag(body, "preserve_memory_on_stop") or False,
             "restore_memory": RESTORE_MEMORY[flag(body, "restore_memory")],
             "access_delegation": delegation_of(body.get("access_delegation")),
+            "labels": body.get("labels") or {},
         },
     )
 

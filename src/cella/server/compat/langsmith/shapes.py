@@ -85,6 +85,7 @@ def sandbox_json(row: SandboxRecord, base_url: str, fs_mib: int) -> dict[str, An
         "fs_capacity_bytes": (row.disk_mib or fs_mib) << 20,
         "run_config": run_config(row.exec_defaults),
         "persistent": True,
+        "labels": dict(row.labels),
         "preserve_memory_on_stop": row.stop_keeps_memory,
         "access_delegation": delegation_json(row),
     }
