@@ -344,6 +344,9 @@ def test_download_links_open_one_file_without_a_key(
     assert beyond.status_code == 416 and beyond.headers["content-range"] == "bytes */8"
     typed = sb.generate_download_url("out/report.csv", content_type="application/x-report")
     assert httpx.get(typed.download_url).headers["content-type"] == "application/x-report"
+    page = sb.generate_download_url("out/report.csv", content_type="text/html")
+    page_headers = httpx.get(page.download_url).headers  # a guest's HTML on the daemon's origin
+    assert page_headers["content-security-policy"].split()[0] == "sandbox"  # an opaque origin
     with pytest.raises(SandboxClientError, match="media type"):  # a header of its own: no
         sb.generate_download_url("out/report.csv", content_type="text/csv\r\nX-Evil: 1")
 

@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 from cella import errors
 from cella.models import DownloadUrl, DownloadUrlRequest, SigningKeyInfo, SigningKeys
 from cella.server.deps import Auth, DaemonDep
+from cella.server.routes.ports import SANDBOXED
 from cella.service.daemon import Daemon
 from cella.service.downloads import DownloadLink
 from cella.service.keys import require_admin
@@ -85,6 +86,8 @@ async def download(
         "content-length": str(found.last - found.first + 1),
         "cache-control": "private, no-store",
         "x-content-type-options": "nosniff",
+        # a guest's file on the daemon's origin: an inline HTML one must not run as the console
+        "content-security-policy": SANDBOXED,
     }
     if found.partial:
         headers["content-range"] = f"bytes {found.first}-{found.last}/{found.size}"
