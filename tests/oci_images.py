@@ -211,12 +211,19 @@ def escaping_archive(archive: Path, host_dir: Path, levels: int = 8) -> None:
 
 
 class Registry:
-    """Debian's docker-registry serving TLS on `addr:443` with a certificate from `ca`."""
+    """Debian's docker-registry serving TLS on `addr:443` with a certificate from `ca`;
+    references name it `name` when given (a sandbox reaches it by a name the operator maps)."""
 
     def __init__(
-        self, directory: Path, addr: str, ca: TestCA, htpasswd: Path | None = None
+        self,
+        directory: Path,
+        addr: str,
+        ca: TestCA,
+        htpasswd: Path | None = None,
+        name: str | None = None,
     ) -> None:
         self.addr = addr
+        self.host = name or addr
         self.ca = ca
         self.certs = directory / "certs"  # as skopeo reads them: *.crt
         self.certs.mkdir(parents=True)
@@ -246,12 +253,11 @@ class Registry:
                 time.sleep(0.1)
 
     def push(self, source: str, repo: str, creds: str | None = None) -> str:
-        """Copies an image (`oci:LAYOUT:TAG`) in; returns its reference on the host."""
-        ref = f"{self.addr}/{repo}"
+        """Copies an image (`oci:LAYOUT:TAG`) in; returns its reference (by `host`)."""
         login = ["--dest-creds", creds] if creds else []
         run("skopeo", "copy", "--quiet", "--dest-cert-dir", self.certs, *login, source,
-            f"docker://{ref}")  # fmt: skip
-        return ref
+            f"docker://{self.addr}/{repo}")  # fmt: skip
+        return f"{self.host}/{repo}"
 
     def close(self) -> None:
         self.proc.terminate()

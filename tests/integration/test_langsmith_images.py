@@ -7,12 +7,17 @@ and `create_snapshot_from_dockerfile` told plainly what it lacks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
+import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -32,6 +37,9 @@ from tests.oci_images import Registry, busybox_image
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1500)]
 WAIT = 900  # seconds the SDK polls a build for (TCG boots are slow)
+# sandboxes (the builders that pull) reach the registries on loopback only by these names,
+# which the operator maps (`egress_hosts`): a tenant's pull stays inside the boundary
+PUBLIC, PRIVATE = "public.registry.test", "private.registry.test"
 
 
 @dataclass
@@ -48,15 +56,17 @@ def registries(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registries]
     layout = root / "layout"
     busybox_image(layout)
     prefix = free_loopback_block()
-    ca = TestCA(root / "ca", [f"{prefix}.1", f"{prefix}.2"])
-    public = Registry(root / "public", f"{prefix}.1", ca)
+    ca = TestCA(root / "ca", [PUBLIC, PRIVATE, f"{prefix}.1", f"{prefix}.2"])
+    public = Registry(root / "public", f"{prefix}.1", ca, name=PUBLIC)
     hashed = subprocess.run(
         ["/usr/bin/python3", "-W", "ignore", "-c",
          "import crypt; print(crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH)))"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
     (root / "htpasswd").write_text(f"puller:{hashed}\n")
-    private = Registry(root / "private", f"{prefix}.2", ca, htpasswd=root / "htpasswd")
+    private = Registry(
+        root / "private", f"{prefix}.2", ca, htpasswd=root / "htpasswd", name=PRIVATE
+    )
     try:
         yield Registries(
             public,
@@ -77,6 +87,7 @@ def daemon(registries: Registries, module_daemon_factory: DaemonFactory) -> Daem
         "ls-images-daemon",
         pool_size="0",
         extra_ca_certificates=json.dumps([str(registries.public.ca.cert)]),
+        egress_hosts=json.dumps({PUBLIC: registries.public.addr, PRIVATE: registries.private.addr}),
     )
 
 
@@ -101,9 +112,9 @@ def test_registries_keep_credentials_per_tenant(
     client: SandboxClient, other: SandboxClient, registries: Registries, daemon: Daemon
 ) -> None:
     made = client.registries.create(
-        name="team", url=registries.private.addr, username="puller", password="s3cret"
+        name="team", url=registries.private.host, username="puller", password="s3cret"
     )
-    assert made.id and made.name == "team" and made.url == registries.private.addr
+    assert made.id and made.name == "team" and made.url == registries.private.host
     assert made.auth_type == "DOCKER_CONFIG"
     try:
         got = client.registries.retrieve("team")
@@ -156,15 +167,15 @@ def test_private_image_needs_the_registrys_credentials(
     daemon: Daemon,
 ) -> None:
     good = client.registries.create(
-        name="private", url=registries.private.addr, username="puller", password="s3cret"
+        name="private", url=registries.private.host, username="puller", password="s3cret"
     )
     wrong = client.registries.create(
-        name="wrong", url=registries.private.addr, username="puller", password="nope"
+        name="wrong", url=registries.private.host, username="puller", password="nope"
     )
     theirs = other.registries.create(
-        name="theirs", url=registries.private.addr, username="puller", password="s3cret"
+        name="theirs", url=registries.private.host, username="puller", password="s3cret"
     )
-    elsewhere = client.registries.create(name="elsewhere", url=registries.public.addr)
+    elsewhere = client.registries.create(name="elsewhere", url=registries.public.host)
     image = registries.private_busybox
     try:
         # without credentials, and with wrong ones, the registry refuses the pull
@@ -226,6 +237,41 @@ def test_public_image_without_credentials_async(daemon: Daemon, registries: Regi
 
     status, out = asyncio.run(build())
     assert status == "ready" and out == "0 bar yes"
+
+
+def test_a_tenants_pull_stays_inside_the_boundary(
+    client: SandboxClient, registries: Registries, daemon: Daemon
+) -> None:
+    """The host never connects where a tenant says: the pull runs in a builder sandbox
+    behind the egress proxy. A registry at an address outside the boundary (the same
+    registry by its loopback address, the daemon's own port, a metadata service) is refused
+    at once; a name that resolves inside it is refused when the builder connects. The
+    control is the same registry by the name the operator maps, which builds (the tests
+    around this one)."""
+    by_address = registries.busybox.replace(PUBLIC, registries.public.addr)
+    port = urlsplit(daemon.url).port
+    for image in (by_address, f"127.0.0.1:{port}/v1/x:1", "169.254.169.254/latest:1"):
+        with pytest.raises(SandboxClientError, match=r"outside the egress boundary") as no:
+            client.create_snapshot("outside", image, 1 << 30, timeout=WAIT)
+        assert "ResourceCreation" not in type(no.value).__name__  # refused, never started
+    # a name of this host that resolves to its loopback (from /etc/hosts): only the proxy,
+    # resolving it when the builder connects, can tell
+    name = _loopback_name()
+    with pytest.raises(ResourceCreationError) as failed:
+        client.create_snapshot("by-name", f"{name}:{port}/v1/x:1", 1 << 30, timeout=WAIT)
+    said = str(failed.value)
+    assert re.search(r"(?i)egress|forbidden|not public|refused", said), said
+    assert "detail" not in said  # nothing of the daemon's own answer comes back
+    assert not [s for s in client.list_snapshots() if s.name in ("outside", "by-name")
+                and s.status == "ready"]  # fmt: skip
+
+
+def _loopback_name() -> str:
+    for name in (socket.gethostname(), "vm", "runsc"):
+        with contextlib.suppress(OSError):
+            if ipaddress.ip_address(socket.gethostbyname(name)).is_loopback and name != "localhost":
+                return name
+    pytest.skip("no name of this host resolves to its loopback")
 
 
 def test_capture_an_image_from_the_sandboxs_docker(
@@ -306,7 +352,7 @@ def test_cella_cli_registry_and_snapshot_from_image(daemon: Daemon, registries: 
             timeout=900,
         )
 
-    added = cli("registry", "add", "cli-reg", "--url", registries.private.addr,
+    added = cli("registry", "add", "cli-reg", "--url", registries.private.host,
                 "--username", "puller", "--json", stdin="s3cret\n")  # fmt: skip
     assert added.returncode == 0, added.stderr
     try:

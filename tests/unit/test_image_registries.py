@@ -108,9 +108,13 @@ async def test_langsmith_create_snapshot_refuses_before_anything_is_made(tmp_pat
             assert r.status_code == 404 and "Registry 'nope' not found" in r.text
             r = await post(**base, docker_image="reg.test/a:1", labels={"a": "b"})
             assert r.status_code == 400 and "not supported by cella" in r.text
+            # a registry at an address outside the egress boundary: refused before a pull
+            for image in ("127.0.0.1:9/a:7", "169.254.169.254/a:7", "10.1.2.3/a:7"):
+                r = await post(**base, docker_image=image)
+                assert r.status_code == 403 and "outside the egress boundary" in r.text, r.text
             assert app.daemon.snapshots.find(None) == []
-            # the control (a closed port on loopback: the pull fails later, in the background)
-            r = await post(**base, docker_image="127.0.0.1:9/a:7")
+            # the control, a registry by name (its pull fails later, in the background)
+            r = await post(**base, docker_image="reg.test:9/a:7")
             assert r.status_code == 200, r.text
             made = r.json()
             assert made["status"] == "building" and made["name"] == "pg"

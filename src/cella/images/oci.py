@@ -258,7 +258,8 @@ def _build(
             argv[2:2] = ["--src-cert-dir", str(cert_dir)]
         auth = paths.build_tmp / f"auth-{tag}.json"
         if credentials:  # a file, not an argument: arguments are visible to every host user
-            auth.write_text(_auth_json(source, credentials))
+            registry = source.removeprefix("docker://").split("/", 1)[0]
+            auth.write_text(auth_json(registry, credentials))
             argv[2:2] = ["--src-authfile", str(auth)]
         try:
             _fetch(argv, layout, limits, progress)
@@ -454,9 +455,8 @@ def record_seconds(paths: Paths, meta: TemplateMeta, **seconds: float) -> None:
     _write_meta(paths, meta.model_copy(update={"seconds": {**meta.seconds, **seconds}}))
 
 
-def _auth_json(source: str, credentials: str) -> str:
-    """A containers-auth.json entry for the registry of a `docker://` source."""
-    registry = source.removeprefix("docker://").split("/", 1)[0]
+def auth_json(registry: str, credentials: str) -> str:
+    """A containers-auth.json with `user:password` for `registry` (`host[:port]`)."""
     token = base64.b64encode(credentials.encode()).decode()
     return json.dumps({"auths": {registry: {"auth": token}}})
 

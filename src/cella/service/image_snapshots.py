@@ -1,5 +1,6 @@
-"""Snapshots built from images: an image in a registry (pulled with one of the tenant's
-registries), or an image in a sandbox's own Docker (`docker save` there).
+"""Snapshots built from images: an image in a registry (pulled in a builder sandbox, with
+one of the tenant's registries: `image_pulls`), or an image in a sandbox's own Docker
+(`docker save` there).
 
 Either way the image becomes a template of that tenant's alone (`img-...`: other tenants
 cannot see or create from it; its base file is shared by manifest digest underneath, and only
@@ -25,6 +26,7 @@ from cella import errors
 from cella.images import docker_save, oci
 from cella.models import ExecDefaults, SandboxCreate, Template
 from cella.service.background import Background
+from cella.service.image_pulls import ImagePulls
 from cella.service.image_registries import ImageRegistries
 from cella.service.lifecycle import Lifecycle
 from cella.service.registry import error_text
@@ -50,6 +52,7 @@ class ImageSnapshots:
         self.snapshots = snapshots
         self.registries = registries
         self.background = background
+        self.pulls = ImagePulls(templates)
 
     def from_image(
         self,
@@ -69,23 +72,28 @@ class ImageSnapshots:
         credentials = None
         if registry is not None:
             credentials = self.registries.credentials(tenant, registry, image)
+        self.pulls.check(tenant, image)
 
         async def build(template: str, progress: Progress) -> Template:
-            async with self.templates.lock(template):
-                await asyncio.to_thread(
-                    oci.build_from_image,
-                    self.templates.paths,
-                    template,
-                    f"docker://{image}",
-                    threadsafe(progress),
-                    disk_mib=disk_mib,
-                    cert_dir=self.templates.certs(),
-                    credentials=credentials,
-                    limits=oci.ImportLimits.of(self.templates.settings),
-                    source=image,
-                    tenant=tenant,
-                )
-                await self.templates.warm_up(template, progress)
+            limits = oci.ImportLimits.of(self.templates.settings)
+            with tempfile.TemporaryDirectory(dir=self.templates.paths.build_tmp) as tmp:
+                layout = await self.pulls.pull(
+                    tenant, image, credentials, Path(tmp), limits, progress,
+                    labels={"cella.snapshot": name},
+                )  # fmt: skip
+                async with self.templates.lock(template):
+                    await asyncio.to_thread(
+                        oci.build_from_image,
+                        self.templates.paths,
+                        template,
+                        layout,
+                        threadsafe(progress),
+                        disk_mib=disk_mib,
+                        limits=limits,
+                        source=image,
+                        tenant=tenant,
+                    )
+                    await self.templates.warm_up(template, progress)
             return self.templates.get(template, tenant)
 
         return self._start(tenant, name, tag, defaults, build)
