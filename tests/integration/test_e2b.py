@@ -193,15 +193,27 @@ def test_fork_and_snapshots(python: Path, daemon: Daemon, admin: Client) -> None
         daemon,
         f"""
         sb = Sandbox.connect("{sandbox_id}")
+        sb.commands.run("sleep 900", background=True, user="root")
         forks = sb.fork(count=2)
         snap = sb.create_snapshot("prepared-env")
+        disk = sb.create_snapshot("disk-only", mode="filesystem")
+        from_disk = Sandbox.create(disk.snapshot_id)
         pager = Sandbox.list_snapshots(sandbox_id=sb.sandbox_id)
         listed = [s.snapshot_id for s in pager.next_items()]
         booted = Sandbox.create(snap.snapshot_id)
         print(json.dumps({{"forks": [f.sandbox_id for f in forks], "snap": snap.snapshot_id,
-                           "names": snap.names, "listed": listed, "booted": booted.sandbox_id}}))
+                           "names": snap.names, "listed": listed, "booted": booted.sandbox_id,
+                           "from_disk": from_disk.sandbox_id, "disk": disk.snapshot_id}}))
         """,
     )
+    # a filesystem-only snapshot boots from its disk: the files, not the processes (the
+    # control: the full snapshot's sandbox has the `sleep` the source was running)
+    cold = admin.get(got["from_disk"])
+    assert cold.files.read("/root/state.txt") == b"prepared"
+    assert cold.exec("pgrep -x sleep").exit_code == 1
+    assert admin.get(got["booted"]).exec("pgrep -x sleep").exit_code == 0
+    assert admin.get_snapshot(got["disk"]).info.memory is False
+    cold.delete()
     assert len(got["forks"]) == 2 and got["snap"] in got["listed"]  # (the fork took one too)
     assert got["names"] == ["prepared-env"]
     for branch in [*got["forks"], got["booted"]]:
@@ -241,6 +253,12 @@ def test_errors_the_sdk_maps(python: Path, daemon: Daemon, admin: Client) -> Non
             Sandbox.create(mcp={"x": {}})
         except SandboxException as e:
             out["mcp"] = "not supported" in str(e)
+        for name, call in (("volume", lambda: Volume.create("data")),
+                           ("metrics", lambda: Sandbox.get_metrics("sb-0000000000000000"))):
+            try:
+                call()
+            except Exception as e:  # what the SDK raises, with cella's words in it
+                out[name] = [type(e).__name__, str(e)]
         try:
             Sandbox.list(api_key="ck_wrong").next_items()
         except AuthenticationException:
@@ -253,6 +271,10 @@ def test_errors_the_sdk_maps(python: Path, daemon: Daemon, admin: Client) -> Non
     assert got["template"] == [400, True]
     assert got["metadata"] == "400" and got["mcp"] is True
     assert got["auth"] == "AuthenticationException"
+    # E2B calls cella does not serve are named in E2B's shape (not the SDK's KeyError)
+    assert "not supported by cella: volumes" in got["volume"][1], got["volume"]
+    assert "not supported by cella: sandbox metrics" in got["metrics"][1], got["metrics"]
+    assert "KeyError" not in got["volume"][0] + got["metrics"][0]
     # and the control: the same key works
     assert (
         e2b(

@@ -167,10 +167,12 @@ async def fork(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = N
 async def snapshot(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Json:
     body = body or {}
     sandbox(svc, who, sandbox_id)
-    if body.get("memory") is False:
-        raise not_supported("filesystem-only snapshots (cella's keep memory too)")
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise errors.InvalidArgument("memory must be a boolean")
     name = str(body.get("name") or f"snapshot-of-{sandbox_id}")
-    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest")
+    # memory false: the filesystem alone; sandboxes made from it boot from its disk
+    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest", memory=memory)
     return {"snapshotID": snap.id, "names": [name]}
 
 

@@ -1,0 +1,54 @@
+"""The parts of E2B's API that cella does not serve, answered by name.
+
+The pinned SDK (`e2b==2.63.0`, `e2b/api/client/api/*`) can call each of these paths. Without
+a route the framework would answer a bare 404 that the SDK reads as "not found", or, outside
+the paths E2B's error shape owns, a body the SDK cannot read at all. Each answers instead a
+400 in E2B's `{code, message}` that names what is missing. Registered before the served
+routes (`/sandboxes/metrics` would otherwise be read as a sandbox's id), so none of these
+paths may be one cella serves: `DELETE /templates/{id}` (a snapshot's deletion) is not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+
+from cella import errors
+
+ALL = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+# (path, what it is in E2B's API, methods); `{rest:path}` covers the calls below a collection
+TEMPLATES = "building templates from the SDK (cella's own: /v1/templates)"
+UNSERVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("/volumes", "volumes", ALL),
+    ("/volumes/{rest:path}", "volumes", ALL),
+    ("/secrets", "the secrets API (cella's own: /v1/secrets)", ALL),
+    ("/secrets/{rest:path}", "the secrets API (cella's own: /v1/secrets)", ALL),
+    ("/sandboxes/metrics", "sandbox metrics", ALL),
+    ("/sandboxes/{sandbox_id}/metrics", "sandbox metrics", ALL),
+    ("/sandboxes/{sandbox_id}/logs", "sandbox logs (cella's own: its events)", ALL),
+    ("/sandboxes/{sandbox_id}/network", "live network changes", ALL),
+    ("/sandboxes/{sandbox_id}/refreshes", "timeout refreshes (set_timeout is served)", ALL),
+    ("/templates", TEMPLATES, ALL),
+    ("/templates/{rest:path}", TEMPLATES, ("GET", "POST", "PUT", "PATCH")),
+    ("/v2/templates", TEMPLATES, ALL),
+    ("/v2/templates/{rest:path}", TEMPLATES, ALL),
+    ("/v3/templates", TEMPLATES, ALL),
+    ("/default-templates", TEMPLATES, ALL),
+)
+
+router = APIRouter(include_in_schema=False)
+
+
+def _refuse(what: str) -> Callable[[Request], Awaitable[None]]:
+    async def refuse(request: Request) -> None:
+        raise errors.InvalidArgument(
+            f"not supported by cella: {what} ({request.method} {request.url.path})"
+        )
+
+    return refuse
+
+
+for _path, _what, _methods in UNSERVED:
+    router.add_api_route(_path, _refuse(_what), methods=list(_methods))

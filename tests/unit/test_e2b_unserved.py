@@ -1,0 +1,59 @@
+"""What E2B's SDK can call and cella does not serve answers by name, in E2B's error shape
+(through the real app, fake runtime); the paths cella does serve stay served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from cella.server.compat.e2b.unserved import UNSERVED
+from tests.unit.in_process import serving
+
+CALLS = [
+    ("POST", "/volumes", "volumes"),
+    ("GET", "/volumes/vol-1", "volumes"),
+    ("POST", "/secrets", "secrets API"),
+    ("DELETE", "/secrets/s-1", "secrets API"),
+    ("GET", "/sandboxes/metrics", "sandbox metrics"),
+    ("GET", "/sandboxes/sb-1/metrics", "sandbox metrics"),
+    ("GET", "/sandboxes/sb-1/logs", "sandbox logs"),
+    ("PUT", "/sandboxes/sb-1/network", "live network changes"),
+    ("POST", "/sandboxes/sb-1/refreshes", "timeout refreshes"),
+    ("POST", "/v3/templates", "building templates"),
+    ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
+    ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
+    ("GET", "/default-templates", "building templates"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "named"), CALLS)
+async def test_unserved_calls_are_named_in_e2bs_shape(
+    tmp_path: Path, method: str, path: str, named: str
+) -> None:
+    async with serving(tmp_path) as app:
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            r = await c.request(method, path, headers={"X-API-KEY": app.admin_key}, json={})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["code"] == 400  # E2B's `{code, message}`: the SDK reads both
+    assert named in body["message"] and "not supported by cella" in body["message"]
+    assert path in body["message"]
+
+
+async def test_served_paths_are_not_shadowed(tmp_path: Path) -> None:
+    """The control: a sandbox's info and a snapshot's deletion (E2B deletes snapshots as
+    templates) still reach cella's routes: unknown ids are E2B's 404, not a refusal."""
+    assert all("DELETE" not in m for p, _, m in UNSERVED if p.startswith("/templates/"))
+    async with serving(tmp_path) as app:
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            head = {"X-API-KEY": app.admin_key}
+            info = await c.get("/sandboxes/sb-0000000000000000", headers=head)
+            gone = await c.delete("/templates/no-such-snapshot", headers=head)
+            listed = await c.get("/snapshots", headers=head)
+    assert info.status_code == 404 and info.json()["code"] == 404
+    assert gone.status_code == 404 and gone.json()["code"] == 404
+    assert listed.status_code == 200 and listed.json() == []
