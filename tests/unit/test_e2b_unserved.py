@@ -20,7 +20,6 @@ CALLS = [
     ("GET", "/sandboxes/sb-1/metrics", "sandbox metrics"),
     ("GET", "/sandboxes/sb-1/logs", "sandbox logs"),
     ("PUT", "/sandboxes/sb-1/network", "live network changes"),
-    ("POST", "/sandboxes/sb-1/refreshes", "timeout refreshes"),
     ("POST", "/v3/templates", "building templates"),
     ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
     ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
@@ -57,3 +56,31 @@ async def test_served_paths_are_not_shadowed(tmp_path: Path) -> None:
     assert info.status_code == 404 and info.json()["code"] == 404
     assert gone.status_code == 404 and gone.json()["code"] == 404
     assert listed.status_code == 200 and listed.json() == []
+
+
+async def test_refreshes_extend_and_never_shorten(tmp_path: Path) -> None:
+    """`POST /sandboxes/{id}/refreshes`: alive at least `duration` more seconds; a shorter
+    refresh leaves the lifetime as it was (E2B's keep-alive, unlike set_timeout)."""
+    async with serving(tmp_path) as app:
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            head = {"X-API-KEY": app.admin_key}
+            made = await c.post("/sandboxes", headers=head, json={"timeout": 30})
+            assert made.status_code == 201, made.text
+            sid = made.json()["sandboxID"]
+
+            def ttl() -> int | None:
+                return app.daemon.registry.store.get_sandbox(sid).ttl_seconds
+
+            before = ttl()
+            assert before is not None and before < 60
+            r = await c.post(f"/sandboxes/{sid}/refreshes", headers=head, json={"duration": 600})
+            assert r.status_code == 204, r.text
+            longer = ttl()
+            assert longer is not None and longer >= 600
+            r = await c.post(f"/sandboxes/{sid}/refreshes", headers=head, json={"duration": 20})
+            assert r.status_code == 204 and ttl() == longer
+            r = await c.post(f"/sandboxes/{sid}/refreshes", headers=head, json={"duration": 9999})
+            assert r.status_code == 400 and "at most 3600" in r.json()["message"]
+            r = await c.post("/sandboxes/sb-0000000000000000/refreshes", headers=head, json={})
+            assert r.status_code == 404 and r.json()["code"] == 404

@@ -36,6 +36,7 @@ Json = dict[str, Any]
 JsonBody = Annotated[dict[str, Any], Body()]
 MaybeBody = Annotated[dict[str, Any] | None, Body()]
 DEFAULT_TIMEOUT = 300  # E2B's API default lifetime, in seconds
+REFRESH_MIN, REFRESH_MAX = 15, 3600  # a refresh's duration: E2B's floor, its spec's ceiling
 TEMPLATES = {BASE: "default", "code-interpreter-v1": "code-interpreter"}  # E2B's names
 UNSUPPORTED = ("mcp", "iam", "volumeMounts", "autoResume")
 
@@ -114,6 +115,20 @@ async def kill(sandbox_id: str, svc: DaemonDep, who: Caller) -> Response:
 async def set_timeout(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
     row = sandbox(svc, who, sandbox_id)
     await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Response:
+    """Keeps the sandbox alive at least `duration` seconds from now (15 when not given or
+    less, as E2B's API does); unlike `set_timeout`, never shortens its lifetime."""
+    row = sandbox(svc, who, sandbox_id)
+    duration = int_param((body or {}).get("duration"), REFRESH_MIN, "duration")
+    if duration > REFRESH_MAX:
+        raise errors.InvalidArgument(f"duration must be at most {REFRESH_MAX} seconds")
+    wanted = lifetime(row, {"timeout": max(duration, REFRESH_MIN)})
+    if row.ttl_seconds is not None and wanted > row.ttl_seconds:
+        await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=wanted)
     return Response(status_code=204)
 
 

@@ -29,7 +29,6 @@ UNSERVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("/sandboxes/{sandbox_id}/metrics", "sandbox metrics", ALL),
     ("/sandboxes/{sandbox_id}/logs", "sandbox logs (cella's own: its events)", ALL),
     ("/sandboxes/{sandbox_id}/network", "live network changes", ALL),
-    ("/sandboxes/{sandbox_id}/refreshes", "timeout refreshes (set_timeout is served)", ALL),
     ("/templates", TEMPLATES, ALL),
     ("/templates/{rest:path}", TEMPLATES, ("GET", "POST", "PUT", "PATCH")),
     ("/v2/templates", TEMPLATES, ALL),
