@@ -3,8 +3,11 @@ real daemon: it is pointed at cella by `E2B_API_URL`, `E2B_SANDBOX_URL` and a ce
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 
 from cella import Client, errors
 from tests.daemon import Daemon
+from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 from tests.sdk_env import run_script, sdk_python
 
 pytestmark = pytest.mark.vm
@@ -24,9 +28,31 @@ def python() -> Path:
     return sdk_python("e2b-2.63.0", E2B)
 
 
+@dataclass
+class Api:
+    """A plain-HTTP server on loopback that echoes what it is sent, reached from sandboxes
+    as `api.e2b.test` (the operator's host table)."""
+
+    addr: str
+    seen: Recorder
+
+
 @pytest.fixture(scope="module")
-def daemon_settings() -> dict[str, str]:
-    return {"pool_size": "1", "max_sandboxes_per_tenant": "8"}
+def api() -> Iterator[Api]:
+    addr = f"{free_loopback_block()}.1"
+    servers = Servers()
+    seen = servers.start(EchoHandler, (addr, 80))
+    yield Api(addr, seen)
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def daemon_settings(api: Api) -> dict[str, str]:
+    return {
+        "pool_size": "1",
+        "max_sandboxes_per_tenant": "8",
+        "egress_hosts": json.dumps({"api.e2b.test": api.addr}),
+    }
 
 
 def e2b(python: Path, daemon: Daemon, script: str, key: str | None = None) -> Any:
@@ -689,3 +715,65 @@ def test_an_older_client(older_python: Path, daemon: Daemon) -> None:
     assert got["run"] == "42\nuser\n"
     assert got["read"] == "from 2.20"
     assert got["listed"] == [{"sdk": "2.20"}] and got["killed"] is True
+
+
+def test_secrets_header_rules_and_live_network(python: Path, daemon: Daemon, api: Api) -> None:
+    """E2B's `/secrets` API keeps a secret (versions, metadata, never its value in an
+    answer); a sandbox's `network.rules` header transform names it, and the proxy puts it in
+    as the request leaves; `update_network` replaces the rules of the running sandbox."""
+    got = e2b(
+        python,
+        daemon,
+        """
+        from e2b.api import ApiClient
+        from e2b.connection_config import ConnectionConfig
+        from e2b.api.client.api.secrets import (post_secrets, get_secrets,
+            get_secrets_secret_id, post_secrets_secret_id, delete_secrets_secret_id)
+        from e2b.api.client.models import NewSecret, SecretUpdate
+        api = ApiClient(ConnectionConfig())
+        out = {}
+        new = lambda name, value: post_secrets.sync_detailed(
+            client=api, body=NewSecret(name=name, value=value))
+        made = new("Token", "v1-s3cret")
+        out["made"] = [made.status_code, json.loads(made.content)]
+        out["dup"] = new("token", "x").status_code
+        upd = post_secrets_secret_id.sync_detailed(
+            "sec_token", client=api, body=SecretUpdate(value="v2-s3cret"))
+        out["updated"] = json.loads(upd.content)
+        out["listed"] = json.loads(get_secrets.sync_detailed(client=api).content)
+        by_name = get_secrets_secret_id.sync_detailed("token", client=api)
+        out["by_name"] = json.loads(by_name.content)
+        rules = {"api.e2b.test": [{"transform": {"headers": {
+            "Authorization": "Bearer ${e2b.secrets.token}", "X-Plain": "literal"}}}]}
+        sb = Sandbox.create(network={"allow_out": ["api.e2b.test"], "rules": rules})
+        curl = "curl -s -m 20 -H 'Authorization: Bearer guess' http://api.e2b.test/"
+        out["with_rule"] = sb.commands.run(curl + "one").stdout
+        out["env"] = sb.commands.run("env; cat /proc/1/environ 2>/dev/null", user="root").stdout
+        sb.update_network({"allow_out": ["api.e2b.test"]})  # the rules cleared
+        out["without_rule"] = sb.commands.run(curl + "two").stdout
+        sb.update_network({})  # everything cleared: nothing is reachable
+        code = "-o /dev/null -w '%{http_code}'"
+        r = sb.commands.run(f"curl -s -m 20 {code} http://api.e2b.test/three || true")
+        out["closed"] = r.stdout
+        sb.kill()
+        out["deleted"] = delete_secrets_secret_id.sync_detailed("sec_token", client=api).status_code
+        out["gone"] = get_secrets_secret_id.sync_detailed("token", client=api).status_code
+        print(json.dumps(out))
+        """,
+    )
+    status, made = got["made"]
+    assert status == 201 and made["name"] == "token" and made["secretID"] == "sec_token"
+    assert made["currentVersion"] == 1 and "value" not in made
+    assert got["dup"] == 409
+    assert got["updated"]["currentVersion"] == 2
+    assert [s["name"] for s in got["listed"]] == ["token"] and got["by_name"]["currentVersion"] == 2
+    assert "s3cret" not in json.dumps(got["listed"]) + json.dumps(got["updated"])
+    # the server saw the secret's current value, put in by the proxy over the guest's own
+    seen = {r["path"]: r["headers"] for r in api.seen.requests}
+    assert seen["/one"]["authorization"] == "Bearer v2-s3cret"
+    assert seen["/one"]["x-plain"] == "literal"
+    assert "s3cret" not in got["with_rule"] + got["env"]  # never inside the sandbox
+    # the control: with the rule gone the guest's own header goes through untouched
+    assert seen["/two"]["authorization"] == "Bearer guess" and "x-plain" not in seen["/two"]
+    assert "/three" not in seen and got["closed"] != "200"
+    assert got["deleted"] == 204 and got["gone"] == 404

@@ -14,12 +14,9 @@ from tests.unit.in_process import serving
 CALLS = [
     ("POST", "/volumes", "volumes"),
     ("GET", "/volumes/vol-1", "volumes"),
-    ("POST", "/secrets", "secrets API"),
-    ("DELETE", "/secrets/s-1", "secrets API"),
     ("GET", "/sandboxes/metrics", "sandbox metrics"),
     ("GET", "/sandboxes/sb-1/metrics", "sandbox metrics"),
     ("GET", "/sandboxes/sb-1/logs", "sandbox logs"),
-    ("PUT", "/sandboxes/sb-1/network", "live network changes"),
     ("POST", "/v3/templates", "building templates"),
     ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
     ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),

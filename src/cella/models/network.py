@@ -194,7 +194,10 @@ class SecretPut(BaseModel):
 
     value: str = Field(min_length=1, max_length=65536)
     hosts: list[str] = Field(
-        min_length=1, max_length=64, description="domain, *.domain or IP rules"
+        default_factory=list,
+        max_length=64,
+        description="domain, *.domain or IP rules; none: the secret is used only where a "
+        "header, AWS or GCP rule names it (no placeholder is swapped anywhere)",
     )
     auth: Literal["bearer", "basic"] | None = Field(
         default=None,
@@ -208,6 +211,9 @@ class SecretPut(BaseModel):
         description="anywhere: the placeholder is swapped in URL, headers and body; header: "
         "only the Authorization header (from `auth`) carries it, nothing is swapped. Use "
         "header for hosts that store what they are sent, or the guest can read it back",
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict, max_length=32, description="the owner's notes, kept as given"
     )
 
     @model_validator(mode="after")
@@ -234,6 +240,13 @@ class SecretPut(BaseModel):
             raise ValueError("a secret value cannot contain CR, LF or NUL")
         return value
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(len(k) > 128 or len(v) > 1024 for k, v in value.items()):
+            raise ValueError("metadata keys are at most 128 characters, values 1024")
+        return value
+
 
 class Secret(BaseModel):
     model_config = {"from_attributes": True}
@@ -243,6 +256,8 @@ class Secret(BaseModel):
     hosts: list[str]
     auth: Literal["bearer", "basic"] | None = None
     username: str | None = None
+    version: int = Field(default=1, description="1, then one more at each replacement")
+    metadata: dict[str, str] = Field(default_factory=dict)
     created_at: datetime
     updated_at: datetime
 

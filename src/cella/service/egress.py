@@ -305,7 +305,14 @@ class SandboxEgress:
         """Stores a secret; running sandboxes that use it get the new value at once."""
         self.store.put_secret(
             SecretRecord(
-                tenant, name, body.value, body.hosts, body.auth, body.username, body.inject
+                tenant,
+                name,
+                body.value,
+                body.hosts,
+                body.auth,
+                body.username,
+                body.inject,
+                metadata=body.metadata,
             )
         )
         self.events.secrets_changed(tenant)

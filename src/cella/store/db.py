@@ -427,10 +427,11 @@ class Store:
         sealed = self._sealing().seal(record.value, f"{record.tenant}/{record.name}")
         self._exec(
             "INSERT INTO secrets (tenant, name, value, hosts, auth, username, inject, "
-            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "metadata, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (tenant, name) DO UPDATE SET value = excluded.value, "
             "hosts = excluded.hosts, auth = excluded.auth, username = excluded.username, "
-            "inject = excluded.inject, updated_at = excluded.updated_at",
+            "inject = excluded.inject, metadata = excluded.metadata, "
+            "version = secrets.version + 1, updated_at = excluded.updated_at",
             (
                 record.tenant,
                 record.name,
@@ -439,6 +440,7 @@ class Store:
                 record.auth,
                 record.username,
                 record.inject,
+                json.dumps(record.metadata),
                 record.created_at,
                 record.updated_at,
             ),
@@ -462,7 +464,8 @@ class Store:
 
     def _secret(self, row: sqlite3.Row) -> SecretRecord:
         value = self._sealing().open(row["value"], _owner(row))
-        return SecretRecord(**{**dict(row), "value": value, "hosts": json.loads(row["hosts"])})
+        fields = {**dict(row), "value": value, "hosts": json.loads(row["hosts"])}
+        return SecretRecord(**fields | {"metadata": json.loads(row["metadata"])})
 
     def delete_secret(self, tenant: str, name: str) -> bool:
         cur = self._exec("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))

@@ -166,4 +166,9 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
     """,
+    # a secret's version (one more at each replacement) and its owner's metadata
+    """
+    ALTER TABLE secrets ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE secrets ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
+    """,
 ]

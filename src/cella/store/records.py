@@ -123,6 +123,8 @@ class SecretRecord:
     auth: str | None = None
     username: str | None = None
     inject: str = "anywhere"
+    version: int = 1
+    metadata: dict[str, str] = field(default_factory=dict)
     created_at: str = ""
     updated_at: str = ""
 

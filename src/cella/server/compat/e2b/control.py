@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from cella import errors
-from cella.models import ExecDefaults, NetworkPolicy, SandboxCreate, SandboxUpdate
+from cella.models import ExecDefaults, HeaderRule, NetworkPolicy, SandboxCreate, SandboxUpdate
 from cella.models.sandbox import MAX_LIFETIME_SECONDS
 from cella.server.compat.e2b.shapes import (
     BASE,
     Access,
+    as_cella_refs,
     detail_json,
     sandbox_json,
     state_of,
@@ -129,6 +130,15 @@ async def refresh(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody 
     wanted = lifetime(row, {"timeout": max(duration, REFRESH_MIN)})
     if row.ttl_seconds is not None and wanted > row.ttl_seconds:
         await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=wanted)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
+    """Replaces the sandbox's egress rules (what is omitted is cleared, as E2B's API does);
+    a running sandbox has them for its next connection."""
+    row = sandbox(svc, who, sandbox_id)
+    await svc.egress.set_network(who.tenant, row.id, network_of(body, row.network.public_ports))
     return Response(status_code=204)
 
 
@@ -247,13 +257,15 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         raise errors.InvalidArgument(describe(problems()) if problems else str(exc)) from None
 
 
-def network_of(body: Json) -> NetworkPolicy:
-    """`allow_internet_access` and `network.allowOut`/`denyOut` as egress rules. Without
-    them, cella's default holds: nothing is reachable until allowed."""
-    net = body.get("network") or {}
+def network_of(body: Json, public_ports: bool | None = None) -> NetworkPolicy:
+    """`allow_internet_access`, `network.allowOut`/`denyOut` as egress rules and
+    `network.rules` as header rules. Without them, cella's default holds: nothing is
+    reachable until allowed. (An update's body is the `network` object itself, with
+    `allow_internet_access` in it; `public_ports` is then the sandbox's, kept.)"""
+    net = (body.get("network") or {}) if public_ports is None else body
     if not isinstance(net, dict):
         raise errors.InvalidArgument("network must be an object")
-    for unsupported in ("egressProxy", "dnsServers", "rules", "maskRequestHost", "httpsPorts"):
+    for unsupported in ("egressProxy", "dnsServers", "maskRequestHost", "httpsPorts"):
         if net.get(unsupported):
             raise not_supported(f"network.{unsupported}")
     allow = [str(r) for r in net.get("allowOut") or []]
@@ -263,11 +275,43 @@ def network_of(body: Json) -> NetworkPolicy:
     if body.get("allow_internet_access") is False:
         allow = [r for r in allow if r != "*"]
     deny = ["*" if r == "0.0.0.0/0" else r for r in deny]  # E2B's "everything else"
-    return NetworkPolicy(
-        allow=allow,
-        deny=[r for r in deny if r not in allow or r == "*"],
-        public_ports=net.get("allowPublicTraffic") is not False,  # E2B's default: public
-    )
+    try:
+        return NetworkPolicy(
+            allow=allow,
+            deny=[r for r in deny if r not in allow or r == "*"],
+            headers=header_rules(net.get("rules") or {}),
+            public_ports=(  # E2B's default: public
+                net.get("allowPublicTraffic") is not False if public_ports is None else public_ports
+            ),
+        )
+    except ValidationError as exc:
+        raise errors.InvalidArgument(describe(exc.errors())) from None
+
+
+def header_rules(rules: Any) -> list[HeaderRule]:
+    """`network.rules` (`{host: [{transform: {headers: {name: value}}}]}`) as cella's header
+    rules: the egress proxy sets each header on requests to the host, a secret named in its
+    value (`${e2b.secrets.NAME}`) put in as the request leaves, never in the sandbox."""
+    if not isinstance(rules, dict):
+        raise errors.InvalidArgument("network.rules must be an object of host: [rule]")
+    out = []
+    for host, entries in rules.items():
+        if not isinstance(entries, list):
+            raise errors.InvalidArgument(f"network.rules[{host!r}] must be a list of rules")
+        for entry in entries:
+            transform = entry.get("transform") if isinstance(entry, dict) else None
+            if not isinstance(transform, dict) or set(entry) - {"transform"}:
+                raise errors.InvalidArgument(f"network.rules[{host!r}]: each rule is a transform")
+            if set(transform) - {"headers"}:
+                raise not_supported(f"network.rules transforms other than headers ({host})")
+            headers = transform.get("headers") or {}
+            if not isinstance(headers, dict):
+                raise errors.InvalidArgument(f"network.rules[{host!r}]: headers is an object")
+            for name, value in headers.items():
+                if "${e2b.identity." in str(value):
+                    raise not_supported("workload identity tokens in network.rules (iam)")
+                out.append(HeaderRule(hosts=[host], name=name, value=as_cella_refs(str(value))))
+    return out
 
 
 def lifetime(row: SandboxRecord, body: Json) -> int:

@@ -32,6 +32,15 @@ _PATHS = re.compile(
 S = SandboxState
 
 
+SECRET_REFERENCE = re.compile(r"\$\{e2b\.secrets\.([A-Za-z0-9_-]{1,128})\}")
+
+
+def as_cella_refs(value: str) -> str:
+    """A header value's `${e2b.secrets.NAME}` as cella's `{secret:name}` (E2B's secret
+    names are lower-cased)."""
+    return SECRET_REFERENCE.sub(lambda m: "{secret:" + m.group(1).lower() + "}", value)
+
+
 def owns(path: str) -> bool:
     return bool(_PATHS.match(path))
 

@@ -23,12 +23,9 @@ TEMPLATES = "building templates from the SDK (cella's own: /v1/templates)"
 UNSERVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("/volumes", "volumes", ALL),
     ("/volumes/{rest:path}", "volumes", ALL),
-    ("/secrets", "the secrets API (cella's own: /v1/secrets)", ALL),
-    ("/secrets/{rest:path}", "the secrets API (cella's own: /v1/secrets)", ALL),
     ("/sandboxes/metrics", "sandbox metrics", ALL),
     ("/sandboxes/{sandbox_id}/metrics", "sandbox metrics", ALL),
     ("/sandboxes/{sandbox_id}/logs", "sandbox logs (cella's own: its events)", ALL),
-    ("/sandboxes/{sandbox_id}/network", "live network changes", ALL),
     ("/templates", TEMPLATES, ALL),
     ("/templates/{rest:path}", TEMPLATES, ("GET", "POST", "PUT", "PATCH")),
     ("/v2/templates", TEMPLATES, ALL),
