@@ -1,0 +1,89 @@
+"""Rewrite rules' pieces that need no VM: what a rule may name (`models.RewriteRule`), what
+`strip`, `redact` and `keep` do to a request's headers (`policy/rewrites.py`), and the deny
+rule that still wins."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from cella.models import NetworkPolicy, RewriteRule
+from cella.policy.egress import Policy
+from cella.policy.rewrites import guard, redact
+
+
+class Headers:
+    """A multi-valued header map with the calls mitmproxy's `Headers` has that `guard`
+    uses (case-insensitive names, several values a name)."""
+
+    def __init__(self, *pairs: tuple[str, str]) -> None:
+        self.pairs = list(pairs)
+
+    def get_all(self, name: str) -> list[str]:
+        return [v for k, v in self.pairs if k.lower() == name.lower()]
+
+    def set_all(self, name: str, values: list[str]) -> None:
+        del self[name]
+        self.pairs += [(name, v) for v in values]
+
+    def __delitem__(self, name: str) -> None:
+        self.pairs = [(k, v) for k, v in self.pairs if k.lower() != name.lower()]
+
+
+def to(sandbox: str = "sb-1", port: int = 8000) -> dict[str, object]:
+    return {"sandbox": sandbox, "port": port}
+
+
+def test_a_rewrite_names_one_exact_host_and_a_sandbox_port() -> None:
+    rule = RewriteRule.model_validate({"host": "API.Internal.", "to": to()})
+    assert rule.host == "api.internal" and rule.credentials == "strip"
+    for host in ("10.0.0.1", "*.internal", "*", "api.internal:80", "cella.api", "a b"):
+        with pytest.raises(pydantic.ValidationError):
+            RewriteRule.model_validate({"host": host, "to": to()})
+    for target in (to(port=0), to(port=70000), to(sandbox="")):
+        with pytest.raises(pydantic.ValidationError):
+            RewriteRule.model_validate({"host": "api.internal", "to": target})
+    with pytest.raises(pydantic.ValidationError):
+        RewriteRule.model_validate({"host": "a.b", "to": to(), "credentials": "leak"})
+    twice = [{"host": "a.b", "to": to()}, {"host": "a.b", "to": to(port=1)}]
+    with pytest.raises(pydantic.ValidationError, match="one rewrite a host"):
+        NetworkPolicy.model_validate({"rewrites": twice})
+
+
+def test_strip_removes_credential_headers_and_those_rules_add() -> None:
+    headers = Headers(
+        ("Authorization", "Bearer x"),
+        ("Cookie", "a=1"),
+        ("Cookie", "b=2"),
+        ("X-Api-Key", "k"),
+        ("X-Rule", "secret"),
+        ("Accept", "*/*"),
+    )
+    acted = guard(headers, "strip", ["X-Rule"])
+    assert acted == ["authorization", "cookie", "x-api-key", "x-rule"]
+    assert headers.pairs == [("Accept", "*/*")]
+
+
+def test_redact_keeps_each_header_with_a_marker() -> None:
+    headers = Headers(("authorization", "Basic Z3Vlc3Q6cHc="), ("Cookie", "a=1"), ("Cookie", "b"))
+    assert guard(headers, "redact") == ["authorization", "cookie"]
+    assert headers.get_all("Authorization") == ["Basic redacted"]
+    assert headers.get_all("cookie") == ["redacted", "redacted"]
+    # only a known scheme is kept: a header rule's value may begin with its secret
+    assert redact("Authorization", "s3cr3t rest") == "redacted"
+    assert redact("Authorization", "Bearer") == "redacted"
+    assert redact("X-Token", "Bearer abc") == "redacted"
+
+
+def test_keep_leaves_every_header() -> None:
+    headers = Headers(("Authorization", "Bearer x"), ("Cookie", "a=1"))
+    assert guard(headers, "keep", ["Authorization"]) == []
+    assert headers.pairs == [("Authorization", "Bearer x"), ("Cookie", "a=1")]
+
+
+def test_a_deny_rule_still_wins_over_a_rewrite() -> None:
+    policy = Policy.parse([], ["*.internal", "other.test:80"])
+    denied = policy.denial("API.internal.", 443)
+    assert denied is not None and "*.internal" in denied.reason
+    assert policy.denial("other.test", 443) is None  # a port rule covers only its port
+    assert Policy.parse(["api.internal"], []).denial("api.internal", 80) is None
