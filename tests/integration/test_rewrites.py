@@ -3,16 +3,18 @@ sandbox of the same tenant. Two real microVMs on one module daemon: `server` run
 server on its loopback (what it was sent, as JSON), `caller` reaches it by the rule's name
 over HTTP and HTTPS through the real egress proxy, with a secret header rule for that name;
 what the server sees shows what `strip`, `redact` and `keep` did. cella's SDK sets the rules
-at create and live."""
+at create and live; the pinned LangSmith SDK sets them through `proxy_config`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from langsmith.sandbox import AsyncSandboxClient, SandboxClient, SandboxClientError
 
 from cella import Client, Sandbox, errors
 from cella.models import HeaderRule, RewriteRule, SandboxPort
@@ -242,6 +244,39 @@ def test_a_port_nothing_listens_on_is_a_502(caller: Sandbox, server: Sandbox) ->
     status, body = fetch(caller, f"http://{HOST}/closed")
     assert status == 502 and "port_closed" in body
     caller.set_network(rewrites=[rule(server.id)])
+
+
+def test_the_langsmith_sdk_sets_a_rewrite_rule(
+    daemon: Daemon, caller: Sandbox, server: Sandbox
+) -> None:
+    """`proxy_config` rules of type `rewrite` in the shape of the langsmith package's
+    generated `RuleRewrite`: `match_hosts` and `rewrite: {sandbox, port, credentials}`."""
+    api = f"{daemon.url}/api/v2/sandboxes"
+    ls_rule = {
+        "name": "to-server",
+        "type": "rewrite",
+        "match_hosts": [HOST],
+        "rewrite": {"sandbox": SERVER, "port": PORT, "credentials": "redact"},
+    }
+    with SandboxClient(api_endpoint=api, api_key=daemon.admin_key) as client:
+        client.update_sandbox(CALLER, proxy_config={"rules": [ls_rule]})
+        got = reach(caller, server, f"https://{HOST}/ls", "-H", "Authorization: Bearer mine")
+        assert got["headers"]["authorization"] == "Bearer redacted"
+        # what cella cannot do is refused by name: a rewrite to an outside host, path matching
+        for extra in ({"rewrite": {"host": "example.com", "port": 443}}, {"match_paths": ["/x"]}):
+            with pytest.raises(SandboxClientError, match="not supported"):
+                client.update_sandbox(CALLER, proxy_config={"rules": [{**ls_rule, **extra}]})
+
+    async def keep() -> None:
+        async with AsyncSandboxClient(api_endpoint=api, api_key=daemon.admin_key) as client:
+            keep_rule = {**ls_rule, "rewrite": {**ls_rule["rewrite"], "credentials": "keep"}}
+            await client.update_sandbox(CALLER, proxy_config={"rules": [keep_rule]})
+
+    asyncio.run(keep())
+    got = reach(caller, server, f"http://{HOST}/ls", "-H", "Authorization: Bearer mine")
+    assert got["headers"]["authorization"] == "Bearer mine"
+    rules = caller.refresh().info.network.rewrites
+    assert [(r.host, r.to.sandbox, r.credentials) for r in rules] == [(HOST, server.id, "keep")]
 
 
 def test_a_stopped_target_is_a_clear_503(caller: Sandbox, server: Sandbox) -> None:

@@ -1,15 +1,17 @@
 """Rewrite rules' pieces that need no VM: what a rule may name (`models.RewriteRule`), what
-`strip`, `redact` and `keep` do to a request's headers (`policy/rewrites.py`), and the deny
-rule that still wins."""
+`strip`, `redact` and `keep` do to a request's headers (`policy/rewrites.py`), the deny
+rule that still wins, and how a LangSmith `rewrite` rule is read."""
 
 from __future__ import annotations
 
 import pydantic
 import pytest
 
+from cella import errors
 from cella.models import NetworkPolicy, RewriteRule
 from cella.policy.egress import Policy
 from cella.policy.rewrites import guard, redact
+from cella.server.compat.langsmith.proxy_config import rewrite_rules
 
 
 class Headers:
@@ -87,3 +89,33 @@ def test_a_deny_rule_still_wins_over_a_rewrite() -> None:
     assert denied is not None and "*.internal" in denied.reason
     assert policy.denial("other.test", 443) is None  # a port rule covers only its port
     assert Policy.parse(["api.internal"], []).denial("api.internal", 80) is None
+
+
+def test_a_langsmith_rewrite_rule_is_one_cella_rule_per_host() -> None:
+    rule = {
+        "name": "svc",
+        "type": "rewrite",
+        "match_hosts": ["a.internal", "b.internal"],
+        "rewrite": {"sandbox": "server", "port": 8080},
+    }
+    rules = rewrite_rules(rule)
+    assert [(r.host, r.to.sandbox, r.to.port, r.credentials) for r in rules] == [
+        ("a.internal", "server", 8080, "strip"),  # LangSmith's default
+        ("b.internal", "server", 8080, "strip"),
+    ]
+    refused = [
+        ({**rule, "rewrite": {"host": "example.com", "port": 443}}, "outside host"),
+        ({**rule, "match_paths": ["/v1/*"]}, "match_paths"),
+        ({**rule, "match_headers": ["x: y"]}, "match_headers"),
+        ({**rule, "rewrite": {**rule["rewrite"], "via": "x"}}, "via"),  # type: ignore[dict-item]
+    ]
+    for given, named in refused:
+        with pytest.raises(errors.RequestError, match=f"not supported by cella.*{named}"):
+            rewrite_rules(given)
+    for given in (
+        {**rule, "rewrite": {"port": 8080}},
+        {**rule, "match_hosts": []},
+        {**rule, "rewrite": None},
+    ):
+        with pytest.raises(errors.InvalidArgument):
+            rewrite_rules(given)
