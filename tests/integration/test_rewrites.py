@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -277,6 +279,26 @@ def test_the_langsmith_sdk_sets_a_rewrite_rule(
     assert got["headers"]["authorization"] == "Bearer mine"
     rules = caller.refresh().info.network.rewrites
     assert [(r.host, r.to.sandbox, r.credentials) for r in rules] == [(HOST, server.id, "keep")]
+
+
+def test_the_cli_sets_a_rewrite(daemon: Daemon, caller: Sandbox, server: Sandbox) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "cella.cli", "sandbox", "network", caller.id, *args]
+        return subprocess.run(command, env=daemon.env(), capture_output=True, text=True)
+
+    done = cli("--rewrite", f"{HOST}={SERVER}:{PORT}:redact", "--json")
+    assert done.returncode == 0, done.stderr
+    [given] = json.loads(done.stdout)["rewrites"]
+    assert given == {
+        "host": HOST,
+        "to": {"sandbox": server.id, "port": PORT},
+        "credentials": "redact",
+    }
+    got = reach(caller, server, f"http://{HOST}/cli", "-H", "Authorization: Bearer mine")
+    assert got["headers"]["authorization"] == "Bearer redacted"
+    refused = cli("--rewrite", f"{HOST}={SERVER}")  # no port: refused before the daemon
+    assert refused.returncode != 0 and "expected" in refused.stderr
+    assert caller.refresh().info.network.rewrites[0].credentials == "redact"
 
 
 def test_a_stopped_target_is_a_clear_503(caller: Sandbox, server: Sandbox) -> None:
