@@ -326,6 +326,8 @@ class Egress:
     ) -> tuple[Decision, list[IPAddress]]:
         if net is None:
             return Decision(False, "the connection belongs to no sandbox"), []
+        if host.lower().rstrip(".") == ROUTE_HOST:  # the proxy's own name, never a guest's
+            return Decision(False, "no rule allows it"), []
         addresses: list[IPAddress] = []
         trusted = host.lower().rstrip(".") in self.overrides  # from the table: no lookup
         if trusted or net.policy.needs_addresses(host, port):
@@ -582,9 +584,10 @@ class Egress:
             data.server.address = net.api.upstream  # the daemon, whatever port was asked
             self._verdicts[data.server.id] = REASON
             return
-        if host == ROUTE_HOST and net is not None and net.rewrites is not None:
+        routed = host == ROUTE_HOST and not data.server.tls and data.server.sni is None
+        if routed and net is not None and net.rewrites is not None:
             data.server.address = net.rewrites.upstream  # a request `_rewrite` routed
-            return  # (its flow reports it)
+            return  # (its flow reports it; a guest naming ROUTE_HOST is refused below)
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:
             data.server.error = f"cella egress: {host}:{port} {decision.reason}"

@@ -5,9 +5,11 @@ token, and the daemon hands it to the other sandbox's port as a service URL does
 that, its credential headers are stripped, redacted or kept, as the rule says.
 
 The upstream connection is asked for by a name of this process's own (`ROUTE_HOST`, random
-at start), which `server_connect` alone pins to the daemon: a guest's connection to the
-rewrite's host that is not an HTTP request the proxy routed (raw TCP, TLS it does not
-open) is decided by the sandbox's rules like any other, and never reaches the daemon."""
+at start), which `server_connect` alone pins to the daemon, for plain connections only: a
+guest's connection to the rewrite's host that is not an HTTP request the proxy routed (raw
+TCP, TLS it does not open) is decided by the sandbox's rules like any other, and a guest
+that names `ROUTE_HOST` itself is refused whatever its rules (`*` included): it never
+reaches the daemon."""
 
 from __future__ import annotations
 
