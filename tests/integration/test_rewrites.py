@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from langsmith.sandbox import AsyncSandboxClient, SandboxClient, SandboxClientError
+from langsmith.sandbox import (
+    AsyncSandboxClient,
+    ResourceNotFoundError,
+    SandboxClient,
+    SandboxClientError,
+)
 
 from cella import Client, Sandbox, errors
 from cella.models import HeaderRule, RewriteRule, SandboxPort
@@ -266,6 +271,12 @@ def test_the_langsmith_sdk_sets_a_rewrite_rule(
         client.update_sandbox(CALLER, proxy_config={"rules": [ls_rule]})
         got = reach(caller, server, f"https://{HOST}/ls", "-H", "Authorization: Bearer mine")
         assert got["headers"]["authorization"] == "Bearer redacted"
+        # a create naming no sandbox of the tenant is refused before anything boots
+        bad = {**ls_rule, "rewrite": {"sandbox": "nope", "port": PORT}}
+        with pytest.raises(SandboxClientError, match="no sandbox 'nope' of this tenant"):
+            client.create_sandbox(name="never-made", proxy_config={"rules": [bad]})
+        with pytest.raises(ResourceNotFoundError):
+            client.get_sandbox("never-made")
         # what cella cannot do is refused by name: a rewrite to an outside host, path matching
         for extra in ({"rewrite": {"host": "example.com", "port": 443}}, {"match_paths": ["/x"]}):
             with pytest.raises(SandboxClientError, match="not supported"):
