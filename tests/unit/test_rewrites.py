@@ -4,11 +4,14 @@ rule that still wins, and how a LangSmith `rewrite` rule is read."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pydantic
 import pytest
 
 from cella import errors
 from cella.models import NetworkPolicy, RewriteRule
+from cella.network.rewrites import ROUTE_HOST, rewrites_from, route
 from cella.policy.egress import Policy
 from cella.policy.rewrites import guard, redact
 from cella.server.compat.langsmith.proxy_config import rewrite_rules
@@ -81,6 +84,46 @@ def test_keep_leaves_every_header() -> None:
     headers = Headers(("Authorization", "Bearer x"), ("Cookie", "a=1"))
     assert guard(headers, "keep", ["Authorization"]) == []
     assert headers.pairs == [("Authorization", "Bearer x"), ("Cookie", "a=1")]
+
+
+def test_the_proxy_sends_a_rewritten_request_to_the_daemons_door() -> None:
+    """What the addon is given (`SandboxEgress.attach` through `Rewrites.for_proxy`), and
+    the request it makes of it: the daemon's path, its token, the Host the sandbox sent."""
+    msg = {
+        "rewrites": {
+            "upstream": ["::1", 8420],
+            "token": "tok",
+            "rules": [
+                {"host": "api.internal", "sandbox": "sb-b", "port": 8000, "credentials": "keep"}
+            ],
+        }
+    }
+    rewrites = rewrites_from(msg)
+    assert rewrites is not None and rewrites.upstream == ("::1", 8420)
+    rule = rewrites.find("API.internal.")
+    assert rule is not None and (rule.sandbox, rule.port, rule.credentials) == (
+        "sb-b",
+        8000,
+        "keep",
+    )
+    assert rewrites.find("other.internal") is None
+    assert rewrites_from({"rewrites": None}) is None and rewrites_from({}) is None
+    req = SimpleNamespace(
+        host="api.internal",
+        port=443,
+        scheme="https",
+        path="/a/../b?x=1",
+        host_header="api.internal:8443",
+        headers={"x-cella-rewrite-token": "the guest's"},
+    )
+    route(req, "sb-a", rewrites, rule)
+    assert (req.scheme, req.host, req.port) == ("http", ROUTE_HOST, 8420)
+    assert req.path == "/v1/rewrites/sb-a/api.internal/a/../b?x=1"  # as the sandbox sent it
+    assert req.host_header == "[::1]:8420"
+    assert req.headers == {
+        "x-cella-rewrite-token": "tok",  # the proxy's, never the guest's
+        "x-cella-rewrite-host": "api.internal:8443",
+    }
 
 
 def test_a_deny_rule_still_wins_over_a_rewrite() -> None:
