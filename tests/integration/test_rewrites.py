@@ -57,8 +57,9 @@ class Echo(http.server.BaseHTTPRequestHandler):
             "method": self.command,
             "path": self.path,
             "headers": {k.lower(): v for k, v in self.headers.items()},
-            "body": self.body().decode("utf-8", "replace"),
         }
+        body = self.body()
+        seen["length"], seen["body"] = len(body), body[:1000].decode("utf-8", "replace")
         out = json.dumps(seen).encode()
         with open("/tmp/seen.jsonl", "ab") as log:
             log.write(out + b"\n")
@@ -246,6 +247,16 @@ def test_rules_naming_what_cella_cannot_route_are_refused(
         assert bob.list() == []
     # nothing of the refused rules was kept
     assert caller.refresh().info.network.rewrites == before
+
+
+def test_a_body_beyond_what_the_proxy_buffers_streams_through(
+    caller: Sandbox, server: Sandbox
+) -> None:
+    """Over 16 MiB the proxy streams a request body: the request was routed before it went."""
+    size = 20 << 20
+    caller.exec(f"head -c {size} /dev/zero > /tmp/big")
+    got = reach(caller, server, f"http://{HOST}/big", "--data-binary", "@/tmp/big")
+    assert got["method"] == "POST" and got["length"] == size
 
 
 def test_a_port_nothing_listens_on_is_a_502(caller: Sandbox, server: Sandbox) -> None:
