@@ -15,7 +15,8 @@ matching class, so callers can catch by type on either side of the wire:
     │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
     ├── SandboxError: the guest or its VM (5xx)
     │   ├── GuestError (500): PortClosed (502)
-    │   └── Timeout (504), SandboxCrashed (502), AgentUnavailable (502)
+    │   └── Timeout (504), SandboxCrashed (502), AgentUnavailable (502),
+    │       SandboxUnavailable (503): a rewrite rule's sandbox is not running
     └── HostError: this host (5xx)
         ├── NoSpace (507), AccelUnavailable (503), ImageMissing (503), BuildFailed (500)
         └── NodeUnavailable (503): a fleet node does not answer
@@ -60,6 +61,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxLost",
+    "SandboxUnavailable",
     "SnapshotCorrupt",
     "Timeout",
     "Unauthenticated",
@@ -241,6 +243,13 @@ class PortClosed(GuestError):
 
     code = "port_closed"
     status = 502
+
+
+class SandboxUnavailable(SandboxError):
+    """Another sandbox a request was meant for (a rewrite rule's) is not running."""
+
+    code = "sandbox_unavailable"
+    status = 503
 
 
 class Timeout(SandboxError):

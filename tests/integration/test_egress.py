@@ -404,6 +404,7 @@ def test_egress_through_the_cli(daemon: Daemon, admin: Client, net: Net) -> None
             "gcp": [],
             "env": {},
             "callbacks": [],
+            "rewrites": [],
             "public_ports": False,
         }
         before = len(net.web_seen.requests)

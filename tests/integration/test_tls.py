@@ -11,7 +11,9 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from cella import errors
 from cella.fleet.tls import node_certificate
+from cella.models import RewriteRule, SandboxPort
 from tests.daemon import Daemon, DaemonFactory, free_port
 
 pytestmark = pytest.mark.vm
@@ -42,6 +44,14 @@ def test_the_api_speaks_tls_only(daemon: Daemon, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("SSL_CERT_FILE", cert)
     with daemon.client() as client, client.create() as sb:
         assert sb.exec("echo over tls").stdout == b"over tls\n"
+        # a rewrite rule needs the proxy to reach the daemon in clear: refused here by name
+        to_itself = RewriteRule(host="api.internal", to=SandboxPort(sandbox=sb.id, port=80))
+        with pytest.raises(
+            errors.InvalidArgument, match="rewrites: not supported by a daemon serving TLS"
+        ):
+            sb.set_network(rewrites=[to_itself])
+        sb.set_network(allow=["pypi.org"])  # the control: the same call without it
+        assert sb.refresh().info.network.allow == ["pypi.org"]
     daemon_file = (daemon.data_dir / "daemon.json").read_text()
     assert f'"url": "{daemon.url}"' in daemon_file  # local clients find https
 

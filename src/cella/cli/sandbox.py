@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import GitMount, parse_pairs
+from cella.models import GitMount, RewriteRule, parse_pairs
 from cella.models import Sandbox as SandboxInfo
 from cella.sdk import Client, Sandbox
 
@@ -81,6 +81,13 @@ def create(
     secret: Annotated[
         list[str] | None, typer.Option(help="ENV=SECRET_NAME: a placeholder in ENV, repeatable")
     ] = None,
+    rewrite: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="HOST=SANDBOX:PORT[:strip|redact|keep]: requests to HOST go to PORT of another "
+            "of your sandboxes (id or name), credentials stripped by default; repeatable"
+        ),
+    ] = None,
     run_entrypoint: Annotated[
         bool, typer.Option(help="start the template image's Entrypoint/Cmd (see `logs`)")
     ] = False,
@@ -96,6 +103,7 @@ def create(
     """Create a sandbox and wait until it is running. It reaches no network unless
     `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it."""
     mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
+    rewrites = [_rewrite(r) for r in rewrite or []]
     with Client() as client:
         sb = client.create(
             template,
@@ -108,6 +116,7 @@ def create(
             allow=allow,
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
+            rewrites=rewrites or None,
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
         )
@@ -257,6 +266,22 @@ def _lifecycle(action: str, sandbox_id: str, json_: bool) -> None:
             console.print(f"{sandbox_id}: {result.state if result else 'deleted'}")
 
 
+def _rewrite(text: str) -> RewriteRule:
+    """`HOST=SANDBOX:PORT[:CREDENTIALS]` as a rewrite rule."""
+    host, _, target = text.partition("=")
+    sandbox, _, rest = target.partition(":")
+    port, _, credentials = rest.partition(":")
+    fields = {"host": host, "to": {"sandbox": sandbox, "port": port or None}}
+    try:
+        return RewriteRule.model_validate(
+            fields | ({"credentials": credentials} if credentials else {})
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(
+            f"--rewrite {text!r}: expected HOST=SANDBOX:PORT[:strip|redact|keep]; {exc}"
+        ) from None
+
+
 def _git_mount(text: str) -> GitMount:
     try:
         return GitMount.model_validate_json(text)
@@ -329,20 +354,30 @@ def network(
     sandbox_id: str,
     allow: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
     deny: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    rewrite: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="HOST=SANDBOX:PORT[:strip|redact|keep]: requests to HOST go to PORT of another "
+            "of your sandboxes (id or name), credentials stripped by default; repeatable"
+        ),
+    ] = None,
     show: Annotated[bool, typer.Option(help="print the rules, change nothing")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Replace a sandbox's egress rules (a running sandbox follows them at once)."""
+    rewrites = [_rewrite(r) for r in rewrite or []]
     with Client() as client:
         sb = client.get(sandbox_id)
         if not show:
-            sb.set_network(allow=allow, deny=deny)
+            sb.set_network(allow=allow, deny=deny, rewrites=rewrites)
     policy = sb.info.network
     if json_:
         emit_json(policy.model_dump(mode="json"))
     else:
         console.print(f"allow: {', '.join(policy.allow) or '(nothing)'}")
         console.print(f"deny:  {', '.join(policy.deny) or '(nothing)'}")
+        for r in policy.rewrites:
+            console.print(f"rewrite: {r.host} -> {r.to.sandbox}:{r.to.port} ({r.credentials})")
 
 
 @app.command()

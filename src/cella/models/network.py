@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, IPvAnyAddress, field_validator, model_validator
 
+from cella.policy.delegation import API_HOST
 from cella.policy.egress import MAX_RULES, parse_rule
 
 Inject = Literal["anywhere", "header"]
@@ -137,13 +138,57 @@ class CallbackRule(BaseModel):
     _hosts = field_validator("hosts")(_named_hosts)
 
 
+Credentials = Literal["strip", "redact", "keep"]
+
+
+class SandboxPort(BaseModel):
+    """A port of one of the tenant's sandboxes (an id or a name; a name is resolved to the
+    sandbox's id when the rule is set)."""
+
+    model_config = {"extra": "forbid"}
+
+    sandbox: str = Field(min_length=1, max_length=128)
+    port: int = Field(ge=1, le=65535)
+
+
+class RewriteRule(BaseModel):
+    """Requests from this sandbox to `host` (HTTP or HTTPS, any port) are answered by the
+    server on `to.port` of another sandbox of the same tenant, never sent out. The egress
+    proxy carries them there through the daemon, as service URLs reach a guest port.
+    `credentials` is what the other sandbox gets of the credential headers (Authorization,
+    Proxy-Authorization, Cookie, X-Api-Key, and every header a header, secret or callback
+    rule of this sandbox would add for `host`): `strip` removes them, `redact` keeps each
+    with its value `redacted` (after an auth scheme such as `Bearer `), `keep` passes them
+    with the secrets in them. Only `keep` lets a secret reach the other sandbox."""
+
+    model_config = {"extra": "forbid"}
+
+    host: str = Field(max_length=253, description="an exact domain name, not an address")
+    to: SandboxPort
+    credentials: Credentials = "strip"
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        rule = parse_rule(value)
+        if rule.domain in (None, "*") or rule.wildcard or rule.port is not None:
+            raise ValueError(
+                f"{value!r}: a rewrite's host is one exact domain name (no wildcard, port "
+                "or address: a rewrite routes to a sandbox, never to an address)"
+            )
+        if rule.domain == API_HOST:
+            raise ValueError(f"{API_HOST} is cella's own API (access delegation)")
+        return rule.domain
+
+
 class NetworkPolicy(BaseModel):
     """Where a sandbox may connect. Default deny; deny rules win.
 
     A rule is `host[:port]`: `pypi.org`, `*.github.com` (subdomains only), `*` (every name),
     an IP or CIDR (`10.1.0.0/16`); without a port it covers every port. `headers` are set on
     the way out, `aws` requests are signed, `gcp` ones get tokens (credentials from the
-    tenant's secrets, never in the guest); `env` is set for every command while it holds."""
+    tenant's secrets, never in the guest); `env` is set for every command while it holds;
+    `rewrites` answer a host name with a port of another of the tenant's sandboxes."""
 
     model_config = {"extra": "forbid"}
 
@@ -159,6 +204,7 @@ class NetworkPolicy(BaseModel):
         "variable present while the proxy adds the real one)",
     )
     callbacks: list[CallbackRule] = Field(default_factory=list, max_length=8)
+    rewrites: list[RewriteRule] = Field(default_factory=list, max_length=32)
     public_ports: bool = Field(
         default=False,
         description="servers in the sandbox answer anyone who knows their host name "
@@ -167,6 +213,15 @@ class NetworkPolicy(BaseModel):
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)
+
+    @field_validator("rewrites")
+    @classmethod
+    def _rewrites(cls, rules: list[RewriteRule]) -> list[RewriteRule]:
+        hosts = [r.host for r in rules]
+        twice = sorted({h for h in hosts if hosts.count(h) > 1})
+        if twice:
+            raise ValueError(f"one rewrite a host: {', '.join(twice)} has more")
+        return rules
 
     @field_validator("env")
     @classmethod
@@ -288,6 +343,17 @@ class FleetAddresses(BaseModel):
     addresses: list[IPvAnyAddress] = Field(max_length=65536)
 
 
+class EgressRewrite(BaseModel):
+    """Where a rewrite rule sent a request, and what it did to its credential headers."""
+
+    sandbox: str
+    port: int
+    credentials: Credentials
+    headers: list[str] = Field(
+        default_factory=list, description="credential headers stripped or redacted"
+    )
+
+
 class EgressDecision(BaseModel):
     """One connection (or HTTP request) a sandbox tried, and what the proxy decided."""
 
@@ -303,6 +369,7 @@ class EgressDecision(BaseModel):
     bytes_out: int | None = Field(default=None, description="request body / tunnel bytes sent")
     bytes_in: int | None = Field(default=None, description="response body / tunnel bytes received")
     credentials: list[str] = Field(default_factory=list, description="secrets added to it")
+    rewrite: EgressRewrite | None = None
     error: str | None = None
 
 

@@ -6,7 +6,8 @@ the stdlib, `cella.policy` and `cloud_auth` (botocore, google-auth). The daemon 
 over a socket pair (fd in CELLA_EGRESS_FD), one JSON object a line:
 
   daemon -> proxy  {"op": "set", "addr", "sandbox", "allow", "deny", "secrets": [...],
-                    "headers": [...], "aws": [...], "gcp": [...]}
+                    "headers": [...], "aws": [...], "gcp": [...], "callbacks": [...],
+                    "api": {...}, "rewrites": {"upstream", "token", "rules": [...]}}
                    {"op": "drop", "addr"}      {"op": "reset"}
                    {"op": "boundary", "protected", "tenant_networks", "names"}
   proxy -> daemon  {"op": "ready"}             {"op": "decision", ...}
@@ -41,6 +42,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from cella.network.callbacks import CallbackRule, Callbacks, Signing, full_request
 from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
+from cella.network.rewrites import ROUTE_HOST, Rewrite, Rewrites, rewrites_from, route
 from cella.policy.egress import (
     Boundary,
     Decision,
@@ -50,6 +52,7 @@ from cella.policy.egress import (
     host_matches,
     parse_rule,
 )
+from cella.policy.rewrites import HOST_HEADER, TOKEN_HEADER, guard
 from cella.policy.secrets import Redactor, secret_forms
 
 log = logging.getLogger("cella.egress")
@@ -97,6 +100,7 @@ class Net:
     api: ApiAccess | None = None  # cella's API, with access delegation
     callbacks: tuple[CallbackRule, ...] = ()
     tenant: str = ""
+    rewrites: Rewrites | None = None  # hosts answered by another sandbox's port
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -121,12 +125,27 @@ class Net:
         return [r for r in self.headers if host_matches(r.hosts, host)]
 
     def opens(self, host: str) -> bool:
-        """Whether TLS to `host` is intercepted: a secret, header, cloud or callback rule
-        needs it."""
+        """Whether TLS to `host` is intercepted: a secret, header, cloud, callback or
+        rewrite rule needs it."""
         callbacks = any(host_matches(r.hosts, host) for r in self.callbacks)
+        rewritten = self.rewrites is not None and self.rewrites.find(host) is not None
         return bool(
-            self.bound(host) or self.header_rules(host) or self.cloud.covers(host) or callbacks
+            self.bound(host)
+            or self.header_rules(host)
+            or self.cloud.covers(host)
+            or callbacks
+            or rewritten
         )
+
+    def rewrite(self, host: str, port: int) -> Rewrite | None:
+        """The rewrite rule for `host`, unless a deny rule covers it."""
+        rule = self.rewrites.find(host) if self.rewrites is not None else None
+        return rule if rule is not None and self.policy.denial(host, port) is None else None
+
+    def added_for(self, host: str) -> list[str]:
+        """Headers the sandbox's rules set on requests to `host`."""
+        names = [r.name for r in self.header_rules(host)]
+        return names + [b.header[0] for b in self.bound(host) if b.header is not None]
 
     def scrub(self, text: str) -> str:
         for needle, mark in self.needles:
@@ -150,6 +169,15 @@ class Tally:
     bytes_out: int = 0
     bytes_in: int = 0
     credentials: list[str] = field(default_factory=list)
+    rewrite: Rewrite | None = None
+    guarded: list[str] = field(default_factory=list)  # credential headers a rewrite acted on
+    shown: tuple[str, str] = ("", "")  # a rewritten request's path and URL as it was sent
+
+    @property
+    def keeps_credentials(self) -> bool:
+        """Whether the sandbox's credentials go with the request (not to a rewrite that
+        strips or redacts them)."""
+        return self.rewrite is None or self.rewrite.credentials == "keep"
 
 
 def _net_from(msg: dict[str, Any]) -> Net:
@@ -185,6 +213,7 @@ def _net_from(msg: dict[str, Any]) -> Net:
         api=access_from(msg),
         callbacks=callbacks,
         tenant=str(msg.get("tenant") or ""),
+        rewrites=rewrites_from(msg),
     )
 
 
@@ -265,6 +294,7 @@ class Egress:
             bytes_in=tally.bytes_in,
             duration_ms=round((time.monotonic() - tally.started) * 1000, 1),
             **({"credentials": tally.credentials} if tally.credentials else {}),
+            **({"rewrite": _rewritten(tally)} if tally.rewrite is not None else {}),
             **extra,
         )
 
@@ -296,6 +326,8 @@ class Egress:
     ) -> tuple[Decision, list[IPAddress]]:
         if net is None:
             return Decision(False, "the connection belongs to no sandbox"), []
+        if host.lower().rstrip(".") == ROUTE_HOST:  # the proxy's own name, never a guest's
+            return Decision(False, "no rule allows it"), []
         addresses: list[IPAddress] = []
         trusted = host.lower().rstrip(".") in self.overrides  # from the table: no lookup
         if trusted or net.policy.needs_addresses(host, port):
@@ -320,6 +352,8 @@ class Egress:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         net = self._net(flow.client_conn)
         host, port = flow.request.host, flow.request.port
+        if net is not None and net.rewrite(host, port) is not None:
+            return  # opened: its requests are rewritten
         decision, _ = await self._decide(net, host, port)
         if not decision.allowed:
             flow.response = _denied(host, port, decision)
@@ -334,6 +368,10 @@ class Egress:
             if net.needles:  # checked for secrets as they stream, like every response
                 req.headers["accept-encoding"] = "identity"
             return
+        rule = net.rewrite(req.host, req.port) if net is not None else None
+        if net is not None and rule is not None:
+            await self._rewrite(flow, net, rule)
+            return
         decision, _ = await self._decide(net, req.host, req.port)
         if net is None or not decision.allowed:
             flow.response = _denied(req.host, req.port, decision)
@@ -341,6 +379,35 @@ class Egress:
             return
         tally = Tally(net, req.host, req.port, req.scheme, decision.reason)
         flow.metadata["cella"] = tally
+        await self._credentials(flow, net, tally)
+
+    async def _rewrite(self, flow: http.HTTPFlow, net: Net, rule: Rewrite) -> None:
+        """A request to a rewrite's host: its credentials as the rule says, then on its way
+        to the daemon, which hands it to the other sandbox's port."""
+        req = flow.request
+        tally = Tally(net, req.host, req.port, req.scheme, rule.reason, rewrite=rule)
+        flow.metadata["cella"] = tally
+        if tally.keeps_credentials:
+            await self._credentials(flow, net, tally)
+            if flow.response is not None:
+                return
+        else:
+            if rule.credentials == "redact":  # present as the rules set them, then redacted
+                for header in net.header_rules(req.host):
+                    req.headers[header.name] = header.value
+                for b in net.bound(req.host):
+                    if b.header is not None:
+                        req.headers[b.header[0]] = b.header[1]
+            tally.guarded = guard(req.headers, rule.credentials, net.added_for(req.host))
+            if net.needles:
+                req.headers["accept-encoding"] = "identity"
+        tally.shown = (req.path, req.pretty_url)
+        assert net.rewrites is not None
+        route(req, net.sandbox, net.rewrites, rule)
+
+    async def _credentials(self, flow: http.HTTPFlow, net: Net, tally: Tally) -> None:
+        """Secrets, header rules and cloud credentials for the request's host."""
+        req = flow.request
         for b in net.bound(req.host):
             if _substitute_head(req, b):
                 tally.credentials.append(b.name)
@@ -364,10 +431,20 @@ class Egress:
         tally: Tally | None = flow.metadata.get("cella")
         if tally is None:
             return
-        if not await self._asked(flow, tally):
+        added = await self._asked(flow, tally)
+        if added is None:
             return
         body = flow.request.raw_content or b""
-        for b in tally.net.bound(flow.request.host):
+        tally.bytes_out = len(body)
+        if not tally.keeps_credentials:
+            assert tally.rewrite is not None
+            tally.guarded += [
+                n
+                for n in guard(flow.request.headers, tally.rewrite.credentials, added)
+                if n not in tally.guarded
+            ]
+            return
+        for b in tally.net.bound(tally.host):
             if b.inject == "anywhere" and b.placeholder.encode() in body:
                 body = body.replace(b.placeholder.encode(), b.value.encode())
                 flow.request.raw_content = body
@@ -378,30 +455,38 @@ class Egress:
         self.cloud.body(flow.request, flow.metadata)
         tally.bytes_out = len(body)
 
-    async def _asked(self, flow: http.HTTPFlow, tally: Tally) -> bool:
-        """The sandbox's callbacks for this host say it may go (and set their headers);
-        else it is answered 403 here. `network.callbacks` does the asking."""
-        req, net = flow.request, tally.net
+    async def _asked(self, flow: http.HTTPFlow, tally: Tally) -> list[str] | None:
+        """The sandbox's callbacks for this host say it may go (and set their headers: the
+        names it set); else it is answered 403 here (None). `network.callbacks` asks.
+        A rewritten request is shown as the sandbox sent it, without the proxy's headers."""
+        req, net, host, port = flow.request, tally.net, tally.host, tally.port
         identity = {"tenant_id": net.tenant, "sandbox_id": net.sandbox}
-        for rule in self.callbacks.rules(net.callbacks, req.host):
+        added: list[str] = []
+        for rule in self.callbacks.rules(net.callbacks, host):
             sent = None
             if rule.full_request:  # as the sandbox sent it: no secret goes to a callback
-                path, _, query = net.scrub(req.path).partition("?")
-                headers = [(k, net.scrub(v)) for k, v in req.headers.items(True)]
-                url, body = net.scrub(req.pretty_url), req.raw_content or b""
+                shown_path, shown_url = tally.shown if tally.rewrite else (req.path, req.pretty_url)
+                path, _, query = net.scrub(shown_path).partition("?")
+                headers = [
+                    (k, net.scrub(v))
+                    for k, v in req.headers.items(True)
+                    if k.lower() not in (TOKEN_HEADER, HOST_HEADER)
+                ]
+                url, body = net.scrub(shown_url), req.raw_content or b""
                 sent = full_request(
-                    req.method, url, req.scheme, req.host, path, query, headers, body
+                    req.method, url, tally.protocol, host, path, query, headers, body
                 )
-            verdict = await self.callbacks.ask(rule, identity, req.host, req.port, sent)
+            verdict = await self.callbacks.ask(rule, identity, host, port, sent)
             if not verdict.allowed:
                 decision = Decision(False, verdict.reason)
-                flow.response = _denied(req.host, req.port, decision)
+                flow.response = _denied(host, port, decision)
                 flow.metadata.pop("cella", None)
-                self._report(net, req.host, req.port, decision, protocol=req.scheme)
-                return False
+                self._report(net, host, port, decision, protocol=tally.protocol)
+                return None
             for name, value in verdict.headers:
                 req.headers[name] = value
-        return True
+                added.append(name)
+        return added
 
     async def _callback_address(self, host: str) -> IPAddress | None:
         """Where a callback URL's host is, if the operator's boundary lets the proxy go there
@@ -499,6 +584,10 @@ class Egress:
             data.server.address = net.api.upstream  # the daemon, whatever port was asked
             self._verdicts[data.server.id] = REASON
             return
+        routed = host == ROUTE_HOST and not data.server.tls and data.server.sni is None
+        if routed and net is not None and net.rewrites is not None:
+            data.server.address = net.rewrites.upstream  # a request `_rewrite` routed
+            return  # (its flow reports it; a guest naming ROUTE_HOST is refused below)
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:
             data.server.error = f"cella egress: {host}:{port} {decision.reason}"
@@ -550,6 +639,17 @@ class Egress:
         if tally is not None and reason is not None:  # denials were reported when made
             tally.reason = reason
             self._finish(tally, address=_peer(flow.server_conn), **extra)
+
+
+def _rewritten(tally: Tally) -> dict[str, Any]:
+    rule = tally.rewrite
+    assert rule is not None
+    return {
+        "sandbox": rule.sandbox,
+        "port": rule.port,
+        "credentials": rule.credentials,
+        "headers": tally.guarded,
+    }
 
 
 def _peer(server: Any) -> str | None:

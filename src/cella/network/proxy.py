@@ -276,10 +276,12 @@ class EgressProxy:
         cloud: dict[str, list[dict[str, Any]]] | None = None,
         callbacks: list[dict[str, Any]] | None = None,
         tenant: str = "",
+        rewrites: dict[str, Any] | None = None,
     ) -> None:
         """What the VM at `addr` may reach, with which credentials (`api`: cella's own, for
-        access delegation; `cloud`: AWS signing and GCP token rules); takes effect for its
-        next connection."""
+        access delegation; `cloud`: AWS signing and GCP token rules; `rewrites`: hosts
+        answered by other sandboxes' ports, through the daemon); takes effect for its next
+        connection."""
         self.addresses.claim(addr)
         msg = {
             "op": "set",
@@ -293,6 +295,7 @@ class EgressProxy:
             **(cloud or {}),
             "callbacks": callbacks or [],
             "tenant": tenant,
+            "rewrites": rewrites,
         }
         self._state[addr] = msg
         self._send(msg)

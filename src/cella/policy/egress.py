@@ -264,6 +264,13 @@ class Policy:
             raise ValueError(f"at most {MAX_RULES} rules")
         return cls(allow_rules, deny_rules)
 
+    def denial(self, host: str, port: int) -> Decision | None:
+        """A deny rule's refusal of a name (a rewrite's host needs no allow rule, but a
+        deny rule still wins)."""
+        name = host.lower().rstrip(".")
+        rule = next((r for r in self.deny if r.matches_name(name, port)), None)
+        return None if rule is None else Decision(False, f"denied by rule {rule.text}")
+
     def needs_addresses(self, host: str, port: int) -> bool:
         """Whether `decide` needs the host's resolved addresses: only for a name a name rule
         allows. A lookup is itself a message to the name's DNS servers, so names the guest

@@ -15,7 +15,7 @@ import httpx2
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
-from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, encode_data
+from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, RewriteRule, encode_data
 
 DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
 CONNECT_TIMEOUT = 10.0
@@ -98,6 +98,7 @@ def network_body(
     gcp: list[GcpToken] | None = None,
     env: dict[str, str] | None = None,
     callbacks: list[CallbackRule] | None = None,
+    rewrites: list[RewriteRule] | None = None,
 ) -> dict[str, Any]:
     """Egress rules as the daemon takes them (it validates them, and says what is wrong)."""
     return {
@@ -108,6 +109,7 @@ def network_body(
         "gcp": [rule.model_dump() for rule in gcp or []],
         "env": env or {},
         "callbacks": [c.model_dump() for c in callbacks or []],
+        "rewrites": [r.model_dump() for r in rewrites or []],
     }
 
 

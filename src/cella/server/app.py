@@ -29,6 +29,7 @@ from cella.server.routes import (
     keys,
     ports,
     registries,
+    rewrites,
     sandboxes,
     snapshots,
     templates,
@@ -50,6 +51,7 @@ API = (
     host,
     evals,
     terminal,
+    rewrites,
 )
 
 

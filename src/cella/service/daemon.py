@@ -44,6 +44,7 @@ from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, Proces
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
+from cella.service.rewrites import Rewrites
 from cella.service.sessions import Sessions
 from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
@@ -76,7 +77,9 @@ class Daemon:
             self._spans = SpanSink(otlp_http(settings.otlp_endpoint))
             self.events.sinks.append(self._spans)
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
-        self.egress = SandboxEgress(settings, self.registry)
+        self.ports = Ports(self.registry, driver.paths.root / "service.key")
+        self.rewrites = Rewrites(self.registry, self.ports, tls=settings.tls_cert is not None)
+        self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.admission = Admission(settings, self.registry, self.pool.committed)
@@ -91,7 +94,6 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.mounts = Mounts(self.registry, self.exec, self.background)
-        self.ports = Ports(self.registry, driver.paths.root / "service.key")
         self.signer = Signer(driver.paths.root / "signing")
         self.signer.on_rotate.append(self._sign_callbacks)
         self._sign_callbacks(self.signer.current)

@@ -29,6 +29,7 @@ from cella.runtime.contract import VM
 from cella.service import proxy_credentials as credentials
 from cella.service.delegation import proxy_access
 from cella.service.registry import Registry
+from cella.service.rewrites import Rewrites
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
@@ -62,8 +63,9 @@ def proxy_env() -> dict[str, str]:
 
 
 class SandboxEgress:
-    def __init__(self, settings: DaemonSettings, registry: Registry) -> None:
+    def __init__(self, settings: DaemonSettings, registry: Registry, rewrites: Rewrites) -> None:
         self.registry = registry
+        self.rewrites = rewrites
         self.store = registry.store
         self.events = registry.events
         self.extra_ca = settings.extra_ca_pem()  # guests trust these (in warm snapshots)
@@ -175,6 +177,7 @@ class SandboxEgress:
             cloud=credentials.cloud_rules(self.store, row),
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
+            rewrites=self.rewrites.for_proxy(row, self.api),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -240,10 +243,12 @@ class SandboxEgress:
                 {"limit": "connections", "max": self.max_connections, "action": "refused"},
             )
 
-    def check_policy(self, tenant: str, policy: NetworkPolicy) -> None:
+    def check_policy(self, tenant: str, policy: NetworkPolicy) -> NetworkPolicy:
         """The rules stay inside the boundary, every secret a rule names exists, and a GCP
-        rule's secret is a service account's key."""
+        rule's secret is a service account's key; the policy to keep (rewrites name their
+        sandboxes by id)."""
         self.check_rules(policy)
+        settled = self.rewrites.settle(tenant, policy)
         for name in policy.secret_names:
             if self.store.get_secret(tenant, name) is None:
                 raise errors.InvalidArgument(f"no secret {name!r} (in the network rules)")
@@ -253,11 +258,14 @@ class SandboxEgress:
             why = service_account_problem(secret.value)
             if why is not None:
                 raise errors.InvalidArgument(f"secret {rule.service_account!r}: {why}")
+        return settled
 
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
         net = row.network
-        return bool(row.secrets or net.headers or net.aws or net.gcp or net.callbacks)
+        return bool(
+            row.secrets or net.headers or net.aws or net.gcp or net.callbacks or net.rewrites
+        )
 
     def guest_env(self, row: SandboxRecord) -> dict[str, str]:
         env = proxy_env()
@@ -339,7 +347,7 @@ class SandboxEgress:
         """Changes where a sandbox may connect; a running one gets it for its next
         connection."""
         self.registry.get(tenant, sandbox_id)
-        self.check_policy(tenant, policy)
+        policy = self.check_policy(tenant, policy)
         self.registry.update(sandbox_id, network=policy)
         row = self.registry.get(tenant, sandbox_id)
         vm = self.registry.vm(sandbox_id)

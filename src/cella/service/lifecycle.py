@@ -132,7 +132,7 @@ class Lifecycle:
             raise errors.InvalidArgument(f"disk_mib must be at least the template's {base_mib} MiB")
         shape = Shape(req.template, req.vcpus, req.memory_mib)
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
-        self.egress.check_policy(tenant, req.network)
+        req = req.model_copy(update={"network": self.egress.check_policy(tenant, req.network)})
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None

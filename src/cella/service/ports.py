@@ -126,6 +126,15 @@ class Ports:
         if not hmac.compare_digest(token.encode(), self.traffic_token(sandbox_id).encode()):
             raise errors.PermissionDenied("this sandbox's ports need its traffic access token")
 
+    def rewrite_token(self, sandbox_id: str) -> str:
+        """The egress proxy's bearer for one sandbox's rewrite rules (the daemon checks the
+        rules themselves on every request)."""
+        return _b64(self._sign(f"rewrite:{sandbox_id}"))
+
+    def check_rewrite(self, sandbox_id: str, token: str) -> None:
+        if not hmac.compare_digest(token.encode(), self.rewrite_token(sandbox_id).encode()):
+            raise errors.PermissionDenied("not the egress proxy's rewrite token")
+
     def host_caller(
         self, sandbox_id: str, port: int, *, access: str, traffic: str, service_token: str
     ) -> str:

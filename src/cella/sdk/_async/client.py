@@ -38,6 +38,7 @@ from cella.models import (
     ProcessList,
     ProcessSummary,
     Registry,
+    RewriteRule,
     SandboxUsage,
     Secret,
     SigningKeys,
@@ -136,6 +137,7 @@ class AsyncClient:
         aws: builtins.list[AwsSigning] | None = None,
         gcp: builtins.list[GcpToken] | None = None,
         egress_env: dict[str, str] | None = None,
+        rewrites: builtins.list[RewriteRule] | None = None,
         name: str | None = None,
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
@@ -155,7 +157,8 @@ class AsyncClient:
         secret's value, which never enters the sandbox); `aws` rules have the proxy sign
         requests to AWS with keys from stored secrets (commands see dummy keys), `gcp` rules
         have it add OAuth tokens it mints from a stored service account's key;
-        `egress_env` is set for every command while these rules hold. `snapshot` (an id,
+        `egress_env` is set for every command while these rules hold; `rewrites` answer a
+        host name with a port of another of the tenant's sandboxes. `snapshot` (an id,
         `name:tag` or a name) starts it from a snapshot instead of the template;
         `exec_defaults` are the user, cwd and env every command runs with unless it says
         otherwise (a template built from an image adds its Env, WorkingDir and User under
@@ -169,7 +172,7 @@ class AsyncClient:
         `refresh_interval_seconds` while it runs.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
-        network = network_body(*rules) if any(rules) else None
+        network = network_body(*rules, rewrites=rewrites) if any(rules) or rewrites else None
         body = create_body(
             name=name,
             snapshot=snapshot,
@@ -697,11 +700,13 @@ class AsyncSandbox:
         gcp: builtins.list[GcpToken] | None = None,
         egress_env: dict[str, str] | None = None,
         callbacks: builtins.list[CallbackRule] | None = None,
+        rewrites: builtins.list[RewriteRule] | None = None,
     ) -> AsyncSandbox:
         """Replaces the egress rules (those of `create`); a running sandbox's next connection
         follows them, and its next command the new `egress_env`. `callbacks` ask an outside
-        URL about requests to their hosts (`CallbackRule`)."""
-        body = network_body(allow, deny, headers, aws, gcp, egress_env, callbacks)
+        URL about requests to their hosts (`CallbackRule`); `rewrites` send requests to a
+        host name to a port of another of the tenant's sandboxes (`RewriteRule`)."""
+        body = network_body(allow, deny, headers, aws, gcp, egress_env, callbacks, rewrites)
         response = await self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self

@@ -9,9 +9,11 @@ rule with static keys becomes an AWS signing rule (`*.amazonaws.com` and the ope
 `egress_aws_hosts`), a `gcp` rule a GCP token rule (`*.googleapis.com`); a rule's `env_vars`
 are set for every command while it is enabled. Rules cella cannot honour are refused by
 name, never ignored: regex patterns, AWS roles (STS with LangSmith's External ID),
-Azure tokens, rewrites, relays. A `callback` rule becomes a cella callback rule
-(`CallbackRule`: the proxy asks its URL, signed with the daemon's key). Nothing is stored
-until all of it is valid."""
+Azure tokens, relays, rewrites to an outside host, path and header matching. A `callback`
+rule becomes a cella callback rule (`CallbackRule`: the proxy asks its URL, signed with the
+daemon's key); a `rewrite` rule to a sandbox becomes one cella `RewriteRule` per host of
+`match_hosts` (the fields of the langsmith package's generated `RuleRewrite`: `sandbox`,
+`port`, `credentials`). Nothing is stored until all of it is valid."""
 
 from __future__ import annotations
 
@@ -24,7 +26,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from cella import errors
-from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, NetworkPolicy, SecretPut
+from cella.models import (
+    AwsSigning,
+    CallbackRule,
+    GcpToken,
+    HeaderRule,
+    NetworkPolicy,
+    RewriteRule,
+    SecretPut,
+)
 from cella.models.network import AWS_HOSTS, GOOGLE_API_HOSTS
 from cella.policy.cloud import service_account_problem
 from cella.server.compat.langsmith.shapes import not_supported
@@ -36,6 +46,8 @@ AWS_RULE_FIELDS = RULE_FIELDS | {"aws"}
 GCP_RULE_FIELDS = RULE_FIELDS | {"gcp"}
 CALLBACK_RULE_FIELDS = {"name", "type", "enabled", "description", "match_hosts", "callback"}
 CALLBACK_FIELDS = {"url", "mode", "timeout_seconds"}
+REWRITE_RULE_FIELDS = RULE_FIELDS | {"match_hosts", "rewrite"}
+REWRITE_FIELDS = {"sandbox", "port", "credentials", "host"}
 WORKSPACE_REF = re.compile(r"\{([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
 
 
@@ -77,6 +89,7 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
         gcp: list[GcpToken] = []
         env: dict[str, str] = {}
         callbacks: list[CallbackRule] = []
+        rewrites: list[RewriteRule] = []
         aws_hosts = [*AWS_HOSTS, *svc.settings.egress_aws_hosts]
         for rule in config.get("rules") or []:
             if not isinstance(rule, dict):
@@ -84,6 +97,11 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
             name, kind = rule.get("name", "?"), rule.get("type") or "headers"
             if kind == "callback":  # its own fields, checked by callback_rules
                 callbacks += callback_rules(rule)
+                continue
+            if kind == "rewrite":
+                if rule.get("enabled") is not False:
+                    rewrites += rewrite_rules(rule)
+                    env_of(rule, env)
                 continue
             fields = {"aws": AWS_RULE_FIELDS, "gcp": GCP_RULE_FIELDS}.get(kind, HEADER_RULE_FIELDS)
             extra = set(rule) - fields
@@ -107,6 +125,7 @@ def network_of(config: Any, svc: Daemon, tenant: str) -> NetworkPolicy:
             gcp=gcp,
             env=env,
             callbacks=callbacks,
+            rewrites=rewrites,
         )
     except (ValueError, ValidationError) as exc:
         raise errors.InvalidArgument(f"proxy_config: {exc}") from None
@@ -207,6 +226,37 @@ def callback_rules(rule: dict[str, Any]) -> list[CallbackRule]:
     if callback.get("timeout_seconds") is not None:
         fields["timeout_seconds"] = callback["timeout_seconds"]
     return [CallbackRule.model_validate(fields)]
+
+
+def rewrite_rules(rule: dict[str, Any]) -> list[RewriteRule]:
+    """A rewrite rule to a sandbox's port, one cella rule per name of `match_hosts`: `{"type":
+    "rewrite", "match_hosts": [...], "rewrite": {"sandbox", "port", "credentials"}}`."""
+    name = rule.get("name", "?")
+    extra = set(rule) - REWRITE_RULE_FIELDS
+    if extra:
+        raise not_supported(f"proxy rule {name!r} ({sorted(extra)})")
+    rewrite = rule.get("rewrite")
+    if not isinstance(rewrite, dict):
+        raise errors.InvalidArgument(f"proxy rule {name!r} needs a rewrite block")
+    extra = set(rewrite) - REWRITE_FIELDS
+    if extra:
+        raise not_supported(f"proxy rule {name!r}: rewrite fields {sorted(extra)}")
+    if rewrite.get("host"):
+        raise not_supported(
+            f"proxy rule {name!r}: a rewrite to an outside host; cella rewrites a name to a "
+            "port of another sandbox (rewrite.sandbox)"
+        )
+    if not rewrite.get("sandbox"):
+        raise errors.InvalidArgument(f"proxy rule {name!r}: rewrite needs sandbox (or host)")
+    hosts = list(rule.get("match_hosts") or [])
+    if not hosts:
+        raise errors.InvalidArgument(f"proxy rule {name!r} needs match_hosts")
+    to = {"sandbox": rewrite["sandbox"], "port": rewrite.get("port")}
+    credentials = rewrite.get("credentials") or "strip"  # LangSmith's default
+    return [
+        RewriteRule.model_validate({"host": host, "to": to, "credentials": credentials})
+        for host in hosts
+    ]
 
 
 def header_rules(rule: dict[str, Any], opaque: Opaque) -> list[HeaderRule]:
