@@ -4,16 +4,21 @@ proxy puts on a request. (End to end, from inside a guest: tests/integration.)""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet.delegation import Delegations
+from cella.fleet.placement_table import Placements
 from cella.models import AccessDelegation, SandboxState
 from cella.network.delegation import ApiAccess, authorize, is_api
 from cella.policy import delegation as tokens
-from cella.service.delegation import grant, proxy_access
+from cella.service.delegation import given, grant, grant_for, proxy_access, upstream_of
 from cella.service.keys import Keys, Principal
 from cella.store import SandboxRecord, Store
 
@@ -101,3 +106,57 @@ def test_the_proxy_replaces_the_guests_credentials_with_a_fresh_token() -> None:
     token = headers["x-api-key"]
     assert tokens.valid(token, KEY) and headers["authorization"] == f"Bearer {token}"
     assert headers["accept"] == "*/*"
+
+
+def test_a_gateways_grant_is_read_whole_or_refused() -> None:
+    asked = AccessDelegation(mode="explicit", permissions=["sandboxes:read"])
+    made = grant_for(asked, Principal("team", False, False, "key-1"), ("127.0.0.1", 8420))
+    header = json.dumps({k: made[k] for k in ("key_id", "key", "upstream")})
+    kept = given(asked, header)
+    assert kept == made  # the mode and permissions are the create's, the rest the gateway's
+    row = SandboxRecord(id="sb-9", tenant="team", state=SandboxState.running,
+                        template="default", vcpus=1, memory_mib=512, delegation=kept)  # fmt: skip
+    assert upstream_of(row) == ("127.0.0.1", 8420)
+    assert (
+        upstream_of(replace(row, delegation=grant(asked, Principal("t", False, False, "k"))))
+        is None
+    )
+    with pytest.raises(errors.InvalidArgument, match="without access_delegation"):
+        given(None, header)
+    for bad in ("", "[]", json.dumps({"key_id": "k", "key": "short", "upstream": ["h", 1]}),
+                header.replace("8420", '"8420"')):  # fmt: skip
+        with pytest.raises(errors.InvalidArgument, match="not a grant"):
+            given(asked, bad)
+
+
+def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> None:
+    placements = Placements(tmp_path / "placements.db")
+    store = Store(tmp_path / "gateway.db")
+    holder: list[Delegations] = []
+    keys = Keys(store, grant_of=lambda sid: holder[0].grant_of(sid))
+    settings = DaemonSettings(data_dir=tmp_path, listen="127.0.0.1:8420")
+    delegations = Delegations(tmp_path / "grants.db", settings, placements, keys)
+    holder.append(delegations)
+    key_id, _ = keys.create("team")
+    creator = Principal("team", False, False, key_id)
+    # an admin acting for the tenant is not the tenant's own key
+    admin_id, _ = keys.create("admin", admin=True)
+    with pytest.raises(errors.InvalidArgument, match="own API key"):
+        delegations.ask(Principal("team", False, False, admin_id), AccessDelegation(mode="inherit"))
+    assert delegations.ask(creator, None) is None
+    made = delegations.ask(creator, AccessDelegation(mode="inherit"))
+    assert made is not None and made["upstream"] == ["127.0.0.1", 8420]
+    token = tokens.mint("sb-1", bytes.fromhex(str(made["key"])))
+    with pytest.raises(errors.Unauthenticated, match="not a valid"):
+        keys.authenticate(token)  # not placed yet
+    placements.put("n1", {"id": "sb-1", "tenant": "team", "state": "running"})
+    delegations.made("sb-1", "team", made)
+    assert keys.authenticate(token) == creator
+    placements.deleted("sb-1")
+    with pytest.raises(errors.Unauthenticated, match="not a valid"):
+        keys.authenticate(token)
+    # a gateway on every address says why it cannot
+    everywhere = DaemonSettings(data_dir=tmp_path, listen="0.0.0.0:8420")
+    bad = Delegations(tmp_path / "g2.db", everywhere, placements, keys)
+    with pytest.raises(errors.InvalidArgument, match=r"listens on 0\.0\.0\.0"):
+        bad.ask(creator, AccessDelegation(mode="inherit"))
