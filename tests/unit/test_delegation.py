@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from cella import errors
@@ -18,9 +19,17 @@ from cella.fleet.placement_table import Placements
 from cella.models import AccessDelegation, SandboxState
 from cella.network.delegation import ApiAccess, authorize, is_api
 from cella.policy import delegation as tokens
-from cella.service.delegation import given, grant, grant_for, proxy_access, upstream_of
+from cella.service.delegation import (
+    FLEET_GRANT,
+    given,
+    grant,
+    grant_for,
+    proxy_access,
+    upstream_of,
+)
 from cella.service.keys import Keys, Principal
 from cella.store import SandboxRecord, Store
+from tests.unit.in_process import URL, serving
 
 KEY = bytes(range(32))
 
@@ -160,3 +169,30 @@ def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> N
     bad = Delegations(tmp_path / "g2.db", everywhere, placements, keys)
     with pytest.raises(errors.InvalidArgument, match=r"listens on 0\.0\.0\.0"):
         bad.ask(creator, AccessDelegation(mode="inherit"))
+
+
+async def test_a_node_takes_a_grant_only_from_a_gateway(tmp_path: Path) -> None:
+    """`X-Cella-Grant` on a node: kept whole (the proxy is sent to the gateway's address)
+    from an admin key acting for the tenant; refused from a tenant's own key, nothing made."""
+    async with serving(tmp_path) as app:
+        _, team_key = app.daemon.keys.create("team")
+        asked = AccessDelegation(mode="inherit")
+        made = grant_for(asked, Principal("team", False, False, "key-of-the-gateway"),
+                         ("127.0.0.9", 8000))  # fmt: skip
+        header = {FLEET_GRANT: json.dumps({k: made[k] for k in ("key_id", "key", "upstream")})}
+        body = {"access_delegation": {"mode": "inherit"}}
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url=URL) as http:
+            own = {"authorization": f"Bearer {team_key}"}
+            refused = await http.post("/v1/sandboxes", json=body, headers=own | header)
+            assert refused.status_code == 403 and "fleet gateway" in refused.text
+            assert app.daemon.store.list_sandboxes("team") == []
+            acting = {"authorization": f"Bearer {app.admin_key}", "x-cella-tenant": "team"}
+            created = await http.post("/v1/sandboxes", json=body, headers=acting | header)
+            assert created.status_code == 201, created.text
+            row = app.daemon.store.get_sandbox(created.json()["id"])
+            assert row is not None and row.delegation == made
+            assert upstream_of(row) == ("127.0.0.9", 8000)
+            # without the header, an admin acting for the tenant is refused as ever
+            bare = await http.post("/v1/sandboxes", json=body, headers=acting)
+            assert bare.status_code == 400 and "own API key" in bare.text
