@@ -86,10 +86,10 @@ def test_registries_are_the_tenants_across_the_fleet(
     image pulls with them on whichever node builds it, and the snapshot it makes boots on
     another node (shipped there)."""
     made = client.registries.create(
-        name="team", url=outside.registry.addr, username=USER, password=PASSWORD
+        name="team", url=outside.registry.host, username=USER, password=PASSWORD
     )
     wrong = client.registries.create(
-        name="wrong", url=outside.registry.addr, username=USER, password="not-it"
+        name="wrong", url=outside.registry.host, username=USER, password="not-it"
     )
     try:
         assert client.registries.retrieve("team").id == made.id

@@ -25,11 +25,12 @@ from tests.oci_images import Registry, busybox_image
 
 USER, PASSWORD = "puller", "s3cret-of-the-registry"
 GIT_TOKEN = "fleet-git-TOKEN-41c2"
+REGISTRY = "registry.test"  # the name sandboxes (and builds, which pull in one) reach it by
 
 
 @dataclass
 class Outside:
-    registry: Registry
+    registry: Registry  # reached as REGISTRY
     image: str  # the busybox image on the registry (USER / PASSWORD pull it)
     ca_cert: Path  # what the nodes trust besides the usual roots
     hosts: dict[str, str]  # names the sandboxes reach them by (egress_hosts)
@@ -42,7 +43,7 @@ class Outside:
     @contextlib.contextmanager
     def started(cls, root: Path) -> Iterator[Outside]:
         prefix = free_loopback_block()
-        ca = TestCA(root / "ca", [f"{prefix}.1", "git.test"])
+        ca = TestCA(root / "ca", [REGISTRY, f"{prefix}.1", "git.test"])
         salt = "crypt.mksalt(crypt.METHOD_BLOWFISH)"
         crypt = f"import crypt; print(crypt.crypt({PASSWORD!r}, {salt}))"
         hashed = subprocess.run(
@@ -51,7 +52,9 @@ class Outside:
         ).stdout.strip()  # fmt: skip
         (root / "htpasswd").write_text(f"{USER}:{hashed}\n")
         busybox_image(root / "layout")
-        registry = Registry(root / "registry", f"{prefix}.1", ca, htpasswd=root / "htpasswd")
+        registry = Registry(
+            root / "registry", f"{prefix}.1", ca, htpasswd=root / "htpasswd", name=REGISTRY
+        )
         servers = Servers()
         try:
             image = registry.push(
@@ -65,8 +68,8 @@ class Outside:
             git_seen = servers.start(
                 GitHandler, (f"{prefix}.4", 443), ca.server_context(), root=repo, token=GIT_TOKEN
             )
-            hosts = {"web.test": f"{prefix}.2", "callback.test": f"{prefix}.3",
-                     "git.test": f"{prefix}.4"}  # fmt: skip
+            hosts = {REGISTRY: f"{prefix}.1", "web.test": f"{prefix}.2",
+                     "callback.test": f"{prefix}.3", "git.test": f"{prefix}.4"}  # fmt: skip
             yield cls(registry, image, ca.cert, hosts, seen, answers, asked, git_seen)
         finally:
             servers.close()
