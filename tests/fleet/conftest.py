@@ -7,6 +7,7 @@ loopback when it can.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -19,6 +20,7 @@ import httpx2
 import pytest
 
 from tests.daemon import Daemon, kill_vms_of
+from tests.fleet.outside import Outside
 from tests.raycluster import LocalCluster, quiet_ray_env
 
 NODES = ("n1", "n2", "n3")
@@ -68,7 +70,18 @@ class Fleet:
 
 
 @pytest.fixture(scope="session")
-def fleet() -> Iterator[Fleet]:
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outside]:
+    """Servers the sandboxes of the fleet reach by name (the nodes are told them, and the
+    registries' CA, through the environment every node daemon inherits)."""
+    with Outside.started(tmp_path_factory.mktemp("outside")) as found:
+        os.environ["CELLA_EGRESS_HOSTS"] = json.dumps(found.hosts)
+        os.environ["CELLA_EXTRA_CA_CERTIFICATES"] = json.dumps([str(found.ca_cert)])
+        os.environ["CELLA_EGRESS_UPSTREAM_CA"] = str(found.ca_cert)  # TLS the proxy opens
+        yield found
+
+
+@pytest.fixture(scope="session")
+def fleet(outside: Outside) -> Iterator[Fleet]:
     quiet_ray_env()
     root = Path(tempfile.mkdtemp(prefix="cella-fleet-"))
     cluster = LocalCluster()

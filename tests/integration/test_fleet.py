@@ -19,12 +19,17 @@ import pytest
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ROOT / "tests" / "fleet" / "fleet_checks.py"
+# run in one session, on one cluster: the fleet's own checks, then the LangSmith SDK's
+CHECKS = [ROOT / "tests" / "fleet" / name for name in ("fleet_checks.py", "langsmith_checks.py")]
 
 
 def check_names() -> list[str]:
-    source = CHECKS.read_text()
-    return [line.split("(")[0][4:] for line in source.splitlines() if line.startswith("def test_")]
+    return [
+        line.split("(")[0][4:]
+        for checks in CHECKS
+        for line in checks.read_text().splitlines()
+        if line.startswith("def test_")
+    ]
 
 
 @pytest.mark.timeout(1500)
@@ -33,7 +38,7 @@ def test_the_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
     inner = (
         "ip link set lo up && exec "
         f"{sys.executable} -m pytest -q -p no:cacheprovider -p no:randomly "
-        f"--junitxml={report} {CHECKS}"
+        f"--junitxml={report} {' '.join(map(str, CHECKS))}"
     )
     proc = subprocess.run(
         ["unshare", "--net", "--", "sh", "-c", inner],

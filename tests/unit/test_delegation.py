@@ -4,18 +4,32 @@ proxy puts on a request. (End to end, from inside a guest: tests/integration.)""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet.delegation import Delegations
+from cella.fleet.placement_table import Placements
 from cella.models import AccessDelegation, SandboxState
 from cella.network.delegation import ApiAccess, authorize, is_api
 from cella.policy import delegation as tokens
-from cella.service.delegation import grant, proxy_access
+from cella.service.delegation import (
+    FLEET_GRANT,
+    given,
+    grant,
+    grant_for,
+    proxy_access,
+    upstream_of,
+)
 from cella.service.keys import Keys, Principal
 from cella.store import SandboxRecord, Store
+from tests.unit.in_process import URL, serving
 
 KEY = bytes(range(32))
 
@@ -101,3 +115,84 @@ def test_the_proxy_replaces_the_guests_credentials_with_a_fresh_token() -> None:
     token = headers["x-api-key"]
     assert tokens.valid(token, KEY) and headers["authorization"] == f"Bearer {token}"
     assert headers["accept"] == "*/*"
+
+
+def test_a_gateways_grant_is_read_whole_or_refused() -> None:
+    asked = AccessDelegation(mode="explicit", permissions=["sandboxes:read"])
+    made = grant_for(asked, Principal("team", False, False, "key-1"), ("127.0.0.1", 8420))
+    header = json.dumps({k: made[k] for k in ("key_id", "key", "upstream")})
+    kept = given(asked, header)
+    assert kept == made  # the mode and permissions are the create's, the rest the gateway's
+    row = SandboxRecord(id="sb-9", tenant="team", state=SandboxState.running,
+                        template="default", vcpus=1, memory_mib=512, delegation=kept)  # fmt: skip
+    assert upstream_of(row) == ("127.0.0.1", 8420)
+    assert (
+        upstream_of(replace(row, delegation=grant(asked, Principal("t", False, False, "k"))))
+        is None
+    )
+    with pytest.raises(errors.InvalidArgument, match="without access_delegation"):
+        given(None, header)
+    for bad in ("", "[]", json.dumps({"key_id": "k", "key": "short", "upstream": ["h", 1]}),
+                header.replace("8420", '"8420"')):  # fmt: skip
+        with pytest.raises(errors.InvalidArgument, match="not a grant"):
+            given(asked, bad)
+
+
+def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> None:
+    placements = Placements(tmp_path / "placements.db")
+    store = Store(tmp_path / "gateway.db")
+    holder: list[Delegations] = []
+    keys = Keys(store, grant_of=lambda sid: holder[0].grant_of(sid))
+    settings = DaemonSettings(data_dir=tmp_path, listen="127.0.0.1:8420")
+    delegations = Delegations(tmp_path / "grants.db", settings, placements, keys)
+    holder.append(delegations)
+    key_id, _ = keys.create("team")
+    creator = Principal("team", False, False, key_id)
+    # an admin acting for the tenant is not the tenant's own key
+    admin_id, _ = keys.create("admin", admin=True)
+    with pytest.raises(errors.InvalidArgument, match="own API key"):
+        delegations.ask(Principal("team", False, False, admin_id), AccessDelegation(mode="inherit"))
+    assert delegations.ask(creator, None) is None
+    made = delegations.ask(creator, AccessDelegation(mode="inherit"))
+    assert made is not None and made["upstream"] == ["127.0.0.1", 8420]
+    token = tokens.mint("sb-1", bytes.fromhex(str(made["key"])))
+    with pytest.raises(errors.Unauthenticated, match="not a valid"):
+        keys.authenticate(token)  # not placed yet
+    placements.put("n1", {"id": "sb-1", "tenant": "team", "state": "running"})
+    delegations.made("sb-1", "team", made)
+    assert keys.authenticate(token) == creator
+    placements.deleted("sb-1")
+    with pytest.raises(errors.Unauthenticated, match="not a valid"):
+        keys.authenticate(token)
+    # a gateway on every address says why it cannot
+    everywhere = DaemonSettings(data_dir=tmp_path, listen="0.0.0.0:8420")
+    bad = Delegations(tmp_path / "g2.db", everywhere, placements, keys)
+    with pytest.raises(errors.InvalidArgument, match=r"listens on 0\.0\.0\.0"):
+        bad.ask(creator, AccessDelegation(mode="inherit"))
+
+
+async def test_a_node_takes_a_grant_only_from_a_gateway(tmp_path: Path) -> None:
+    """`X-Cella-Grant` on a node: kept whole (the proxy is sent to the gateway's address)
+    from an admin key acting for the tenant; refused from a tenant's own key, nothing made."""
+    async with serving(tmp_path) as app:
+        _, team_key = app.daemon.keys.create("team")
+        asked = AccessDelegation(mode="inherit")
+        made = grant_for(asked, Principal("team", False, False, "key-of-the-gateway"),
+                         ("127.0.0.9", 8000))  # fmt: skip
+        header = {FLEET_GRANT: json.dumps({k: made[k] for k in ("key_id", "key", "upstream")})}
+        body = {"access_delegation": {"mode": "inherit"}}
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url=URL) as http:
+            own = {"authorization": f"Bearer {team_key}"}
+            refused = await http.post("/v1/sandboxes", json=body, headers=own | header)
+            assert refused.status_code == 403 and "fleet gateway" in refused.text
+            assert app.daemon.store.list_sandboxes("team") == []
+            acting = {"authorization": f"Bearer {app.admin_key}", "x-cella-tenant": "team"}
+            created = await http.post("/v1/sandboxes", json=body, headers=acting | header)
+            assert created.status_code == 201, created.text
+            row = app.daemon.store.get_sandbox(created.json()["id"])
+            assert row is not None and row.delegation == made
+            assert upstream_of(row) == ("127.0.0.9", 8000)
+            # without the header, an admin acting for the tenant is refused as ever
+            bare = await http.post("/v1/sandboxes", json=body, headers=acting)
+            assert bare.status_code == 400 and "own API key" in bare.text

@@ -19,15 +19,16 @@ from cella.fleet import langsmith
 from cella.fleet.gateway import Gateway
 from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
+from cella.fleet.registries import build_with
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
-from cella.models import Capacity, ForkRequest, KeyRotation
+from cella.models import Capacity, ForkRequest, KeyRotation, SnapshotFromImage
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.server.app import build_app, routes
 from cella.server.deps import Auth, KeyOrSession
 from cella.server.front import serve
-from cella.server.routes import evals, keys
+from cella.server.routes import evals, keys, registries
 from cella.server.routes.egress import SecretName
 from cella.server.sockets import bearer, opened
 from cella.service.keys import Principal, require_admin
@@ -49,6 +50,7 @@ def create_gateway_app(
         doors=[
             routes(keys.router),  # the gateway's own keys (and their audit log)
             routes(evals.router),  # runs are kept by the gateway (before the catch-all)
+            routes(registries.router),  # so are registries
             routes(router(gateway)),
             lambda app: langsmith.install(app, gateway),
         ],
@@ -184,6 +186,21 @@ def router(gateway: Gateway) -> APIRouter:
         if all_tenants:
             require_admin(who, "list every tenant's snapshots")
         return {"snapshots": await gateway.snapshots.list(who, all_tenants)}
+
+    @api.post("/v1/snapshots", status_code=201, tags=["snapshots"])
+    async def snapshot_from_image(body: SnapshotFromImage, who: Auth) -> dict[str, Any]:
+        """Built on a node, with the caller's registry lent to it for the pull."""
+        node = gateway.membership.any_node()
+        sent = body.model_dump(mode="json", exclude_unset=True)
+
+        async def build(registry: str | None) -> dict[str, Any]:
+            given = sent if registry is None else sent | {"registry": registry}
+            made: dict[str, Any] = await node.json("POST", "/v1/snapshots", who, json=given)
+            return made
+
+        return await build_with(
+            node, who, gateway.image_registries, body.registry, body.image, build
+        )
 
     @api.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
     async def fork_snapshot(

@@ -5,8 +5,11 @@ go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from th
 one joins); `Quotas` holds tenants' limits across the fleet; `Planner` decides where new
 sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes and ships
 them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
-tenants' secrets here and on every node. The gateway keeps its own keys, console sessions
-and eval runs (what the routes it shares with a node daemon use: `cella.server.front`).
+tenants' secrets here and on every node; their image registries are kept here alone
+(`fleet/registries.py` lends a node one for a pull); `Delegations` makes and checks the
+access delegation grants of the sandboxes it places. The gateway keeps its own keys, console
+sessions, registries and eval runs (what the routes it shares with a node daemon use:
+`cella.server.front`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from pathlib import Path
 
 from cella.config import DaemonSettings
+from cella.fleet.delegation import Delegations
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
@@ -25,6 +29,7 @@ from cella.fleet.quotas import Quotas
 from cella.fleet.shared_secrets import SharedSecrets
 from cella.fleet.snapshots import FleetSnapshots
 from cella.service.evals import Evals
+from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
@@ -43,10 +48,12 @@ class Gateway:
             settings.secrets_key_file or root / "secrets.key",
             settings.secrets_key_command,
         )
-        self.keys = Keys(self.store)
-        self.keys.ensure_admin_key(root)
-        self.sessions = Sessions(self.keys, root / "session.key")  # the web console's
         self.placements = Placements(root / "placements.db")
+        # delegation tokens are checked against the grants the gateway made
+        self.keys = Keys(self.store, grant_of=lambda sid: self.delegations.grant_of(sid))
+        self.keys.ensure_admin_key(root)
+        self.delegations = Delegations(root / "grants.db", settings, self.placements, self.keys)
+        self.sessions = Sessions(self.keys, root / "session.key")  # the web console's
         self.evals = Evals(  # eval runs are recorded here, not on a node
             self.store, lambda sid: where.tenant if (where := self.placements.get(sid)) else None
         )
@@ -58,6 +65,7 @@ class Gateway:
             on_join=self._joining,
         )
         self.secrets = SharedSecrets(self.store, secrets_key, self.membership)
+        self.image_registries = ImageRegistries(self.store)  # lent to a node for a pull
         self.locator = Locator(self.membership, self.placements)
         self.snapshots = FleetSnapshots(self.membership)
         self.launcher = Launcher(
@@ -66,6 +74,7 @@ class Gateway:
             Quotas(self.membership, settings.max_sandboxes_per_tenant),
             Planner(self.membership),
             self.snapshots,
+            self.delegations,
         )
 
     async def start(self) -> None:

@@ -1,6 +1,7 @@
 """The LangSmith Sandboxes API on a fleet gateway: the node daemons serve it (their
 `server/compat/langsmith`), the gateway places new boxes and relays every other call to the
-node of the box it names (by name on the control plane, by id on the data plane)."""
+node of the box it names (by name on the control plane, by id on the data plane). Registries
+are the gateway's own (the same routes a node serves), lent to the node that builds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from cella import errors
 from cella.fleet.gateway import Gateway
 from cella.fleet.launch import shape_of
 from cella.fleet.node_client import Node
+from cella.fleet.registries import build_with
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
+from cella.server.compat.langsmith import registries
 from cella.server.compat.langsmith.create import SNAPSHOT_FIELDS, read_create
 from cella.server.compat.langsmith.shapes import DATAPLANE, ERROR_SHAPE, PREFIXES
 from cella.server.deps import Caller, api_key_caller
@@ -26,6 +29,7 @@ PAGE = 500  # what one node is asked for at most when the gateway pages a merged
 def install(app: FastAPI, gateway: Gateway) -> None:
     for prefix in PREFIXES:
         app.include_router(control(gateway, prefix))
+        app.include_router(registries.router(prefix))  # the gateway's own (`Front`)
     app.include_router(dataplane(gateway))
     add_error_shape(app, ERROR_SHAPE)  # its SDK reads the same errors as from a node
 
@@ -41,6 +45,8 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
         box = read_create(body)  # as the node will read it: the same name, size, snapshot
         body = {k: v for k, v in body.items() if k not in SNAPSHOT_FIELDS} | {"name": box.name}
         answer: httpx2.Response | None = None
+        grant = gateway.delegations.ask(who, box.spec().access_delegation)
+        headers = _host(request) | ({} if grant is None else gateway.delegations.header(grant))
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[dict[str, Any]]:
             nonlocal answer
@@ -52,11 +58,13 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
                 langsmith=True,
                 json=sent,
                 params=request.query_params,
-                headers=_host(request),
+                headers=headers,
             )
             if not answer.is_success:  # refused by the node: relayed as it said it
                 return []
             made = answer.json()
+            if grant is not None:
+                gateway.delegations.made(made["id"], who.tenant, grant)
             return [await node.json("GET", f"/v1/sandboxes/{made['id']}", who)]
 
         source = box.snapshot or shape_of(box.spec())
@@ -125,7 +133,26 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
 
     @api.post("/snapshots")
     async def build_snapshot(request: Request, who: Caller) -> Response:
-        return await forward(request, gateway.membership.any_node(), who, langsmith=True)
+        """Built on a node, with the caller's registry (`registry_id`) lent to it."""
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("the body must be a JSON object")
+        node = gateway.membership.any_node()
+        registry = None if body.get("registry_id") is None else str(body["registry_id"])
+        if registry is not None:
+            try:
+                gateway.image_registries.get(who.tenant, registry)
+            except errors.NotFound:
+                raise errors.NotFound(f"Registry '{registry}' not found") from None
+
+        async def build(lent: str | None) -> httpx2.Response:
+            sent = body if lent is None else body | {"registry_id": lent}
+            return await node.call(
+                "POST", request.url.path, who, langsmith=True, json=sent, headers=_host(request)
+            )
+
+        image = str(body.get("docker_image") or "")
+        return _relay(await build_with(node, who, gateway.image_registries, registry, image, build))
 
     return api
 

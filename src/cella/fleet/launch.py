@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cella import errors
+from cella.fleet.delegation import Delegations
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
@@ -41,6 +42,7 @@ class Launcher:
         quotas: Quotas,
         planner: Planner,
         snapshots: FleetSnapshots,
+        delegations: Delegations,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -48,6 +50,7 @@ class Launcher:
         self.quotas = quotas
         self.planner = planner
         self.snapshots = snapshots
+        self.delegations = delegations
 
     async def launch(
         self,
@@ -104,10 +107,16 @@ class Launcher:
         except ValidationError as exc:
             raise errors.InvalidArgument(describe(exc.errors())) from None
 
+        grant = self.delegations.ask(who, spec.access_delegation)
+        headers = {} if grant is None else self.delegations.header(grant)
+
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
             # by id: a snapshot's names and tags live on the node it was taken on
             sent = body if snapshot_id is None else {**body, "snapshot": snapshot_id}
-            return [await node.json("POST", "/v1/sandboxes", who, json=sent)]
+            made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
+            if grant is not None:
+                self.delegations.made(made["id"], who.tenant, grant)
+            return [made]
 
         source = spec.snapshot or shape_of(spec)
         [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)

@@ -15,6 +15,7 @@ from starlette.background import BackgroundTask
 
 from cella import errors
 from cella.fleet.node_client import Node
+from cella.service.delegation import FLEET_GRANT
 from cella.service.keys import READ_ONLY_HEADER, Principal
 from cella.service.logins import FLEET_USER
 
@@ -35,6 +36,7 @@ NOT_FORWARDED = HOP_BY_HOP | {
     READ_ONLY_HEADER,
     "x-forwarded-proto",
     FLEET_USER,  # the gateway says who its caller is, no one else
+    FLEET_GRANT,  # and which grants it made
 }
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]

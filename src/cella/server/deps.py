@@ -15,6 +15,7 @@ from cella import errors
 from cella.models.keys import TENANT
 from cella.server.front import Front, front_of
 from cella.service.daemon import Daemon
+from cella.service.delegation import FLEET_GRANT
 from cella.service.keys import (
     READ_ONLY_HEADER,
     READS,
@@ -101,6 +102,20 @@ def acting(who: Principal, tenant: str | None, conn: HTTPConnection) -> Principa
     acted = Principal(tenant=tenant, admin=False, read_only=read_only, key_id=who.key_id)
     require_write(acted, conn.scope.get("method") or "WEBSOCKET")
     return acted
+
+
+def fleet_grant(conn: HTTPConnection) -> str | None:
+    """The access delegation grant a fleet gateway sends with a create it places here
+    (`X-Cella-Grant`): only from an admin key acting for a tenant."""
+    given = conn.headers.get(FLEET_GRANT)
+    if given is None:
+        return None
+    used = getattr(conn.state, "key_use", None)
+    if used is None or not used.admin or not conn.headers.get("x-cella-tenant"):
+        raise errors.PermissionDenied(
+            f"{FLEET_GRANT}: only a fleet gateway (an admin key acting for a tenant) sends one"
+        )
+    return given
 
 
 def api_key_caller(

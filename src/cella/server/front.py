@@ -1,5 +1,6 @@
 """What the routes a node daemon and a fleet gateway both serve (API keys and their audit
-log, the web console's sessions, eval runs, and every caller's authentication) use of the
+log, the web console's sessions, eval runs, image registries, and every caller's
+authentication) use of the
 process that serves them. `Daemon` and the fleet's `Gateway` both implement it; mypy
 checks each where an app is given the one it serves (`serve`, `build_app`)."""
 
@@ -11,6 +12,7 @@ from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
 
 from cella.service.evals import Evals
+from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 
@@ -24,6 +26,12 @@ class Front(Protocol):
 
     @property
     def evals(self) -> Evals: ...
+
+    @property
+    def image_registries(self) -> ImageRegistries:
+        """A tenant's registries (a gateway keeps them for the fleet, lending a node one
+        for the pull that needs it)."""
+        ...
 
     async def snapshot_id(self, who: Principal, ref: str) -> str:
         """The id of the caller's snapshot `ref` (an id, name or name:tag)."""

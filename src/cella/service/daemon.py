@@ -189,24 +189,22 @@ class Daemon:
         self.store.close()
 
     async def create(
-        self, tenant: str, spec: SandboxCreate, creator: Principal | None = None
+        self,
+        tenant: str,
+        spec: SandboxCreate,
+        creator: Principal | None = None,
+        fleet_grant: str | None = None,
     ) -> SandboxRecord:
         """A new sandbox: from its template (its image's config under the sandbox's own
         exec defaults), or booted from `spec.snapshot`; with `run_entrypoint`, the image's
         Entrypoint and Cmd are started as process `entrypoint`. `creator`: the key that
-        asks, which `access_delegation` lets the sandbox act as."""
-        if spec.access_delegation is not None and self.settings.tls_cert is not None:
-            raise errors.InvalidArgument(
-                "access_delegation: not supported by a daemon serving TLS (the egress proxy "
-                "reaches the API over plain HTTP on loopback)"
-            )
-        if spec.access_delegation is not None and creator is not None:
-            own = self.keys.by_id(creator.key_id) if creator.key_id else None
-            if own is None or own.tenant != tenant:  # an admin acting for it, a gateway
-                raise errors.InvalidArgument(
-                    "access_delegation needs the tenant's own API key, not one acting for it"
-                )
-        granted = delegation.grant(spec.access_delegation, creator)
+        asks, which `access_delegation` lets the sandbox act as; `fleet_grant`: the grant a
+        fleet gateway made for it instead (its API, its creator's key)."""
+        granted: delegation.Json | None
+        if fleet_grant is not None:
+            granted = delegation.given(spec.access_delegation, fleet_grant)
+        else:
+            granted = self._grant(tenant, spec, creator)
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
@@ -236,6 +234,22 @@ class Daemon:
                 ProcessSpec(request=ExecRequest(command=command), ttl=None),
             )
         return row
+
+    def _grant(
+        self, tenant: str, spec: SandboxCreate, creator: Principal | None
+    ) -> delegation.Json | None:
+        if spec.access_delegation is not None and self.settings.tls_cert is not None:
+            raise errors.InvalidArgument(
+                "access_delegation: not supported by a daemon serving TLS (the egress proxy "
+                "reaches the API over plain HTTP on loopback)"
+            )
+        if spec.access_delegation is not None and creator is not None:
+            own = self.keys.by_id(creator.key_id) if creator.key_id else None
+            if own is None or own.tenant != tenant:  # an admin acting for it
+                raise errors.InvalidArgument(
+                    "access_delegation needs the tenant's own API key, not one acting for it"
+                )
+        return delegation.grant(spec.access_delegation, creator)
 
     async def _with_mounts(self, tenant: str, row: SandboxRecord) -> SandboxRecord:
         """Clones a new sandbox's mounts; one that fails fails the create as any other

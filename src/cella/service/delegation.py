@@ -4,19 +4,29 @@ A grant is kept on the sandbox's row: the mode, the permissions, the creator's k
 key of the sandbox's own, which the egress proxy mints short-lived tokens with (one per
 request to `cella.api`; `cella.policy.delegation`). `Keys.authenticate` honours a token
 while it is fresh, its sandbox lives and the creator's key is valid, checking all three on
-every request, so revoking the key ends the sandbox's access at once."""
+every request, so revoking the key ends the sandbox's access at once.
+
+A sandbox a fleet gateway places gets the gateway's grant instead (`FLEET_GRANT`, from an
+admin key acting for the tenant): the creator's key is the gateway's, tokens are checked
+there, and the proxy takes `cella.api` to the gateway's address, so the code in the sandbox
+sees the whole fleet."""
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
+from typing import Any
 
 from cella import errors
 from cella.models import AccessDelegation
 from cella.service.keys import Principal
 from cella.store import SandboxRecord
 
+Json = dict[str, Any]
 
-def grant(asked: AccessDelegation | None, creator: Principal | None) -> dict[str, object] | None:
+
+def grant(asked: AccessDelegation | None, creator: Principal | None) -> Json | None:
     """What the sandbox's row keeps of a delegation (None: no access)."""
     if asked is None:
         return None
@@ -28,6 +38,39 @@ def grant(asked: AccessDelegation | None, creator: Principal | None) -> dict[str
         "key_id": creator.key_id,
         "key": secrets.token_hex(32),
     }
+
+
+FLEET_GRANT = "x-cella-grant"  # a fleet gateway's grant for a sandbox it creates here
+_KEY = re.compile(r"^[0-9a-f]{64}$")
+
+
+def grant_for(asked: AccessDelegation, creator: Principal, upstream: tuple[str, int]) -> Json:
+    """A fleet gateway's grant (with where its API is reached), as the node keeps it."""
+    made = grant(asked, creator)
+    assert made is not None
+    return made | {"upstream": [upstream[0], upstream[1]]}
+
+
+def given(asked: AccessDelegation | None, header: str) -> Json:
+    """The grant a fleet gateway sent (`FLEET_GRANT`) for a create asking `asked`."""
+    if asked is None:
+        raise errors.InvalidArgument(f"{FLEET_GRANT} without access_delegation")
+    try:
+        sent = json.loads(header)
+        key_id, key, (host, port) = sent["key_id"], sent["key"], sent["upstream"]
+    except (ValueError, KeyError, TypeError):
+        raise errors.InvalidArgument(f"{FLEET_GRANT}: not a grant") from None
+    ok = isinstance(key_id, str) and isinstance(key, str) and bool(_KEY.match(key))
+    if not ok or not isinstance(host, str) or not isinstance(port, int):
+        raise errors.InvalidArgument(f"{FLEET_GRANT}: not a grant")
+    return {"mode": asked.mode, "permissions": list(asked.permissions), "key_id": key_id,
+            "key": key, "upstream": [host, port]}  # fmt: skip
+
+
+def upstream_of(row: SandboxRecord) -> tuple[str, int] | None:
+    """Where the proxy takes the sandbox's `cella.api` when not to this daemon (a gateway's)."""
+    found = (row.delegation or {}).get("upstream")
+    return (str(found[0]), int(found[1])) if found else None
 
 
 def proxy_access(row: SandboxRecord) -> bytes | None:

@@ -27,7 +27,7 @@ from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service import proxy_credentials as credentials
-from cella.service.delegation import proxy_access
+from cella.service.delegation import proxy_access, upstream_of
 from cella.service.registry import Registry
 from cella.service.rewrites import Rewrites
 from cella.store import SandboxRecord, SecretRecord, SecretRef
@@ -187,7 +187,7 @@ class SandboxEgress:
         key = proxy_access(row)
         if key is None:
             return None
-        return {"upstream": list(self.api), "key": key.hex()}
+        return {"upstream": list(upstream_of(row) or self.api), "key": key.hex()}
 
     def _release(self, vm: VM) -> None:
         addr = self._addresses.pop(vm, None)

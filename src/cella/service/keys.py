@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +30,28 @@ class Principal:
     key_id: str | None = None  # None: a principal derived from another (X-Cella-Tenant)
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A sandbox's access delegation as a token is checked against it: whose sandbox, and
+    its grant (mode, permissions, the creator's key id, the key tokens are minted with)."""
+
+    tenant: str
+    delegation: dict[str, object]
+
+
+GrantOf = Callable[[str], "Grant | None"]  # a live sandbox's grant, by its id
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
 class Keys:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, grant_of: GrantOf | None = None) -> None:
+        """`grant_of`: where the grants of delegation tokens are found (a daemon: its
+        sandboxes' rows; a fleet gateway: the grants it made for the sandboxes it placed)."""
         self.store = store
+        self.grant_of = grant_of or self._row_grant
 
     def create(self, tenant: str, admin: bool = False, read_only: bool = False) -> tuple[str, str]:
         """Creates a key; returns (key id, the key itself - never stored)."""
@@ -73,19 +88,27 @@ class Keys:
         sandbox with a grant, whose creator's key is still valid; limited as the grant says
         (`explicit` without `sandboxes:write` reads only; admin rights pass by `inherit`)."""
         sandbox_id = delegation.sandbox_of(token)
-        row = self.store.get_sandbox(sandbox_id) if sandbox_id else None
-        if row is None or not row.delegation or row.state in GONE:
+        found = self.grant_of(sandbox_id) if sandbox_id else None
+        if found is None:
             raise errors.Unauthenticated("not a valid delegation token")
-        if not delegation.valid(token, bytes.fromhex(row.delegation["key"])):
+        grant = found.delegation
+        if not delegation.valid(token, bytes.fromhex(str(grant["key"]))):
             raise errors.Unauthenticated("an expired or forged delegation token")
-        key = self.store.key_by_id(row.delegation["key_id"])
-        if key is None or key.tenant != row.tenant:
+        key = self.store.key_by_id(str(grant["key_id"]))
+        if key is None or key.tenant != found.tenant:
             raise errors.Unauthenticated(
-                f"sandbox {row.id} acts for a key that was revoked: its access ended with it"
+                f"sandbox {sandbox_id} acts for a key that was revoked: its access ended with it"
             )
-        inherit = row.delegation["mode"] == "inherit"
-        writes = inherit or "sandboxes:write" in row.delegation["permissions"]
+        inherit = grant["mode"] == "inherit"
+        permissions = grant.get("permissions")
+        writes = inherit or (isinstance(permissions, list) and "sandboxes:write" in permissions)
         return Principal(key.tenant, key.admin and inherit, key.read_only or not writes, key.id)
+
+    def _row_grant(self, sandbox_id: str) -> Grant | None:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None or not row.delegation or row.state in GONE:
+            return None
+        return Grant(row.tenant, row.delegation)
 
     def by_id(self, key_id: str) -> Principal | None:
         """The holder of a key that is still valid, by the key's id."""

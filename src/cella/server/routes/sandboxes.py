@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from cella import errors
@@ -30,7 +30,7 @@ from cella.models import (
     encode_data,
     parse_pairs,
 )
-from cella.server.deps import Auth, DaemonDep, jsonl
+from cella.server.deps import Auth, DaemonDep, fleet_grant, jsonl
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -38,9 +38,12 @@ ID = Annotated[str, "sandbox id"]
 
 
 @router.post("", status_code=201, response_model=Sandbox)
-async def create_sandbox(body: SandboxCreate, svc: DaemonDep, who: Auth) -> Sandbox:
+async def create_sandbox(
+    body: SandboxCreate, request: Request, svc: DaemonDep, who: Auth
+) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    return Sandbox.model_validate(await svc.create(who.tenant, body, creator=who))
+    made = await svc.create(who.tenant, body, creator=who, fleet_grant=fleet_grant(request))
+    return Sandbox.model_validate(made)
 
 
 @router.get("", response_model=SandboxList)

@@ -29,7 +29,7 @@ from cella.server.compat.langsmith.shapes import (
     sandbox_json,
     snapshot_json,
 )
-from cella.server.deps import Caller, DaemonDep
+from cella.server.deps import Caller, DaemonDep, fleet_grant
 from cella.server.routes.downloads import link_url
 from cella.server.routes.ports import login_url
 from cella.service.daemon import Daemon
@@ -58,7 +58,7 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes")
     async def create_box(request: Request, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         spec = create_spec(svc, who.tenant, body)
-        made = svc.create(who.tenant, spec, creator=who)
+        made = svc.create(who.tenant, spec, creator=who, fleet_grant=fleet_grant(request))
         task = svc.background.start(made, name=f"create-{spec.name}")
         if body.get("wait_for_ready", True):
             timeout = float(body.get("timeout") or 30)

@@ -1,6 +1,7 @@
 """LangSmith's sandbox registries (`client.registries`: create, list, retrieve, update,
 delete; addressed by name) as cella's image registries. Credentials are kept sealed and
-never returned; `auth_type` DOCKER_CONFIG (user and password) is what cella does."""
+never returned; `auth_type` DOCKER_CONFIG (user and password) is what cella does. Served
+by a node daemon and by a fleet gateway alike (`Front.image_registries`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pydantic import ValidationError
 from cella import errors
 from cella.models import RegistryCreate, RegistryUpdate
 from cella.server.compat.langsmith.shapes import iso, not_supported
-from cella.server.deps import Caller, DaemonDep
+from cella.server.deps import Caller, FrontDep
 from cella.server.error_shapes import describe
-from cella.service.daemon import Daemon
+from cella.server.front import Front
 from cella.store import RegistryRecord
 
 Json = dict[str, Any]
@@ -27,13 +28,13 @@ def router(prefix: str) -> APIRouter:
     api = APIRouter(prefix=prefix, include_in_schema=False)
 
     @api.post("/registries", status_code=201)
-    async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    async def create(svc: FrontDep, who: Caller, body: JsonBody) -> Json:
         req = _read(RegistryCreate, body)
         return registry_json(svc.image_registries.create(who.tenant, req))
 
     @api.get("/registries")
     async def list_all(
-        svc: DaemonDep,
+        svc: FrontDep,
         who: Caller,
         name_contains: str | None = None,
         cursor: str | None = None,
@@ -55,17 +56,17 @@ def router(prefix: str) -> APIRouter:
         return {"items": items, "registries": items, "offset": offset, "next_cursor": None}
 
     @api.get("/registries/{name}")
-    async def retrieve(name: str, svc: DaemonDep, who: Caller) -> Json:
+    async def retrieve(name: str, svc: FrontDep, who: Caller) -> Json:
         return registry_json(_named(svc, who.tenant, name))
 
     @api.patch("/registries/{name}")
-    async def update(name: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    async def update(name: str, svc: FrontDep, who: Caller, body: JsonBody) -> Json:
         row = _named(svc, who.tenant, name)
         change = _read(RegistryUpdate, body)
         return registry_json(svc.image_registries.update(who.tenant, row.id, change))
 
     @api.delete("/registries/{name}", status_code=204)
-    async def delete(name: str, svc: DaemonDep, who: Caller) -> Response:
+    async def delete(name: str, svc: FrontDep, who: Caller) -> Response:
         svc.image_registries.delete(who.tenant, _named(svc, who.tenant, name).id)
         return Response(status_code=204)
 
@@ -89,7 +90,7 @@ def registry_json(row: RegistryRecord) -> Json:
     }
 
 
-def _named(svc: Daemon, tenant: str, name: str) -> RegistryRecord:
+def _named(svc: Front, tenant: str, name: str) -> RegistryRecord:
     try:
         return svc.image_registries.get(tenant, name)
     except errors.NotFound:

@@ -1,0 +1,97 @@
+"""Access delegation on a fleet: the gateway makes the grant of a sandbox it places (the
+creator is one of the gateway's keys) and keeps it; the node gets it with the create
+(`FLEET_GRANT`) and its proxy takes the sandbox's `cella.api` to the gateway's address, with
+tokens minted from the grant's key. The gateway checks those tokens against the grants kept
+here, so code in the sandbox calls the whole fleet as its creator, until the creator's key
+is revoked or the sandbox is gone."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet.placement_table import Placements
+from cella.models import AccessDelegation
+from cella.service import delegation
+from cella.service.keys import Grant, Keys, Principal
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS grants (
+    sandbox_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    grant TEXT NOT NULL
+);
+"""
+GONE = ("deleting", "deleted", "error")
+
+
+class Delegations:
+    def __init__(
+        self, path: Path, settings: DaemonSettings, placements: Placements, keys: Keys
+    ) -> None:
+        self.settings = settings
+        self.placements = placements
+        self.keys = keys
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.executescript(SCHEMA)
+
+    def ask(self, who: Principal, asked: AccessDelegation | None) -> delegation.Json | None:
+        """The grant for a create asking `asked` (None: no delegation), refused as a node
+        refuses it: a caller acting for the tenant, an API the proxy would reach in clear."""
+        if asked is None:
+            return None
+        own = self.keys.by_id(who.key_id) if who.key_id else None
+        if own is None or own.tenant != who.tenant:
+            raise errors.InvalidArgument(
+                "access_delegation needs the tenant's own API key, not one acting for it"
+            )
+        return delegation.grant_for(asked, who, self._address())
+
+    def header(self, grant: delegation.Json) -> dict[str, str]:
+        """What the node is sent with the create."""
+        sent = {k: grant[k] for k in ("key_id", "key", "upstream")}
+        return {delegation.FLEET_GRANT: json.dumps(sent)}
+
+    def made(self, sandbox_id: str, tenant: str, grant: delegation.Json) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO grants VALUES (?, ?, ?)",
+                (sandbox_id, tenant, json.dumps(grant)),
+            )
+
+    def grant_of(self, sandbox_id: str) -> Grant | None:
+        """The grant of a sandbox the gateway placed, while it lives (`Keys.delegated`)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT tenant, grant FROM grants WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        where = self.placements.get(sandbox_id)
+        if row is None or where is None or where.lost or where.body.get("state") in GONE:
+            return None
+        return Grant(row[0], json.loads(row[1]))
+
+    def _address(self) -> tuple[str, int]:
+        """Where a node's proxy reaches this gateway's API (plain HTTP, as on a node)."""
+        if self.settings.tls_cert is not None:
+            raise errors.InvalidArgument(
+                "access_delegation: not supported by a gateway serving TLS (the nodes' egress "
+                "proxies reach its API over plain HTTP)"
+            )
+        host, port = self.settings.host_port
+        host = host.strip("[]")
+        try:
+            unspecified = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            unspecified = False
+        if unspecified:
+            raise errors.InvalidArgument(
+                f"access_delegation: the gateway listens on {host}, not on one address the "
+                "nodes' proxies can be sent to; give --listen the address they reach it at"
+            )
+        return host, port
