@@ -438,7 +438,12 @@ class Egress:
         if encoding not in ("", "identity"):
             _refuse(resp, f"a {encoding}-encoded response cannot be checked for secrets")
             return
-        # the redacted body may differ in length: it goes out chunked (HTTP/2 frames itself)
+        # the redacted body may differ in length: it goes out chunked (HTTP/2 frames itself);
+        # a response that has no body keeps its length (a HEAD's is the object's size)
+        bodiless = flow.request.method == "HEAD" or resp.status_code in (204, 304)
+        if bodiless:
+            resp.stream = count
+            return
         if resp.http_version.startswith("HTTP/1") and "content-length" in resp.headers:
             del resp.headers["content-length"]
             resp.headers["transfer-encoding"] = "chunked"
