@@ -166,4 +166,8 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN bucket_mounts TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE sandboxes ADD COLUMN mount_states TEXT NOT NULL DEFAULT '{}';
+    """,
 ]
