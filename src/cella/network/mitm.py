@@ -377,6 +377,11 @@ class Egress:
                     tally.credentials.append(b.name)
         self.cloud.body(flow.request, flow.metadata)
         tally.bytes_out = len(body)
+        headers = flow.request.headers
+        if body and "content-length" not in headers and "transfer-encoding" not in headers:
+            # an HTTP/2 request's body has no length of its own: held whole, it is given one,
+            # or an HTTP/1 server reads none of it
+            headers["content-length"] = str(len(body))
 
     async def _asked(self, flow: http.HTTPFlow, tally: Tally) -> bool:
         """The sandbox's callbacks for this host say it may go (and set their headers);
