@@ -29,13 +29,19 @@ log = logging.getLogger("cella.buckets")
 MOUNT_TIMEOUT = 120.0  # rclone's own wait for its mount (--daemon-wait) is within it
 CACHE_DIR = "/var/cache/cella-mounts"
 LOG_DIR = "/var/log/cella-mounts"
-# $1: the mount's path; the rest: rclone's argv. A live mount is kept (a VM restored with
-# its memory); a dead one (rclone gone) is let go of first. --daemon returns once mounted.
-SCRIPT = """p=$1; shift
+# $1: the mount's path, $2 its remote; the rest: rclone's argv (its backend's options are
+# in the environment). A live mount is kept (a VM restored with its memory); a dead one
+# (rclone gone) is let go of first. The listing first: a wrong bucket or key fails the
+# mount here (a FUSE mount of a bucket it cannot list is an empty directory). --daemon
+# returns once mounted.
+SCRIPT = """p=$1; r=$2; shift 2
 if mountpoint -q -- "$p"; then echo kept; exit 0; fi
 fusermount3 -uzq -- "$p" 2>/dev/null
 mkdir -p -- "$p" "${LOG%/*}" || exit 1
-"$@" || { tail -n 5 "$LOG" >&2 2>/dev/null; exit 1; }
+if ! rclone lsf --max-depth 1 -- "$r" >/dev/null 2>"$LOG.check"; then
+  tail -n 1 "$LOG.check" >&2; exit 1
+fi
+"$@" || { echo "rclone mount failed" >&2; tail -n 2 "$LOG" >&2; exit 1; }
 mountpoint -q -- "$p" || { echo "$p is not mounted" >&2; exit 1; }
 echo mounted"""
 
@@ -47,13 +53,12 @@ def remote(mount: BucketMount) -> str:
 
 
 def rclone_argv(mount: BucketMount) -> list[str]:
-    """`rclone mount` for the mount, every field of it honoured."""
+    """`rclone mount` for the mount, every field of it honoured (with `rclone_env`)."""
     argv = [
         "rclone", "mount", remote(mount), mount.path, "--daemon", "--daemon-wait", "60s",
-        "--config", "/dev/null", "--allow-other", "--umask", "0000",
-        "--cache-dir", f"{CACHE_DIR}/{mount.id}", "--vfs-cache-mode", "full",
-        "--dir-cache-time", "10s", "--log-file", f"{LOG_DIR}/{mount.id}.log",
-        "--log-level", "NOTICE",
+        "--allow-other", "--umask", "0000", "--cache-dir", f"{CACHE_DIR}/{mount.id}",
+        "--vfs-cache-mode", "full", "--dir-cache-time", "10s",
+        "--log-file", f"{LOG_DIR}/{mount.id}.log", "--log-level", "NOTICE",
     ]  # fmt: skip
     if mount.read_only:
         argv.append("--read-only")
@@ -61,25 +66,29 @@ def rclone_argv(mount: BucketMount) -> list[str]:
         argv += ["--vfs-cache-max-size", f"{mount.cache.max_size_bytes}B"]
     if mount.cache.writeback_seconds is not None:
         argv += ["--vfs-write-back", f"{mount.cache.writeback_seconds}s"]
-    if mount.type == "gcs":  # the proxy adds the bearer (or the bucket is public)
-        return [*argv, "--gcs-anonymous", "--gcs-bucket-policy-only"]
-    argv += [
-        "--s3-provider", "Other", "--s3-env-auth=false", "--s3-no-check-bucket",
-        "--s3-endpoint", mount.endpoint, "--s3-region", mount.region or "us-east-1",
-        f"--s3-force-path-style={'true' if mount.path_style else 'false'}",
-    ]  # fmt: skip
-    if mount.kms_key is not None:
-        argv += ["--s3-server-side-encryption", "aws:kms", "--s3-sse-kms-key-id", mount.kms_key]
     return argv
 
 
 def rclone_env(mount: BucketMount) -> dict[str, str]:
-    """Dummy keys to sign with (the proxy signs again with the real ones); no CA bundle
-    variable of the AWS SDK's, which rclone's own transport refuses."""
-    env = {"LOG": f"{LOG_DIR}/{mount.id}.log", "AWS_CA_BUNDLE": ""}
-    if mount.type == "s3":
-        env["RCLONE_S3_ACCESS_KEY_ID"] = DUMMY_AWS_ENV["AWS_ACCESS_KEY_ID"]
-        env["RCLONE_S3_SECRET_ACCESS_KEY"] = DUMMY_AWS_ENV["AWS_SECRET_ACCESS_KEY"]
+    """The backend's options, for the listing and the mount alike: dummy keys to sign with
+    (the proxy signs again with the real ones), or anonymous GCS (the proxy adds the
+    bearer); no CA bundle variable of the AWS SDK's, which rclone's transport refuses."""
+    env = {"LOG": f"{LOG_DIR}/{mount.id}.log", "AWS_CA_BUNDLE": "", "RCLONE_CONFIG": "/dev/null"}
+    if mount.type == "gcs":
+        return env | {"RCLONE_GCS_ANONYMOUS": "true", "RCLONE_GCS_BUCKET_POLICY_ONLY": "true"}
+    env |= {
+        "RCLONE_S3_PROVIDER": "Other",
+        "RCLONE_S3_ENV_AUTH": "false",
+        "RCLONE_S3_NO_CHECK_BUCKET": "true",
+        "RCLONE_S3_ENDPOINT": mount.endpoint,
+        "RCLONE_S3_REGION": mount.region or "us-east-1",
+        "RCLONE_S3_FORCE_PATH_STYLE": "true" if mount.path_style else "false",
+        "RCLONE_S3_ACCESS_KEY_ID": DUMMY_AWS_ENV["AWS_ACCESS_KEY_ID"],
+        "RCLONE_S3_SECRET_ACCESS_KEY": DUMMY_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+    }
+    if mount.kms_key is not None:
+        env["RCLONE_S3_SERVER_SIDE_ENCRYPTION"] = "aws:kms"
+        env["RCLONE_S3_SSE_KMS_KEY_ID"] = mount.kms_key
     return env
 
 
@@ -114,7 +123,8 @@ class Buckets:
         """Mounts one bucket unless it is mounted already."""
         async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
             self._set(sandbox_id, mount.id, "mounting")
-            argv = ["/bin/sh", "-c", SCRIPT, "cella-mount", mount.path, *rclone_argv(mount)]
+            argv = ["/bin/sh", "-c", SCRIPT, "cella-mount", mount.path, remote(mount),
+                    *rclone_argv(mount)]  # fmt: skip
             req = ExecRequest(
                 command=argv, env=rclone_env(mount), user="root", cwd="/", timeout=MOUNT_TIMEOUT
             )
