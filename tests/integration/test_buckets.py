@@ -23,6 +23,7 @@ from typing import Any
 
 import boto3
 import httpx
+import jwt
 import pytest
 from botocore.client import Config
 from botocore.exceptions import ClientError
@@ -288,9 +289,18 @@ def test_the_same_requests_from_the_host_are_refused(stores: Stores) -> None:
     assert httpx.get(media, headers={"Host": GCS_HOST}, verify=trust).status_code == 401
     made_up = {"Host": GCS_HOST, "Authorization": "Bearer ya29.made-up"}
     assert httpx.get(media, headers=made_up, verify=trust).status_code == 401
-    if stores.issued:  # a token the proxy was issued (a GCS test ran first): the control
-        good = {"Host": GCS_HOST, "Authorization": f"Bearer {stores.issued[0]}"}
-        assert httpx.get(media, headers=good, verify=trust).content == b"seeded in gcs"
+    # the control: a token the endpoint grants for the service account's own signed grant
+    account = json.loads(stores.service_account)
+    now = int(time.time())
+    scope = "https://www.googleapis.com/auth/devstorage.read_only"
+    claims = {"iss": account["client_email"], "aud": account["token_uri"], "iat": now,
+              "exp": now + 600, "scope": scope}  # fmt: skip
+    form = {"grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer",
+            "assertion": jwt.encode(claims, account["private_key"], algorithm="RS256")}  # fmt: skip
+    granted = httpx.post(f"https://{prefix}.5/token", data=form,
+                         headers={"Host": TOKEN_HOST}, verify=trust)  # fmt: skip
+    good = {"Host": GCS_HOST, "Authorization": f"Bearer {granted.json()['access_token']}"}
+    assert httpx.get(media, headers=good, verify=trust).content == b"seeded in gcs"
 
 
 def test_gcs_mounts_with_a_service_account(admin: Client, stores: Stores, keys: None) -> None:
