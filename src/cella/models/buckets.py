@@ -179,16 +179,15 @@ class BucketMount(BaseModel):
 
 
 class BucketState(BaseModel):
-    """Where a bucket mount is: `mounting`, `mounted` (rclone serves it; `pid` in the
-    guest), `failed` (`error` says why; a resume or fork tries again) or `unmounted` (the
-    sandbox's VM is not running)."""
+    """Where a bucket mount is: `mounting`, `mounted` (rclone serves it), `failed` (`error`
+    says why; the next start of the VM, a resume or a fork, tries again) or `unmounted`
+    (the sandbox's VM is not running)."""
 
     model_config = {"from_attributes": True}
 
     state: Literal["mounting", "mounted", "failed", "unmounted"]
     error: str | None = None
-    pid: int | None = None
-    at: datetime
+    at: datetime = Field(description="since when")
 
 
 def check_bucket_auth(mounts: Sequence[BucketMount]) -> None:
