@@ -320,3 +320,164 @@ class DnsRecorder:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class GcsHandler(http.server.BaseHTTPRequestHandler):
+    """A stand-in for Google Cloud Storage's JSON API, as much of it as a bucket mount uses:
+    list (prefix, delimiter), object metadata, media (with ranges), multipart uploads (up to
+    16 MiB: bigger ones are resumable, which it does not take), patch, rewrite and delete.
+    Every request must carry a bearer token from `issued` (the token endpoint's), else 401;
+    what it saw is recorded."""
+
+    recorder: Recorder
+    issued: list[str]
+    objects: dict[tuple[str, str], tuple[bytes, dict[str, Any]]]  # (bucket, name) ->
+    scheme = "https"
+    protocol_version = "HTTP/1.1"
+
+    def _route(self) -> None:
+        from urllib.parse import parse_qs, unquote, urlsplit
+
+        parts = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        auth = self.headers.get("Authorization", "")
+        ok = auth in {f"Bearer {t}" for t in self.issued}
+        body = self._body()
+        self.recorder.add({"method": self.command, "path": self.path, "authorization": auth,
+                           "ok": ok})  # fmt: skip
+        if not ok:
+            return self._json(401, {"error": {"code": 401, "message": "no valid bearer"}})
+        path = parts.path
+        for head in ("/upload", "/download"):
+            path = path.removeprefix(head)
+        segs = path.split("/")  # "", storage, v1, b, BUCKET, o, NAME, [rewriteTo, b, B, o, N]
+        if segs[1:4] != ["storage", "v1", "b"] or len(segs) < 6 or segs[5] != "o":
+            return self._json(404, {"error": {"code": 404, "message": f"no route {path}"}})
+        bucket = unquote(segs[4])
+        name = unquote(segs[6]) if len(segs) > 6 else None
+        if parts.path.startswith("/upload"):
+            return self._upload(bucket, query, body)
+        if name is None and self.command == "GET":
+            return self._list(bucket, query)
+        if name is None:
+            return self._json(405, {"error": {"code": 405, "message": "not here"}})
+        if len(segs) > 10 and segs[7] in ("rewriteTo", "copyTo"):
+            found = self.objects.get((bucket, name))
+            if found is None:
+                return self._json(404, {"error": {"code": 404, "message": "no such object"}})
+            target = (unquote(segs[9]), unquote(segs[11]))
+            meta = {**found[1], **(json.loads(body) if body else {})}
+            meta.update(bucket=target[0], name=target[1])
+            self.objects[target] = (found[0], meta)
+            obj = self._resource(*target)
+            if segs[7] == "copyTo":
+                return self._json(200, obj)
+            return self._json(200, {"kind": "storage#rewriteResponse", "done": True,
+                                    "totalBytesRewritten": obj["size"],
+                                    "objectSize": obj["size"], "resource": obj})  # fmt: skip
+        if (bucket, name) not in self.objects:
+            return self._json(404, {"error": {"code": 404, "message": "no such object"}})
+        if self.command == "DELETE":
+            del self.objects[(bucket, name)]
+            return self._send(204, b"", "application/json")
+        if self.command == "PATCH":
+            meta = self.objects[(bucket, name)][1]
+            patch = json.loads(body or b"{}")
+            meta["metadata"] = {**meta.get("metadata", {}), **patch.get("metadata", {})}
+            return self._json(200, self._resource(bucket, name))
+        if query.get("alt") == "media" or parts.path.startswith("/download"):
+            return self._media(self.objects[(bucket, name)][0])
+        return self._json(200, self._resource(bucket, name))
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _route
+
+    def _body(self) -> bytes:
+        if "chunked" not in self.headers.get("Transfer-Encoding", ""):
+            length = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(length) if length else b""
+        out = b""
+        while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+            out += self.rfile.read(size)
+            self.rfile.readline()
+        self.rfile.readline()  # the empty trailer
+        return out
+
+    def _list(self, bucket: str, query: dict[str, str]) -> None:
+        prefix, delimiter = query.get("prefix", ""), query.get("delimiter", "")
+        items, prefixes = [], set()
+        for b, name in sorted(self.objects):
+            if b != bucket or not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :]
+            if delimiter and delimiter in rest:
+                prefixes.add(prefix + rest.split(delimiter)[0] + delimiter)
+            else:
+                items.append(self._resource(b, name))
+        self._json(200, {"kind": "storage#objects", "items": items, "prefixes": sorted(prefixes)})
+
+    def _upload(self, bucket: str, query: dict[str, str], body: bytes) -> None:
+        kind = query.get("uploadType")
+        if kind == "multipart":
+            boundary = self.headers.get_content_type() and self.headers.get_param("boundary")
+            chunks = body.split(b"--" + str(boundary).encode())
+            meta_part, media_part = chunks[1], chunks[2]
+            meta = json.loads(meta_part.split(b"\r\n\r\n", 1)[1])
+            data = media_part.split(b"\r\n\r\n", 1)[1].removesuffix(b"\r\n")
+            return self._store(bucket, query.get("name") or meta["name"], data, meta)
+        return self._json(400, {"error": {"code": 400, "message": f"uploadType {kind}"}})
+
+    def _store(self, bucket: str, name: str, data: bytes, meta: dict[str, Any]) -> None:
+        import time
+
+        meta = {**meta, "bucket": bucket, "name": name, "updated": time.strftime(
+            "%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}  # fmt: skip
+        self.objects[(bucket, name)] = (data, meta)
+        self._json(200, self._resource(bucket, name))
+
+    def _resource(self, bucket: str, name: str) -> dict[str, Any]:
+        import hashlib
+        from urllib.parse import quote
+
+        data, meta = self.objects[(bucket, name)]
+        link = f"{self.scheme}://{self.headers.get('Host')}/download/storage/v1/b/{bucket}/o/"
+        return {
+            "updated": "2026-01-01T00:00:00.000Z",
+            **meta,
+            "kind": "storage#object",
+            "bucket": bucket,
+            "name": name,
+            "size": str(len(data)),
+            "generation": "1",
+            "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode(),
+            "contentType": meta.get("contentType") or "application/octet-stream",
+            "mediaLink": f"{link}{quote(name, safe='')}?generation=1&alt=media",
+        }
+
+    def _media(self, data: bytes) -> None:
+        wanted = self.headers.get("Range", "")
+        if wanted.startswith("bytes="):
+            first, _, last = wanted[6:].partition("-")
+            start, end = int(first or 0), min(int(last) if last else len(data) - 1, len(data) - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            chunk = data[start : end + 1]
+        else:
+            self.send_response(200)
+            chunk = data
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(chunk)))
+        self.end_headers()
+        self.wfile.write(chunk)
+
+    def _json(self, status: int, payload: dict[str, Any]) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send(self, status: int, out: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: Any) -> None:
+        pass

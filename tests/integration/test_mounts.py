@@ -21,10 +21,8 @@ from langsmith.sandbox import (
     SandboxClient,
     SandboxClientError,
     context_hub_mount,
-    gcs_mount,
     git_mount,
     mount_config,
-    s3_mount,
 )
 
 from cella import Client, Sandbox, errors
@@ -317,24 +315,7 @@ def test_langsmith_mounts_cella_cannot_serve_are_refused_by_name(ls: SandboxClie
         "Context Hub": mount_config(
             mounts=[context_hub_mount(id="hub", mount_path="/hub", repo="me/ctx")]
         ),
-        "FUSE client (rclone)": mount_config(
-            mounts=[s3_mount(id="bucket", mount_path="/s3", bucket="b")],
-            auth=[
-                {
-                    "type": "aws",
-                    "aws": {
-                        "access_key_id": {"type": "opaque", "value": "AKIA"},
-                        "secret_access_key": {"type": "opaque", "value": "s"},
-                    },
-                }
-            ],
-        ),
-    }
-    gcs = mount_config(
-        mounts=[gcs_mount(id="gbucket", mount_path="/gcs", bucket="b")],
-        auth=[{"type": "gcp", "gcp": {"service_account_json": {"type": "opaque", "value": "{}"}}}],
-    )
-    refused["gcs mount 'gbucket'"] = gcs
+    }  # (bucket mounts: tests/integration/test_buckets.py)
     for words, config in refused.items():
         with pytest.raises(SandboxClientError) as caught:
             ls.create_sandbox(mount_config=config)

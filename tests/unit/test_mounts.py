@@ -68,21 +68,58 @@ def test_langsmith_git_mounts_become_cella_mounts() -> None:
 
 def test_langsmith_mounts_cella_cannot_serve_are_refused_by_name() -> None:
     secret = {"type": "opaque", "value": "x"}
+    s3 = s3_mount(id="s", mount_path="/s", bucket="bkt")
     refused = {
         "contexthub mount 'h'": {"mounts": [context_hub_mount(id="h", mount_path="/h", repo="r")]},
-        "s3 mount 's'": mount_config(
-            mounts=[s3_mount(id="s", mount_path="/s", bucket="b")],
-            auth=[{"type": "aws", "aws": {"access_key_id": secret, "secret_access_key": secret}}],
+        "role_arn": mount_config(
+            mounts=[s3], auth=[{"type": "aws", "aws": {"role_arn": "arn:aws:iam::1:role/r"}}]
         ),
-        "gcs mount 'c'": mount_config(
-            mounts=[gcs_mount(id="c", mount_path="/c", bucket="b")],
-            auth=[{"type": "gcp", "gcp": {"service_account_json": secret}}],
-        ),
+        "fields ['storage_class']": {
+            "mounts": [{**s3, "s3": {**s3["s3"], "storage_class": "GLACIER"}}]
+        },
     }
     for words, config in refused.items():
         with pytest.raises(errors.RequestError, match="not supported by cella") as caught:
             mounts_of(config)
         assert words in str(caught.value)
+    # the control: s3 and gcs mounts are read, every field of them
+    sa = {"type": "workspace_secret", "value": "{SA}"}
+    config = mount_config(
+        mounts=[
+            s3_mount(
+                id="s",
+                mount_path="/s",
+                bucket="bkt",
+                prefix="p/",
+                region="eu-west-1",
+                endpoint_url="https://s3.eu-west-1.amazonaws.com",
+                path_style=True,
+                read_only=True,
+                cache={"max_size_bytes": 1 << 30, "writeback_seconds": 9},
+                encryption={"kms_key": "arn:aws:kms:eu-west-1:1:key/k"},
+            ),
+            gcs_mount(id="c", mount_path="/c", bucket="gbkt"),
+        ],
+        auth=[
+            {"type": "aws", "aws": {"access_key_id": secret, "secret_access_key": secret}},
+            {"type": "gcp", "gcp": {"service_account_json": sa}},
+        ],
+    )
+    git, (s, c), auth = mounts_of(config)
+    assert not git and set(auth) == {
+        "aws:access_key_id", "aws:secret_access_key", "gcp:service_account_json"
+    }  # fmt: skip
+    assert (s.bucket, s.prefix, s.region, s.path_style, s.read_only) == (
+        "bkt", "p", "eu-west-1", True, True
+    )  # fmt: skip
+    assert s.hosts == ["s3.eu-west-1.amazonaws.com"] and s.kms_key is not None
+    assert (s.cache.max_size_bytes, s.cache.writeback_seconds) == (1 << 30, 9)
+    assert (c.type, c.bucket, c.hosts, c.read_only) == (
+        "gcs",
+        "gbkt",
+        ["storage.googleapis.com"],
+        False,
+    )
     with pytest.raises(errors.InvalidArgument, match="mount 'g'"):
         mounts_of(
             {

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import GitMount, RewriteRule, parse_pairs
+from cella.models import BucketMount, GitMount, RewriteRule, parse_pairs
 from cella.models import Sandbox as SandboxInfo
 from cella.sdk import Client, Sandbox
 
@@ -98,12 +98,23 @@ def create(
             '"branch"|"tag", "name"}, "refresh_interval_seconds"}'
         ),
     ] = None,
+    bucket_mount: Annotated[
+        list[str] | None,
+        typer.Option(
+            help='an S3 or GCS bucket mounted in the guest, as JSON, repeatable: {"id", '
+            '"type": "s3"|"gcs", "path", "bucket", "prefix", "read_only", "cache", '
+            '"endpoint_url", "region", "path_style", "kms_key", "auth": {"access_key_id", '
+            '"secret_access_key"} or {"service_account"} (secret names)}'
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
-    `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it."""
+    `--allow` rules (pypi.org, *.github.com, 10.0.0.0/8, host:port) let it (a bucket
+    mount's hosts are allowed with it)."""
     mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
     rewrites = [_rewrite(r) for r in rewrite or []]
+    buckets = [_bucket_mount(m) for m in bucket_mount or []]
     with Client() as client:
         sb = client.create(
             template,
@@ -119,6 +130,7 @@ def create(
             rewrites=rewrites or None,
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
+            bucket_mounts=buckets or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
@@ -280,6 +292,13 @@ def _rewrite(text: str) -> RewriteRule:
         raise typer.BadParameter(
             f"--rewrite {text!r}: expected HOST=SANDBOX:PORT[:strip|redact|keep]; {exc}"
         ) from None
+
+
+def _bucket_mount(text: str) -> BucketMount:
+    try:
+        return BucketMount.model_validate_json(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--bucket-mount: {exc}") from None
 
 
 def _git_mount(text: str) -> GitMount:

@@ -1,5 +1,6 @@
 """Wire types shared by the server and the SDK (pydantic; nothing heavy imported here)."""
 
+from cella.models.buckets import BucketAuth, BucketCache, BucketMount, BucketState
 from cella.models.exec import (
     ExecEvent,
     ExecRequest,
@@ -97,6 +98,10 @@ __all__ = [
     "AccessDelegation",
     "AccountName",
     "AwsSigning",
+    "BucketAuth",
+    "BucketCache",
+    "BucketMount",
+    "BucketState",
     "BuildEvent",
     "CallbackRule",
     "Capacity",

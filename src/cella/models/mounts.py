@@ -1,10 +1,12 @@
-"""A sandbox's mounts: git repositories cloned into it at create and kept fresh."""
+"""A sandbox's mounts: git repositories cloned into it at create and kept fresh, and
+buckets (S3, GCS) mounted as file systems in the guest."""
 
 from __future__ import annotations
 
 import itertools
 import re
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator
@@ -56,10 +58,7 @@ class GitMount(BaseModel):
     @field_validator("path")
     @classmethod
     def _path(cls, value: str) -> str:
-        parts = value.split("/")
-        if not value.startswith("/") or "\x00" in value or ".." in parts or value == "/":
-            raise ValueError(f"mount path must be absolute, without '..': {value!r}")
-        return value.rstrip("/")
+        return mount_path(value)
 
     @field_validator("url")
     @classmethod
@@ -76,6 +75,13 @@ class GitMount(BaseModel):
         return value
 
 
+def mount_path(value: str) -> str:
+    parts = value.split("/")
+    if not value.startswith("/") or "\x00" in value or ".." in parts or value == "/":
+        raise ValueError(f"mount path must be absolute, without '..': {value!r}")
+    return value.rstrip("/")
+
+
 class MountRefresh(BaseModel):
     """One mount's refresh: the commit it is at now."""
 
@@ -87,8 +93,19 @@ class MountRefreshList(BaseModel):
     mounts: list[MountRefresh]
 
 
-def check_mounts(mounts: list[GitMount]) -> list[GitMount]:
-    """Ids and paths are unique, and no mount sits inside another."""
+class Mounted(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+
+
+M = TypeVar("M", bound=Mounted)
+
+
+def check_mounts(mounts: Sequence[M]) -> list[M]:
+    """Ids and paths are unique, and no mount sits inside another (git and bucket mounts
+    alike)."""
     ids = [m.id for m in mounts]
     if len(set(ids)) != len(ids):
         raise ValueError("mount ids must be unique")
@@ -96,4 +113,4 @@ def check_mounts(mounts: list[GitMount]) -> list[GitMount]:
     for a, b in itertools.pairwise(paths):
         if b.startswith(a):
             raise ValueError(f"mount paths overlap: {a[:-1]} and {b[:-1]}")
-    return mounts
+    return list(mounts)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from cella.models.buckets import BucketMount, BucketState, check_bucket_auth
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
 
@@ -140,11 +141,20 @@ class SandboxCreate(BaseModel):
         description="git repositories cloned in at create (through the egress rules) and "
         "refreshed while the sandbox runs; a clone that fails fails the create",
     )
+    bucket_mounts: list[BucketMount] = Field(
+        default_factory=list,
+        max_length=MAX_MOUNTS,
+        description="S3 and GCS buckets mounted in the guest (rclone) through the egress "
+        "proxy, which adds the credentials their `auth` names; mounted again after a resume, "
+        "restore or fork; a mount that fails fails the create",
+    )
 
-    @field_validator("mounts")
-    @classmethod
-    def _mounts(cls, value: list[GitMount]) -> list[GitMount]:
-        return check_mounts(value)
+    @model_validator(mode="after")
+    def _mounts(self) -> SandboxCreate:
+        both: list[GitMount | BucketMount] = [*self.mounts, *self.bucket_mounts]
+        check_mounts(both)
+        check_bucket_auth(self.bucket_mounts)
+        return self
 
     @field_validator("labels")
     @classmethod
@@ -208,6 +218,10 @@ class Sandbox(BaseModel):
         default_factory=dict, description="environment variable -> secret name"
     )
     mounts: list[GitMount] = Field(default_factory=list, description="git repositories")
+    bucket_mounts: list[BucketMount] = Field(default_factory=list, description="S3, GCS")
+    mount_states: dict[str, BucketState] = Field(
+        default_factory=dict, description="bucket mount id -> where it is"
+    )
     accel: str | None
     accel_reason: str | None
     error: str | None = None

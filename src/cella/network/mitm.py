@@ -454,6 +454,11 @@ class Egress:
                     tally.credentials.append(b.name)
         self.cloud.body(flow.request, flow.metadata)
         tally.bytes_out = len(body)
+        headers = flow.request.headers
+        if body and "content-length" not in headers and "transfer-encoding" not in headers:
+            # an HTTP/2 request's body has no length of its own: held whole, it is given one,
+            # or an HTTP/1 server reads none of it
+            headers["content-length"] = str(len(body))
 
     async def _asked(self, flow: http.HTTPFlow, tally: Tally) -> list[str] | None:
         """The sandbox's callbacks for this host say it may go (and set their headers: the
@@ -523,7 +528,12 @@ class Egress:
         if encoding not in ("", "identity"):
             _refuse(resp, f"a {encoding}-encoded response cannot be checked for secrets")
             return
-        # the redacted body may differ in length: it goes out chunked (HTTP/2 frames itself)
+        # the redacted body may differ in length: it goes out chunked (HTTP/2 frames itself);
+        # a response that has no body keeps its length (a HEAD's is the object's size)
+        bodiless = flow.request.method == "HEAD" or resp.status_code in (204, 304)
+        if bodiless:
+            resp.stream = count
+            return
         if resp.http_version.startswith("HTTP/1") and "content-length" in resp.headers:
             del resp.headers["content-length"]
             resp.headers["transfer-encoding"] = "chunked"

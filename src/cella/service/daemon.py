@@ -4,6 +4,7 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 `admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
 `shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
+`buckets` (S3 and GCS buckets mounted in the guest through the egress proxy),
 `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `reaper`, `recovery`, `templates` (built in, from images, from
 Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
@@ -27,6 +28,7 @@ from cella.runtime.select import open_driver
 from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
+from cella.service.buckets import Buckets
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
@@ -94,6 +96,7 @@ class Daemon:
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.mounts = Mounts(self.registry, self.exec, self.background)
+        self.buckets = Buckets(self.registry, self.exec, self.background)
         self.signer = Signer(driver.paths.root / "signing")
         self.signer.on_rotate.append(self._sign_callbacks)
         self._sign_callbacks(self.signer.current)
@@ -252,12 +255,13 @@ class Daemon:
         return delegation.grant(spec.access_delegation, creator)
 
     async def _with_mounts(self, tenant: str, row: SandboxRecord) -> SandboxRecord:
-        """Clones a new sandbox's mounts; one that fails fails the create as any other
-        failure does: the VM and its files are gone, the row says why."""
-        if not row.mounts:
+        """Clones a new sandbox's git mounts and mounts its buckets; one that fails fails the
+        create as any other failure does: the VM and its files are gone, the row says why."""
+        if not row.mounts and not row.bucket_mounts:
             return row
         try:
             await self.mounts.clone_all(tenant, row.id)
+            await self.buckets.mount_all(tenant, row.id)
         except BaseException as exc:
             async with self.registry.lock(row.id):
                 await self.lifecycle.teardown(row.id)

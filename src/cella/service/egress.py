@@ -12,14 +12,15 @@ import json
 import logging
 import secrets as tokens
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from cella import errors
 from cella.config import DaemonSettings
 from cella.guest.client import GuestStream
 from cella.guest.protocol import EGRESS_ADDR, PROXY_PORT
 from cella.guest.trust import CA_ENV, trust
-from cella.models import NetworkPolicy, SecretPut
+from cella.models import BucketMount, NetworkPolicy, SecretPut
+from cella.models.buckets import with_buckets
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
 from cella.policy.cloud import DUMMY_AWS_ENV, service_account_problem
@@ -45,6 +46,17 @@ def api_address(settings: DaemonSettings) -> tuple[str, int]:
         if ipaddress.ip_address(host).is_unspecified:
             host = "127.0.0.1"
     return host, port
+
+
+class Networked(Protocol):
+    network: NetworkPolicy
+    bucket_mounts: list[BucketMount]
+
+
+def rules_of(row: Networked) -> NetworkPolicy:
+    """What the proxy holds a sandbox (or a create) to: its egress rules with its bucket
+    mounts' (their hosts allowed, their credentials added)."""
+    return with_buckets(row.network, row.bucket_mounts)
 
 
 def proxy_env() -> dict[str, str]:
@@ -166,15 +178,16 @@ class SandboxEgress:
         if addr is None:
             addr = self._addresses[vm] = self.proxy.addresses.allocate()
             vm.exit_hooks.append(lambda: self._release(vm))
+        policy = rules_of(row)
         self.proxy.set(
             addr,
             row.id,
-            list(row.network.allow),
-            list(row.network.deny),
+            list(policy.allow),
+            list(policy.deny),
             credentials.bindings(self.store, row),
             credentials.header_rules(self.store, row),
             api=self._api(row),
-            cloud=credentials.cloud_rules(self.store, row),
+            cloud=credentials.cloud_rules(self.store, row.tenant, policy),
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
@@ -251,7 +264,7 @@ class SandboxEgress:
         settled = self.rewrites.settle(tenant, policy)
         for name in policy.secret_names:
             if self.store.get_secret(tenant, name) is None:
-                raise errors.InvalidArgument(f"no secret {name!r} (in the network rules)")
+                raise errors.InvalidArgument(f"no secret {name!r} (in the network rules or mounts)")
         for rule in policy.gcp:
             secret = self.store.get_secret(tenant, rule.service_account)
             assert secret is not None
@@ -262,7 +275,7 @@ class SandboxEgress:
 
     def intercepts(self, row: SandboxRecord) -> bool:
         """Whether any of the sandbox's TLS is opened (it then trusts the deployment CA)."""
-        net = row.network
+        net = rules_of(row)
         return bool(
             row.secrets or net.headers or net.aws or net.gcp or net.callbacks or net.rewrites
         )
@@ -328,7 +341,7 @@ class SandboxEgress:
             row = self.store.get_sandbox(sandbox_id)
             uses = row is not None and (
                 any(r.secret == name for r in row.secrets.values())
-                or name in row.network.secret_names
+                or name in rules_of(row).secret_names
             )
             if row is not None and row.tenant == tenant and uses:
                 self.attach(vm, row)

@@ -18,6 +18,7 @@ from cella import errors
 from cella.models import SandboxCreate, SnapshotState
 from cella.models.sandbox import RestoreMemory
 from cella.service.admission import Admission
+from cella.service.egress import rules_of
 from cella.service.lifecycle import Lifecycle, new_record
 from cella.service.registry import Registry
 from cella.service.snapshots import Snapshots
@@ -92,6 +93,7 @@ class Forks:
             spec, secrets = self.snapshots.source_of(snap_row)
         else:
             secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
+            self.lifecycle.egress.check_policy(tenant, rules_of(spec))
         shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
         spec = spec.model_copy(update=shape)
         async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):

@@ -20,7 +20,7 @@ from cella.images import oci
 from cella.models import ExecDefaults, SandboxCreate, SandboxState
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
-from cella.service.egress import SandboxEgress
+from cella.service.egress import SandboxEgress, rules_of
 from cella.service.registry import Registry, iso
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
@@ -67,6 +67,7 @@ def new_record(
         network=spec.network,
         secrets=secrets,
         mounts=list(spec.mounts),
+        bucket_mounts=list(spec.bucket_mounts),
         created_from=created_from,
         **lineage,
     )
@@ -91,6 +92,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         network=row.network,
         secrets={k: v.secret for k, v in row.secrets.items()},
         mounts=row.mounts,
+        bucket_mounts=row.bucket_mounts,
     )
 
 
@@ -133,6 +135,7 @@ class Lifecycle:
         shape = Shape(req.template, req.vcpus, req.memory_mib)
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         req = req.model_copy(update={"network": self.egress.check_policy(tenant, req.network)})
+        self.egress.check_policy(tenant, rules_of(req))  # and its bucket mounts' rules
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None

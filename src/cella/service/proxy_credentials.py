@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from cella.models import AwsSigning
+from cella.models import AwsSigning, NetworkPolicy
 from cella.store import SandboxRecord, SecretRecord, Store
 
 
@@ -49,20 +49,22 @@ def header_rules(store: Store, row: SandboxRecord) -> list[dict[str, Any]]:
     return out
 
 
-def cloud_rules(store: Store, row: SandboxRecord) -> dict[str, list[dict[str, Any]]]:
-    """AWS signing and GCP token rules with their secrets' values (a rule whose secret
-    is gone is not applied, as for headers)."""
-    values = {n: store.get_secret(row.tenant, n) for n in row.network.secret_names}
+def cloud_rules(
+    store: Store, tenant: str, policy: NetworkPolicy
+) -> dict[str, list[dict[str, Any]]]:
+    """AWS signing and GCP token rules (of a sandbox's rules with its bucket mounts') with
+    their secrets' values (a rule whose secret is gone is not applied, as for headers)."""
+    values = {n: store.get_secret(tenant, n) for n in policy.secret_names}
     found = {n: v.value for n, v in values.items() if v is not None}
     aws = [
         {**rule.model_dump(), **{k: found[n] for k, n in _named(rule).items()}}
         | {"secrets": rule.secrets}
-        for rule in row.network.aws
+        for rule in policy.aws
         if all(n in found for n in rule.secrets)
     ]
     gcp = [
         {"hosts": r.hosts, "scopes": r.scopes, "secret": r.service_account, "info": sa.value}
-        for r in row.network.gcp
+        for r in policy.gcp
         if (sa := values[r.service_account]) is not None
     ]
     return {"aws": aws, "gcp": gcp}

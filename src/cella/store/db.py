@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
+from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
@@ -527,6 +528,8 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
         "network": record.network.model_dump(),
         "exec_defaults": record.exec_defaults.model_dump(),
         "mounts": [m.model_dump() for m in record.mounts],
+        "bucket_mounts": [m.model_dump() for m in record.bucket_mounts],
+        "mount_states": {k: v.model_dump(mode="json") for k, v in record.mount_states.items()},
         "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
     }
 
@@ -539,12 +542,22 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
             out[key] = out[key].model_dump()
     if "mounts" in out:
         out["mounts"] = [m.model_dump() if isinstance(m, GitMount) else m for m in out["mounts"]]
+    if "bucket_mounts" in out:
+        out["bucket_mounts"] = [
+            m.model_dump() if isinstance(m, BucketMount) else m for m in out["bucket_mounts"]
+        ]
+    if "mount_states" in out:
+        out["mount_states"] = {
+            k: v.model_dump(mode="json") if isinstance(v, BucketState) else v
+            for k, v in out["mount_states"].items()
+        }
     if "secrets" in out:
         out["secrets"] = {
             k: dataclasses.asdict(v) if isinstance(v, SecretRef) else v
             for k, v in out["secrets"].items()
         }
-    for key in ("labels", "network", "secrets", "exec_defaults", "mounts"):
+    for key in ("labels", "network", "secrets", "exec_defaults", "mounts", "bucket_mounts",
+                "mount_states"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
     if out.get("delegation") is not None:
@@ -559,6 +572,9 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["mounts"] = [GitMount.model_validate(m) for m in json.loads(out["mounts"])]
+    out["bucket_mounts"] = [BucketMount.model_validate(m) for m in json.loads(out["bucket_mounts"])]
+    states = json.loads(out["mount_states"]).items()
+    out["mount_states"] = {k: BucketState.model_validate(v) for k, v in states}
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None

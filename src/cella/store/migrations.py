@@ -171,4 +171,8 @@ MIGRATIONS: list[str] = [
     ALTER TABLE secrets ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
     ALTER TABLE secrets ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN bucket_mounts TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE sandboxes ADD COLUMN mount_states TEXT NOT NULL DEFAULT '{}';
+    """,
 ]

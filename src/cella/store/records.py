@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
@@ -52,6 +53,8 @@ class SandboxRecord:
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)
     mounts: list[GitMount] = field(default_factory=list)
+    bucket_mounts: list[BucketMount] = field(default_factory=list)
+    mount_states: dict[str, BucketState] = field(default_factory=dict)  # bucket mount id ->
     accel: str | None = None
     accel_reason: str | None = None
     error: str | None = None

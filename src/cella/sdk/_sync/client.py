@@ -15,6 +15,7 @@ import httpx2
 
 from cella.models import (
     AwsSigning,
+    BucketMount,
     BuildEvent,
     CallbackRule,
     Capacity,
@@ -148,6 +149,7 @@ class Client:
         restore_memory: str | None = None,
         access_delegation: dict[str, Any] | None = None,
         mounts: builtins.list[GitMount] | None = None,
+        bucket_mounts: builtins.list[BucketMount] | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -170,7 +172,10 @@ class Client:
         `permissions`) lets code in the sandbox call this API at `http://cella.api` as this
         client's key. `mounts` are git repositories cloned in before it is returned (through
         its egress rules: a private one needs a header rule for its host) and refreshed every
-        `refresh_interval_seconds` while it runs.
+        `refresh_interval_seconds` while it runs. `bucket_mounts` are S3 and GCS buckets
+        mounted in the guest (rclone) before it is returned, their requests authenticated by
+        the egress proxy with the stored secrets their `auth` names (their hosts are allowed);
+        each one's state is in `info.mount_states`.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         network = network_body(*rules, rewrites=rewrites) if any(rules) or rewrites else None
@@ -196,6 +201,9 @@ class Client:
             network=network,
             secrets=secrets,
             mounts=[m.model_dump(exclude_none=True) for m in mounts] if mounts else None,
+            bucket_mounts=[m.model_dump(exclude_none=True) for m in bucket_mounts]
+            if bucket_mounts
+            else None,
         )
         response = self.request("POST", "/v1/sandboxes", json=body)
         return Sandbox(self, SandboxInfo.model_validate(response.json()))

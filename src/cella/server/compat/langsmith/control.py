@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request, Response
 
 from cella import errors
-from cella.models import SandboxCreate, SandboxUpdate
+from cella.models import BucketAuth, BucketMount, SandboxCreate, SandboxUpdate
 from cella.server.compat.langsmith.create import (
     CELLA_NAMES,
     flag,
@@ -21,7 +21,7 @@ from cella.server.compat.langsmith.create import (
     validated,
 )
 from cella.server.compat.langsmith.files import absolute
-from cella.server.compat.langsmith.proxy_config import network_of
+from cella.server.compat.langsmith.proxy_config import Opaque, network_of, secret_of
 from cella.server.compat.langsmith.shapes import (
     exec_defaults,
     iso,
@@ -318,6 +318,13 @@ def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
     """A LangSmith box create as a cella sandbox create, with what this daemon adds: the
     egress rules (their secrets kept), the snapshot's id, a disk larger than the template's."""
     box = read_create(body)
+    auth = dict(box.mount_auth)
+    providers = {name.partition(":")[0] for name in auth}
+    for rule in (box.proxy_config or {}).get("rules") or []:
+        if isinstance(rule, dict) and rule.get("type") in providers and rule.get("enabled"):
+            raise errors.InvalidArgument(
+                f"{rule['type']} auth cannot be provided in both mount_config and proxy_config"
+            )
     network = None if box.proxy_config is None else network_of(box.proxy_config, svc, tenant)
     snapshot_id = None
     if box.snapshot:
@@ -327,7 +334,34 @@ def create_spec(svc: Daemon, tenant: str, body: Json) -> SandboxCreate:
     disk_mib = box.fs_capacity_mib
     if disk_mib is not None and disk_mib <= fs_mib(svc, "default"):
         disk_mib = None  # the template's disk is large enough
-    return box.spec(snapshot_id=snapshot_id, network=network, disk_mib=disk_mib)
+    opaque = Opaque()
+    buckets = bucket_auths(list(box.bucket_mounts), auth, opaque)
+    spec = box.spec(
+        snapshot_id=snapshot_id, network=network, disk_mib=disk_mib, bucket_mounts=buckets
+    )
+    opaque.store(svc, tenant)  # only once all of it is valid
+    return spec
+
+
+def bucket_auths(mounts: list[BucketMount], auth: Json, opaque: Opaque) -> list[BucketMount]:
+    """The bucket mounts with their auth naming the tenant's secrets: a workspace secret's
+    own name, or one new secret per opaque value (bound to the hosts of the mounts that
+    use it)."""
+    names: dict[str, str] = {}
+    for key, (field, given) in auth.items():
+        kind = "s3" if key.startswith("aws:") else "gcs"
+        hosts = [h for m in mounts if m.type == kind for h in m.hosts]
+        names[field] = secret_of(given, field, list(dict.fromkeys(hosts)), opaque)
+    out = []
+    for mount in mounts:
+        if mount.auth is not None and mount.type == "s3":
+            keys = {f: names[f] for f in ("access_key_id", "secret_access_key")}
+            mount = mount.model_copy(update={"auth": BucketAuth(**keys)})
+        elif mount.auth is not None:
+            sa = BucketAuth(service_account=names["service_account_json"])
+            mount = mount.model_copy(update={"auth": sa})
+        out.append(mount)
+    return out
 
 
 def update_of(body: Json, row: SandboxRecord) -> SandboxUpdate:

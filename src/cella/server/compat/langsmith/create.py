@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from cella import errors
-from cella.models import GitMount, NetworkPolicy, SandboxCreate
-from cella.server.compat.langsmith.mounts import mounts_of
+from cella.models import BucketMount, GitMount, NetworkPolicy, SandboxCreate
+from cella.server.compat.langsmith.mounts import Secret, mounts_of
 from cella.server.compat.langsmith.shapes import DEFAULT_IDLE_TTL, exec_defaults, not_supported
 from cella.server.error_shapes import describe
 
@@ -40,6 +40,8 @@ class BoxCreate:
     proxy_config: Any  # LangSmith's egress rules, as given (None: none)
     settings: Json  # lifetime, idleness and run_config as cella's create fields
     mounts: tuple[GitMount, ...] = ()  # mount_config's git mounts
+    bucket_mounts: tuple[BucketMount, ...] = ()  # its s3 and gcs mounts (auth to resolve)
+    mount_auth: tuple[tuple[str, Secret], ...] = ()  # its auth's secrets, not yet stored
 
     def check_snapshot_shape(self, vcpus: int, memory_mib: int) -> None:
         """A size given with a snapshot must be the snapshot's."""
@@ -58,6 +60,7 @@ class BoxCreate:
         snapshot_id: str | None = None,
         network: NetworkPolicy | None = None,
         disk_mib: int | None = None,
+        bucket_mounts: list[BucketMount] | None = None,
     ) -> SandboxCreate:
         """The cella create (the model's defaults for what the box does not say), with what
         a daemon found: the snapshot's id, the egress rules, a disk larger than the
@@ -65,6 +68,9 @@ class BoxCreate:
         fields: Json = {"name": self.name, **self.settings}
         if self.mounts:
             fields["mounts"] = list(self.mounts)
+        buckets = self.bucket_mounts if bucket_mounts is None else bucket_mounts
+        if buckets:
+            fields["bucket_mounts"] = list(buckets)
         if network is not None:
             fields["network"] = network
         if snapshot_id is not None:
@@ -98,6 +104,9 @@ def read_create(body: Json) -> BoxCreate:
         raise not_supported("persistent: false (a sandbox's files always survive its stops)")
     snapshot = next((body[f] for f in SNAPSHOT_FIELDS if body.get(f)), None)
     fs_bytes = body.get("fs_capacity_bytes")
+    git, buckets, auth = (
+        mounts_of(body["mount_config"]) if body.get("mount_config") else ([], [], {})
+    )
     return BoxCreate(
         name=body.get("name") or f"sandbox-{secrets.token_hex(4)}",
         snapshot=str(snapshot) if snapshot else None,
@@ -105,7 +114,9 @@ def read_create(body: Json) -> BoxCreate:
         mem_bytes=None if body.get("mem_bytes") is None else int(body["mem_bytes"]),
         fs_capacity_mib=None if fs_bytes is None else math.ceil(int(fs_bytes) / MIB),
         proxy_config=body.get("proxy_config"),
-        mounts=tuple(mounts_of(body["mount_config"])) if body.get("mount_config") else (),
+        mounts=tuple(git),
+        bucket_mounts=tuple(buckets),
+        mount_auth=tuple(auth.items()),
         settings={
             "idle_timeout_seconds": seconds(body, "idle_ttl_seconds", DEFAULT_IDLE_TTL),
             "idle_action": "stop",
