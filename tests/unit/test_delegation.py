@@ -13,6 +13,7 @@ from cella import errors
 from cella.models import AccessDelegation, SandboxState
 from cella.network.delegation import ApiAccess, authorize, is_api
 from cella.policy import delegation as tokens
+from cella.policy.access import Role
 from cella.service.delegation import grant, proxy_access
 from cella.service.keys import Keys, Principal
 from cella.store import SandboxRecord, Store
@@ -52,7 +53,7 @@ def sandbox(keys: Keys, key_id: str, asked: AccessDelegation | None) -> SandboxR
 
 
 def test_a_token_acts_as_the_creator_while_its_key_is_valid(keys: Keys) -> None:
-    key_id, _ = keys.create("team")
+    key_id, _ = keys.create("team", principal="alice", roles=[Role.member])
     row = sandbox(keys, key_id, AccessDelegation(mode="inherit"))
     assert keys.store.get_sandbox(row.id).access_delegation == {  # type: ignore[union-attr]
         "mode": "inherit",
@@ -61,7 +62,8 @@ def test_a_token_acts_as_the_creator_while_its_key_is_valid(keys: Keys) -> None:
     key = proxy_access(row)
     assert key is not None
     who = keys.authenticate(tokens.mint(row.id, key))
-    assert who == Principal("team", False, False, key_id)
+    # its creator's principal and roles: code in the sandbox sees what alice sees
+    assert who == Principal("team", False, False, key_id, "alice", frozenset({Role.member}))
     with pytest.raises(errors.Unauthenticated, match="forged"):
         keys.authenticate(tokens.mint(row.id, bytes(32)))
     keys.store.revoke_key(key_id)

@@ -91,6 +91,13 @@ def create(
             '"branch"|"tag", "name"}, "refresh_interval_seconds"}'
         ),
     ] = None,
+    visibility: Annotated[
+        str | None,
+        typer.Option(
+            help="private (its creator, the tenant's owners, whom it is shared with) or "
+            "tenant (every key of the tenant may exec in it); default: by the key's role"
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
@@ -110,6 +117,7 @@ def create(
             secrets=_pairs(secret, "secret") or None,
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
+            visibility=visibility,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
@@ -343,6 +351,38 @@ def network(
     else:
         console.print(f"allow: {', '.join(policy.allow) or '(nothing)'}")
         console.print(f"deny:  {', '.join(policy.deny) or '(nothing)'}")
+
+
+@app.command()
+def share(
+    sandbox_id: str,
+    with_: Annotated[
+        list[str] | None,
+        typer.Option("--with", help="PRINCIPAL=view|exec|manage: share with it, repeatable"),
+    ] = None,
+    unshare: Annotated[
+        list[str] | None, typer.Option(help="PRINCIPAL: take its share away, repeatable")
+    ] = None,
+    visibility: Annotated[str | None, typer.Option(help="private or tenant")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Show or change who may use a sandbox (a key that manages it changes it): its
+    creator, visibility and shares, and what your key may do with it."""
+    added = _pairs(with_, "share")
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        now = sb.access()
+        if added or unshare or visibility:
+            shares = {p: v for p, v in {**now.shares, **added}.items() if p not in (unshare or [])}
+            now = sb.share(shares, visibility=visibility)
+    if json_:
+        emit_json(now.model_dump(mode="json"))
+        return
+    console.print(f"creator:    {now.creator or '(made before keys had principals)'}")
+    console.print(f"visibility: {now.visibility}")
+    for principal, level in sorted(now.shares.items()):
+        console.print(f"shared:     {principal} ({level})", markup=False, highlight=False)
+    console.print(f"your key:   {now.permission}")
 
 
 @app.command()

@@ -1,5 +1,6 @@
 """Wire types shared by the server and the SDK (pydantic; nothing heavy imported here)."""
 
+from cella.models.access import SandboxAccess, SandboxAccessView
 from cella.models.exec import (
     ExecEvent,
     ExecRequest,
@@ -143,6 +144,8 @@ __all__ = [
     "RegistryList",
     "RegistryUpdate",
     "Sandbox",
+    "SandboxAccess",
+    "SandboxAccessView",
     "SandboxCreate",
     "SandboxList",
     "SandboxState",

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
+from cella.policy.access import Visibility
 
 
 class SandboxState(StrEnum):
@@ -120,6 +121,12 @@ class SandboxCreate(BaseModel):
     access_delegation: AccessDelegation | None = Field(
         default=None, description="cella's API for code in the sandbox, as its creator"
     )
+    visibility: Visibility | None = Field(
+        default=None,
+        description="`private`: its creator, the tenant's owners and whom it is shared with; "
+        "`tenant`: every key of the tenant may exec in it too. Default: `tenant` for an "
+        "owner's key, `private` for a member's",
+    )
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     run_entrypoint: bool = Field(
         default=False,
@@ -211,6 +218,11 @@ class Sandbox(BaseModel):
     accel: str | None
     accel_reason: str | None
     error: str | None = None
+    creator: str | None = Field(default=None, description="the principal that made it")
+    visibility: Visibility = "tenant"
+    shares: dict[str, str] = Field(
+        default_factory=dict, description="principal -> view, exec or manage"
+    )
     parent_id: str | None = Field(default=None, description="sandbox this one was forked from")
     snapshot_id: str | None = Field(default=None, description="snapshot it was restored from")
     created_from: str | None = Field(default=None, description="pool, restore, boot or fork")

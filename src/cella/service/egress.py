@@ -22,6 +22,7 @@ from cella.guest.trust import CA_ENV, trust
 from cella.models import NetworkPolicy, SecretPut
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.access import Permission, Principal
 from cella.policy.cloud import DUMMY_AWS_ENV, service_account_problem
 from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
@@ -327,14 +328,13 @@ class SandboxEgress:
     # -- policy and log -------------------------------------------------------------------
 
     async def set_network(
-        self, tenant: str, sandbox_id: str, policy: NetworkPolicy
+        self, who: Principal, sandbox_id: str, policy: NetworkPolicy
     ) -> SandboxRecord:
-        """Changes where a sandbox may connect; a running one gets it for its next
-        connection."""
-        self.registry.get(tenant, sandbox_id)
-        self.check_policy(tenant, policy)
+        """Changes where a sandbox may connect (its managers may); a running one gets it
+        for its next connection."""
+        self.check_policy(self.registry.get(who, sandbox_id, Permission.manage).tenant, policy)
         self.registry.update(sandbox_id, network=policy)
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id)
         vm = self.registry.vm(sandbox_id)
         if vm is not None:
             if self.intercepts(row):
@@ -344,9 +344,9 @@ class SandboxEgress:
         return row
 
     def log(
-        self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
+        self, who: Principal, sandbox_id: str, after: int = 0, limit: int = 1000
     ) -> list[dict[str, Any]]:
         """Every connection the sandbox tried, from its trace."""
-        self.registry.owned(tenant, sandbox_id)
+        self.registry.owned(who, sandbox_id)
         rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r.id, "at": r.at, **r.data} for r in rows]
