@@ -223,6 +223,9 @@ class Sandbox(BaseModel):
     shares: dict[str, str] = Field(
         default_factory=dict, description="principal -> view, exec or manage"
     )
+    permission: Literal["view", "exec", "manage"] | None = Field(
+        default=None, description="what the caller may do with it (in lists and inspect)"
+    )
     parent_id: str | None = Field(default=None, description="sandbox this one was forked from")
     snapshot_id: str | None = Field(default=None, description="snapshot it was restored from")
     created_from: str | None = Field(default=None, description="pool, restore, boot or fork")

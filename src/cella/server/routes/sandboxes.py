@@ -33,16 +33,29 @@ from cella.models import (
     parse_pairs,
 )
 from cella.server.deps import Auth, DaemonDep, jsonl
-from cella.service.keys import require_admin
+from cella.service.daemon import Daemon
+from cella.service.keys import Principal, require_admin
+from cella.store import SandboxRecord
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ID = Annotated[str, "sandbox id"]
 
 
+def shown(svc: Daemon, who: Principal, row: SandboxRecord) -> Sandbox:
+    """The sandbox with what the caller may do with it (an admin listing every tenant's
+    acts for each as its owner)."""
+    level = svc.registry.permission(who, row) or svc.registry.permission(
+        Principal.service(row.tenant) if who.admin else who, row
+    )
+    return Sandbox.model_validate(row).model_copy(
+        update={"permission": level.name if level else None}
+    )
+
+
 @router.post("", status_code=201, response_model=Sandbox)
 async def create_sandbox(body: SandboxCreate, svc: DaemonDep, who: Auth) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    return Sandbox.model_validate(await svc.create(who, body))
+    return shown(svc, who, await svc.create(who, body))
 
 
 @router.get("", response_model=SandboxList)
@@ -58,12 +71,12 @@ async def list_sandboxes(
     if all_tenants:
         require_admin(who, "list every tenant's sandboxes")
     rows = svc.registry.find(None if all_tenants else who, state.value if state else None, labels)
-    return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
+    return SandboxList(sandboxes=[shown(svc, who, r) for r in rows])
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)
 async def get_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
-    return Sandbox.model_validate(svc.registry.get(who, sandbox_id))
+    return shown(svc, who, svc.registry.get(who, sandbox_id))
 
 
 @router.get("/{sandbox_id}/access", response_model=SandboxAccessView)

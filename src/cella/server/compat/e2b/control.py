@@ -138,15 +138,18 @@ async def pause(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = 
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def connect(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Response:
-    """200 if it was running, 201 if it was resumed (paused or stopped)."""
+    """200 if it was running, 201 if it was resumed (paused or stopped). Its lifetime is
+    changed only for a key that manages it (one that may exec in it connects as it is)."""
     body = body or {}
     row = sandbox(svc, who, sandbox_id, Permission.exec)  # its answer holds the envd tokens
+    manages = svc.registry.permission(who, row) == Permission.manage
     status = 200
     if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
         row = await svc.lifecycle.resume(who, row.id)
-        row = await svc.lifecycle.update(who, row.id, ttl_seconds=lifetime(row, body))
+        if manages:
+            row = await svc.lifecycle.update(who, row.id, ttl_seconds=lifetime(row, body))
         status = 201
-    elif body.get("timeout") is not None and row.ttl_seconds is not None:
+    elif manages and body.get("timeout") is not None and row.ttl_seconds is not None:
         longer = max(lifetime(row, body), row.ttl_seconds)  # only ever extended
         row = await svc.lifecycle.update(who, row.id, ttl_seconds=longer)
     return JSONResponse(shown(svc, row), status_code=status)

@@ -147,7 +147,7 @@ async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
 
     async def caller() -> Principal:
         who = api_key(ws)
-        svc.registry.get(who, sandbox_id)
+        svc.registry.get(who, sandbox_id, Permission.exec)  # refused before it opens
         return who
 
     who = await opened(ws, caller)
