@@ -6,6 +6,9 @@ along. (The rule itself, and every service room asking it: tests/unit/test_acces
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +23,14 @@ from tests.daemon import Daemon
 pytestmark = pytest.mark.vm
 
 NAME = "alices-box"
+CALL = """
+import json, sys, urllib.request, urllib.error
+try:
+    with urllib.request.urlopen("http://cella.api" + sys.argv[1], timeout=60) as r:
+        print(json.dumps({"status": r.status, "body": r.read().decode()}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": e.read().decode()}))
+"""  # a GET of cella's API from the guest, as its creator (the proxy adds the token)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +54,10 @@ def clients(daemon: Daemon, keys: dict[str, dict[str, Any]]) -> Iterator[dict[st
 def box(
     daemon: Daemon, keys: dict[str, dict[str, Any]], clients: dict[str, Client]
 ) -> Iterator[Sandbox]:
-    """Alice's sandbox, made through LangSmith's SDK as her code would make it."""
+    """Alice's sandbox, made through LangSmith's SDK as her code would make it (code in it
+    calls cella's API as alice: access delegation)."""
     with ls(daemon, keys["alice"]["key"]) as alice:
-        alice.create_sandbox(name=NAME)
+        alice.create_sandbox(name=NAME, access_delegation={"mode": "INHERIT"})
     [sb] = [s for s in clients["alice"].list() if s.info.name == NAME]
     yield sb
     sb.delete()
@@ -186,3 +198,59 @@ def test_the_consoles_list_follows_the_key(
         assert listed("bob")[box.id]["permission"] == "view"  # the page hides what it may not
     finally:
         box.share({})
+
+
+def test_code_in_a_sandbox_sees_what_its_creator_sees(
+    box: Sandbox, clients: dict[str, Client]
+) -> None:
+    """A delegation token carries its creator's principal and roles: alice's box, calling
+    cella's API as alice, lists hers and not a private one of the tenant's owner."""
+    theirs = clients["ops"].create(visibility="private")
+    try:
+        assert theirs.access().visibility == "private"
+        assert {box.id, theirs.id} <= {s.id for s in clients["ops"].list()}  # the control
+        box.files.write("/tmp/call.py", CALL)
+        done = box.exec(["python3", "/tmp/call.py", "/v1/sandboxes"], timeout=120)
+        answer = json.loads(done.stdout)
+        assert answer["status"] == 200, answer
+        seen = {s["id"]: s for s in json.loads(answer["body"])["sandboxes"]}
+        assert theirs.id not in seen and seen[box.id]["permission"] == "manage"
+        done = box.exec(["python3", "/tmp/call.py", f"/v1/sandboxes/{theirs.id}"])
+        assert json.loads(done.stdout)["status"] == 404
+    finally:
+        theirs.delete()
+
+
+def cli(daemon: Daemon, *args: str, key: str | None = None) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "cella.cli", *args, "--json"],
+        env=daemon.env(key),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_cli_makes_keys_with_roles_and_shares(
+    daemon: Daemon, box: Sandbox, keys: dict[str, dict[str, Any]]
+) -> None:
+    dave = cli(
+        daemon, "keys", "create", "--tenant", "team", "--principal", "dave", "--role", "member"
+    )
+    assert (dave["principal"], dave["roles"]) == ("dave", ["member"])
+    refused = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "sandbox", "get", box.id],
+        env=daemon.env(dave["key"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0 and "no sandbox" in refused.stderr
+    alice = keys["alice"]["key"]
+    shown = cli(daemon, "sandbox", "share", box.id, "--with", "dave=view", key=alice)
+    assert (shown["shares"], shown["permission"]) == ({"dave": "view"}, "manage")
+    assert cli(daemon, "sandbox", "get", box.id, key=dave["key"])["permission"] == "view"
+    shown = cli(daemon, "sandbox", "share", box.id, "--unshare", "dave", key=alice)
+    assert shown["shares"] == {}
