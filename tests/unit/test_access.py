@@ -144,3 +144,11 @@ async def test_every_room_asks_the_rule(daemon: Daemon) -> None:
     assert [r.id for r in daemon.registry.find(alice)] == [row.id]
     assert {r.id for r in daemon.registry.find(carol)} == {row.id, fork.id}
     await daemon.lifecycle.delete(bob, fork.id)  # its creator manages it
+
+    # a manager may share it away from itself too: then it no longer sees it
+    await daemon.sharing.set(alice, row.id, SandboxAccess(shares={"bob": "manage"}))
+    left = await daemon.sharing.set(bob, row.id, SandboxAccess(shares={}))
+    assert left.permission is None and left.shares == {}
+    with pytest.raises(errors.NotFound):
+        daemon.registry.get(bob, row.id)
+    assert daemon.sharing.get(alice, row.id).permission == "manage"  # its creator still

@@ -382,7 +382,7 @@ def share(
     console.print(f"visibility: {now.visibility}")
     for principal, level in sorted(now.shares.items()):
         console.print(f"shared:     {principal} ({level})", markup=False, highlight=False)
-    console.print(f"your key:   {now.permission}")
+    console.print(f"your key:   {now.permission or 'nothing any more'}")
 
 
 @app.command()

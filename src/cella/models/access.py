@@ -31,4 +31,7 @@ class SandboxAccessView(SandboxAccess):
 
     creator: str | None = Field(description="its creator's principal (None: made before)")
     creator_key: str | None = Field(default=None, description="the key that made it")
-    permission: Level = Field(description="what the caller may do with it")
+    permission: Level | None = Field(
+        description="what the caller may do with it (None: after a change that took its "
+        "access away, nothing)"
+    )

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 from cella.models import SandboxAccess, SandboxAccessView
-from cella.policy import access
 from cella.policy.access import Permission, Principal
-from cella.service.registry import Registry, access_of
+from cella.service.registry import Registry
 from cella.store import SandboxRecord
 
 
@@ -16,28 +15,29 @@ class Sharing:
 
     def get(self, who: Principal, sandbox_id: str) -> SandboxAccessView:
         """The sandbox's creator, visibility and shares, and what the caller may do."""
-        return view(who, self.registry.get(who, sandbox_id))
+        row = self.registry.get(who, sandbox_id)
+        return view(row, self.registry.permission(who, row))
 
     async def set(self, who: Principal, sandbox_id: str, to: SandboxAccess) -> SandboxAccessView:
         """Replaces the sandbox's visibility and shares (a caller who manages it). It holds
         from the next request on; a connection already open (a terminal, a port) runs on
-        until it ends."""
+        until it ends. A manager who shares it away from itself is answered with no
+        permission: it no longer sees the sandbox."""
         async with self.registry.lock(sandbox_id):
             self.registry.get(who, sandbox_id, Permission.manage)
             self.registry.update(sandbox_id, visibility=to.visibility, shares=dict(to.shares))
             self.registry.events.emit(sandbox_id, "access_changed", to.model_dump())
-        return self.get(who, sandbox_id)
+            row = self.registry.row(sandbox_id)
+        return view(row, self.registry.permission(who, row))
 
 
-def view(who: Principal, row: SandboxRecord) -> SandboxAccessView:
-    level = access.permission(who, access_of(row))  # as `Registry.permission`
-    assert level is not None  # the row was found for `who`
+def view(row: SandboxRecord, level: Permission | None) -> SandboxAccessView:
     return SandboxAccessView.model_validate(
         {
             "visibility": row.visibility,
             "shares": row.shares,
             "creator": row.creator,
             "creator_key": row.creator_key,
-            "permission": level.name,
+            "permission": level.name if level else None,
         }
     )
