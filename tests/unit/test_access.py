@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from cella import errors
 from cella.config import DaemonSettings
+from cella.fleet.node_client import as_header
 from cella.models import ExecRequest, SandboxAccess, SandboxCreate
 from cella.policy.access import (
     Access,
@@ -22,8 +24,10 @@ from cella.policy.access import (
     roles_of,
 )
 from cella.service.daemon import Daemon
+from cella.service.keys import PRINCIPAL_HEADER, ROLES_HEADER
 from cella.store import Store
 from tests.unit.fake_runtime import FakeDriver
+from tests.unit.in_process import URL, serving
 
 OWNER = frozenset({Role.owner})
 MEMBER = frozenset({Role.member})
@@ -152,3 +156,41 @@ async def test_every_room_asks_the_rule(daemon: Daemon) -> None:
     with pytest.raises(errors.NotFound):
         daemon.registry.get(bob, row.id)
     assert daemon.sharing.get(alice, row.id).permission == "manage"  # its creator still
+
+
+# -- a fleet gateway relaying its caller -----------------------------------------------
+
+
+def test_a_gateway_names_its_caller_to_the_node() -> None:
+    assert as_header(ALICE) == {
+        "x-cella-tenant": "t",
+        PRINCIPAL_HEADER: "alice",
+        ROLES_HEADER: "member",
+    }
+    viewer = key("audit", frozenset({Role.owner, Role.viewer}), ro=True)
+    assert as_header(viewer)[ROLES_HEADER] == "owner,viewer"
+
+
+async def test_a_node_applies_the_rule_to_the_caller_a_gateway_names(tmp_path: Path) -> None:
+    async with serving(tmp_path) as app:
+        async with app.client() as admin:
+            alice = await admin.create_key("t", principal="alice", roles=["member"])
+        async with app.client(alice["key"]) as client:
+            mine = await client.create()
+        transport = httpx2.ASGITransport(app=app.app)
+        node = {"authorization": f"Bearer {app.admin_key}", "x-cella-tenant": "t"}
+        async with httpx2.AsyncClient(transport=transport, base_url=URL, headers=node) as http:
+
+            async def seen(**relayed: str) -> int:
+                r = await http.get(f"/v1/sandboxes/{mine.id}", headers=relayed)
+                return r.status_code
+
+            assert await seen() == 200  # the tenant's owner (no caller named)
+            assert await seen(**{PRINCIPAL_HEADER: "alice", ROLES_HEADER: "member"}) == 200
+            assert await seen(**{PRINCIPAL_HEADER: "bob", ROLES_HEADER: "member"}) == 404
+            assert await seen(**{ROLES_HEADER: "owner,member"}) == 400
+            assert await seen(**{PRINCIPAL_HEADER: "not a name"}) == 400
+        # only an admin key may name a caller: a tenant key with the headers is refused
+        with pytest.raises(errors.PermissionDenied):
+            async with app.client(alice["key"], headers={"x-cella-tenant": "t"}) as relayed:
+                await relayed.get(mine.id)
