@@ -19,6 +19,7 @@ from cella.fleet.placement_table import Placements
 from cella.models import AccessDelegation, SandboxState
 from cella.network.delegation import ApiAccess, authorize, is_api
 from cella.policy import delegation as tokens
+from cella.policy.access import Role
 from cella.service.delegation import (
     FLEET_GRANT,
     given,
@@ -66,7 +67,7 @@ def sandbox(keys: Keys, key_id: str, asked: AccessDelegation | None) -> SandboxR
 
 
 def test_a_token_acts_as_the_creator_while_its_key_is_valid(keys: Keys) -> None:
-    key_id, _ = keys.create("team")
+    key_id, _ = keys.create("team", principal="alice", roles=[Role.member])
     row = sandbox(keys, key_id, AccessDelegation(mode="inherit"))
     assert keys.store.get_sandbox(row.id).access_delegation == {  # type: ignore[union-attr]
         "mode": "inherit",
@@ -75,7 +76,8 @@ def test_a_token_acts_as_the_creator_while_its_key_is_valid(keys: Keys) -> None:
     key = proxy_access(row)
     assert key is not None
     who = keys.authenticate(tokens.mint(row.id, key))
-    assert who == Principal("team", False, False, key_id)
+    # its creator's principal and roles: code in the sandbox sees what alice sees
+    assert who == Principal("team", False, False, key_id, "alice", frozenset({Role.member}))
     with pytest.raises(errors.Unauthenticated, match="forged"):
         keys.authenticate(tokens.mint(row.id, bytes(32)))
     keys.store.revoke_key(key_id)
@@ -146,8 +148,8 @@ def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> N
     settings = DaemonSettings(data_dir=tmp_path, listen="127.0.0.1:8420")
     delegations = Delegations(tmp_path / "grants.db", settings, placements, keys)
     holder.append(delegations)
-    key_id, _ = keys.create("team")
-    creator = Principal("team", False, False, key_id)
+    _, key = keys.create("team")
+    creator = keys.authenticate(key)  # its principal and roles, as a token carries them
     # an admin acting for the tenant is not the tenant's own key
     admin_id, _ = keys.create("admin", admin=True)
     with pytest.raises(errors.InvalidArgument, match="own API key"):

@@ -14,6 +14,7 @@ import pytest
 from cella import errors
 from cella.config import DaemonSettings
 from cella.models import ExecRequest, SandboxCreate
+from cella.policy.access import Principal
 from cella.service.daemon import Daemon
 from cella.service.processes import OutputBuffer, Processes, ProcessLimits, ProcessSpec
 from cella.store import Store
@@ -31,7 +32,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
 
 
 async def sandbox(d: Daemon, tenant: str = "t") -> str:
-    row = await d.lifecycle.create(tenant, SandboxCreate())
+    row = await d.lifecycle.create(Principal.service(tenant), SandboxCreate())
     vm = d.registry.vm(row.id)
     assert isinstance(vm, FakeVM)
 
@@ -50,6 +51,7 @@ async def sandbox(d: Daemon, tenant: str = "t") -> str:
 
 
 GATES: dict[str, asyncio.Event] = {}
+T = Principal.service("t")  # tenant t's owner
 
 
 def room(d: Daemon, limits: ProcessLimits) -> Processes:
@@ -62,13 +64,13 @@ def room(d: Daemon, limits: ProcessLimits) -> Processes:
 async def run(procs: Processes, sandbox_id: str, pid: str, word: str, tenant: str = "t") -> None:
     """Starts `word` as process `pid` and waits for it to end."""
     spec = ProcessSpec(request=ExecRequest(command=[word]), ttl=None)
-    proc = await procs.start(tenant, sandbox_id, pid, spec)
+    proc = await procs.start(Principal.service(tenant), sandbox_id, pid, spec)
     async for _ in proc.follow():
         pass
 
 
 def kept(procs: Processes, sandbox_id: str, tenant: str = "t") -> dict[str, int]:
-    return {p.id: p.kept for p in procs.list(tenant, sandbox_id)}
+    return {p.id: p.kept for p in procs.list(Principal.service(tenant), sandbox_id)}
 
 
 def test_a_buffer_drops_its_oldest_bytes_and_keeps_offsets() -> None:
@@ -89,7 +91,7 @@ async def test_output_over_the_sandbox_bound_drops_the_longest_ended_first(
     assert kept(procs, sb) == {"p1": 400, "p2": 400}  # the control: under it, all kept
     await run(procs, sb, "p3", "400:c")
     assert kept(procs, sb) == {"p1": 200, "p2": 400, "p3": 400}
-    assert procs.get("t", sb, "p1").buffers["stdout"].since(0) == (200, b"a" * 200)  # latest
+    assert procs.get(T, sb, "p1").buffers["stdout"].since(0) == (200, b"a" * 200)  # latest
     await run(procs, sb, "p4", "600:d")
     assert kept(procs, sb) == {"p1": 0, "p2": 0, "p3": 400, "p4": 600}
     assert procs.kept(("sandbox", sb)) == procs.kept(("tenant", "t")) == 1000
@@ -99,7 +101,7 @@ async def test_a_writer_alone_over_the_bound_keeps_its_latest_bytes(daemon: Daem
     procs = room(daemon, ProcessLimits(sandbox_bytes=1000))
     sb = await sandbox(daemon)
     await run(procs, sb, "big", "1500:x")
-    buffer = procs.get("t", sb, "big").buffers["stdout"]
+    buffer = procs.get(T, sb, "big").buffers["stdout"]
     assert (buffer.start, buffer.end) == (500, 1500)
     assert procs.kept(("sandbox", sb)) == 1000
 
@@ -113,7 +115,7 @@ async def test_the_tenant_bound_spans_its_sandboxes(daemon: Daemon) -> None:
     await run(procs, second, "p2", "900:b")
     assert kept(procs, first) == {"p1": 600} and kept(procs, second) == {"p2": 900}
     assert procs.kept(("tenant", "t")) == 1500 and kept(procs, other, "u") == {"q1": 900}
-    await daemon.lifecycle.delete("t", first)  # a deleted sandbox's output is uncounted
+    await daemon.lifecycle.delete(T, first)  # a deleted sandbox's output is uncounted
     assert procs.kept(("tenant", "t")) == 900 and procs.kept(("sandbox", first)) == 0
 
 
@@ -127,21 +129,21 @@ async def test_a_start_over_the_count_evicts_the_longest_ended_or_is_refused(
     await run(procs, sb, "p3", "1:c")
     assert sorted(kept(procs, sb)) == ["p2", "p3"]  # p1 ended first: it made room
     with pytest.raises(errors.NotFound):
-        procs.get("t", sb, "p1")
+        procs.get(T, sb, "p1")
     await run(procs, sb2, "q1", "1:a")
     await run(procs, sb2, "q2", "1:a")  # the tenant's third and fourth: p2 made room
     assert sorted(kept(procs, sb)) == ["p3"] and sorted(kept(procs, sb2)) == ["q1", "q2"]
 
     spec = ProcessSpec(request=ExecRequest(command=["wait"]))
-    await procs.start("t", sb, "w1", spec)
-    await procs.start("t", sb, "w2", spec)  # p3 made room; both run now
+    await procs.start(T, sb, "w1", spec)
+    await procs.start(T, sb, "w2", spec)  # p3 made room; both run now
     with pytest.raises(errors.QuotaExceeded, match="max_processes_per_sandbox"):
-        await procs.start("t", sb, "w3", spec)
+        await procs.start(T, sb, "w3", spec)
     assert sorted(kept(procs, sb)) == ["w1", "w2"]  # nothing was evicted for the refusal
-    assert (await procs.start("t", sb, "w1", spec)).id == "w1"  # attaching needs no room
+    assert (await procs.start(T, sb, "w1", spec)).id == "w1"  # attaching needs no room
     GATES[sb].set()
     for pid in ("w1", "w2"):
-        async for _ in procs.get("t", sb, pid).follow():
+        async for _ in procs.get(T, sb, pid).follow():
             pass
     await run(procs, sb, "w3", "1:a")  # the control: room again once one ended
 
@@ -153,7 +155,7 @@ async def test_an_ended_process_is_kept_at_most_the_longest_the_daemon_allows(
     sb = await sandbox(daemon)
     await run(procs, sb, "forever", "1:a")  # ttl None: as long as allowed
     short = ProcessSpec(request=ExecRequest(command=["1:b"]), ttl=5)
-    proc = await procs.start("t", sb, "short", short)
+    proc = await procs.start(T, sb, "short", short)
     async for _ in proc.follow():
         pass
     await procs.sweep(time.monotonic() + 30)

@@ -15,6 +15,7 @@ import pytest
 from cella import errors
 from cella.config import DaemonSettings
 from cella.models import ExecRequest, SandboxCreate, SandboxState
+from cella.policy.access import Principal
 from cella.service.daemon import Daemon
 from cella.service.lifecycle import POOLED_SHAPE
 from cella.service.reaper import due
@@ -23,6 +24,8 @@ from cella.service.warm import Shape
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, Store
 from tests.unit.fake_runtime import FakeDriver, FakeVM
+
+T, U = Principal.service("t"), Principal.service("u")  # the owners of tenants t and u
 
 S = SandboxState
 
@@ -55,31 +58,31 @@ def types(d: Daemon, sandbox_id: str) -> list[str]:
 
 async def test_create_stop_resume_pause_delete(daemon: Daemon) -> None:
     life = daemon.lifecycle
-    row = await life.create("t", SandboxCreate(labels={"k": "v"}, max_pids=64))
+    row = await life.create(T, SandboxCreate(labels={"k": "v"}, max_pids=64))
     assert (row.state, row.accel, row.created_from) == (S.running, "tcg", "restore")
     vm = fake_vm(daemon, row.id)
     assert row.pid == vm.pid and vm.agent.identity["hostname"] == row.id
     assert vm.agent.identity["pids_max"] == 64
 
-    stopped = await life.stop("t", row.id)
+    stopped = await life.stop(T, row.id)
     assert (stopped.state, stopped.pid) == (S.stopped, None) and vm.stopped_cleanly
     assert daemon.registry.vm(row.id) is None
-    assert (await life.stop("t", row.id)).state == S.stopped  # idempotent
+    assert (await life.stop(T, row.id)).state == S.stopped  # idempotent
 
     with pytest.raises(errors.InvalidState):
-        await life.pause("t", row.id)  # only a running sandbox pauses
+        await life.pause(T, row.id)  # only a running sandbox pauses
 
-    resumed = await life.resume("t", row.id)
+    resumed = await life.resume(T, row.id)
     assert resumed.state == S.running and fake_vm(daemon, row.id) is not vm
-    paused = await life.pause("t", row.id)
+    paused = await life.pause(T, row.id)
     assert paused.state == S.paused and fake_vm(daemon, row.id).paused
-    assert (await life.resume("t", row.id)).state == S.running
+    assert (await life.resume(T, row.id)).state == S.running
 
-    await life.delete("t", row.id)
+    await life.delete(T, row.id)
     assert daemon.store.get_sandbox(row.id).state == S.deleted  # type: ignore[union-attr]
     assert not daemon.registry.directory(row.id).exists()
     with pytest.raises(errors.NotFound):
-        await life.resume("t", row.id)
+        await life.resume(T, row.id)
     assert types(daemon, row.id) == [
         "created",
         "stopped",
@@ -91,26 +94,28 @@ async def test_create_stop_resume_pause_delete(daemon: Daemon) -> None:
 
 
 async def test_another_tenant_sees_nothing(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate())
+    row = await daemon.lifecycle.create(T, SandboxCreate())
+    other = Principal.service("other")
     for call in (daemon.lifecycle.stop, daemon.lifecycle.delete, daemon.usage.usage):
         with pytest.raises(errors.NotFound):
-            await call("other", row.id)
+            await call(other, row.id)
     with pytest.raises(errors.NotFound):
-        daemon.trace.events("other", row.id)
-    assert daemon.registry.find("other") == []
+        daemon.trace.events(other, row.id)
+    assert daemon.registry.find(other) == []
+    assert [r.id for r in daemon.registry.find(T)] == [row.id]  # the control
 
 
 async def test_unknown_template_and_small_disk_are_refused(daemon: Daemon) -> None:
     with pytest.raises(errors.InvalidArgument, match="unknown template"):
-        await daemon.lifecycle.create("t", SandboxCreate(template="nope"))
+        await daemon.lifecycle.create(T, SandboxCreate(template="nope"))
     with pytest.raises(errors.InvalidArgument, match="at least"):
-        await daemon.lifecycle.create("t", SandboxCreate(disk_mib=1024))
-    row = await daemon.lifecycle.create("t", SandboxCreate(disk_mib=4096))
+        await daemon.lifecycle.create(T, SandboxCreate(disk_mib=1024))
+    row = await daemon.lifecycle.create(T, SandboxCreate(disk_mib=4096))
     assert fake_vm(daemon, row.id).disk_mib == 4096
 
 
 async def test_a_crashed_vm_stops_its_sandbox_with_the_reason(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate())
+    row = await daemon.lifecycle.create(T, SandboxCreate())
     fake_vm(daemon, row.id).crash()
     for _ in range(100):
         if daemon.registry.row(row.id).state == S.stopped:
@@ -119,7 +124,7 @@ async def test_a_crashed_vm_stops_its_sandbox_with_the_reason(daemon: Daemon) ->
     after = daemon.registry.row(row.id)
     assert after.state == S.stopped and "killed by the test" in (after.error or "")
     assert "crashed" in types(daemon, row.id)
-    assert (await daemon.lifecycle.resume("t", row.id)).state == S.running
+    assert (await daemon.lifecycle.resume(T, row.id)).state == S.running
 
 
 async def test_a_failed_create_marks_the_row_and_frees_the_vm(
@@ -136,7 +141,7 @@ async def test_a_failed_create_marks_the_row_and_frees_the_vm(
 
     monkeypatch.setattr(driver, "_vm", broken)
     with pytest.raises(errors.AgentUnavailable):
-        await daemon.lifecycle.create("t", SandboxCreate())
+        await daemon.lifecycle.create(T, SandboxCreate())
     [row] = daemon.store.list_sandboxes("t")
     assert row.state == S.error and "guest went silent" in (row.error or "")
     assert types(daemon, row.id) == ["create_failed"]
@@ -146,33 +151,33 @@ async def test_a_failed_create_marks_the_row_and_frees_the_vm(
 async def test_admission_quota_and_capacity(daemon: Daemon) -> None:
     life = daemon.lifecycle
     rows = await asyncio.gather(
-        *(life.create("t", SandboxCreate()) for _ in range(5)), return_exceptions=True
+        *(life.create(T, SandboxCreate()) for _ in range(5)), return_exceptions=True
     )
     refused = [r for r in rows if isinstance(r, BaseException)]
     assert len(refused) == 2 and all(isinstance(r, errors.QuotaExceeded) for r in refused)
     # another tenant is not held by t's quota, but by the host's RAM (4096, 1536 committed)
-    await life.create("u", SandboxCreate(memory_mib=2048))
+    await life.create(U, SandboxCreate(memory_mib=2048))
     cap = daemon.admission.capacity()
     assert (cap.memory_mib_committed, cap.memory_mib_free) == (3584, 512)
     assert (cap.vcpus_committed, cap.live_sandboxes) == (4, 4)
     with pytest.raises(errors.CapacityExceeded, match="MiB"):
-        await life.create("u", SandboxCreate(memory_mib=1024))
+        await life.create(U, SandboxCreate(memory_mib=1024))
     with pytest.raises(errors.CapacityExceeded, match="vCPUs"):
-        await life.create("v", SandboxCreate(vcpus=8, memory_mib=128))
+        await life.create(Principal.service("v"), SandboxCreate(vcpus=8, memory_mib=128))
     with pytest.raises(errors.InvalidArgument, match="at most"):
-        await life.create("v", SandboxCreate(memory_mib=20000))
+        await life.create(Principal.service("v"), SandboxCreate(memory_mib=20000))
     # a stopped sandbox commits nothing
     first = next(r for r in rows if not isinstance(r, BaseException))
     assert isinstance(first, SandboxRecord)
-    await life.stop("t", first.id)
-    await life.create("t", SandboxCreate(memory_mib=128))
+    await life.stop(T, first.id)
+    await life.create(T, SandboxCreate(memory_mib=128))
 
 
 async def test_fork_count_is_admitted_as_a_whole(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate(labels={"a": "b"}))
+    row = await daemon.lifecycle.create(T, SandboxCreate(labels={"a": "b"}))
     with pytest.raises(errors.QuotaExceeded):
-        await daemon.forks.fork("t", row.id, 3)  # 1 + 3 > 3
-    forks = await daemon.forks.fork("t", row.id, 2)
+        await daemon.forks.fork(T, row.id, 3)  # 1 + 3 > 3
+    forks = await daemon.forks.fork(T, row.id, 2)
     assert [f.state for f in forks] == [S.running, S.running]
     assert all(f.parent_id == row.id and f.labels == {"a": "b"} for f in forks)
     assert daemon.store.snapshot_users(forks[0].snapshot_id or "")[0] == [f.id for f in forks]
@@ -185,18 +190,18 @@ async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk
     assert isinstance(driver, FakeDriver)
     driver.layers = True
     driver.flatten_gate = asyncio.Event()
-    row = await daemon.lifecycle.create("t", SandboxCreate())
-    snap = await daemon.snapshots.snapshot("t", row.id, "one")
+    row = await daemon.lifecycle.create(T, SandboxCreate())
+    snap = await daemon.snapshots.snapshot(T, row.id, "one")
     where = SnapshotDir(daemon.snapshots.root / snap.id)
     assert where.is_layered() and snap.state == "ready"
     await asyncio.sleep(0)
     assert driver.flattened == [snap.id]  # under way, held at the gate
     # a single branch does not wait: it restores from the layer
-    [one] = await daemon.forks.fork_snapshot("t", snap.id, 1)
+    [one] = await daemon.forks.fork_snapshot(T, snap.id, 1)
     assert one.state == S.running and where.is_layered()
-    await daemon.lifecycle.delete("t", one.id)  # room for two under the quota of three
+    await daemon.lifecycle.delete(T, one.id)  # room for two under the quota of three
     # two branches wait for the flat file (the same flatten, not a second one)
-    two = asyncio.create_task(daemon.forks.fork_snapshot("t", snap.id, 2))
+    two = asyncio.create_task(daemon.forks.fork_snapshot(T, snap.id, 2))
     await asyncio.sleep(0.05)
     assert not two.done()
     driver.flatten_gate.set()
@@ -205,7 +210,7 @@ async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk
     assert daemon.snapshots.get("t", snap.id).size_bytes == sum(where.manifest()["bytes"].values())
     # a daemon that stops mid-flatten leaves a whole layer; the next one flattens it
     driver.flatten_gate = asyncio.Event()
-    left = await daemon.snapshots.snapshot("t", row.id, "left")
+    left = await daemon.snapshots.snapshot(T, row.id, "left")
     await asyncio.sleep(0)
     await daemon.snapshots.close()
     assert SnapshotDir(daemon.snapshots.root / left.id).is_layered()
@@ -216,8 +221,8 @@ async def test_a_layered_snapshot_is_flattened_in_the_background_and_before_bulk
 
 
 async def test_exec_is_traced_and_its_kept_output_bounded(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate())
-    result = await daemon.exec.run("t", row.id, ExecRequest(command=["echo", "x" * 100]), keep=10)
+    row = await daemon.lifecycle.create(T, SandboxCreate())
+    result = await daemon.exec.run(T, row.id, ExecRequest(command=["echo", "x" * 100]), keep=10)
     assert result.stdout == b"echo xxxxx" and result.stdout_truncated == 95
     [event] = daemon.store.events(row.id, types=["exec"])
     assert event.data["stdout_bytes"] == 105 and event.data["exit_code"] == 0
@@ -263,7 +268,7 @@ def test_reaper_decisions() -> None:
 
 
 async def test_reaper_enforces_a_ttl(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate(ttl_seconds=60, ttl_action="stop"))
+    row = await daemon.lifecycle.create(T, SandboxCreate(ttl_seconds=60, ttl_action="stop"))
     past = (datetime.now(UTC) - timedelta(seconds=61)).isoformat()
     daemon.registry.update(row.id, created_at=past)
     await daemon.reaper.once()
@@ -325,7 +330,7 @@ async def test_recovery_acts_on_what_a_crashed_daemon_left(daemon: Daemon) -> No
 
 
 async def test_a_guest_that_breaks_its_agent_is_marked_and_recovers(daemon: Daemon) -> None:
-    row = await daemon.lifecycle.create("t", SandboxCreate())
+    row = await daemon.lifecycle.create(T, SandboxCreate())
     fake_vm(daemon, row.id).agent.break_protocol()
     for _ in range(100):
         if daemon.registry.row(row.id).error:
@@ -334,40 +339,40 @@ async def test_a_guest_that_breaks_its_agent_is_marked_and_recovers(daemon: Daem
     broken = daemon.registry.row(row.id)
     assert broken.state == S.running and "agent is unusable" in (broken.error or "")
     assert types(daemon, row.id)[-1] == "agent_broken"
-    await daemon.lifecycle.stop("t", row.id)
-    again = await daemon.lifecycle.resume("t", row.id)
+    await daemon.lifecycle.stop(T, row.id)
+    again = await daemon.lifecycle.resume(T, row.id)
     assert again.state == S.running and again.error is None
-    result = await daemon.exec.run("t", row.id, ExecRequest(command=["true"]))
+    result = await daemon.exec.run(T, row.id, ExecRequest(command=["true"]))
     assert result.exit_code == 0
 
 
 async def test_resume_is_admitted_like_a_create(daemon: Daemon) -> None:
     life = daemon.lifecycle
-    first = await life.create("t", SandboxCreate())
+    first = await life.create(T, SandboxCreate())
     for _ in range(2):
-        await life.create("t", SandboxCreate())
-    await life.stop("t", first.id)
-    await life.create("t", SandboxCreate())  # quota 3: three running, one stopped
+        await life.create(T, SandboxCreate())
+    await life.stop(T, first.id)
+    await life.create(T, SandboxCreate())  # quota 3: three running, one stopped
     with pytest.raises(errors.QuotaExceeded):
-        await life.resume("t", first.id)
+        await life.resume(T, first.id)
     assert daemon.registry.row(first.id).state == S.stopped  # refused, nothing changed
 
 
 async def test_a_tenant_disk_quota_counts_stopped_sandboxes(daemon: Daemon) -> None:
     daemon.settings.max_disk_mib_per_tenant = 1
     life = daemon.lifecycle
-    row = await life.create("t", SandboxCreate())
+    row = await life.create(T, SandboxCreate())
     disk = daemon.registry.directory(row.id) / "disk.qcow2"
     with disk.open("wb") as f:
         f.write(b"x" * (2 << 20))  # the sandbox wrote 2 MiB
-    await life.stop("t", row.id)
+    await life.stop(T, row.id)
     with pytest.raises(errors.QuotaExceeded, match="disk"):
-        await life.create("t", SandboxCreate())
+        await life.create(T, SandboxCreate())
     with pytest.raises(errors.QuotaExceeded, match="disk"):
-        await life.resume("t", row.id)
-    await life.create("u", SandboxCreate())  # another tenant's disk is its own
-    await life.delete("t", row.id)
-    await life.create("t", SandboxCreate())
+        await life.resume(T, row.id)
+    await life.create(U, SandboxCreate())  # another tenant's disk is its own
+    await life.delete(T, row.id)
+    await life.create(T, SandboxCreate())
 
 
 def test_a_stopped_sandbox_is_deleted_after_its_retention() -> None:
@@ -398,11 +403,11 @@ async def test_names_are_unique_and_exec_defaults_apply(daemon: Daemon) -> None:
     from cella.models import ExecDefaults
 
     spec = SandboxCreate(name="box", exec_defaults=ExecDefaults(user="nobody", env={"A": "1"}))
-    row = await daemon.lifecycle.create("t", spec)
-    assert daemon.registry.named("t", "box").id == row.id
+    row = await daemon.lifecycle.create(T, spec)
+    assert daemon.registry.named(T, "box").id == row.id
     with pytest.raises(errors.AlreadyExists):
-        await daemon.lifecycle.create("t", SandboxCreate(name="box"))
-    await daemon.lifecycle.create("u", SandboxCreate(name="box"))  # another tenant's name
+        await daemon.lifecycle.create(T, SandboxCreate(name="box"))
+    await daemon.lifecycle.create(U, SandboxCreate(name="box"))  # another tenant's name
     seen: list[dict[str, object]] = []
     agent = fake_vm(daemon, row.id).agent
     orig = agent.exec_stream
@@ -413,15 +418,15 @@ async def test_names_are_unique_and_exec_defaults_apply(daemon: Daemon) -> None:
             yield e
 
     agent.exec_stream = spy  # type: ignore[method-assign]
-    await daemon.exec.run("t", row.id, ExecRequest(command="true", env={"B": "2"}))
-    await daemon.exec.run("t", row.id, ExecRequest(command="true", user="root"))
+    await daemon.exec.run(T, row.id, ExecRequest(command="true", env={"B": "2"}))
+    await daemon.exec.run(T, row.id, ExecRequest(command="true", user="root"))
     assert seen[0]["user"] == "nobody" and seen[0]["env"]["A"] == "1" and seen[0]["env"]["B"] == "2"
     assert seen[1]["user"] == "root"
-    renamed = await daemon.lifecycle.update("t", row.id, name="box2", idle_timeout_seconds=60)
+    renamed = await daemon.lifecycle.update(T, row.id, name="box2", idle_timeout_seconds=60)
     assert renamed.name == "box2" and renamed.idle_timeout_seconds == 60
-    stopped = await daemon.lifecycle.stop("t", row.id)
+    stopped = await daemon.lifecycle.stop(T, row.id)
     assert stopped.stopped_at is not None
-    assert (await daemon.lifecycle.resume("t", row.id)).stopped_at is None
+    assert (await daemon.lifecycle.resume(T, row.id)).stopped_at is None
 
 
 async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path: Path) -> None:
@@ -443,13 +448,13 @@ async def test_a_pool_claim_and_a_fork_set_their_own_clock_and_entropy(tmp_path:
         filled = dict(pooled.agent.identity)
         assert filled["hostname"] == "pool" and filled["time_ns"] and filled["seed"]  # control
         claimed_at = time.time_ns()
-        row = await d.lifecycle.create("t", SandboxCreate())
+        row = await d.lifecycle.create(T, SandboxCreate())
         assert row.created_from == "pool" and fake_vm(d, row.id) is pooled
         claimed = pooled.agent.identity  # the last call's fields only
         assert claimed["hostname"] == row.id
         assert claimed.get("time_ns", 0) >= claimed_at  # the claim's clock, not the fill's
         assert len(claimed.get("seed", b"")) >= 32 and claimed["seed"] != filled["seed"]
-        (branch,) = await d.forks.fork("t", row.id, 1)
+        (branch,) = await d.forks.fork(T, row.id, 1)
         forked = fake_vm(d, branch.id).agent.identity
         assert forked.get("time_ns", 0) >= claimed["time_ns"]
         assert len(forked.get("seed", b"")) >= 32 and forked["seed"] != claimed["seed"]
@@ -475,7 +480,7 @@ async def test_a_pooled_vm_found_unusable_is_replaced(tmp_path: Path) -> None:
         await d.pool.fill(shape, timeout=10)
         (pooled,) = driver.vms
         await pooled.kill()  # it died while waiting
-        row = await d.lifecycle.create("t", SandboxCreate())
+        row = await d.lifecycle.create(T, SandboxCreate())
         assert row.created_from == "restore"  # not the dead one
         await d.pool.fill(shape, timeout=10)  # and the pool has a live one again
         assert d.pool.ready(shape) == 1
@@ -506,7 +511,7 @@ async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> 
                 await asyncio.sleep(0.01)
         (spare,) = [vm for vm in driver.vms if vm.spare_of is not None]
         assert d.pool.committed() == (0, 0)  # a spare holds no guest memory of its own
-        row = await d.lifecycle.create("t", SandboxCreate())
+        row = await d.lifecycle.create(T, SandboxCreate())
         assert spare.directory is not None and row.id == spare.directory.name
         assert driver.spares_used == 1 and spare.spare_of is None
         assert d.store.events(row.id, 0, 10, ["created"])[0].data["spare"] is True
@@ -516,7 +521,7 @@ async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> 
         await spare.kill()  # a spare found dead is not used: the create restores instead
         (second,) = [vm for vm in driver.vms if vm.spare_of is not None]
         await second.kill()
-        other = await d.lifecycle.create("t", SandboxCreate())
+        other = await d.lifecycle.create(T, SandboxCreate())
         assert driver.spares_used == 1 and other.created_from == "restore"
         async with asyncio.timeout(10):  # and the dead ones are replaced
             while not d.pool.spares()["default/1/512"]:
@@ -529,31 +534,31 @@ async def test_a_create_with_the_pool_empty_finishes_a_spare(tmp_path: Path) -> 
 
 async def test_a_stop_that_keeps_memory_pauses(daemon: Daemon) -> None:
     life = daemon.lifecycle
-    row = await life.create("t", SandboxCreate(stop_keeps_memory=True))
+    row = await life.create(T, SandboxCreate(stop_keeps_memory=True))
     assert row.stop_keeps_memory and daemon.store.get_sandbox(row.id).stop_keeps_memory  # type: ignore[union-attr]
     vm = fake_vm(daemon, row.id)
-    kept = await life.stop("t", row.id)
+    kept = await life.stop(T, row.id)
     assert kept.state == S.paused and vm.paused and not vm.stopped_cleanly
     assert kept.stopped_at is not None  # for its retention after a stop
-    resumed = await life.resume("t", row.id)
+    resumed = await life.resume(T, row.id)
     assert resumed.state == S.running and fake_vm(daemon, row.id) is vm
     assert resumed.stopped_at is None
     # asked for per stop, either way
-    assert (await life.stop("t", row.id, memory=False)).state == S.stopped
+    assert (await life.stop(T, row.id, memory=False)).state == S.stopped
     assert vm.stopped_cleanly
-    await life.resume("t", row.id)
-    plain = await life.create("t", SandboxCreate())
-    assert (await life.stop("t", plain.id)).state == S.stopped
-    await life.resume("t", plain.id)
-    assert (await life.stop("t", plain.id, memory=True)).state == S.paused
+    await life.resume(T, row.id)
+    plain = await life.create(T, SandboxCreate())
+    assert (await life.stop(T, plain.id)).state == S.stopped
+    await life.resume(T, plain.id)
+    assert (await life.stop(T, plain.id, memory=True)).state == S.paused
 
 
 async def test_a_snapshot_without_memory_is_booted_from(daemon: Daemon) -> None:
     driver = daemon.registry.driver
     assert isinstance(driver, FakeDriver)
-    row = await daemon.lifecycle.create("t", SandboxCreate())
-    disk = await daemon.snapshots.snapshot("t", row.id, "disk", memory=False)
-    full = await daemon.snapshots.snapshot("t", row.id, "full")
+    row = await daemon.lifecycle.create(T, SandboxCreate())
+    disk = await daemon.snapshots.snapshot(T, row.id, "disk", memory=False)
+    full = await daemon.snapshots.snapshot(T, row.id, "full")
     assert (disk.memory, full.memory) == (False, True)
     assert sorted(p.name for p in SnapshotDir(daemon.snapshots.root / disk.id).path.iterdir()) == [
         "disk.qcow2",
@@ -562,12 +567,12 @@ async def test_a_snapshot_without_memory_is_booted_from(daemon: Daemon) -> None:
     assert daemon.snapshots.memory_bytes(disk.id) is None
     assert daemon.snapshots.memory_bytes(full.id) == len(b"ram")  # the fake's RAM file
 
-    await daemon.create("t", SandboxCreate(snapshot=disk.id))
+    await daemon.create(T, SandboxCreate(snapshot=disk.id))
     assert driver.cold_boots == 1
-    await daemon.create("t", SandboxCreate(snapshot=full.id))  # if_present: restored
+    await daemon.create(T, SandboxCreate(snapshot=full.id))  # if_present: restored
     assert driver.cold_boots == 1
     with pytest.raises(errors.InvalidArgument, match="without memory"):
-        await daemon.create("t", SandboxCreate(snapshot=disk.id, restore_memory="always"))
-    await daemon.lifecycle.delete("t", row.id)
-    await daemon.create("t", SandboxCreate(snapshot=full.id, restore_memory="never"))
+        await daemon.create(T, SandboxCreate(snapshot=disk.id, restore_memory="always"))
+    await daemon.lifecycle.delete(T, row.id)
+    await daemon.create(T, SandboxCreate(snapshot=full.id, restore_memory="never"))
     assert driver.cold_boots == 2

@@ -24,15 +24,30 @@ def create(
     read_only: Annotated[
         bool, typer.Option(help="a key that may only look (GET), never change anything")
     ] = False,
+    principal: Annotated[
+        str | None, typer.Option(help="the person or service holding it (default: its id)")
+    ] = None,
+    role: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="owner (every sandbox of the tenant; the default), member (its own, the "
+            "tenant's and those shared with it) or viewer (reads only); repeatable"
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Create a key for a tenant; it is printed once and only its hash is stored."""
     with Client() as client:
-        created = client.create_key(tenant, read_only=read_only)
+        created = client.create_key(tenant, read_only=read_only, principal=principal, roles=role)
     if json_:
         emit_json(created)
     else:
-        console.print(f"key {created['id']} for tenant {created['tenant']} (shown once):")
+        console.print(
+            f"key {created['id']} for tenant {created['tenant']}, {created['principal']} "
+            f"({', '.join(created['roles'])}) (shown once):",
+            markup=False,
+            highlight=False,
+        )
         out.print(created["key"])
 
 
@@ -49,11 +64,15 @@ def list_(json_: JsonOpt = False) -> None:
 
 def listing(keys: Sequence[KeyInfo]) -> Listing:
     """The `keys ls` table: whole key ids."""
-    table = Listing("id", "tenant", "admin", "created", give_way={"created": 10})
+    table = Listing(
+        "id", "tenant", "principal", "roles", "admin", "created", give_way={"created": 10}
+    )
     for k in keys:
         table.add_row(
             escape(k.id),
             escape(k.tenant),
+            escape(k.principal or k.id),
+            ", ".join(k.roles),
             str(k.admin),
             k.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )

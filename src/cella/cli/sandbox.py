@@ -107,6 +107,13 @@ def create(
             '"secret_access_key"} or {"service_account"} (secret names)}'
         ),
     ] = None,
+    visibility: Annotated[
+        str | None,
+        typer.Option(
+            help="private (its creator, the tenant's owners, whom it is shared with) or "
+            "tenant (every key of the tenant may exec in it); default: by the key's role"
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
@@ -131,6 +138,7 @@ def create(
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
             bucket_mounts=buckets or None,
+            visibility=visibility,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))
@@ -397,6 +405,38 @@ def network(
         console.print(f"deny:  {', '.join(policy.deny) or '(nothing)'}")
         for r in policy.rewrites:
             console.print(f"rewrite: {r.host} -> {r.to.sandbox}:{r.to.port} ({r.credentials})")
+
+
+@app.command()
+def share(
+    sandbox_id: str,
+    with_: Annotated[
+        list[str] | None,
+        typer.Option("--with", help="PRINCIPAL=view|exec|manage: share with it, repeatable"),
+    ] = None,
+    unshare: Annotated[
+        list[str] | None, typer.Option(help="PRINCIPAL: take its share away, repeatable")
+    ] = None,
+    visibility: Annotated[str | None, typer.Option(help="private or tenant")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Show or change who may use a sandbox (a key that manages it changes it): its
+    creator, visibility and shares, and what your key may do with it."""
+    added = _pairs(with_, "share")
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        now = sb.access()
+        if added or unshare or visibility:
+            shares = {p: v for p, v in {**now.shares, **added}.items() if p not in (unshare or [])}
+            now = sb.share(shares, visibility=visibility)
+    if json_:
+        emit_json(now.model_dump(mode="json"))
+        return
+    console.print(f"creator:    {now.creator or '(made before keys had principals)'}")
+    console.print(f"visibility: {now.visibility}")
+    for principal, level in sorted(now.shares.items()):
+        console.print(f"shared:     {principal} ({level})", markup=False, highlight=False)
+    console.print(f"your key:   {now.permission or 'nothing any more'}")
 
 
 @app.command()

@@ -10,6 +10,7 @@ from cella import errors
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placement, Placements
+from cella.policy import access
 from cella.service.keys import Principal
 
 
@@ -70,6 +71,8 @@ class Locator:
             labels = [v for k, v in params if k == "label"]
             for lost in self.placements.lost(who.tenant):
                 shown = lost.shown()
+                if not visible(who, shown):  # as its node would have listed it
+                    continue
                 have = shown.get("labels") or {}
                 if all(have.get(k) == v for k, _, v in (p.partition("=") for p in labels)):
                     found.append(shown)
@@ -84,3 +87,14 @@ class Locator:
     def forget(self, sandbox_id: str) -> None:
         """A lost sandbox deleted: nothing is left of it to route to."""
         self.placements.forget(sandbox_id)
+
+
+def visible(who: Principal, shown: dict[str, Any]) -> bool:
+    """Whether `who` may see a sandbox as a node showed it (`cella.policy.access`)."""
+    levels = access.Permission.__members__
+    shares = {p: levels[v] for p, v in (shown.get("shares") or {}).items() if v in levels}
+    private = shown.get("visibility") == "private"
+    box = access.Access(
+        who.tenant, shown.get("creator"), "private" if private else "tenant", shares
+    )
+    return access.permission(who, box) is not None

@@ -11,7 +11,7 @@ import httpx2
 
 from cella import errors
 from cella.fleet.tls import trusting
-from cella.service.keys import READ_ONLY_HEADER, Principal
+from cella.service.keys import PRINCIPAL_HEADER, READ_ONLY_HEADER, ROLES_HEADER, Principal
 
 TIMEOUT = httpx2.Timeout(30.0, read=600.0)
 
@@ -20,9 +20,13 @@ def as_header(who: Principal | None) -> dict[str, str]:
     """Headers that make a node daemon act for `who` (None: the gateway itself, as admin)."""
     if who is None or who.admin:
         return {}
+    headers = {"x-cella-tenant": who.tenant}
     if who.read_only:  # the node holds it to reads as the gateway did
-        return {"x-cella-tenant": who.tenant, READ_ONLY_HEADER: "1"}
-    return {"x-cella-tenant": who.tenant}
+        headers[READ_ONLY_HEADER] = "1"
+    if who.principal:  # the node decides which sandboxes are the caller's as the rule says
+        headers[PRINCIPAL_HEADER] = who.principal
+        headers[ROLES_HEADER] = ",".join(sorted(who.roles))
+    return headers
 
 
 def raise_for(response: httpx2.Response, node: str) -> None:

@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 from cella import errors
 from cella.fleet.node_client import Node
 from cella.service.delegation import FLEET_GRANT
-from cella.service.keys import READ_ONLY_HEADER, Principal
+from cella.service.keys import PRINCIPAL_HEADER, READ_ONLY_HEADER, ROLES_HEADER, Principal
 from cella.service.logins import FLEET_USER
 
 HOP_BY_HOP = {
@@ -34,6 +34,8 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "x-api-key",
     "x-cella-tenant",
     READ_ONLY_HEADER,
+    PRINCIPAL_HEADER,
+    ROLES_HEADER,
     "x-forwarded-proto",
     FLEET_USER,  # the gateway says who its caller is, no one else
     FLEET_GRANT,  # and which grants it made

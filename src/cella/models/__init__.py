@@ -1,5 +1,6 @@
 """Wire types shared by the server and the SDK (pydantic; nothing heavy imported here)."""
 
+from cella.models.access import SandboxAccess, SandboxAccessView
 from cella.models.buckets import BucketAuth, BucketCache, BucketMount, BucketState
 from cella.models.exec import (
     ExecEvent,
@@ -151,6 +152,8 @@ __all__ = [
     "RegistryUpdate",
     "RewriteRule",
     "Sandbox",
+    "SandboxAccess",
+    "SandboxAccessView",
     "SandboxCreate",
     "SandboxList",
     "SandboxPort",

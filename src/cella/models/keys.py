@@ -6,6 +6,9 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from cella.models.access import PrincipalName
+from cella.policy.access import Role
+
 TENANT = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 
 
@@ -13,7 +16,18 @@ class KeyCreate(BaseModel):
     model_config = {"extra": "forbid"}
 
     tenant: str = Field(pattern=TENANT)
-    read_only: bool = Field(default=False, description="GET and HEAD only: look, never change")
+    read_only: bool = Field(
+        default=False, description="GET and HEAD only: look, never change (adds `viewer`)"
+    )
+    principal: PrincipalName | None = Field(
+        default=None, description="the person or service holding it (default: the key's id)"
+    )
+    roles: list[Role] | None = Field(
+        default=None,
+        max_length=2,
+        description="`owner` (every sandbox of the tenant; the default), `member` (its "
+        "own, the tenant's and those shared with it), `viewer` (reads only)",
+    )
 
 
 class KeyCreated(BaseModel):
@@ -21,6 +35,8 @@ class KeyCreated(BaseModel):
     tenant: str
     key: str = Field(description="shown once; only its hash is stored")
     read_only: bool = False
+    principal: str = ""
+    roles: list[Role] = Field(default_factory=list)
 
 
 class KeyInfo(BaseModel):
@@ -31,6 +47,8 @@ class KeyInfo(BaseModel):
     created_at: datetime
     admin: bool
     read_only: bool = False
+    principal: str | None = Field(default=None, description="None: the key's id")
+    roles: list[Role] = Field(default_factory=list)
 
 
 class KeyUseInfo(BaseModel):

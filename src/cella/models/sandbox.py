@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from cella.models.buckets import BucketMount, BucketState, check_bucket_auth
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
+from cella.policy.access import Visibility
 
 
 class SandboxState(StrEnum):
@@ -121,6 +122,12 @@ class SandboxCreate(BaseModel):
     access_delegation: AccessDelegation | None = Field(
         default=None, description="cella's API for code in the sandbox, as its creator"
     )
+    visibility: Visibility | None = Field(
+        default=None,
+        description="`private`: its creator, the tenant's owners and whom it is shared with; "
+        "`tenant`: every key of the tenant may exec in it too. Default: `tenant` for an "
+        "owner's key, `private` for a member's",
+    )
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     run_entrypoint: bool = Field(
         default=False,
@@ -225,6 +232,14 @@ class Sandbox(BaseModel):
     accel: str | None
     accel_reason: str | None
     error: str | None = None
+    creator: str | None = Field(default=None, description="the principal that made it")
+    visibility: Visibility = "tenant"
+    shares: dict[str, str] = Field(
+        default_factory=dict, description="principal -> view, exec or manage"
+    )
+    permission: Literal["view", "exec", "manage"] | None = Field(
+        default=None, description="what the caller may do with it (in lists and inspect)"
+    )
     parent_id: str | None = Field(default=None, description="sandbox this one was forked from")
     snapshot_id: str | None = Field(default=None, description="snapshot it was restored from")
     created_from: str | None = Field(default=None, description="pool, restore, boot or fork")

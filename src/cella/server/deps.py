@@ -13,12 +13,15 @@ from starlette.requests import HTTPConnection
 
 from cella import errors
 from cella.models.keys import TENANT
+from cella.policy.access import Role, roles_of, valid_principal
 from cella.server.front import Front, front_of
 from cella.service.daemon import Daemon
 from cella.service.delegation import FLEET_GRANT
 from cella.service.keys import (
+    PRINCIPAL_HEADER,
     READ_ONLY_HEADER,
     READS,
+    ROLES_HEADER,
     Principal,
     require_admin,
     require_write,
@@ -90,7 +93,8 @@ def same_origin(conn: HTTPConnection) -> None:
 
 
 def acting(who: Principal, tenant: str | None, conn: HTTPConnection) -> Principal:
-    """`who`, or with `X-Cella-Tenant` the tenant an admin key acts for; with
+    """`who`, or with `X-Cella-Tenant` the tenant an admin key acts for: as its owner, or
+    the principal and roles `X-Cella-Principal` and `X-Cella-Roles` name; with
     `X-Cella-Read-Only` too, as a read-only key of that tenant (a fleet gateway relaying a
     read-only caller: a read must not wake a sandbox on the node)."""
     if tenant is None:
@@ -98,8 +102,9 @@ def acting(who: Principal, tenant: str | None, conn: HTTPConnection) -> Principa
     require_admin(who, "act for another tenant (X-Cella-Tenant)")
     if not re.fullmatch(TENANT, tenant):
         raise errors.InvalidArgument(f"X-Cella-Tenant: not a tenant name: {tenant!r}")
-    read_only = conn.headers.get(READ_ONLY_HEADER) == "1"
-    acted = Principal(tenant=tenant, admin=False, read_only=read_only, key_id=who.key_id)
+    name, roles = relayed_principal(conn)
+    read_only = conn.headers.get(READ_ONLY_HEADER) == "1" or Role.viewer in roles
+    acted = Principal(tenant, False, read_only, who.key_id, name, roles)
     require_write(acted, conn.scope.get("method") or "WEBSOCKET")
     return acted
 
@@ -116,6 +121,19 @@ def fleet_grant(conn: HTTPConnection) -> str | None:
             f"{FLEET_GRANT}: only a fleet gateway (an admin key acting for a tenant) sends one"
         )
     return given
+
+
+def relayed_principal(conn: HTTPConnection) -> tuple[str, frozenset[Role]]:
+    """The principal and roles an admin key acting for a tenant names (none: the tenant's
+    owner)."""
+    name = conn.headers.get(PRINCIPAL_HEADER, "")
+    if name and not valid_principal(name):
+        raise errors.InvalidArgument(f"{PRINCIPAL_HEADER}: not a principal name: {name!r}")
+    given = [r.strip() for r in conn.headers.get(ROLES_HEADER, "").split(",") if r.strip()]
+    try:
+        return name, roles_of([Role(r) for r in given], read_only=False)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"{ROLES_HEADER}: {exc}") from None
 
 
 def api_key_caller(

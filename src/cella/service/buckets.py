@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from cella import errors
 from cella.models import BucketMount, BucketState, ExecRequest
+from cella.policy.access import Principal
 from cella.policy.cloud import DUMMY_AWS_ENV
 from cella.service.background import Background
 from cella.service.exec import Exec
@@ -103,19 +104,19 @@ class Buckets:
         registry.untrack_hooks.append(self.unwatch)
         registry.forget_hooks.append(self._forget)
 
-    async def mount_all(self, tenant: str, sandbox_id: str) -> None:
+    async def mount_all(self, who: Principal, sandbox_id: str) -> None:
         """A new sandbox's buckets, mounted: its VM's watch has begun mounting them (waited
         for here); the first that failed raises `MountFailed` naming it."""
         task = self._tasks.get(sandbox_id)
         if task is not None:
             await asyncio.shield(task)
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id)
         for mount in row.bucket_mounts:
             state = row.mount_states.get(mount.id)
             if state is not None and state.state == "failed":
                 raise errors.MountFailed(state.error or f"mount {mount.id!r} failed")
             if state is None or state.state != "mounted":
-                await self.mount(tenant, sandbox_id, mount)
+                await self.mount(row.tenant, sandbox_id, mount)
 
     async def mount(
         self, tenant: str, sandbox_id: str, mount: BucketMount, activity: bool = True
@@ -129,7 +130,9 @@ class Buckets:
                 command=argv, env=rclone_env(mount), user="root", cwd="/", timeout=MOUNT_TIMEOUT
             )
             try:
-                result = await self.exec.run(tenant, sandbox_id, req, 16 << 10, activity)
+                result = await self.exec.run(
+                    Principal.service(tenant), sandbox_id, req, 16 << 10, activity
+                )
             except errors.CellaError as exc:
                 self._failed(sandbox_id, mount, str(exc))
                 raise

@@ -48,6 +48,7 @@ from cella.service.recovery import Recovery
 from cella.service.registry import Registry
 from cella.service.rewrites import Rewrites
 from cella.service.sessions import Sessions
+from cella.service.sharing import Sharing
 from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
@@ -106,6 +107,7 @@ class Daemon:
         self.image_registries = ImageRegistries(store)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
+        self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.templates = Templates(
@@ -192,30 +194,28 @@ class Daemon:
         self.store.close()
 
     async def create(
-        self,
-        tenant: str,
-        spec: SandboxCreate,
-        creator: Principal | None = None,
-        fleet_grant: str | None = None,
+        self, who: Principal, spec: SandboxCreate, fleet_grant: str | None = None
     ) -> SandboxRecord:
-        """A new sandbox: from its template (its image's config under the sandbox's own
-        exec defaults), or booted from `spec.snapshot`; with `run_entrypoint`, the image's
-        Entrypoint and Cmd are started as process `entrypoint`. `creator`: the key that
-        asks, which `access_delegation` lets the sandbox act as; `fleet_grant`: the grant a
-        fleet gateway made for it instead (its API, its creator's key)."""
+        """A new sandbox of `who` (its creator: `cella.policy.access`): from its template
+        (its image's config under the sandbox's own exec defaults), or booted from
+        `spec.snapshot`; with `run_entrypoint`, the image's Entrypoint and Cmd are started
+        as process `entrypoint`. `access_delegation` lets the sandbox act as `who`;
+        `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
+        creator's key)."""
+        tenant = who.tenant
         granted: delegation.Json | None
         if fleet_grant is not None:
             granted = delegation.given(spec.access_delegation, fleet_grant)
         else:
-            granted = self._grant(tenant, spec, creator)
+            granted = self._grant(who, spec)
         if spec.snapshot is not None:
             if spec.run_entrypoint:
                 raise errors.InvalidArgument("run_entrypoint applies to templates, not snapshots")
             defaults = self.images.defaults(tenant, spec.snapshot, spec.exec_defaults)
             booted = await self.forks.boot(
-                tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
+                who, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
             )
-            return await self._with_mounts(tenant, booted)
+            return await self._with_mounts(who, booted)
         command: list[str] = []
         if spec.run_entrypoint:
             config = self.templates.image_config(spec.template)
@@ -226,48 +226,46 @@ class Daemon:
                 )
         defaults = self.templates.defaults(spec.template, spec.exec_defaults)
         row = await self.lifecycle.create(
-            tenant, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
+            who, spec.model_copy(update={"exec_defaults": defaults}), delegation=granted
         )
-        row = await self._with_mounts(tenant, row)
+        row = await self._with_mounts(who, row)
         if command:
             await self.processes.start(
-                tenant,
+                who,
                 row.id,
                 ENTRYPOINT,
                 ProcessSpec(request=ExecRequest(command=command), ttl=None),
             )
         return row
 
-    def _grant(
-        self, tenant: str, spec: SandboxCreate, creator: Principal | None
-    ) -> delegation.Json | None:
+    def _grant(self, who: Principal, spec: SandboxCreate) -> delegation.Json | None:
         if spec.access_delegation is not None and self.settings.tls_cert is not None:
             raise errors.InvalidArgument(
                 "access_delegation: not supported by a daemon serving TLS (the egress proxy "
                 "reaches the API over plain HTTP on loopback)"
             )
-        if spec.access_delegation is not None and creator is not None:
-            own = self.keys.by_id(creator.key_id) if creator.key_id else None
-            if own is None or own.tenant != tenant:  # an admin acting for it
+        if spec.access_delegation is not None:
+            own = self.keys.by_id(who.key_id) if who.key_id else None
+            if own is None or own.tenant != who.tenant:  # an admin acting for it
                 raise errors.InvalidArgument(
                     "access_delegation needs the tenant's own API key, not one acting for it"
                 )
-        return delegation.grant(spec.access_delegation, creator)
+        return delegation.grant(spec.access_delegation, who)
 
-    async def _with_mounts(self, tenant: str, row: SandboxRecord) -> SandboxRecord:
+    async def _with_mounts(self, who: Principal, row: SandboxRecord) -> SandboxRecord:
         """Clones a new sandbox's git mounts and mounts its buckets; one that fails fails the
         create as any other failure does: the VM and its files are gone, the row says why."""
         if not row.mounts and not row.bucket_mounts:
             return row
         try:
-            await self.mounts.clone_all(tenant, row.id)
-            await self.buckets.mount_all(tenant, row.id)
+            await self.mounts.clone_all(who, row.id)
+            await self.buckets.mount_all(who, row.id)
         except BaseException as exc:
             async with self.registry.lock(row.id):
                 await self.lifecycle.teardown(row.id)
                 self.registry.fail(row.id, exc, event="create_failed")
             raise
-        return self.registry.get(tenant, row.id)
+        return self.registry.get(who, row.id)
 
     def health(self) -> dict[str, Any]:
         accel = self.driver.accel

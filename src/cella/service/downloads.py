@@ -17,6 +17,7 @@ from typing import Literal
 from urllib.parse import quote
 
 from cella import errors
+from cella.policy.access import Permission, Principal
 from cella.service.files import Files
 from cella.service.lifecycle import Lifecycle
 from cella.service.registry import Registry
@@ -70,7 +71,7 @@ class Downloads:
 
     def mint(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         path: str,
         seconds: int | None,
@@ -79,7 +80,9 @@ class Downloads:
         disposition: Disposition = "attachment",
         wake: bool = False,
     ) -> DownloadLink:
-        self.registry.get(tenant, sandbox_id)
+        # a link reads as its maker may (and wakes the sandbox only if they may)
+        need = Permission.exec if wake else Permission.view
+        tenant = self.registry.get(who, sandbox_id, need).tenant
         if not path.startswith("/") or path == "/" or posixpath.normpath(path) != path:
             raise errors.InvalidArgument(f"a link names one file by its absolute path: {path!r}")
         if seconds is not None and not 1 <= seconds <= MAX_LINK_SECONDS:
@@ -120,17 +123,17 @@ class Downloads:
 
     async def open(self, link: LinkClaims, ranged: str | None, *, head: bool = False) -> Download:
         """The file a link names (`ranged`: a `Range` header; one range is served, any
-        other form gets the whole file); with `head`, its headers and no body."""
+        other form gets the whole file); with `head`, its headers and no body. The link
+        is the holder's right to the file: it acts for the tenant."""
+        holder = Principal.service(link.tenant)
         if link.wake:
-            await self.lifecycle.awake(link.tenant, link.sandbox_id)
-        entry = await self.files.stat(link.tenant, link.sandbox_id, link.path)
+            await self.lifecycle.awake(holder, link.sandbox_id)
+        entry = await self.files.stat(holder, link.sandbox_id, link.path)
         if entry.kind == "dir":
             raise errors.IsADirectory(f"{link.path} is a directory")
         span = byte_range(ranged, entry.size)
         first, last = span if span else (0, entry.size - 1)
-        body = (
-            _nothing() if head else await self.files.read(link.tenant, link.sandbox_id, link.path)
-        )
+        body = _nothing() if head else await self.files.read(holder, link.sandbox_id, link.path)
         return Download(
             link.content_type,
             content_disposition(link.disposition, posixpath.basename(link.path)),

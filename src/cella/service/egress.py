@@ -23,6 +23,7 @@ from cella.models import BucketMount, NetworkPolicy, SecretPut
 from cella.models.buckets import with_buckets
 from cella.network.interfaces import host_addresses
 from cella.network.proxy import EgressProxy
+from cella.policy.access import Permission, Principal
 from cella.policy.cloud import DUMMY_AWS_ENV, service_account_problem
 from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
@@ -256,12 +257,13 @@ class SandboxEgress:
                 {"limit": "connections", "max": self.max_connections, "action": "refused"},
             )
 
-    def check_policy(self, tenant: str, policy: NetworkPolicy) -> NetworkPolicy:
-        """The rules stay inside the boundary, every secret a rule names exists, and a GCP
-        rule's secret is a service account's key; the policy to keep (rewrites name their
-        sandboxes by id)."""
+    def check_policy(self, who: Principal, policy: NetworkPolicy) -> NetworkPolicy:
+        """The rules stay inside the boundary, every secret a rule names exists, a GCP
+        rule's secret is a service account's key, and every sandbox a rewrite names is one
+        `who` may exec in; the policy to keep (rewrites name their sandboxes by id)."""
+        tenant = who.tenant
         self.check_rules(policy)
-        settled = self.rewrites.settle(tenant, policy)
+        settled = self.rewrites.settle(who, policy)
         for name in policy.secret_names:
             if self.store.get_secret(tenant, name) is None:
                 raise errors.InvalidArgument(f"no secret {name!r} (in the network rules or mounts)")
@@ -355,14 +357,14 @@ class SandboxEgress:
     # -- policy and log -------------------------------------------------------------------
 
     async def set_network(
-        self, tenant: str, sandbox_id: str, policy: NetworkPolicy
+        self, who: Principal, sandbox_id: str, policy: NetworkPolicy
     ) -> SandboxRecord:
-        """Changes where a sandbox may connect; a running one gets it for its next
-        connection."""
-        self.registry.get(tenant, sandbox_id)
-        policy = self.check_policy(tenant, policy)
+        """Changes where a sandbox may connect (its managers may); a running one gets it
+        for its next connection."""
+        self.registry.get(who, sandbox_id, Permission.manage)
+        policy = self.check_policy(who, policy)
         self.registry.update(sandbox_id, network=policy)
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id)
         vm = self.registry.vm(sandbox_id)
         if vm is not None:
             if self.intercepts(row):
@@ -372,9 +374,9 @@ class SandboxEgress:
         return row
 
     def log(
-        self, tenant: str, sandbox_id: str, after: int = 0, limit: int = 1000
+        self, who: Principal, sandbox_id: str, after: int = 0, limit: int = 1000
     ) -> list[dict[str, Any]]:
         """Every connection the sandbox tried, from its trace."""
-        self.registry.owned(tenant, sandbox_id)
+        self.registry.owned(who, sandbox_id)
         rows = self.store.events(sandbox_id, after, limit, ["egress"])
         return [{"id": r.id, "at": r.at, **r.data} for r in rows]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from cella.guest.client import ExecControl, ExecEvent, Output
 from cella.guest.protocol import ExitStatus
 from cella.models import ExecRequest, ExecResult, OutputCollector
+from cella.policy.access import Permission, Principal
 from cella.service.egress import SandboxEgress
 from cella.service.registry import Registry, iso
 
@@ -25,13 +26,13 @@ class Exec:
         self.egress = egress
         self.keep = keep  # output of a run kept per stream
 
-    def check(self, tenant: str, sandbox_id: str) -> None:
+    def check(self, who: Principal, sandbox_id: str) -> None:
         """Fails now (not found, not running) rather than in the middle of a stream."""
-        self.registry.live(tenant, sandbox_id)
+        self.registry.live(who, sandbox_id)
 
     async def stream(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         req: ExecRequest,
         output: OutputCollector | None = None,
@@ -40,12 +41,14 @@ class Exec:
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
         activity: bool = True,
+        need: Permission = Permission.exec,
     ) -> AsyncIterator[ExecEvent]:
         """Started, then output as produced, then the exit status. `stdin` (an open-ended
         source, instead of the request's fixed bytes), `pty` and `control` are for callers
         that keep a command interactive (processes, terminals); without `activity` (the daemon's
-        own upkeep) the command does not count against the sandbox's idleness."""
-        row, vm = self.registry.live(tenant, sandbox_id, activity)  # one store read
+        own upkeep) the command does not count against the sandbox's idleness. `need`: a
+        read the service runs as a fixed command (a byte range of a file) needs `view`."""
+        row, vm = self.registry.live(who, sandbox_id, activity, need)  # one store read
         output = output or OutputCollector(keep=0)
         kwargs = req.agent_kwargs()
         defaults = row.exec_defaults
@@ -84,7 +87,7 @@ class Exec:
 
     async def run(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         req: ExecRequest,
         keep: int | None = None,
@@ -95,7 +98,7 @@ class Exec:
         output = OutputCollector(keep=self.keep if keep is None else keep)
         start = time.monotonic()
         status: ExitStatus | None = None
-        async for event in self.stream(tenant, sandbox_id, req, output, activity=activity):
+        async for event in self.stream(who, sandbox_id, req, output, activity=activity):
             if isinstance(event, ExitStatus):
                 status = event
         assert status is not None

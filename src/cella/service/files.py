@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import MAX_WALK_DEPTH, MAX_WALK_ENTRIES, ExecRequest, account_name
+from cella.policy.access import Permission, Principal
 from cella.runtime.contract import GuestAgent
 from cella.service.exec import Exec
 from cella.service.registry import Registry
 
+VIEW, EXEC = Permission.view, Permission.exec  # reading files is looking; changing them is not
 Lister = Callable[[str], Awaitable[list[Entry]]]
 
 
@@ -37,17 +39,18 @@ class Files:
         self.events = registry.events
         self.max_upload_bytes = max_upload_bytes
 
-    def _agent(self, tenant: str, sandbox_id: str) -> GuestAgent:
-        return self.registry.live(tenant, sandbox_id)[1].agent
+    def _agent(self, who: Principal, sandbox_id: str, need: Permission = EXEC) -> GuestAgent:
+        """The guest of a running sandbox the caller may `need` (reads: `view`)."""
+        return self.registry.live(who, sandbox_id, need=need)[1].agent
 
-    async def read(self, tenant: str, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+    async def read(self, who: Principal, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """The file's content, streamed; its first chunk is read before this returns, so a
         missing file is an error here rather than a cut stream."""
-        return await _primed(self._agent(tenant, sandbox_id).read_stream(path))
+        return await _primed(self._agent(who, sandbox_id, VIEW).read_stream(path))
 
     async def write(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         path: str,
         body: AsyncIterable[bytes],
@@ -57,7 +60,7 @@ class Files:
         declared: int | None = None,
     ) -> Entry:
         """Replaces the file atomically with `body` (at most the upload limit)."""
-        agent = self._agent(tenant, sandbox_id)
+        agent = self._agent(who, sandbox_id)
         digest = hashlib.sha256()
         await agent.write_file(
             path, _hashed(self._bounded(body, declared), digest), mode=mode, parents=parents
@@ -70,15 +73,15 @@ class Files:
         )
         return entry
 
-    async def list(self, tenant: str, sandbox_id: str, path: str) -> list[Entry]:
-        return await self._agent(tenant, sandbox_id).list_dir(path)
+    async def list(self, who: Principal, sandbox_id: str, path: str) -> list[Entry]:
+        return await self._agent(who, sandbox_id, VIEW).list_dir(path)
 
-    async def stat(self, tenant: str, sandbox_id: str, path: str) -> Entry:
-        return await self._agent(tenant, sandbox_id).stat(path)
+    async def stat(self, who: Principal, sandbox_id: str, path: str) -> Entry:
+        return await self._agent(who, sandbox_id, VIEW).stat(path)
 
     def walk(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         root: str,
         *,
@@ -89,7 +92,7 @@ class Files:
         """The entries under `root`, within bounds (see `Walk`); each directory is listed
         as `list` lists it, so a walk counts as activity and stops with the sandbox."""
         return Walk(
-            functools.partial(self.list, tenant, sandbox_id),
+            functools.partial(self.list, who, sandbox_id),
             root,
             depth=depth,
             limit=limit,
@@ -97,21 +100,21 @@ class Files:
         )
 
     async def move(
-        self, tenant: str, sandbox_id: str, source: str, destination: str, *, user: str = "root"
+        self, who: Principal, sandbox_id: str, source: str, destination: str, *, user: str = "root"
     ) -> Entry:
         """Renames `source` to `destination` (replacing a file there; a directory is not
         moved into one of that name), as `user`; the moved entry."""
-        await self.stat(tenant, sandbox_id, source)  # a missing source is NotFound
+        await self.stat(who, sandbox_id, source)  # a missing source is NotFound
         argv = ["mv", "-T", "--", source, destination]
-        done = await self.exec.run(tenant, sandbox_id, _as(user, argv))
+        done = await self.exec.run(who, sandbox_id, _as(user, argv))
         if done.exit_code != 0:
             raise errors.InvalidArgument(f"move failed: {done.stderr.decode(errors='replace')}")
         self.events.emit(sandbox_id, "file_move", {"source": source, "destination": destination})
-        return await self.stat(tenant, sandbox_id, destination)
+        return await self.stat(who, sandbox_id, destination)
 
     async def chown(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         path: str,
         user: str,
@@ -125,9 +128,9 @@ class Files:
             owner = f"{account_name(user)}:{account_name(group) if group else ''}"
         except ValueError as exc:
             raise errors.UnknownUser(str(exc)) from None
-        await self.stat(tenant, sandbox_id, path)  # a missing path is NotFound
+        await self.stat(who, sandbox_id, path)  # a missing path is NotFound
         argv = ["chown", *(["-R"] if recursive else []), "--", owner, path]
-        done = await self.exec.run(tenant, sandbox_id, _as("root", argv))
+        done = await self.exec.run(who, sandbox_id, _as("root", argv))
         if done.exit_code != 0:
             stderr = done.stderr.decode(errors="replace").strip()
             raise errors.UnknownUser(f"cannot give {path} to {owner!r}: {stderr}")
@@ -138,35 +141,35 @@ class Files:
         )
 
     async def mkdir(
-        self, tenant: str, sandbox_id: str, path: str, *, mode: int, parents: bool
+        self, who: Principal, sandbox_id: str, path: str, *, mode: int, parents: bool
     ) -> None:
-        await self._agent(tenant, sandbox_id).mkdir(path, mode=mode, parents=parents)
+        await self._agent(who, sandbox_id).mkdir(path, mode=mode, parents=parents)
         self.events.emit(sandbox_id, "mkdir", {"path": path, "mode": mode})
 
-    async def chmod(self, tenant: str, sandbox_id: str, path: str, mode: int) -> None:
-        await self._agent(tenant, sandbox_id).chmod(path, mode)
+    async def chmod(self, who: Principal, sandbox_id: str, path: str, mode: int) -> None:
+        await self._agent(who, sandbox_id).chmod(path, mode)
         self.events.emit(sandbox_id, "chmod", {"path": path, "mode": mode})
 
-    async def remove(self, tenant: str, sandbox_id: str, path: str, *, recursive: bool) -> None:
-        await self._agent(tenant, sandbox_id).remove(path, recursive=recursive)
+    async def remove(self, who: Principal, sandbox_id: str, path: str, *, recursive: bool) -> None:
+        await self._agent(who, sandbox_id).remove(path, recursive=recursive)
         self.events.emit(sandbox_id, "file_remove", {"path": path, "recursive": recursive})
 
     async def download_archive(
-        self, tenant: str, sandbox_id: str, path: str
+        self, who: Principal, sandbox_id: str, path: str
     ) -> AsyncIterator[bytes]:
         """The directory as an uncompressed tar archive, streamed (primed like `read`)."""
-        return await _primed(self._agent(tenant, sandbox_id).tar_out(path))
+        return await _primed(self._agent(who, sandbox_id, VIEW).tar_out(path))
 
     async def upload_archive(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         path: str,
         body: AsyncIterable[bytes],
         declared: int | None = None,
     ) -> None:
         """Unpacks a tar archive into the directory (created if missing)."""
-        agent = self._agent(tenant, sandbox_id)
+        agent = self._agent(who, sandbox_id)
         digest = hashlib.sha256()
         size = 0
 

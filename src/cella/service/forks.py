@@ -17,6 +17,7 @@ from typing import Any
 from cella import errors
 from cella.models import SandboxCreate, SnapshotState
 from cella.models.sandbox import RestoreMemory
+from cella.policy.access import Principal
 from cella.service.admission import Admission
 from cella.service.egress import rules_of
 from cella.service.lifecycle import Lifecycle, new_record
@@ -44,27 +45,28 @@ class Forks:
         self.lifecycle = lifecycle
         self.snapshots = snapshots
 
-    async def fork(self, tenant: str, sandbox_id: str, count: int) -> list[SandboxRecord]:
-        """Snapshots a running sandbox once, then restores `count` branches from it."""
-        snap = await self.snapshots.snapshot(tenant, sandbox_id, f"fork of {sandbox_id}")
-        return await self.fork_snapshot(tenant, snap.id, count)
+    async def fork(self, who: Principal, sandbox_id: str, count: int) -> list[SandboxRecord]:
+        """Snapshots a running sandbox once (a caller who may exec in it), then restores
+        `count` branches from it: each is the forking key's, as a sandbox it made."""
+        snap = await self.snapshots.snapshot(who, sandbox_id, f"fork of {sandbox_id}")
+        return await self.fork_snapshot(who, snap.id, count)
 
     async def boot(
-        self, tenant: str, spec: SandboxCreate, delegation: dict[str, Any] | None = None
+        self, who: Principal, spec: SandboxCreate, delegation: dict[str, Any] | None = None
     ) -> SandboxRecord:
         """A new sandbox from `spec.snapshot` (its files, memory and processes), made as
         `spec` says otherwise (name, limits, egress, secrets); its shape is the snapshot's."""
         assert spec.snapshot is not None
-        snap = self.snapshots.resolve(tenant, spec.snapshot)
+        snap = self.snapshots.resolve(who.tenant, spec.snapshot)
         self.admission.check_shape(snap.vcpus, snap.memory_mib, spec.disk_mib)
         [row] = await self.fork_snapshot(
-            tenant, snap.id, 1, spec, spec.restore_memory, delegation=delegation
+            who, snap.id, 1, spec, spec.restore_memory, delegation=delegation
         )
         return row
 
     async def fork_snapshot(
         self,
-        tenant: str,
+        who: Principal,
         snapshot_id: str,
         count: int,
         spec: SandboxCreate | None = None,
@@ -75,6 +77,7 @@ class Forks:
         like the snapshot's source unless `spec` says otherwise. Its memory is restored
         as `restore_memory` says: when it has one, insisted on, or never (a boot from its
         disk)."""
+        tenant = who.tenant
         snap_row = self.snapshots.get(tenant, snapshot_id)
         if snap_row.state != SnapshotState.ready:
             raise errors.InvalidState(f"snapshot {snapshot_id} is {snap_row.state}")
@@ -93,7 +96,9 @@ class Forks:
             spec, secrets = self.snapshots.source_of(snap_row)
         else:
             secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
-            self.lifecycle.egress.check_policy(tenant, rules_of(spec))
+            settled = self.lifecycle.egress.check_policy(who, spec.network)
+            spec = spec.model_copy(update={"network": settled})
+            self.lifecycle.egress.check_policy(who, rules_of(spec))
         shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
         spec = spec.model_copy(update=shape)
         async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
@@ -101,7 +106,7 @@ class Forks:
             rows = [
                 self.registry.insert(
                     new_record(
-                        tenant,
+                        who,
                         new_sandbox_id(),
                         spec,
                         secrets,
@@ -125,9 +130,9 @@ class Forks:
         if failed:
             for result in results:
                 if isinstance(result, str):
-                    await self.lifecycle.delete(tenant, result)
+                    await self.lifecycle.delete(who, result)
             raise failed[0]
-        return [self.registry.get(tenant, r.id) for r in rows]
+        return [self.registry.get(who, r.id) for r in rows]
 
     async def _restore_fork(
         self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord, memory: bool

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from cella import errors
 from cella.images import oci
 from cella.models import NetworkPolicy, SandboxCreate
+from cella.policy.access import Principal
 from cella.service.image_registries import image_host
 from cella.service.templates import BUILDAH, BUILDER_TEMPLATE, Progress, Templates
 
@@ -38,7 +39,9 @@ class ImagePulls:
         if not host:
             raise errors.InvalidArgument(f"{image!r} names no registry")
         try:
-            self.templates.lifecycle.egress.check_policy(tenant, NetworkPolicy(allow=[host]))
+            self.templates.lifecycle.egress.check_policy(
+                Principal.service(tenant), NetworkPolicy(allow=[host])
+            )
         except errors.DestinationForbidden as exc:
             raise errors.DestinationForbidden(
                 f"the registry of {image!r} is outside the egress boundary: {exc.message}"
@@ -72,13 +75,14 @@ class ImagePulls:
             network=NetworkPolicy(allow=["*"]),
         )
         progress(f"starting a builder sandbox to pull {image}")
-        box = await self.templates.lifecycle.create(tenant, spec)
+        who = Principal.service(tenant)  # the tenant's, as the snapshot is
+        box = await self.templates.lifecycle.create(who, spec)
         try:
-            await self.templates.files.mkdir(tenant, box.id, PULL_DIR, mode=0o700, parents=True)
+            await self.templates.files.mkdir(who, box.id, PULL_DIR, mode=0o700, parents=True)
             pull = [*BUILDAH, "pull", "--quiet"]
             if credentials is not None:
                 await self.templates.files.write(
-                    tenant,
+                    who,
                     box.id,
                     AUTH_FILE,
                     _once(oci.auth_json(image_host(image), credentials).encode()),
@@ -88,12 +92,12 @@ class ImagePulls:
                 pull += ["--authfile", AUTH_FILE]
             progress(f"pulling {image}")
             await self.templates.run_step(
-                tenant, box.id, [*pull, f"docker://{image}"], progress, "pull"
+                who, box.id, [*pull, f"docker://{image}"], progress, "pull"
             )
             with contextlib.suppress(errors.CellaError):
-                await self.templates.files.remove(tenant, box.id, AUTH_FILE, recursive=False)
+                await self.templates.files.remove(who, box.id, AUTH_FILE, recursive=False)
             await self.templates.run_step(
-                tenant,
+                who,
                 box.id,
                 [*BUILDAH, "push", "--quiet", image,
                  f"oci:{PULL_DIR}/layout:{LAYOUT_TAG}"],
@@ -102,13 +106,13 @@ class ImagePulls:
             )  # fmt: skip
 
             async def read(path: str) -> AsyncIterator[bytes]:
-                return await self.templates.files.read(tenant, box.id, path)
+                return await self.templates.files.read(who, box.id, path)
 
             progress("copying the image out of the builder")
             return await oci.copy_layout(read, f"{PULL_DIR}/layout", dest, limits)
         finally:
             with contextlib.suppress(errors.CellaError):
-                await self.templates.lifecycle.delete(tenant, box.id)
+                await self.templates.lifecycle.delete(who, box.id)
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from cella import errors
 from cella.images import docker_save, oci
 from cella.models import ExecDefaults, SandboxCreate, Template
+from cella.policy.access import Principal
 from cella.service.background import Background
 from cella.service.image_pulls import ImagePulls
 from cella.service.image_registries import ImageRegistries
@@ -100,7 +101,7 @@ class ImageSnapshots:
 
     def from_sandbox(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         name: str,
         docker_image: str,
@@ -110,8 +111,9 @@ class ImageSnapshots:
         defaults: ExecDefaults | None = None,
     ) -> SnapshotRecord:
         """Starts building snapshot `name` from `docker_image` in the running sandbox's own
-        Docker; returns its row, `creating`."""
-        self.lifecycle.registry.live(tenant, sandbox_id)  # NotFound / InvalidState now
+        Docker (a caller who may exec in it); returns its row, `creating`."""
+        tenant = who.tenant
+        self.lifecycle.registry.live(who, sandbox_id)  # NotFound, not permitted, not running
         if not docker_image or docker_image.startswith("-") or "\x00" in docker_image:
             raise errors.InvalidArgument(f"{docker_image!r} is not a Docker image name")
 
@@ -120,12 +122,12 @@ class ImageSnapshots:
             argv = ["sh", "-c", docker_save.EXPORT_SH, "export", docker_image, where,
                     docker_save.DOCKER_SAVE_TO_OCI]  # fmt: skip
             try:
-                await self.templates.run_step(tenant, sandbox_id, argv, progress, "docker save")
+                await self.templates.run_step(who, sandbox_id, argv, progress, "docker save")
                 limits = oci.ImportLimits.of(self.templates.settings)
                 with tempfile.TemporaryDirectory(dir=self.templates.paths.build_tmp) as tmp:
 
                     async def read(path: str) -> AsyncIterator[bytes]:
-                        return await self.templates.files.read(tenant, sandbox_id, path)
+                        return await self.templates.files.read(who, sandbox_id, path)
 
                     layout = await oci.copy_layout(read, f"{where}/layout", Path(tmp), limits)
                     async with self.templates.lock(template):
@@ -142,7 +144,7 @@ class ImageSnapshots:
                         )
             finally:
                 with contextlib.suppress(errors.CellaError):
-                    await self.templates.run_step(tenant, sandbox_id, ["rm", "-rf", "--", where],
+                    await self.templates.run_step(who, sandbox_id, ["rm", "-rf", "--", where],
                                                   progress, "cleanup")  # fmt: skip
             async with self.templates.lock(template):
                 await self.templates.warm_up(template, progress)
@@ -205,12 +207,13 @@ class ImageSnapshots:
                 exec_defaults=self.templates.defaults(template.name, defaults),
                 labels={"cella.role": "snapshot-builder", "cella.snapshot": record.id},
             )
-            box = await self.lifecycle.create(tenant, spec)
+            builder = Principal.service(tenant)  # the tenant's, as the snapshot is
+            box = await self.lifecycle.create(builder, spec)
             try:
-                await self.snapshots.snapshot(tenant, box.id, record.name, tag, into=record)
+                await self.snapshots.snapshot(builder, box.id, record.name, tag, into=record)
             finally:
                 with contextlib.suppress(errors.CellaError):
-                    await self.lifecycle.delete(tenant, box.id)
+                    await self.lifecycle.delete(builder, box.id)
                 # sandboxes come from the snapshot, never from the template: no pool of it
                 await self.templates.pool.forget(template.name)
         except BaseException as exc:

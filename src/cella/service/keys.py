@@ -1,5 +1,7 @@
 """API keys and who they belong to: `ck_<random>`, only their SHA-256 is stored. A key
-belongs to one tenant; admin keys manage keys. The local admin key is written on first
+belongs to one tenant and one principal (a person or service: by default the key's id)
+with roles (`cella.policy.access`: which of the tenant's sandboxes it may use); admin keys
+manage keys. The local admin key is written on first
 start to `DATA_DIR/admin.key` (0600), where the SDK and CLI on the same host find it."""
 
 from __future__ import annotations
@@ -15,19 +17,13 @@ from cella import errors
 from cella.config import ADMIN_KEY_FILE
 from cella.models import SandboxState
 from cella.policy import delegation
+from cella.policy.access import Principal as Principal  # where the service and doors find it
+from cella.policy.access import Role, roles_of
 from cella.store import KeyRecord, KeyUse, Store
 from cella.store.db import now
 
 ADMIN_TENANT = "admin"
 GONE = (SandboxState.deleting, SandboxState.deleted, SandboxState.error)
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    tenant: str
-    admin: bool
-    read_only: bool = False  # GET and HEAD only
-    key_id: str | None = None  # None: a principal derived from another (X-Cella-Tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +49,28 @@ class Keys:
         self.store = store
         self.grant_of = grant_of or self._row_grant
 
-    def create(self, tenant: str, admin: bool = False, read_only: bool = False) -> tuple[str, str]:
-        """Creates a key; returns (key id, the key itself - never stored)."""
+    def create(
+        self,
+        tenant: str,
+        admin: bool = False,
+        read_only: bool = False,
+        principal: str | None = None,
+        roles: list[Role] | None = None,
+    ) -> tuple[str, str]:
+        """Creates a key; returns (key id, the key itself - never stored). Its roles are
+        `owner` unless told (`viewer` added by `read_only`)."""
+        try:
+            held = roles_of(roles, read_only)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        read_only = Role.viewer in held
         if admin and read_only:
             raise errors.InvalidArgument("an admin key cannot be read-only")
+        if admin and Role.owner not in held:
+            raise errors.InvalidArgument("an admin key is its tenant's owner")
         key = f"ck_{secrets.token_urlsafe(32)}"
         key_id = f"key-{secrets.token_hex(6)}"
-        self.store.add_key(key_id, tenant, hash_key(key), admin, read_only)
+        self.store.add_key(key_id, tenant, hash_key(key), admin, read_only, principal, held)
         return key_id, key
 
     def ensure_admin_key(self, data_dir: Path) -> Path:
@@ -81,12 +92,13 @@ class Keys:
         row = self.store.key_by_hash(hash_key(key))
         if row is None:
             raise errors.Unauthenticated("unknown or revoked API key")
-        return Principal(row.tenant, row.admin, row.read_only, row.id)
+        return holder(row)
 
     def delegated(self, token: str) -> Principal:
         """Whom a sandbox's delegation token acts as, checked now: fresh, from a live
-        sandbox with a grant, whose creator's key is still valid; limited as the grant says
-        (`explicit` without `sandboxes:write` reads only; admin rights pass by `inherit`)."""
+        sandbox with a grant, whose creator's key is still valid; its creator's principal
+        and roles (it sees what its creator sees), limited as the grant says (`explicit`
+        without `sandboxes:write` reads only; admin rights pass by `inherit`)."""
         sandbox_id = delegation.sandbox_of(token)
         found = self.grant_of(sandbox_id) if sandbox_id else None
         if found is None:
@@ -102,7 +114,15 @@ class Keys:
         inherit = grant["mode"] == "inherit"
         permissions = grant.get("permissions")
         writes = inherit or (isinstance(permissions, list) and "sandboxes:write" in permissions)
-        return Principal(key.tenant, key.admin and inherit, key.read_only or not writes, key.id)
+        creator = holder(key)
+        return Principal(
+            key.tenant,
+            key.admin and inherit,
+            key.read_only or not writes,
+            key.id,
+            creator.name,
+            creator.roles,
+        )
 
     def _row_grant(self, sandbox_id: str) -> Grant | None:
         row = self.store.get_sandbox(sandbox_id)
@@ -113,7 +133,7 @@ class Keys:
     def by_id(self, key_id: str) -> Principal | None:
         """The holder of a key that is still valid, by the key's id."""
         row = self.store.key_by_id(key_id)
-        return Principal(row.tenant, row.admin, row.read_only, row.id) if row else None
+        return holder(row) if row else None
 
     def list(self, who: Principal) -> list[KeyRecord]:
         require_admin(who)
@@ -148,6 +168,13 @@ class Keys:
         return self.store.key_uses(key_id, tenant, limit)
 
 
+def holder(row: KeyRecord) -> Principal:
+    """Whom a key speaks for: its tenant, its principal and roles."""
+    roles = frozenset(Role(r) for r in row.roles)
+    read_only = row.read_only or Role.viewer in roles
+    return Principal(row.tenant, row.admin, read_only, row.id, row.principal or row.id, roles)
+
+
 def require_write(who: Principal, method: str) -> None:
     """A read-only key may look (GET, HEAD), never change anything or run commands."""
     if who.read_only and method not in READS:
@@ -156,6 +183,10 @@ def require_write(who: Principal, method: str) -> None:
 
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
 READ_ONLY_HEADER = "x-cella-read-only"  # with X-Cella-Tenant: an admin key acts read-only
+# with X-Cella-Tenant: an admin key acts as this principal with these roles (a fleet
+# gateway relaying its caller, so the node applies the same access rule)
+PRINCIPAL_HEADER = "x-cella-principal"
+ROLES_HEADER = "x-cella-roles"
 
 
 def require_admin(who: Principal, what: str = "manage keys") -> None:

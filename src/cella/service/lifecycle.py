@@ -18,6 +18,8 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.images import oci
 from cella.models import ExecDefaults, SandboxCreate, SandboxState
+from cella.policy import access
+from cella.policy.access import Permission, Principal
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress, rules_of
@@ -27,6 +29,7 @@ from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SecretRef
 
 S = SandboxState
+MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
 
 
 class Unset:
@@ -38,17 +41,21 @@ POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
 
 
 def new_record(
-    tenant: str,
+    who: Principal,
     sandbox_id: str,
     spec: SandboxCreate,
     secrets: dict[str, SecretRef],
     created_from: str,
     **lineage: Any,
 ) -> SandboxRecord:
-    """The row of a sandbox about to be made (`creating`): by create or by fork."""
+    """The row of a sandbox about to be made (`creating`): by create or by fork, by `who`
+    (its creator, whose it is: `cella.policy.access`)."""
     return SandboxRecord(
         id=sandbox_id,
-        tenant=tenant,
+        tenant=who.tenant,
+        creator_key=who.key_id,
+        creator=who.principal or None,
+        visibility=spec.visibility or access.default_visibility(who),
         state=S.creating,
         name=spec.name,
         template=spec.template,
@@ -118,10 +125,11 @@ class Lifecycle:
     # -- create --------------------------------------------------------------------------
 
     async def create(
-        self, tenant: str, req: SandboxCreate, delegation: dict[str, Any] | None = None
+        self, who: Principal, req: SandboxCreate, delegation: dict[str, Any] | None = None
     ) -> SandboxRecord:
         """A sandbox restored from its template's warm snapshot (or a pooled VM of it);
         `delegation`: the access grant it keeps (`service.delegation`)."""
+        tenant = who.tenant
         self.admission.check_shape(req.vcpus, req.memory_mib, req.disk_mib)
         try:
             base_mib = self.driver.template_disk_mib(req.template)
@@ -134,8 +142,8 @@ class Lifecycle:
             raise errors.InvalidArgument(f"disk_mib must be at least the template's {base_mib} MiB")
         shape = Shape(req.template, req.vcpus, req.memory_mib)
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
-        req = req.model_copy(update={"network": self.egress.check_policy(tenant, req.network)})
-        self.egress.check_policy(tenant, rules_of(req))  # and its bucket mounts' rules
+        req = req.model_copy(update={"network": self.egress.check_policy(who, req.network)})
+        self.egress.check_policy(who, rules_of(req))  # and its bucket mounts' rules
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             self.registry.check_name(tenant, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
@@ -144,7 +152,7 @@ class Lifecycle:
             sandbox_id = held.directory.name if held and held.directory else new_sandbox_id()
             origin = "pool" if vm is not None else "restore"
             row = self.registry.insert(
-                new_record(tenant, sandbox_id, req, secret_refs, origin, delegation=delegation)
+                new_record(who, sandbox_id, req, secret_refs, origin, delegation=delegation)
             )
         async with self.registry.lock(sandbox_id):
             try:
@@ -178,7 +186,7 @@ class Lifecycle:
             )
         if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
             self.pool.watch(shape)  # a template in use gets a pool of the default shape
-        return self.registry.get(tenant, sandbox_id)
+        return self.registry.get(who, sandbox_id)
 
     async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
         """A VM restored for a sandbox (readied by `ready`)."""
@@ -212,16 +220,16 @@ class Lifecycle:
     # -- transitions ---------------------------------------------------------------------
 
     async def stop(
-        self, tenant: str, sandbox_id: str, *, memory: bool | None = None
+        self, who: Principal, sandbox_id: str, *, memory: bool | None = None
     ) -> SandboxRecord:
         """Ends every process; the disk (files, installed packages) stays. A stop that
         keeps memory (`memory`, by default the sandbox's `stop_keeps_memory`; the reaper's
         idle and TTL stops too) is a pause: the processes run on after `resume`."""
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id, MANAGE)
         if (row.stop_keeps_memory if memory is None else memory) and row.state != S.stopped:
-            return await self.pause(tenant, sandbox_id, as_stop=True)
+            return await self.pause(who, sandbox_id, as_stop=True)
         async with self.registry.lock(sandbox_id):
-            row = self.registry.get(tenant, sandbox_id)
+            row = self.registry.get(who, sandbox_id, MANAGE)
             if row.state == S.stopped:
                 return row
             if row.state not in (S.running, S.paused):
@@ -232,17 +240,19 @@ class Lifecycle:
                 await vm.stop()
             self.registry.update(sandbox_id, state=S.stopped, pid=None, stopped_at=iso(time.time()))
             self.events.emit(sandbox_id, "stopped")
-        return self.registry.get(tenant, sandbox_id)
+        return self.registry.get(who, sandbox_id)
 
-    async def pause(self, tenant: str, sandbox_id: str, *, as_stop: bool = False) -> SandboxRecord:
+    async def pause(
+        self, who: Principal, sandbox_id: str, *, as_stop: bool = False
+    ) -> SandboxRecord:
         """Freezes the VM: no CPU, memory kept; processes go on after `resume`. `as_stop`:
         a stop that keeps memory, stopped as far as retention goes
         (`delete_after_stop_seconds` counts from now) until it is resumed."""
         async with self.registry.lock(sandbox_id):
-            row = self.registry.get(tenant, sandbox_id)
+            row = self.registry.get(who, sandbox_id, MANAGE)
             if row.state == S.paused:
                 return row
-            _, vm = self.registry.live(tenant, sandbox_id)
+            _, vm = self.registry.live(who, sandbox_id, need=MANAGE)
             self.registry.update(sandbox_id, state=S.paused)
             try:
                 await vm.pause()
@@ -252,32 +262,33 @@ class Lifecycle:
             if as_stop:
                 self.registry.update(sandbox_id, stopped_at=iso(time.time()))
             self.events.emit(sandbox_id, "paused")
-        return self.registry.get(tenant, sandbox_id)
+        return self.registry.get(who, sandbox_id)
 
-    async def awake(self, tenant: str, sandbox_id: str, read_only: bool = False) -> SandboxRecord:
+    async def awake(self, who: Principal, sandbox_id: str) -> SandboxRecord:
         """The sandbox, running: a stopped, stopping or paused one is resumed first (what
-        LangSmith's calls expect; not for a `read_only` caller: waking commits RAM and a
+        LangSmith's calls expect; not for a read-only caller: waking commits RAM and a
         quota slot), and one still starting is waited for."""
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id)
         if row.state in (S.stopped, S.paused, S.stopping):
-            if read_only:
+            if who.read_only:
                 raise errors.PermissionDenied(
                     f"this key is read-only: sandbox {sandbox_id} is {row.state}, and "
                     "resuming it is a write"
                 )
-            return await self.resume(tenant, sandbox_id)
+            return await self.resume(who, sandbox_id)
         for _ in range(600):  # a minute at most
             if row.state not in (S.creating, S.starting):
                 break
             await asyncio.sleep(0.1)
-            row = self.registry.get(tenant, sandbox_id)
+            row = self.registry.get(who, sandbox_id)
         return row
 
-    async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+    async def resume(self, who: Principal, sandbox_id: str) -> SandboxRecord:
         """Paused: the VM runs on. Stopped: boots the same overlay again (files and
-        installed packages are still there; processes are not)."""
+        installed packages are still there; processes are not). Whoever may exec in it
+        may wake it (LangSmith's calls do, before they run)."""
         async with self.registry.lock(sandbox_id):
-            row = self.registry.get(tenant, sandbox_id)
+            row = self.registry.get(who, sandbox_id, Permission.exec)
             if row.state == S.running:
                 return row
             if row.state == S.paused:
@@ -287,10 +298,10 @@ class Lifecycle:
                 await vm.resume()
                 self.registry.update(sandbox_id, state=S.running, stopped_at=None)
                 self.events.emit(sandbox_id, "resumed", {"from": "paused"})
-                return self.registry.get(tenant, sandbox_id)
+                return self.registry.get(who, sandbox_id)
             if row.state != S.stopped:
                 raise errors.InvalidState(f"cannot resume a sandbox that is {row.state}")
-            async with self.admission.admit(tenant, row.vcpus, row.memory_mib):
+            async with self.admission.admit(row.tenant, row.vcpus, row.memory_mib):
                 self.registry.update(sandbox_id, state=S.starting)
             try:
                 vm = await self.driver.start(
@@ -309,11 +320,11 @@ class Lifecycle:
                 sandbox_id, state=S.running, pid=vm.pid, error=None, stopped_at=None
             )
             self.events.emit(sandbox_id, "resumed", {"from": "stopped"})
-        return self.registry.get(tenant, sandbox_id)
+        return self.registry.get(who, sandbox_id)
 
     async def update(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         *,
         name: str | None = None,
@@ -326,10 +337,10 @@ class Lifecycle:
         creation), retention and exec defaults (None clears a limit; leaving an argument out
         keeps it)."""
         async with self.registry.lock(sandbox_id):
-            row = self.registry.get(tenant, sandbox_id)
+            row = self.registry.get(who, sandbox_id, MANAGE)
             fields: dict[str, object] = {}
             if name is not None and name != row.name:
-                self.registry.check_name(tenant, name)
+                self.registry.check_name(row.tenant, name)
                 fields["name"] = name
             if not isinstance(ttl_seconds, Unset):
                 fields["ttl_seconds"] = ttl_seconds
@@ -342,11 +353,11 @@ class Lifecycle:
             if fields:
                 self.registry.update(sandbox_id, **fields)
                 self.events.emit(sandbox_id, "updated", {k: str(v) for k, v in fields.items()})
-        return self.registry.get(tenant, sandbox_id)
+        return self.registry.get(who, sandbox_id)
 
-    async def delete(self, tenant: str, sandbox_id: str) -> None:
+    async def delete(self, who: Principal, sandbox_id: str) -> None:
         async with self.registry.lock(sandbox_id):
-            self.registry.get(tenant, sandbox_id)
+            self.registry.get(who, sandbox_id, MANAGE)
             self.registry.update(sandbox_id, state=S.deleting)
             await self.teardown(sandbox_id)
             self.registry.update(sandbox_id, state=S.deleted, pid=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from cella.policy.access import Permission, Principal
 from cella.service.registry import Registry
 from cella.service.signing import Signer
 
@@ -30,11 +31,12 @@ class Logins:
         self.signer = signer
 
     def user_token(
-        self, tenant: str, sandbox_id: str, subject: str, *, audience: str, issuer: str
+        self, who: Principal, sandbox_id: str, subject: str, *, audience: str, issuer: str
     ) -> str:
         """The token a request of `subject` (a key id) to the sandbox's server carries:
         `aud` is the host the request was sent to, as `SandboxTokenVerifier` checks it."""
-        self.registry.get(tenant, sandbox_id)  # the tenant's own sandbox, or NotFound
+        # a sandbox the caller may use (open its servers), or NotFound / PermissionDenied
+        tenant = self.registry.get(who, sandbox_id, Permission.exec).tenant
         now = int(time.time())
         return self.signer.sign(
             {

@@ -17,6 +17,7 @@ import logging
 
 from cella import errors
 from cella.models import ExecRequest, GitMount, MountRefresh, SandboxState
+from cella.policy.access import Permission, Principal
 from cella.service.background import Background
 from cella.service.exec import Exec
 from cella.service.registry import Registry
@@ -42,17 +43,17 @@ class Mounts:
 
     # -- clone and refresh ----------------------------------------------------------------
 
-    async def clone_all(self, tenant: str, sandbox_id: str) -> None:
+    async def clone_all(self, who: Principal, sandbox_id: str) -> None:
         """Clones every mount of a new sandbox; the first that fails raises `MountFailed`
         naming it."""
-        row = self.registry.get(tenant, sandbox_id)
+        row = self.registry.get(who, sandbox_id)
         async with self._lock(sandbox_id):
             for mount in row.mounts:
                 argv = [*GIT, "clone", "--quiet"]
                 if mount.ref is not None:
                     argv += ["--branch", mount.ref.name]
-                await self._git(tenant, sandbox_id, mount, [*argv, "--", mount.url, mount.path])
-                commit = await self._head(tenant, sandbox_id, mount, True)
+                await self._git(who, sandbox_id, mount, [*argv, "--", mount.url, mount.path])
+                commit = await self._head(who, sandbox_id, mount, True)
                 self._commits.setdefault(sandbox_id, {})[mount.id] = commit
                 self.registry.events.emit(
                     sandbox_id,
@@ -61,11 +62,11 @@ class Mounts:
                 )
 
     async def refresh(
-        self, tenant: str, sandbox_id: str, mount_id: str | None = None, activity: bool = True
+        self, who: Principal, sandbox_id: str, mount_id: str | None = None, activity: bool = True
     ) -> list[MountRefresh]:
         """Fetches each mount (or the one named) and resets it to its ref; the commits
-        they are at now."""
-        row = self.registry.get(tenant, sandbox_id)
+        they are at now (a caller who may exec in the sandbox)."""
+        row = self.registry.get(who, sandbox_id, Permission.exec)
         mounts = [m for m in row.mounts if mount_id is None or m.id == mount_id]
         if mount_id is not None and not mounts:
             raise errors.NotFound(f"sandbox {sandbox_id} has no mount {mount_id!r}")
@@ -74,11 +75,11 @@ class Mounts:
             for mount in mounts:
                 ref = mount.ref.refspec if mount.ref is not None else "HEAD"
                 at = ["-C", mount.path]
-                await self._git(tenant, sandbox_id, mount, [*GIT, *at, "fetch", "--quiet",
+                await self._git(who, sandbox_id, mount, [*GIT, *at, "fetch", "--quiet",
                                 "--no-tags", "origin", "--", ref], activity)  # fmt: skip
-                await self._git(tenant, sandbox_id, mount, [*GIT, *at, "reset", "--quiet",
+                await self._git(who, sandbox_id, mount, [*GIT, *at, "reset", "--quiet",
                                 "--hard", "FETCH_HEAD", "--"], activity)  # fmt: skip
-                commit = await self._head(tenant, sandbox_id, mount, activity)
+                commit = await self._head(who, sandbox_id, mount, activity)
                 known = self._commits.setdefault(sandbox_id, {})
                 if known.get(mount.id, commit) != commit:  # news only
                     self.registry.events.emit(
@@ -88,20 +89,20 @@ class Mounts:
                 out.append(MountRefresh(id=mount.id, commit=commit))
         return out
 
-    async def _head(self, tenant: str, sandbox_id: str, mount: GitMount, activity: bool) -> str:
+    async def _head(self, who: Principal, sandbox_id: str, mount: GitMount, activity: bool) -> str:
         argv = [*GIT, "-C", mount.path, "rev-parse", "HEAD"]
-        return (await self._git(tenant, sandbox_id, mount, argv, activity)).strip()
+        return (await self._git(who, sandbox_id, mount, argv, activity)).strip()
 
     async def _git(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         mount: GitMount,
         argv: list[str],
         activity: bool = True,
     ) -> str:
         req = ExecRequest(command=argv, env=GIT_ENV, timeout=GIT_TIMEOUT)
-        result = await self.exec.run(tenant, sandbox_id, req, keep=64 << 10, activity=activity)
+        result = await self.exec.run(who, sandbox_id, req, keep=64 << 10, activity=activity)
         if result.exit_code != 0 or result.timed_out:
             why = result.stderr.decode(errors="replace").strip().splitlines()
             detail = why[-1] if why else f"exit status {result.exit_code}"
@@ -123,7 +124,8 @@ class Mounts:
         if not timed:
             return
         task = self.background.start(
-            self._loop(row.tenant, sandbox_id, timed), name=f"mounts-{sandbox_id}"
+            self._loop(Principal.service(row.tenant), sandbox_id, timed),
+            name=f"mounts-{sandbox_id}",
         )
         self._loops[sandbox_id] = task
         task.add_done_callback(lambda t: self._loops.pop(sandbox_id, None) if
@@ -140,7 +142,7 @@ class Mounts:
         self._locks.pop(sandbox_id, None)
         self._commits.pop(sandbox_id, None)
 
-    async def _loop(self, tenant: str, sandbox_id: str, mounts: list[GitMount]) -> None:
+    async def _loop(self, who: Principal, sandbox_id: str, mounts: list[GitMount]) -> None:
         loop = asyncio.get_running_loop()
         due = {m.id: loop.time() + (m.refresh_interval_seconds or 0) for m in mounts}
         while True:
@@ -155,7 +157,7 @@ class Mounts:
                 if row.state != SandboxState.running:
                     continue  # paused: no CPU to run git; the next turn tries again
                 try:
-                    await self.refresh(tenant, sandbox_id, mount.id, activity=False)
+                    await self.refresh(who, sandbox_id, mount.id, activity=False)
                 except errors.CellaError as exc:  # the next turn tries again
                     self.registry.events.emit(
                         sandbox_id, "mount_refresh_failed", {"mount": mount.id, "error": str(exc)}

@@ -25,6 +25,7 @@ import h11
 
 from cella import errors
 from cella.guest.client import GuestStream
+from cella.policy.access import Permission, Principal
 from cella.service.registry import Registry
 
 MAX_TOKEN_SECONDS = 86400
@@ -69,12 +70,12 @@ class Ports:
         self.registry = registry
         self._key = load_key(key_file)
 
-    async def open(self, tenant: str, sandbox_id: str, port: int) -> GuestStream:
+    async def open(self, who: Principal, sandbox_id: str, port: int) -> GuestStream:
         """A connection to `port` on the sandbox's loopback; `PortClosed` when nothing
         listens there."""
         if not 1 <= port <= 65535:
             raise errors.InvalidArgument(f"port must be 1-65535, got {port}")
-        _, vm = self.registry.live(tenant, sandbox_id)
+        _, vm = self.registry.live(who, sandbox_id)
         try:
             return await vm.agent.open_port(port)
         except errors.GuestError as exc:  # the guest's connect() failed
@@ -82,8 +83,9 @@ class Ports:
 
     # -- service tokens -----------------------------------------------------------------
 
-    def mint(self, tenant: str, sandbox_id: str, port: int, seconds: int) -> ServiceToken:
-        self.registry.get(tenant, sandbox_id)
+    def mint(self, who: Principal, sandbox_id: str, port: int, seconds: int) -> ServiceToken:
+        """A token that opens the port for whoever holds it (a caller who may exec)."""
+        tenant = self.registry.get(who, sandbox_id, Permission.exec).tenant
         if not 1 <= port <= 65535:
             raise errors.InvalidArgument(f"port must be 1-65535, got {port}")
         if not 1 <= seconds <= MAX_TOKEN_SECONDS:
@@ -137,8 +139,8 @@ class Ports:
 
     def host_caller(
         self, sandbox_id: str, port: int, *, access: str, traffic: str, service_token: str
-    ) -> str:
-        """The tenant a request to a port by host name acts for: anyone's, when the
+    ) -> Principal:
+        """Whom a request to a port by host name acts for: anyone's, when the
         sandbox's ports are public; else only with its traffic token (E2B's) or a service
         token. The code interpreter's port takes the sandbox's access token, public or not."""
         row = self.registry.store.get_sandbox(sandbox_id)
@@ -151,7 +153,7 @@ class Ports:
                 self.check_traffic(row.id, traffic)
             else:
                 self.verify(service_token, sandbox_id, port)
-        return row.tenant
+        return Principal.service(row.tenant)  # the token (or a public port) lets it in
 
     def _sign(self, body: str) -> bytes:
         return hmac.new(self._key, body.encode(), hashlib.sha256).digest()
@@ -160,7 +162,7 @@ class Ports:
 
     async def http(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         port: int,
         method: str,
@@ -171,7 +173,7 @@ class Ports:
     ) -> HttpResponse:
         """One HTTP/1.1 request to the guest server on `port` (its `Host` the port's
         loopback address, or `host`); the response streams."""
-        stream = await self.open(tenant, sandbox_id, port)
+        stream = await self.open(who, sandbox_id, port)
         conn = h11.Connection(h11.CLIENT)
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         sent += [("host", host or f"127.0.0.1:{port}"), ("connection", "close")]

@@ -30,6 +30,7 @@ from cella.config import DaemonSettings
 from cella.guest.client import ExecControl, Output, Started
 from cella.guest.protocol import ExitStatus
 from cella.models import ExecRequest, ProcessInfo, ProcessSummary
+from cella.policy.access import Permission, Principal
 from cella.service.exec import Exec
 
 log = logging.getLogger("cella.processes")
@@ -38,6 +39,7 @@ BUFFER = 4 << 20  # output kept per stream for re-attaching clients
 SWEEP_SECONDS = 1.0
 Scope = tuple[str, str]  # ("sandbox", id) or ("tenant", name): what limits count over
 ENTRYPOINT = "entrypoint"  # the id of an image's Entrypoint/Cmd started at create
+VIEW, EXEC = Permission.view, Permission.exec  # look at a process (output too); drive one
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ class Chunk:
 @dataclass(eq=False)
 class Process:
     id: str
-    tenant: str
+    who: Principal  # who started it: its command runs as they may
     sandbox_id: str
     spec: ProcessSpec
     pid: int | None = None
@@ -235,15 +237,14 @@ class Processes:
             if proc.task is not None:
                 proc.task.cancel()
 
-    async def start(self, tenant: str, sandbox_id: str, pid: str, spec: ProcessSpec) -> Process:
+    async def start(self, who: Principal, sandbox_id: str, pid: str, spec: ProcessSpec) -> Process:
         """Starts the command as process `pid`, or returns the one already started under
         that id (its spec is not compared). Returns once the guest has started it."""
-        key = (sandbox_id, pid)
-        proc = self._procs.get(key)
-        if proc is None or proc.tenant != tenant:
-            self.exec.check(tenant, sandbox_id)  # unknown or stopped sandboxes fail here
-            self._make_room(tenant, sandbox_id)
-            proc = self._procs[key] = Process(pid, tenant, sandbox_id, spec)
+        self.registry.owned(who, sandbox_id, EXEC)
+        if (proc := self._procs.get((sandbox_id, pid))) is None:
+            self.exec.check(who, sandbox_id)  # unknown or stopped sandboxes fail here
+            self._make_room(who.tenant, sandbox_id)
+            proc = self._procs[sandbox_id, pid] = Process(pid, who, sandbox_id, spec)
             proc.task = asyncio.create_task(self._run(proc), name=f"process-{pid}")
         await proc.started.wait()  # set when the guest started it, or when it failed
         if not proc.started.is_set() and proc.failure is not None:
@@ -251,15 +252,14 @@ class Processes:
             raise proc.failure
         return proc
 
-    def get(self, tenant: str, sandbox_id: str, pid: str) -> Process:
-        self.registry.owned(tenant, sandbox_id)
-        proc = self._procs.get((sandbox_id, pid))
-        if proc is None or proc.tenant != tenant:
+    def get(self, who: Principal, sandbox_id: str, pid: str, need: Permission = VIEW) -> Process:
+        self.registry.owned(who, sandbox_id, need)
+        if (proc := self._procs.get((sandbox_id, pid))) is None:
             raise errors.NotFound(f"no process {pid!r} in {sandbox_id}")
         return proc
 
-    def list(self, tenant: str, sandbox_id: str) -> list[Process]:
-        self.registry.owned(tenant, sandbox_id)
+    def list(self, who: Principal, sandbox_id: str, need: Permission = VIEW) -> list[Process]:
+        self.registry.owned(who, sandbox_id, need)
         return [p for (sid, _), p in self._procs.items() if sid == sandbox_id]
 
     def kept(self, scope: Scope) -> int:
@@ -271,7 +271,7 @@ class Processes:
         stdin = _drain(proc.stdin) if proc.spec.stdin else None
         try:
             async for event in self.exec.stream(
-                proc.tenant,
+                proc.who,
                 proc.sandbox_id,
                 proc.spec.request,
                 stdin=stdin,
@@ -330,7 +330,7 @@ class Processes:
         self._count(proc, grown)
         for scope, limit in (
             (("sandbox", proc.sandbox_id), self.limits.sandbox_bytes),
-            (("tenant", proc.tenant), self.limits.tenant_bytes),
+            (("tenant", proc.who.tenant), self.limits.tenant_bytes),
         ):
             over = self._kept[scope] - limit
             if over <= 0:
@@ -387,7 +387,7 @@ class Processes:
 
 def _scopes(proc: Process) -> tuple[Scope, Scope]:
     """The counters a process's kept output is in: its sandbox's and its tenant's."""
-    return ("sandbox", proc.sandbox_id), ("tenant", proc.tenant)
+    return ("sandbox", proc.sandbox_id), ("tenant", proc.who.tenant)
 
 
 def _longest_ended(procs: Iterable[Process]) -> list[Process]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cella import errors
 from cella.models import SandboxState
+from cella.policy.access import Principal
 from cella.service.lifecycle import Lifecycle
 from cella.service.registry import Registry
 from cella.store import SandboxRecord
@@ -98,10 +99,11 @@ class Reaper:
             row.id, "limit_hit", {"limit": expiry.limit, "action": expiry.action}
         )
         log.info("%s of %s expired: %s", expiry.limit, row.id, expiry.action)
+        service = Principal.service(row.tenant)
         with contextlib.suppress(errors.NotFound, errors.InvalidState):
             if expiry.action == "delete":
-                await self.lifecycle.delete(row.tenant, row.id)
+                await self.lifecycle.delete(service, row.id)
             elif expiry.action == "pause":
-                await self.lifecycle.pause(row.tenant, row.id)
+                await self.lifecycle.pause(service, row.id)
             else:
-                await self.lifecycle.stop(row.tenant, row.id)
+                await self.lifecycle.stop(service, row.id)

@@ -1,8 +1,9 @@
 """The registry: what every other room of the service shares about sandboxes.
 
-It owns the sandbox rows as the service reads and writes them (tenant-checked), one lock
-per sandbox, the live VMs, activity (last touch, execs under way) and the crash watch: a VM
-that ends without being asked to turns its sandbox `stopped`, with the reason, disk kept.
+It owns the sandbox rows as the service reads and writes them (each one a caller asks for
+checked with the access rule, `cella.policy.access`, in `owned`), one lock per sandbox, the
+live VMs, activity (last touch, execs under way) and the crash watch: a VM that ends
+without being asked to turns its sandbox `stopped`, with the reason, disk kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from cella import errors
 from cella.models import SandboxState
+from cella.policy import access
+from cella.policy.access import Permission, Principal
 from cella.runtime.contract import VM, Driver
 from cella.store import SandboxRecord, Store
 from cella.store.records import LIVE_STATES
@@ -30,6 +33,13 @@ MAX_ERROR = 2000
 
 def iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat()
+
+
+def access_of(row: SandboxRecord) -> access.Access:
+    """What the access rule needs of a sandbox's row."""
+    shares = {p: Permission[level] for p, level in row.shares.items()}
+    visibility: access.Visibility = "private" if row.visibility == "private" else "tenant"
+    return access.Access(row.tenant, row.creator, visibility, shares)
 
 
 def error_text(exc: BaseException) -> str:
@@ -56,18 +66,30 @@ class Registry:
 
     # -- rows ----------------------------------------------------------------------------
 
-    def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        """The tenant's sandbox; deleted ones and other tenants' are `NotFound` alike."""
-        row = self.owned(tenant, sandbox_id)
+    def get(
+        self, who: Principal, sandbox_id: str, need: Permission = Permission.view
+    ) -> SandboxRecord:
+        """The caller's sandbox, if it may do `need` with it. Deleted ones, other tenants'
+        and those the caller may not see are `NotFound` alike (nothing tells them apart);
+        one it sees but may not do `need` with is `PermissionDenied`."""
+        row = self.owned(who, sandbox_id, need)
         if row.state == S.deleted:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
         return row
 
-    def owned(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        """The tenant's sandbox row, deleted ones included (their traces stay readable)."""
+    def owned(
+        self, who: Principal, sandbox_id: str, need: Permission = Permission.view
+    ) -> SandboxRecord:
+        """As `get`, deleted ones included (their traces stay readable): the one place the
+        service asks `cella.policy.access` about a sandbox."""
         row = self.store.get_sandbox(sandbox_id)
-        if row is None or row.tenant != tenant:
+        have = None if row is None else self.permission(who, row)
+        if row is None or have is None:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        if have < need:
+            raise errors.PermissionDenied(
+                f"sandbox {sandbox_id}: this key may {have.name} it, not {need.name} it"
+            )
         return row
 
     def row(self, sandbox_id: str) -> SandboxRecord:
@@ -77,31 +99,44 @@ class Registry:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
         return row
 
+    def permission(self, who: Principal, row: SandboxRecord) -> Permission | None:
+        """What `who` may do with the sandbox of `row` (None: not even see it)."""
+        return access.permission(who, access_of(row))
+
+    def sees(self, who: Principal, row: SandboxRecord) -> bool:
+        return self.permission(who, row) is not None
+
     def find(
-        self, tenant: str | None, state: str | None = None, labels: dict[str, str] | None = None
+        self,
+        who: Principal | None,
+        state: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> list[SandboxRecord]:
+        """The sandboxes `who` may see (None: every tenant's)."""
         states = [state] if state else [s.value for s in S if s != S.deleted]
-        rows = self.store.list_sandboxes(tenant, states)
+        rows = self.store.list_sandboxes(who.tenant if who else None, states)
+        if who is not None:
+            rows = [r for r in rows if self.sees(who, r)]
         if labels:
             rows = [r for r in rows if all(r.labels.get(k) == v for k, v in labels.items())]
         return rows
 
-    def named(self, tenant: str, name: str) -> SandboxRecord:
-        """The tenant's sandbox called `name` (names are unique among those not deleted)."""
-        row = self.store.sandbox_named(tenant, name)
+    def named(self, who: Principal, name: str, need: Permission = Permission.view) -> SandboxRecord:
+        """The caller's sandbox called `name` (names are unique in a tenant among those
+        not deleted)."""
+        row = self.store.sandbox_named(who.tenant, name)
         if row is None:
             raise errors.NotFound(f"no sandbox named {name!r}")
-        return row
+        try:
+            return self.get(who, row.id, need)
+        except errors.NotFound:
+            raise errors.NotFound(f"no sandbox named {name!r}") from None
 
     def check_name(self, tenant: str, name: str | None) -> None:
-        """Refuses a name another of the tenant's sandboxes has (call under a lock)."""
-        if name is None:
-            return
-        try:
-            taken = self.named(tenant, name)
-        except errors.NotFound:
-            return
-        raise errors.AlreadyExists(f"sandbox name {name!r} is in use by {taken.id}")
+        """Refuses a name another of the tenant's sandboxes has (call under a lock); the
+        one holding it is named only to a caller who may see it anyway: none here."""
+        if name is not None and self.store.sandbox_named(tenant, name) is not None:
+            raise errors.AlreadyExists(f"sandbox name {name!r} is in use in this tenant")
 
     def live_rows(self) -> list[SandboxRecord]:
         return self.store.list_sandboxes(None, [s.value for s in LIVE_STATES])
@@ -148,10 +183,16 @@ class Registry:
     def vms(self) -> dict[str, VM]:
         return dict(self._vms)
 
-    def live(self, tenant: str, sandbox_id: str, activity: bool = True) -> tuple[SandboxRecord, VM]:
+    def live(
+        self,
+        who: Principal,
+        sandbox_id: str,
+        activity: bool = True,
+        need: Permission = Permission.exec,
+    ) -> tuple[SandboxRecord, VM]:
         """A running sandbox and its VM; the call counts as activity unless told not to
         (the daemon's own upkeep, which must not keep a sandbox from going idle)."""
-        row = self.get(tenant, sandbox_id)
+        row = self.get(who, sandbox_id, need)
         vm = self._vms.get(sandbox_id)
         if row.state != S.running or vm is None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running")

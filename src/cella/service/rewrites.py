@@ -17,6 +17,7 @@ from typing import Any
 
 from cella import errors
 from cella.models import NetworkPolicy, RewriteRule, SandboxPort, SandboxState
+from cella.policy.access import Permission, Principal
 from cella.service.ports import HttpResponse, Ports
 from cella.service.registry import Registry
 from cella.store import SandboxRecord
@@ -28,9 +29,9 @@ class Rewrites:
         self.ports = ports
         self.tls = tls  # the proxy reaches the daemon over plain HTTP only
 
-    def settle(self, tenant: str, policy: NetworkPolicy) -> NetworkPolicy:
-        """The policy with each rewrite's target as the id of one of the tenant's live
-        sandboxes; `InvalidArgument` naming the rule otherwise."""
+    def settle(self, who: Principal, policy: NetworkPolicy) -> NetworkPolicy:
+        """The policy with each rewrite's target as the id of a live sandbox of the tenant
+        that `who` may exec in; `InvalidArgument` naming the rule otherwise."""
         if not policy.rewrites:
             return policy
         if self.tls:
@@ -38,20 +39,21 @@ class Rewrites:
                 "rewrites: not supported by a daemon serving TLS (the egress proxy reaches "
                 "the daemon over plain HTTP)"
             )
-        rules = [self._settled(tenant, rule) for rule in policy.rewrites]
+        rules = [self._settled(who, rule) for rule in policy.rewrites]
         return policy.model_copy(update={"rewrites": rules})
 
-    def _settled(self, tenant: str, rule: RewriteRule) -> RewriteRule:
+    def _settled(self, who: Principal, rule: RewriteRule) -> RewriteRule:
         given = rule.to.sandbox
         try:
-            target = self.registry.get(tenant, given)
-        except errors.NotFound:
             try:
-                target = self.registry.named(tenant, given)
+                target = self.registry.get(who, given, Permission.exec)
             except errors.NotFound:
-                raise errors.InvalidArgument(
-                    f"rewrite {rule.host}: no sandbox {given!r} of this tenant"
-                ) from None
+                target = self.registry.named(who, given, Permission.exec)
+        except (errors.NotFound, errors.PermissionDenied):
+            raise errors.InvalidArgument(
+                f"rewrite {rule.host}: no sandbox {given!r} of this tenant that this key "
+                "may exec in"
+            ) from None
         to = SandboxPort(sandbox=target.id, port=rule.to.port)
         return rule.model_copy(update={"to": to})
 
@@ -97,7 +99,14 @@ class Rewrites:
         method, path, headers = request
         try:
             return await self.ports.http(
-                row.tenant, target.id, rule.to.port, method, path, headers, body, shown_host
+                Principal.service(row.tenant),
+                target.id,
+                rule.to.port,
+                method,
+                path,
+                headers,
+                body,
+                shown_host,
             )
         except errors.InvalidState:  # stopped, stopping, starting, failed
             state = self.registry.row(target.id).state

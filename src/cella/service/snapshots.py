@@ -25,6 +25,7 @@ from pathlib import Path
 
 from cella import errors
 from cella.models import SandboxCreate, SnapshotState
+from cella.policy.access import Principal
 from cella.service.lifecycle import spec_of
 from cella.service.registry import Registry, error_text
 from cella.storage.snapshots import SnapshotDir
@@ -114,7 +115,7 @@ class Snapshots:
 
     async def snapshot(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         name: str,
         tag: str | None = None,
@@ -125,9 +126,11 @@ class Snapshots:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
         points at it once it is ready; with `into`, the snapshot is that row (made by
-        `begin`)."""
+        `begin`). Whoever may exec in the sandbox may copy it; the snapshot is its
+        tenant's, as every snapshot is."""
         async with self.registry.lock(sandbox_id):
-            row, vm = self.registry.live(tenant, sandbox_id)
+            row, vm = self.registry.live(who, sandbox_id)
+            tenant = row.tenant
             fields = {
                 "sandbox_id": sandbox_id,
                 "parent_snapshot_id": row.base_snapshot_id,
@@ -183,7 +186,7 @@ class Snapshots:
                     "paused_ms": paused_ms,
                 },
             )
-        return self.get(tenant, record.id)
+        return self.get(who.tenant, record.id)
 
     def memory_bytes(self, snapshot_id: str) -> int | None:
         """What the snapshot's memory takes on this node; None when it has none (or its

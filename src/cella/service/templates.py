@@ -39,6 +39,7 @@ from cella.models import (
     Template,
     TemplateBuild,
 )
+from cella.policy.access import Principal
 from cella.policy.egress import host_matches, parse_rule
 from cella.service.egress import SandboxEgress
 from cella.service.exec import Exec
@@ -184,7 +185,8 @@ class Templates:
             network=NetworkPolicy(allow=allow or []),
         )
         progress(f"starting a builder sandbox (egress: {', '.join(allow or []) or 'none'})")
-        box = await self.lifecycle.create(tenant, spec)
+        builder = Principal.service(tenant)  # the builder is the tenant's, as a template is
+        box = await self.lifecycle.create(builder, spec)
         digest = hashlib.sha256()
         try:
 
@@ -194,20 +196,20 @@ class Templates:
                     yield chunk
 
             progress("uploading the build context")
-            await self.files.upload_archive(tenant, box.id, f"{BUILD_DIR}/context", hashed())
+            await self.files.upload_archive(builder, box.id, f"{BUILD_DIR}/context", hashed())
             source = f"Dockerfile (context sha256:{digest.hexdigest()[:16]})"
             progress("building the image (buildah)")
-            await self.run_step(tenant, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
+            await self.run_step(builder, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
                             "--layers=false", "-f", f"{BUILD_DIR}/context/{dockerfile}",
                             "-t", "cella-build", f"{BUILD_DIR}/context"], progress)  # fmt: skip
             progress("exporting the image")
-            await self.run_step(tenant, box.id, [*BUILDAH, "push", "cella-build",
+            await self.run_step(builder, box.id, [*BUILDAH, "push", "cella-build",
                             f"oci:{BUILD_DIR}/layout:cella-build"], progress)  # fmt: skip
             limits = oci.ImportLimits.of(self.settings)
             with tempfile.TemporaryDirectory(dir=self.paths.build_tmp) as tmp:
 
                 async def read(path: str) -> AsyncIterator[bytes]:
-                    return await self.files.read(tenant, box.id, path)
+                    return await self.files.read(builder, box.id, path)
 
                 # blob by blob, checked: what the builder made is the guest's, and an
                 # archive of it would be unpacked on the host
@@ -226,14 +228,14 @@ class Templates:
                     )
         finally:
             with contextlib.suppress(errors.CellaError):
-                await self.lifecycle.delete(tenant, box.id)
+                await self.lifecycle.delete(builder, box.id)
         async with self.lock(name):
             await self.warm_up(name, progress)
         return self.get(name)
 
     async def run_step(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         argv: builtins.list[str],
         progress: Progress,
@@ -245,7 +247,7 @@ class Templates:
         req = ExecRequest(command=argv, timeout=3000, user="root")
         status: ExitStatus | None = None
         pending = b""
-        async for event in self.exec.stream(tenant, sandbox_id, req):
+        async for event in self.exec.stream(who, sandbox_id, req):
             if isinstance(event, Output):
                 pending += event.data
                 *lines, pending = pending.split(b"\n")

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cella.models import SandboxState
+from cella.policy.access import Principal
 from cella.service.registry import Registry
 from cella.store import EventRecord, SandboxRecord
 
@@ -21,18 +22,18 @@ class Trace:
 
     def events(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         after: int = 0,
         types: list[str] | None = None,
         limit: int = 1000,
     ) -> list[EventRecord]:
-        self.registry.owned(tenant, sandbox_id)
+        self.registry.owned(who, sandbox_id)
         return self.store.events(sandbox_id, after, limit, types)
 
     async def stream(
         self,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         after: int = 0,
         types: list[str] | None = None,
@@ -41,7 +42,7 @@ class Trace:
         """Every event after `after`; with `follow`, then new ones as they happen, until the
         sandbox is deleted (or the reader leaves)."""
         while True:
-            batch = self.events(tenant, sandbox_id, after, types)
+            batch = self.events(who, sandbox_id, after, types)
             for event in batch:
                 after = event.id
                 yield event
@@ -54,18 +55,21 @@ class Trace:
                 return
             await self.registry.events.wait(sandbox_id, 5.0)
 
-    def lineage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
+    def lineage(self, who: Principal, sandbox_id: str) -> dict[str, Any]:
         """The family tree the sandbox belongs to: from its first ancestor, every snapshot
-        and fork made since (sandbox -> snapshot -> sandbox ...)."""
-        root = self.registry.owned(tenant, sandbox_id)
+        and fork made since (sandbox -> snapshot -> sandbox ...), of those the caller may
+        see (a fork it may not see is left out, with what came of it)."""
+        root = self.registry.owned(who, sandbox_id)
+        tenant = root.tenant
+        sandboxes = [r for r in self.store.list_sandboxes(tenant) if self.registry.sees(who, r)]
+        visible = {r.id: r for r in sandboxes}
         seen = {root.id}
         while root.parent_id and root.parent_id not in seen:
-            parent = self.store.get_sandbox(root.parent_id)
-            if parent is None or parent.tenant != tenant:
+            parent = visible.get(root.parent_id)
+            if parent is None:
                 break
             seen.add(parent.id)
             root = parent
-        sandboxes = self.store.list_sandboxes(tenant)
         snapshots = self.store.list_snapshots(tenant)
 
         def family(row: SandboxRecord) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from cella import errors
 from cella.models import SandboxState
+from cella.policy.access import Principal
 from cella.service.registry import Registry
 
 LIMITS = (
@@ -28,8 +29,8 @@ class Usage:
         self.registry = registry
         self.driver = registry.driver
 
-    async def usage(self, tenant: str, sandbox_id: str) -> dict[str, Any]:
-        row = self.registry.get(tenant, sandbox_id)
+    async def usage(self, who: Principal, sandbox_id: str) -> dict[str, Any]:
+        row = self.registry.get(who, sandbox_id)
         allocated = self.registry.disk_bytes(sandbox_id)
         out: dict[str, Any] = {k: getattr(row, k) for k in LIMITS}
         out["ttl_remaining_seconds"] = (

@@ -72,12 +72,28 @@ class Store:
     # -- keys ---------------------------------------------------------------------------
 
     def add_key(
-        self, key_id: str, tenant: str, key_hash: str, admin: bool = False, read_only: bool = False
+        self,
+        key_id: str,
+        tenant: str,
+        key_hash: str,
+        admin: bool = False,
+        read_only: bool = False,
+        principal: str | None = None,
+        roles: Iterable[str] = ("owner",),
     ) -> None:
         self._exec(
-            "INSERT INTO api_keys (id, tenant, hash, admin, read_only, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (key_id, tenant, key_hash, int(admin), int(read_only), now()),
+            "INSERT INTO api_keys (id, tenant, hash, admin, read_only, principal, roles, "
+            "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key_id,
+                tenant,
+                key_hash,
+                int(admin),
+                int(read_only),
+                principal,
+                json.dumps(sorted(roles)),
+                now(),
+            ),
         )
 
     def add_key_uses(self, uses: Iterable[KeyUse], keep: int) -> None:
@@ -557,7 +573,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
             for k, v in out["secrets"].items()
         }
     for key in ("labels", "network", "secrets", "exec_defaults", "mounts", "bucket_mounts",
-                "mount_states"):  # fmt: skip
+                "mount_states", "shares"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
     if out.get("delegation") is not None:
@@ -568,6 +584,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
 def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out = dict(row)
     out["labels"] = json.loads(out["labels"])
+    out["shares"] = json.loads(out["shares"])
     out["network"] = NetworkPolicy.model_validate(json.loads(out["network"]))
     out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
@@ -602,5 +619,10 @@ def _registry_owner(row: sqlite3.Row | RegistryRecord) -> str:
 
 def _key(row: sqlite3.Row) -> KeyRecord:
     return KeyRecord(
-        **{**dict(row), "admin": bool(row["admin"]), "read_only": bool(row["read_only"])}
+        **{
+            **dict(row),
+            "admin": bool(row["admin"]),
+            "read_only": bool(row["read_only"]),
+            "roles": json.loads(row["roles"]),
+        }
     )

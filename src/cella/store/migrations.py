@@ -175,4 +175,16 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN bucket_mounts TEXT NOT NULL DEFAULT '[]';
     ALTER TABLE sandboxes ADD COLUMN mount_states TEXT NOT NULL DEFAULT '{}';
     """,
+    # who may use a sandbox: keys get a principal and roles (every key made before is its
+    # tenant's owner, so it keeps seeing and driving every sandbox); sandboxes record their
+    # creator, and those made before are the tenant's (visibility `tenant`)
+    """
+    ALTER TABLE api_keys ADD COLUMN principal TEXT;
+    ALTER TABLE api_keys ADD COLUMN roles TEXT NOT NULL DEFAULT '["owner"]';
+    UPDATE api_keys SET roles = '["owner", "viewer"]' WHERE read_only = 1;
+    ALTER TABLE sandboxes ADD COLUMN creator_key TEXT;
+    ALTER TABLE sandboxes ADD COLUMN creator TEXT;
+    ALTER TABLE sandboxes ADD COLUMN visibility TEXT NOT NULL DEFAULT 'tenant';
+    ALTER TABLE sandboxes ADD COLUMN shares TEXT NOT NULL DEFAULT '{}';
+    """,
 ]

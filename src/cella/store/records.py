@@ -50,6 +50,12 @@ class SandboxRecord:
     # access delegation: mode, permissions, the creator's key id, the sandbox's token key
     delegation: dict[str, Any] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # who may use it (`cella.policy.access`): its creator's key and principal, visibility
+    # and shares (principal -> view, exec or manage)
+    creator_key: str | None = None
+    creator: str | None = None
+    visibility: str = "tenant"
+    shares: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     secrets: dict[str, SecretRef] = field(default_factory=dict)
     mounts: list[GitMount] = field(default_factory=list)
@@ -156,6 +162,8 @@ class KeyRecord:
     created_at: str
     revoked_at: str | None = None
     read_only: bool = False
+    principal: str | None = None  # None: the key's own id
+    roles: list[str] = field(default_factory=lambda: ["owner"])
 
 
 @dataclass(slots=True)

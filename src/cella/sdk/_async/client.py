@@ -40,6 +40,8 @@ from cella.models import (
     ProcessSummary,
     Registry,
     RewriteRule,
+    SandboxAccess,
+    SandboxAccessView,
     SandboxUsage,
     Secret,
     SigningKeys,
@@ -149,6 +151,7 @@ class AsyncClient:
         access_delegation: dict[str, Any] | None = None,
         mounts: builtins.list[GitMount] | None = None,
         bucket_mounts: builtins.list[BucketMount] | None = None,
+        visibility: str | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -174,7 +177,10 @@ class AsyncClient:
         `refresh_interval_seconds` while it runs. `bucket_mounts` are S3 and GCS buckets
         mounted in the guest (rclone) before it is returned, their requests authenticated by
         the egress proxy with the stored secrets their `auth` names (their hosts are allowed);
-        each one's state is in `info.mount_states`.
+        each one's state is in `info.mount_states`. `visibility`: `private` (its creator, the
+        tenant's owners and whom it is shared with: `share`) or `tenant` (every key of the
+        tenant may exec in it too); by default `tenant` for an owner's key, `private` for a
+        member's.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         network = network_body(*rules, rewrites=rewrites) if any(rules) or rewrites else None
@@ -187,6 +193,7 @@ class AsyncClient:
             stop_keeps_memory=stop_keeps_memory,
             restore_memory=restore_memory,
             access_delegation=access_delegation,
+            visibility=visibility,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -486,9 +493,19 @@ class AsyncClient:
 
     # -- keys (admin) ----------------------------------------------------------------------
 
-    async def create_key(self, tenant: str, *, read_only: bool = False) -> dict[str, Any]:
-        """A new key for `tenant` (admin); `read_only` keys may only look (GET, HEAD)."""
-        body = {"tenant": tenant, "read_only": read_only}
+    async def create_key(
+        self,
+        tenant: str,
+        *,
+        read_only: bool = False,
+        principal: str | None = None,
+        roles: builtins.list[str] | None = None,
+    ) -> dict[str, Any]:
+        """A new key for `tenant` (admin); `read_only` keys may only look (GET, HEAD).
+        `principal`: the person or service holding it (default: the key's id); `roles`:
+        `owner` (every sandbox of the tenant; the default), `member` (its own, the
+        tenant's and those shared with it), `viewer` (reads only)."""
+        body = create_body(tenant=tenant, read_only=read_only, principal=principal, roles=roles)
         response = await self.request("POST", "/v1/keys", json=body)
         created: dict[str, Any] = response.json()
         return created
@@ -750,6 +767,30 @@ class AsyncSandbox:
     async def lineage(self) -> LineageNode:
         """The family tree this sandbox belongs to (snapshots and forks)."""
         return await self.client.lineage(self.id)
+
+    async def access(self) -> SandboxAccessView:
+        """Who made it, who may use it, and what this client's key may do with it."""
+        response = await self.client.request("GET", f"{self._path}/access")
+        return SandboxAccessView.model_validate(response.json())
+
+    async def share(
+        self,
+        shares: dict[str, str] | None = None,
+        *,
+        visibility: str | None = None,
+    ) -> SandboxAccessView:
+        """Sets who may use it (a key that manages it): `shares` maps principals to `view`,
+        `exec` or `manage` and replaces those it had; `visibility` is `private` or
+        `tenant` (left out: as it is)."""
+        now = await self.access()
+        body = SandboxAccess.model_validate(  # checked here as the daemon checks it
+            {
+                "visibility": visibility or now.visibility,
+                "shares": now.shares if shares is None else shares,
+            }
+        )
+        response = await self.client.request("PUT", f"{self._path}/access", json=body.model_dump())
+        return SandboxAccessView.model_validate(response.json())
 
 
 class AsyncSnapshot:

@@ -53,7 +53,7 @@ async def download_url(
     """A link that downloads one file without a key, until it expires: pinned to this
     sandbox and this path."""
     link = svc.downloads.mint(
-        who.tenant,
+        who,
         sandbox_id,
         body.path,
         body.expires_in_seconds,

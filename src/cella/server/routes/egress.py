@@ -28,7 +28,7 @@ SecretName = Annotated[str, Path(pattern=SECRET_NAME, description="secret name")
 @router.put("/v1/sandboxes/{sandbox_id}/network", response_model=Sandbox)
 async def set_network(sandbox_id: str, body: NetworkPolicy, svc: DaemonDep, who: Auth) -> Sandbox:
     """Replaces the sandbox's egress rules; a running sandbox's next connection uses them."""
-    return Sandbox.model_validate(await svc.egress.set_network(who.tenant, sandbox_id, body))
+    return Sandbox.model_validate(await svc.egress.set_network(who, sandbox_id, body))
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/egress", response_model=EgressLog)
@@ -40,7 +40,7 @@ async def egress_log(
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> EgressLog:
     """Every connection the sandbox tried: host, port, allowed or denied and why, bytes."""
-    rows = svc.egress.log(who.tenant, sandbox_id, after, limit)
+    rows = svc.egress.log(who, sandbox_id, after, limit)
     return EgressLog(decisions=[EgressDecision.model_validate(r) for r in rows])
 
 

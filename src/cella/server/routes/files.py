@@ -41,7 +41,7 @@ def _declared(request: Request) -> int | None:
 @router.get("/content", response_class=StreamingResponse, responses=BINARY_RESPONSE)
 async def read_file(sandbox_id: str, path: PathQ, svc: DaemonDep, who: Auth) -> StreamingResponse:
     """Downloads a file, streamed."""
-    body = await svc.files.read(who.tenant, sandbox_id, path)
+    body = await svc.files.read(who, sandbox_id, path)
     return StreamingResponse(body, media_type="application/octet-stream")
 
 
@@ -57,7 +57,7 @@ async def write_file(
 ) -> FileEntry:
     """Uploads a file (atomically replaced in the guest); the body is the content."""
     entry = await svc.files.write(
-        who.tenant,
+        who,
         sandbox_id,
         path,
         request.stream(),
@@ -70,13 +70,13 @@ async def write_file(
 
 @router.get("/list", response_model=list[FileEntry])
 async def list_dir(sandbox_id: str, path: PathQ, svc: DaemonDep, who: Auth) -> list[FileEntry]:
-    entries = await svc.files.list(who.tenant, sandbox_id, path)
+    entries = await svc.files.list(who, sandbox_id, path)
     return [FileEntry.model_validate(e) for e in entries]
 
 
 @router.get("/stat", response_model=FileEntry)
 async def stat(sandbox_id: str, path: PathQ, svc: DaemonDep, who: Auth) -> FileEntry:
-    return FileEntry.model_validate(await svc.files.stat(who.tenant, sandbox_id, path))
+    return FileEntry.model_validate(await svc.files.stat(who, sandbox_id, path))
 
 
 @router.get("/walk", response_model=FileWalk)
@@ -91,7 +91,7 @@ async def walk(
     """The entries under a directory, breadth first: `depth` levels down (without it, as deep
     as the bound) and at most `limit` of them. Links are listed, never followed.
     `truncated` says a bound ended the walk before the tree did."""
-    tree = svc.files.walk(who.tenant, sandbox_id, path, depth=depth, limit=limit)
+    tree = svc.files.walk(who, sandbox_id, path, depth=depth, limit=limit)
     entries = [
         WalkEntry.model_validate({**asdict(found.entry), "path": found.path})
         async for found in tree
@@ -102,7 +102,7 @@ async def walk(
 @router.post("/move", response_model=FileEntry)
 async def move(sandbox_id: str, body: MoveRequest, svc: DaemonDep, who: Auth) -> FileEntry:
     """Renames a file or directory; a file at the destination is replaced. The moved entry."""
-    entry = await svc.files.move(who.tenant, sandbox_id, body.source, body.destination)
+    entry = await svc.files.move(who, sandbox_id, body.source, body.destination)
     return FileEntry.model_validate(entry)
 
 
@@ -111,20 +111,20 @@ async def chown(sandbox_id: str, body: ChownRequest, svc: DaemonDep, who: Auth) 
     """Gives a path (`recursive`: and all below it) to a user and group (without a group, the
     user's login group)."""
     await svc.files.chown(
-        who.tenant, sandbox_id, body.path, body.user, body.group, recursive=body.recursive
+        who, sandbox_id, body.path, body.user, body.group, recursive=body.recursive
     )
     return Response(status_code=204)
 
 
 @router.post("/mkdir", status_code=204)
 async def mkdir(sandbox_id: str, body: MkdirRequest, svc: DaemonDep, who: Auth) -> Response:
-    await svc.files.mkdir(who.tenant, sandbox_id, body.path, mode=body.mode, parents=body.parents)
+    await svc.files.mkdir(who, sandbox_id, body.path, mode=body.mode, parents=body.parents)
     return Response(status_code=204)
 
 
 @router.post("/chmod", status_code=204)
 async def chmod(sandbox_id: str, body: ChmodRequest, svc: DaemonDep, who: Auth) -> Response:
-    await svc.files.chmod(who.tenant, sandbox_id, body.path, body.mode)
+    await svc.files.chmod(who, sandbox_id, body.path, body.mode)
     return Response(status_code=204)
 
 
@@ -132,7 +132,7 @@ async def chmod(sandbox_id: str, body: ChmodRequest, svc: DaemonDep, who: Auth) 
 async def remove(
     sandbox_id: str, path: PathQ, svc: DaemonDep, who: Auth, recursive: bool = False
 ) -> Response:
-    await svc.files.remove(who.tenant, sandbox_id, path, recursive=recursive)
+    await svc.files.remove(who, sandbox_id, path, recursive=recursive)
     return Response(status_code=204)
 
 
@@ -141,7 +141,7 @@ async def download_archive(
     sandbox_id: str, path: PathQ, svc: DaemonDep, who: Auth
 ) -> StreamingResponse:
     """Downloads a directory as an uncompressed tar archive, streamed."""
-    body = await svc.files.download_archive(who.tenant, sandbox_id, path)
+    body = await svc.files.download_archive(who, sandbox_id, path)
     return StreamingResponse(body, media_type="application/x-tar")
 
 
@@ -151,6 +151,6 @@ async def upload_archive(
 ) -> Response:
     """Unpacks a tar archive (the body) into a directory, creating it if needed."""
     await svc.files.upload_archive(
-        who.tenant, sandbox_id, path, request.stream(), declared=_declared(request)
+        who, sandbox_id, path, request.stream(), declared=_declared(request)
     )
     return Response(status_code=204)

@@ -15,10 +15,22 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 @router.post("", status_code=201, response_model=KeyCreated)
 async def create_key(body: KeyCreate, svc: FrontDep, who: Auth) -> KeyCreated:
-    """Creates a key for a tenant. The key is shown once; only its hash is stored."""
+    """Creates a key for a tenant, held by a principal with roles (which of the tenant's
+    sandboxes it may use). The key is shown once; only its hash is stored."""
     require_admin(who)
-    key_id, key = svc.keys.create(body.tenant, read_only=body.read_only)
-    return KeyCreated(id=key_id, tenant=body.tenant, key=key, read_only=body.read_only)
+    key_id, key = svc.keys.create(
+        body.tenant, read_only=body.read_only, principal=body.principal, roles=body.roles
+    )
+    made = svc.keys.by_id(key_id)
+    assert made is not None
+    return KeyCreated(
+        id=key_id,
+        tenant=body.tenant,
+        key=key,
+        read_only=made.read_only,
+        principal=made.principal,
+        roles=sorted(made.roles),
+    )
 
 
 @router.get("/uses", response_model=list[KeyUseInfo])

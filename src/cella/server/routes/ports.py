@@ -92,7 +92,7 @@ async def expose(
     sandbox_id: str, port: PortP, body: ExposeRequest, request: Request, svc: DaemonDep, who: Auth
 ) -> ExposedPort:
     """A service URL for a server listening on `port` inside the sandbox."""
-    return exposed(request, svc.ports.mint(who.tenant, sandbox_id, port, body.expires_in_seconds))
+    return exposed(request, svc.ports.mint(who, sandbox_id, port, body.expires_in_seconds))
 
 
 def login_url(request: Request, sandbox_id: str, port: int) -> LoginUrl:
@@ -109,8 +109,9 @@ async def login(
     sandbox_id: str, port: PortP, request: Request, svc: DaemonDep, who: Auth
 ) -> LoginUrl:
     """A login-mode URL for a server on `port`: no token, no expiry; a key or console
-    session of this tenant opens it, and the server is told who (a signed user token)."""
-    svc.registry.get(who.tenant, sandbox_id)
+    session that may exec in the sandbox opens it, and the server is told who (a signed
+    user token)."""
+    svc.registry.get(who, sandbox_id)
     return login_url(request, sandbox_id, port)
 
 
@@ -151,7 +152,8 @@ async def service(
             path=f"/v1/services/{sandbox_id}/{port}",
         )
         return redirect
-    reply, sent = await _forward(request, svc, token.tenant, sandbox_id, port, path)
+    holder = Principal.service(token.tenant)  # the token is the holder's right to the port
+    reply, sent = await _forward(request, svc, holder, sandbox_id, port, path)
     prefix = f"/v1/services/{sandbox_id}/{port}"
     return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
 
@@ -166,8 +168,8 @@ async def by_host(
 ) -> Response:
     """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`): its own origin. Asked for
     by this path on the daemon's host instead, it is served as a service URL is."""
-    tenant = _host_caller(svc, request, sandbox_id, port)
-    reply, sent = await _forward(request, svc, tenant, sandbox_id, port, path)
+    caller = _host_caller(svc, request, sandbox_id, port)
+    reply, sent = await _forward(request, svc, caller, sandbox_id, port, path)
     if host := request.scope.get(ROUTED_HOST):
         return guest_reply(reply, lambda c: cookie_for_host(c, host), sandboxed=False)
     prefix = f"/v1/hosts/{sandbox_id}/{port}"
@@ -185,7 +187,7 @@ async def login_service(
     host = request.headers.get("host") or request.url.netloc
     subject = _subject(request, who)
     token = svc.logins.user_token(
-        who.tenant,
+        who,
         sandbox_id,
         subject,
         audience=host,
@@ -200,7 +202,7 @@ async def login_service(
     sent = guest_path(path)
     target = sent + (f"?{request.url.query}" if request.url.query else "")
     reply = await svc.ports.http(
-        who.tenant, sandbox_id, port, request.method, target, headers, request.stream(), host
+        who, sandbox_id, port, request.method, target, headers, request.stream(), host
     )
     prefix = f"{LOGINS}/{sandbox_id}/{port}"
     return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
@@ -214,8 +216,8 @@ def _subject(request: Request, who: Principal) -> str:
     return who.key_id or f"tenant:{who.tenant}"
 
 
-def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> str:
-    """The tenant a request to a port by host name acts for (`Ports.host_caller`)."""
+def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: int) -> Principal:
+    """Whom a request to a port by host name acts for (`Ports.host_caller`)."""
     return svc.ports.host_caller(
         sandbox_id,
         port,
@@ -226,14 +228,14 @@ def _host_caller(svc: Daemon, conn: Request | WebSocket, sandbox_id: str, port: 
 
 
 async def _forward(
-    request: Request, svc: Daemon, tenant: str, sandbox_id: str, port: int, path: str
+    request: Request, svc: Daemon, who: Principal, sandbox_id: str, port: int, path: str
 ) -> tuple[HttpResponse, str]:
     """The guest server's response, and the path it was asked for."""
     sent = guest_path(path)
     target = sent + (f"?{request.url.query}" if request.url.query else "")
     headers = guest_headers(request.headers.items())
     reply = await svc.ports.http(
-        tenant, sandbox_id, port, request.method, target, headers, request.stream()
+        who, sandbox_id, port, request.method, target, headers, request.stream()
     )
     return reply, sent
 
@@ -324,8 +326,9 @@ def guest_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
 async def service_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str) -> None:
     """A WebSocket to the guest server, relayed message by message."""
 
-    def caller(svc: Daemon) -> str:
-        return svc.ports.verify(_token(ws, sandbox_id, port) or "", sandbox_id, port).tenant
+    def caller(svc: Daemon) -> Principal:
+        token = svc.ports.verify(_token(ws, sandbox_id, port) or "", sandbox_id, port)
+        return Principal.service(token.tenant)
 
     await _relay(ws, sandbox_id, port, path, caller)
 
@@ -336,7 +339,7 @@ async def by_host_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str
 
 
 async def _relay(
-    ws: WebSocket, sandbox_id: str, port: int, path: str, caller: Callable[[Daemon], str]
+    ws: WebSocket, sandbox_id: str, port: int, path: str, caller: Callable[[Daemon], Principal]
 ) -> None:
     svc = daemon(ws)
 
@@ -356,7 +359,7 @@ async def connect(ws: WebSocket, sandbox_id: str, port: int) -> None:
     """One TCP connection to `port` inside the sandbox, as binary messages both ways."""
 
     async def guest_port() -> GuestStream:
-        return await daemon(ws).ports.open(bearer(ws).tenant, sandbox_id, port)
+        return await daemon(ws).ports.open(bearer(ws), sandbox_id, port)
 
     stream = await opened(ws, guest_port)
     if stream is not None:

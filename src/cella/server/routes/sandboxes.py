@@ -22,6 +22,8 @@ from cella.models import (
     ProcessInfo,
     ProcessList,
     Sandbox,
+    SandboxAccess,
+    SandboxAccessView,
     SandboxCreate,
     SandboxList,
     SandboxState,
@@ -31,10 +33,23 @@ from cella.models import (
     parse_pairs,
 )
 from cella.server.deps import Auth, DaemonDep, fleet_grant, jsonl
-from cella.service.keys import require_admin
+from cella.service.daemon import Daemon
+from cella.service.keys import Principal, require_admin
+from cella.store import SandboxRecord
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ID = Annotated[str, "sandbox id"]
+
+
+def shown(svc: Daemon, who: Principal, row: SandboxRecord) -> Sandbox:
+    """The sandbox with what the caller may do with it (an admin listing every tenant's
+    acts for each as its owner)."""
+    level = svc.registry.permission(who, row) or svc.registry.permission(
+        Principal.service(row.tenant) if who.admin else who, row
+    )
+    return Sandbox.model_validate(row).model_copy(
+        update={"permission": level.name if level else None}
+    )
 
 
 @router.post("", status_code=201, response_model=Sandbox)
@@ -42,8 +57,7 @@ async def create_sandbox(
     body: SandboxCreate, request: Request, svc: DaemonDep, who: Auth
 ) -> Sandbox:
     """Boots a new sandbox from a template and returns it running."""
-    made = await svc.create(who.tenant, body, creator=who, fleet_grant=fleet_grant(request))
-    return Sandbox.model_validate(made)
+    return shown(svc, who, await svc.create(who, body, fleet_grant=fleet_grant(request)))
 
 
 @router.get("", response_model=SandboxList)
@@ -54,17 +68,31 @@ async def list_sandboxes(
     label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
     all_tenants: Annotated[bool, Query(description="every tenant's (admin keys)")] = False,
 ) -> SandboxList:
+    """The sandboxes the key may see (`all_tenants`: every tenant's, for admin keys)."""
     labels = parse_pairs(label, "label filter")
     if all_tenants:
         require_admin(who, "list every tenant's sandboxes")
-    tenant = None if all_tenants else who.tenant
-    rows = svc.registry.find(tenant, state.value if state else None, labels)
-    return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
+    rows = svc.registry.find(None if all_tenants else who, state.value if state else None, labels)
+    return SandboxList(sandboxes=[shown(svc, who, r) for r in rows])
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)
 async def get_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
-    return Sandbox.model_validate(svc.registry.get(who.tenant, sandbox_id))
+    return shown(svc, who, svc.registry.get(who, sandbox_id))
+
+
+@router.get("/{sandbox_id}/access", response_model=SandboxAccessView)
+async def get_access(sandbox_id: ID, svc: DaemonDep, who: Auth) -> SandboxAccessView:
+    """Who made the sandbox, who may use it, and what this key may do with it."""
+    return svc.sharing.get(who, sandbox_id)
+
+
+@router.put("/{sandbox_id}/access", response_model=SandboxAccessView)
+async def set_access(
+    sandbox_id: ID, body: SandboxAccess, svc: DaemonDep, who: Auth
+) -> SandboxAccessView:
+    """Sets who may use the sandbox (its visibility and shares; a key that manages it)."""
+    return await svc.sharing.set(who, sandbox_id, body)
 
 
 @router.post("/{sandbox_id}/stop", response_model=Sandbox)
@@ -74,32 +102,32 @@ async def stop_sandbox(
     """Ends every process in the sandbox; its file system is kept. With `memory: true` (or
     the sandbox's `stop_keeps_memory`) it is paused instead: processes and memory kept."""
     memory = body.memory if body is not None else None
-    return Sandbox.model_validate(await svc.lifecycle.stop(who.tenant, sandbox_id, memory=memory))
+    return Sandbox.model_validate(await svc.lifecycle.stop(who, sandbox_id, memory=memory))
 
 
 @router.post("/{sandbox_id}/pause", response_model=Sandbox)
 async def pause_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     """Freezes the sandbox: no CPU, memory and processes kept for `resume`."""
-    return Sandbox.model_validate(await svc.lifecycle.pause(who.tenant, sandbox_id))
+    return Sandbox.model_validate(await svc.lifecycle.pause(who, sandbox_id))
 
 
 @router.post("/{sandbox_id}/resume", response_model=Sandbox)
 async def resume_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Sandbox:
     """Paused: runs on with its processes. Stopped: boots again on the same disk."""
-    return Sandbox.model_validate(await svc.lifecycle.resume(who.tenant, sandbox_id))
+    return Sandbox.model_validate(await svc.lifecycle.resume(who, sandbox_id))
 
 
 @router.delete("/{sandbox_id}", status_code=204)
 async def delete_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Response:
     """Destroys the sandbox and frees its disk."""
-    await svc.lifecycle.delete(who.tenant, sandbox_id)
+    await svc.lifecycle.delete(who, sandbox_id)
     return Response(status_code=204)
 
 
 @router.get("/{sandbox_id}/usage", response_model=SandboxUsage)
 async def sandbox_usage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> SandboxUsage:
     """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
-    return SandboxUsage.model_validate(await svc.usage.usage(who.tenant, sandbox_id))
+    return SandboxUsage.model_validate(await svc.usage.usage(who, sandbox_id))
 
 
 @router.post("/{sandbox_id}/mounts/refresh", response_model=MountRefreshList)
@@ -110,7 +138,7 @@ async def refresh_mounts(
     mount: Annotated[str | None, Query(description="only this mount (its id)")] = None,
 ) -> MountRefreshList:
     """Fetches the sandbox's git mounts (or one) now and resets each to its ref."""
-    return MountRefreshList(mounts=await svc.mounts.refresh(who.tenant, sandbox_id, mount))
+    return MountRefreshList(mounts=await svc.mounts.refresh(who, sandbox_id, mount))
 
 
 After = Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")]
@@ -128,7 +156,7 @@ async def sandbox_events(
 ) -> EventList:
     """The sandbox's trace: lifecycle, execs, file changes, egress decisions, limit hits, in
     order (kept after the sandbox is deleted). Secrets appear as `[secret:NAME]`."""
-    rows = svc.trace.events(who.tenant, sandbox_id, after, types, limit)
+    rows = svc.trace.events(who, sandbox_id, after, types, limit)
     return EventList(events=[Event.model_validate(r) for r in rows])
 
 
@@ -151,10 +179,10 @@ async def stream_events(
     follow: Annotated[bool, Query(description="keep streaming until the sandbox is gone")] = False,
 ) -> StreamingResponse:
     """The trace as JSON Lines (an export); with `follow`, new events as they happen."""
-    svc.registry.owned(who.tenant, sandbox_id)  # unknown ids fail before streaming
+    svc.registry.owned(who, sandbox_id)  # unknown ids fail before streaming
 
     async def lines() -> AsyncIterator[bytes]:
-        async for row in svc.trace.stream(who.tenant, sandbox_id, after, types, follow):
+        async for row in svc.trace.stream(who, sandbox_id, after, types, follow):
             yield jsonl(Event.model_validate(row).model_dump(mode="json"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -163,24 +191,24 @@ async def stream_events(
 @router.get("/{sandbox_id}/processes", response_model=ProcessList)
 async def list_processes(sandbox_id: ID, svc: DaemonDep, who: Auth) -> ProcessList:
     """Commands that outlive their connection, e.g. the image's `entrypoint`."""
-    return ProcessList(processes=[p.summary() for p in svc.processes.list(who.tenant, sandbox_id)])
+    return ProcessList(processes=[p.summary() for p in svc.processes.list(who, sandbox_id)])
 
 
 @router.get("/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
 async def get_process(sandbox_id: ID, process_id: str, svc: DaemonDep, who: Auth) -> ProcessInfo:
-    return svc.processes.get(who.tenant, sandbox_id, process_id).info()
+    return svc.processes.get(who, sandbox_id, process_id).info()
 
 
 @router.get("/{sandbox_id}/lineage", response_model=LineageNode)
 async def sandbox_lineage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> LineageNode:
     """The family the sandbox belongs to, from its first ancestor: snapshots and forks."""
-    return LineageNode.model_validate(svc.trace.lineage(who.tenant, sandbox_id))
+    return LineageNode.model_validate(svc.trace.lineage(who, sandbox_id))
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult)
 async def exec_command(sandbox_id: ID, body: ExecRequest, svc: DaemonDep, who: Auth) -> ExecResult:
     """Runs a command to completion and returns its exit status and output."""
-    return await svc.exec.run(who.tenant, sandbox_id, body)
+    return await svc.exec.run(who, sandbox_id, body)
 
 
 @router.post(
@@ -197,12 +225,12 @@ async def exec_stream(
     sandbox_id: ID, body: ExecRequest, svc: DaemonDep, who: Auth
 ) -> StreamingResponse:
     """Runs a command and streams started/stdout/stderr/exit events as JSON Lines."""
-    svc.exec.check(who.tenant, sandbox_id)  # unknown or stopped sandboxes fail before streaming
+    svc.exec.check(who, sandbox_id)  # unknown or stopped sandboxes fail before streaming
     start = time.monotonic()
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for event in svc.exec.stream(who.tenant, sandbox_id, body):
+            async for event in svc.exec.stream(who, sandbox_id, body):
                 if isinstance(event, Started):
                     yield jsonl({"type": "started", "pid": event.pid})
                 elif isinstance(event, Output):

@@ -33,12 +33,12 @@ async def create_snapshot(
     if body.docker_image is not None:
         return Snapshot.model_validate(
             svc.images.from_sandbox(
-                who.tenant, sandbox_id, body.name, body.docker_image, disk_mib=body.disk_mib
+                who, sandbox_id, body.name, body.docker_image, disk_mib=body.disk_mib
             )
         )
     if body.disk_mib is not None:
         raise errors.InvalidArgument("disk_mib applies to a snapshot of a docker_image")
-    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, body.name, memory=body.memory)
+    snap = await svc.snapshots.snapshot(who, sandbox_id, body.name, memory=body.memory)
     return Snapshot.model_validate(snap)
 
 
@@ -62,7 +62,7 @@ async def fork_sandbox(
     sandbox_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
 ) -> SandboxList:
     """`count` isolated copies of a running sandbox, sharing unchanged disk and memory."""
-    rows = await svc.forks.fork(who.tenant, sandbox_id, body.count)
+    rows = await svc.forks.fork(who, sandbox_id, body.count)
     return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 
@@ -85,7 +85,7 @@ async def fork_snapshot(
     snapshot_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
 ) -> SandboxList:
     """`count` new sandboxes restored from the snapshot (its checksums are checked first)."""
-    rows = await svc.forks.fork_snapshot(who.tenant, snapshot_id, body.count)
+    rows = await svc.forks.fork_snapshot(who, snapshot_id, body.count)
     return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
 
 

@@ -52,7 +52,7 @@ async def terminal(
             ttl=10.0,
         )
         name = f"terminal-{secrets.token_hex(6)}"
-        return await daemon(ws).processes.start(who.tenant, sandbox_id, name, spec)
+        return await daemon(ws).processes.start(who, sandbox_id, name, spec)
 
     proc = await opened(ws, shell, accept_refusal=True)  # a browser reads the reason
     if proc is None:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from cella import errors
 from cella.models import ExecDefaults, HeaderRule, NetworkPolicy, SandboxCreate, SandboxUpdate
 from cella.models.sandbox import MAX_LIFETIME_SECONDS
+from cella.policy.access import Permission
 from cella.server.compat.e2b.shapes import (
     BASE,
     Access,
@@ -60,9 +61,11 @@ def shown(svc: Daemon, row: SandboxRecord) -> Json:
     return sandbox_json(row, access(svc, row))
 
 
-def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
+def sandbox(
+    svc: Daemon, who: Principal, sandbox_id: str, need: Permission = Permission.view
+) -> SandboxRecord:
     try:
-        return svc.registry.get(who.tenant, sandbox_id)
+        return svc.registry.get(who, sandbox_id, need)
     except errors.NotFound:
         raise errors.NotFound(f"sandbox {sandbox_id} not found") from None
 
@@ -71,14 +74,14 @@ def sandbox(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
 @router.post("/sandboxes", status_code=201)
 async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
     spec = create_spec(svc, who, body)
-    return shown(svc, await svc.create(who.tenant, spec))
+    return shown(svc, await svc.create(who, spec))
 
 
 @router.get("/v2/sandboxes")
 @router.get("/sandboxes")
 async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Response:
     q = request.query_params
-    rows = [r for r in svc.registry.find(who.tenant) if r.state not in ("deleting", "error")]
+    rows = [r for r in svc.registry.find(who) if r.state not in ("deleting", "error")]
     wanted = metadata_filter(q.get("metadata"))
     rows = [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
     if states := q.get("state"):
@@ -102,20 +105,22 @@ async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Respo
 @router.get("/sandboxes/{sandbox_id}")
 async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
     row = sandbox(svc, who, sandbox_id)
-    return detail_json(row, access(svc, row), disk_of(svc, row))
+    # the envd tokens open its commands and files: only to a key that may exec in it
+    drives = svc.registry.permission(who, row) in (Permission.exec, Permission.manage)
+    return detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill(sandbox_id: str, svc: DaemonDep, who: Caller) -> Response:
     sandbox(svc, who, sandbox_id)
-    await svc.lifecycle.delete(who.tenant, sandbox_id)
+    await svc.lifecycle.delete(who, sandbox_id)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Response:
-    row = sandbox(svc, who, sandbox_id)
-    await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+    row = sandbox(svc, who, sandbox_id, Permission.manage)
+    await svc.lifecycle.update(who, row.id, ttl_seconds=lifetime(row, body))
     return Response(status_code=204)
 
 
@@ -129,7 +134,7 @@ async def refresh(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody 
         raise errors.InvalidArgument(f"duration must be at most {REFRESH_MAX} seconds")
     wanted = lifetime(row, {"timeout": max(duration, REFRESH_MIN)})
     if row.ttl_seconds is not None and wanted > row.ttl_seconds:
-        await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=wanted)
+        await svc.lifecycle.update(who, row.id, ttl_seconds=wanted)
     return Response(status_code=204)
 
 
@@ -138,7 +143,7 @@ async def update_network(sandbox_id: str, svc: DaemonDep, who: Caller, body: Jso
     """Replaces the sandbox's egress rules (what is omitted is cleared, as E2B's API does);
     a running sandbox has them for its next connection."""
     row = sandbox(svc, who, sandbox_id)
-    await svc.egress.set_network(who.tenant, row.id, network_of(body, row.network.public_ports))
+    await svc.egress.set_network(who, row.id, network_of(body, row.network.public_ports))
     return Response(status_code=204)
 
 
@@ -148,9 +153,9 @@ async def pause(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = 
     if state_of(row) == "paused":
         raise errors.InvalidState(f"sandbox {sandbox_id} is already paused")
     if (body or {}).get("memory") is False:  # the filesystem only: a stop
-        await svc.lifecycle.stop(who.tenant, row.id)
+        await svc.lifecycle.stop(who, row.id)
     else:
-        await svc.lifecycle.pause(who.tenant, row.id)
+        await svc.lifecycle.pause(who, row.id)
     return Response(status_code=204)
 
 
@@ -158,17 +163,20 @@ async def pause(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = 
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def connect(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = None) -> Response:
-    """200 if it was running, 201 if it was resumed (paused or stopped)."""
+    """200 if it was running, 201 if it was resumed (paused or stopped). Its lifetime is
+    changed only for a key that manages it (one that may exec in it connects as it is)."""
     body = body or {}
-    row = sandbox(svc, who, sandbox_id)
+    row = sandbox(svc, who, sandbox_id, Permission.exec)  # its answer holds the envd tokens
+    manages = svc.registry.permission(who, row) == Permission.manage
     status = 200
     if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
-        row = await svc.lifecycle.resume(who.tenant, row.id)
-        row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=lifetime(row, body))
+        row = await svc.lifecycle.resume(who, row.id)
+        if manages:
+            row = await svc.lifecycle.update(who, row.id, ttl_seconds=lifetime(row, body))
         status = 201
-    elif body.get("timeout") is not None and row.ttl_seconds is not None:
+    elif manages and body.get("timeout") is not None and row.ttl_seconds is not None:
         longer = max(lifetime(row, body), row.ttl_seconds)  # only ever extended
-        row = await svc.lifecycle.update(who.tenant, row.id, ttl_seconds=longer)
+        row = await svc.lifecycle.update(who, row.id, ttl_seconds=longer)
     return JSONResponse(shown(svc, row), status_code=status)
 
 
@@ -179,12 +187,9 @@ async def fork(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = N
     count = int_param(body.get("count"), 1, "count")
     if not 1 <= count <= 20:
         raise errors.InvalidArgument("count must be 1-20")
-    rows = await svc.forks.fork(who.tenant, sandbox_id, count)
+    rows = await svc.forks.fork(who, sandbox_id, count)
     if body.get("timeout") is not None:
-        rows = [
-            await svc.lifecycle.update(who.tenant, r.id, ttl_seconds=lifetime(r, body))
-            for r in rows
-        ]
+        rows = [await svc.lifecycle.update(who, r.id, ttl_seconds=lifetime(r, body)) for r in rows]
     return [{"sandbox": shown(svc, r)} for r in rows]
 
 
@@ -197,7 +202,7 @@ async def snapshot(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody
         raise errors.InvalidArgument("memory must be a boolean")
     name = str(body.get("name") or f"snapshot-of-{sandbox_id}")
     # memory false: the filesystem alone; sandboxes made from it boot from its disk
-    snap = await svc.snapshots.snapshot(who.tenant, sandbox_id, name, "latest", memory=memory)
+    snap = await svc.snapshots.snapshot(who, sandbox_id, name, "latest", memory=memory)
     return {"snapshotID": snap.id, "names": [name]}
 
 

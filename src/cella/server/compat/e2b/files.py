@@ -21,7 +21,7 @@ router = APIRouter(include_in_schema=False)
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
     where = target(request, username)
-    chunks = await where.svc.files.read(where.tenant, where.sandbox_id, where.path(path))
+    chunks = await where.svc.files.read(where.who, where.sandbox_id, where.path(path))
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
@@ -52,7 +52,7 @@ async def write_files(
 
 async def _write(where: Target, path: str, body: AsyncIterator[bytes]) -> dict[str, str]:
     top = await first_missing(where, path)
-    await where.svc.files.write(where.tenant, where.sandbox_id, path, body, parents=True)
+    await where.svc.files.write(where.who, where.sandbox_id, path, body, parents=True)
     await own(where, top)
     return {"name": posixpath.basename(path), "type": "file", "path": path}
 

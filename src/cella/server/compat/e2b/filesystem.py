@@ -64,7 +64,7 @@ def entry_json(entry: Entry, path: str) -> dict[str, Any]:
 
 async def stat(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     path = where.path(body.get("path"))
-    entry = await where.svc.files.stat(where.tenant, where.sandbox_id, path)
+    entry = await where.svc.files.stat(where.who, where.sandbox_id, path)
     return {"entry": entry_json(entry, path)}
 
 
@@ -74,7 +74,7 @@ async def list_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     has no way to say it was)."""
     root = where.path(body.get("path"))
     depth = max(int(body.get("depth") or 1), 1)
-    walk = where.svc.files.walk(where.tenant, where.sandbox_id, root, depth=depth)
+    walk = where.svc.files.walk(where.who, where.sandbox_id, root, depth=depth)
     entries = [entry_json(found.entry, found.path) async for found in walk]
     if walk.truncated:
         raise errors.PayloadTooLarge(
@@ -87,10 +87,10 @@ async def make_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     path = where.path(body.get("path"))
     files = where.svc.files
     try:
-        await files.stat(where.tenant, where.sandbox_id, path)
+        await files.stat(where.who, where.sandbox_id, path)
     except errors.NotFound:
         top = await first_missing(where, path)
-        await files.mkdir(where.tenant, where.sandbox_id, path, mode=0o755, parents=True)
+        await files.mkdir(where.who, where.sandbox_id, path, mode=0o755, parents=True)
         await own(where, top)
         return await stat(where, {"path": path})
     raise errors.AlreadyExists(f"{path} already exists")
@@ -98,16 +98,14 @@ async def make_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
 
 async def move(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     source, dest = where.path(body.get("source")), where.path(body.get("destination"))
-    entry = await where.svc.files.move(
-        where.tenant, where.sandbox_id, source, dest, user=where.user
-    )
+    entry = await where.svc.files.move(where.who, where.sandbox_id, source, dest, user=where.user)
     return {"entry": entry_json(entry, dest)}
 
 
 async def remove(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     path = where.path(body.get("path"))
-    await where.svc.files.stat(where.tenant, where.sandbox_id, path)
-    await where.svc.files.remove(where.tenant, where.sandbox_id, path, recursive=True)
+    await where.svc.files.stat(where.who, where.sandbox_id, path)
+    await where.svc.files.remove(where.who, where.sandbox_id, path, recursive=True)
     return {}
 
 
@@ -118,7 +116,7 @@ async def new_watcher(where: Target, body: dict[str, Any]) -> Watcher:
     path, recursive = where.path(body.get("path")), bool(body.get("recursive"))
     svc = where.svc
     return await WATCHERS.create(
-        svc.background, svc.files, where.tenant, where.sandbox_id, path, recursive
+        svc.background, svc.files, where.who, where.sandbox_id, path, recursive
     )
 
 

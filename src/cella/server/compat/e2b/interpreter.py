@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from cella.policy.access import Principal
 from cella.server.compat.e2b.target import running
 from cella.server.deps import daemon
 from cella.server.routes.ports import ACCESS_HEADER, TRAFFIC_HEADER, guest_reply
@@ -29,7 +30,7 @@ async def interpreter(request: Request) -> Response:
     target = path + (f"?{request.url.query}" if request.url.query else "")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
     reply = await svc.ports.http(
-        row.tenant,
+        Principal.service(row.tenant),  # the holder of its access token
         row.id,
         INTERPRETER_PORT,
         request.method,

@@ -54,7 +54,7 @@ async def start(where: Target, request: Request) -> Response:
         ttl=600.0,
     )
     proc_id = f"tag:{tag}" if tag else f"e2b-{secrets.token_hex(8)}"
-    proc = await where.svc.processes.start(where.tenant, where.sandbox_id, proc_id, spec)
+    proc = await where.svc.processes.start(where.who, where.sandbox_id, proc_id, spec)
     return connect.stream(
         events(proc, live=False), PROCESS_KEEPALIVE, connect.keepalive_interval(request)
     )
@@ -96,7 +96,7 @@ def end_of(proc: Process) -> dict[str, Any]:
 
 def selected(where: Target, body: dict[str, Any]) -> Process:
     selector = body.get("process") or {}
-    procs = where.svc.processes.list(where.tenant, where.sandbox_id)
+    procs = where.svc.processes.list(where.who, where.sandbox_id)
     if "pid" in selector:
         found = [p for p in procs if p.pid == int(selector["pid"])]
     elif "tag" in selector:
@@ -111,7 +111,7 @@ def selected(where: Target, body: dict[str, Any]) -> Process:
 async def list_processes(where: Target, request: Request) -> Response:
     await connect.read_unary(request)
     shown = []
-    for proc in where.svc.processes.list(where.tenant, where.sandbox_id):
+    for proc in where.svc.processes.list(where.who, where.sandbox_id):
         if proc.done or proc.pid is None:
             continue
         command = proc.spec.request.command

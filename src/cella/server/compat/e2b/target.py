@@ -15,6 +15,7 @@ from fastapi import Request
 
 from cella import errors
 from cella.models import SandboxState
+from cella.policy.access import Principal
 from cella.server.deps import daemon
 from cella.service.daemon import Daemon
 from cella.store import SandboxRecord
@@ -25,7 +26,7 @@ DEFAULT_USER = "user"
 @dataclass(frozen=True, slots=True)
 class Target:
     svc: Daemon
-    tenant: str
+    who: Principal  # the holder of the sandbox's envd access token (given to its drivers)
     sandbox_id: str
     user: str
 
@@ -56,7 +57,8 @@ def target(request: Request, username: str | None = None) -> Target:
     svc: Daemon = daemon(request)
     row = running(svc, request)
     svc.ports.check_access(row.id, request.headers.get("x-access-token", ""))
-    return Target(svc, row.tenant, row.id, username or basic_user(request) or DEFAULT_USER)
+    holder = Principal.service(row.tenant)
+    return Target(svc, holder, row.id, username or basic_user(request) or DEFAULT_USER)
 
 
 def basic_user(request: Request) -> str | None:
@@ -76,7 +78,7 @@ async def first_missing(where: Target, path: str) -> str:
     parent = posixpath.dirname(path)
     while parent not in ("/", ""):
         try:
-            await where.svc.files.stat(where.tenant, where.sandbox_id, parent)
+            await where.svc.files.stat(where.who, where.sandbox_id, parent)
             break
         except errors.NotFound:
             top, parent = parent, posixpath.dirname(parent)
@@ -86,6 +88,4 @@ async def first_missing(where: Target, path: str) -> str:
 async def own(where: Target, path: str) -> None:
     """What the SDK makes belongs to the user it acts as (files are written as root)."""
     if where.user != "root":
-        await where.svc.files.chown(
-            where.tenant, where.sandbox_id, path, where.user, recursive=True
-        )
+        await where.svc.files.chown(where.who, where.sandbox_id, path, where.user, recursive=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cella import errors
+from cella.policy.access import Principal
 from cella.service.background import Background
 from cella.service.files import Files
 
@@ -23,8 +24,10 @@ IDLE = 600.0
 Seen = dict[str, tuple[str, int, int]]  # relative path -> (kind, size, mtime)
 
 
-async def listing(files: Files, tenant: str, sandbox_id: str, root: str, recursive: bool) -> Seen:
-    walk = files.walk(tenant, sandbox_id, root, depth=None if recursive else 1)
+async def listing(
+    files: Files, who: Principal, sandbox_id: str, root: str, recursive: bool
+) -> Seen:
+    walk = files.walk(who, sandbox_id, root, depth=None if recursive else 1)
     return {
         found.relative: (found.entry.kind, found.entry.size, found.entry.mtime_ns)
         async for found in walk
@@ -47,7 +50,7 @@ def changes(before: Seen, after: Seen) -> list[dict[str, Any]]:
 @dataclass(eq=False)
 class Watcher:
     id: str
-    tenant: str
+    who: Principal
     sandbox_id: str
     root: str
     recursive: bool
@@ -62,7 +65,7 @@ class Watcher:
             await asyncio.sleep(POLL)
             try:
                 now = await listing(
-                    self.files, self.tenant, self.sandbox_id, self.root, self.recursive
+                    self.files, self.who, self.sandbox_id, self.root, self.recursive
                 )
             except errors.CellaError:
                 return  # the directory or the sandbox went away
@@ -78,16 +81,16 @@ class Watchers:
         self,
         background: Background,
         files: Files,
-        tenant: str,
+        who: Principal,
         sandbox_id: str,
         root: str,
         recursive: bool,
     ) -> Watcher:
-        entry = await files.stat(tenant, sandbox_id, root)
+        entry = await files.stat(who, sandbox_id, root)
         if entry.kind != "dir":
             raise errors.NotADirectory(f"{root} is not a directory")
-        seen = await listing(files, tenant, sandbox_id, root, recursive)
-        watcher = Watcher(secrets.token_hex(8), tenant, sandbox_id, root, recursive, files, seen)
+        seen = await listing(files, who, sandbox_id, root, recursive)
+        watcher = Watcher(secrets.token_hex(8), who, sandbox_id, root, recursive, files, seen)
         # the daemon's task: its shutdown stops the poll
         watcher.task = background.start(watcher.poll(), name=f"watch-{watcher.id}")
         watcher.task.add_done_callback(lambda _: self._all.pop(watcher.id, None))

@@ -13,6 +13,7 @@ from cella import errors
 from cella.models import ExecRequest
 from cella.server.compat.langsmith.shapes import not_supported
 from cella.service.daemon import Daemon
+from cella.service.keys import Principal
 
 TOOLS = ("buildkitd", "buildctl", "buildkit-runc", "docker")
 # the head of the SDK's script (langsmith.sandbox._client._make_dockerfile_build_command)
@@ -20,14 +21,14 @@ SDK_BUILD = re.compile(r"set -euo pipefail\nmkdir -p [^\n]*\nbuildkitd --addr ")
 PROBE = 'for t in "$@"; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done'
 
 
-async def check(svc: Daemon, tenant: str, sandbox_id: str, command: str) -> None:
+async def check(svc: Daemon, who: Principal, sandbox_id: str, command: str) -> None:
     """Refuses the SDK's Dockerfile build, naming what is missing, in a sandbox without
     BuildKit; anything else passes untouched."""
     if not SDK_BUILD.match(command):
         return
     probe = ExecRequest(command=["sh", "-c", PROBE, "probe", *TOOLS], timeout=30)
     try:
-        result = await svc.exec.run(tenant, sandbox_id, probe)
+        result = await svc.exec.run(who, sandbox_id, probe)
     except errors.CellaError:
         return  # the command itself will meet (and report) what stopped the probe
     missing = result.stdout.decode(errors="replace").split()

@@ -20,6 +20,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from cella import errors
 from cella.models import ExecRequest
+from cella.policy.access import Permission
 from cella.server.compat.langsmith import buildkit
 from cella.server.compat.langsmith.shapes import ERRORS
 from cella.server.compat.langsmith.waking import awake
@@ -49,7 +50,7 @@ async def execute_start(
     sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
 ) -> StreamingResponse:
     await awake(svc, who, sandbox_id)
-    proc = await start_process(svc, who.tenant, sandbox_id, {**body, "close_stdin": True})
+    proc = await start_process(svc, who, sandbox_id, {**body, "close_stdin": True})
     return StreamingResponse(sse(proc, 0, 0), media_type="text/event-stream")
 
 
@@ -57,7 +58,7 @@ async def execute_start(
 async def execute_resume(
     sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody
 ) -> StreamingResponse:
-    proc = svc.processes.get(who.tenant, sandbox_id, str(body.get("command_id")))
+    proc = svc.processes.get(who, sandbox_id, str(body.get("command_id")), Permission.exec)
     out, err = int(body.get("stdout_offset") or 0), int(body.get("stderr_offset") or 0)
     return StreamingResponse(sse(proc, out, err), media_type="text/event-stream")
 
@@ -77,7 +78,7 @@ def seconds_or_none(msg: Json, field: str, default: float | None) -> float | Non
     return None if number < 0 or math.isinf(number) else number
 
 
-async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) -> Process:
+async def start_process(svc: Daemon, who: Principal, sandbox_id: str, msg: Json) -> Process:
     """A LangSmith execute as a cella process (get-or-create on its command id)."""
     if msg.get("run_config") and (msg.get("env") or msg.get("cwd")):
         raise errors.InvalidArgument("env/cwd cannot be combined with run_config")
@@ -94,7 +95,7 @@ async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) ->
     except (ValidationError, TypeError) as exc:
         problems = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
         raise errors.InvalidArgument(describe(problems)) from None
-    await buildkit.check(svc, tenant, sandbox_id, str(msg.get("command") or ""))
+    await buildkit.check(svc, who, sandbox_id, str(msg.get("command") or ""))
     pty = bool(msg.get("pty"))
     spec = ProcessSpec(
         request=request,
@@ -105,7 +106,7 @@ async def start_process(svc: Daemon, tenant: str, sandbox_id: str, msg: Json) ->
         ttl=seconds_or_none(msg, "ttl_seconds", 600),
     )
     command_id = str(msg.get("command_id") or "") or f"cmd-{time.time_ns():x}"
-    return await svc.processes.start(tenant, sandbox_id, command_id, spec)
+    return await svc.processes.start(who, sandbox_id, command_id, spec)
 
 
 class TextCursor:
@@ -146,7 +147,7 @@ async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
 
     async def caller() -> Principal:
         who = api_key(ws)
-        svc.registry.get(who.tenant, sandbox_id)
+        svc.registry.get(who, sandbox_id, Permission.exec)  # refused before it opens
         return who
 
     who = await opened(ws, caller)
@@ -163,11 +164,11 @@ async def serve_execute(ws: WebSocket, sandbox_id: str) -> None:
                 pending_close_stdin = True
             elif kind == "execute":
                 await awake(svc, who, sandbox_id)
-                proc = await start_process(svc, who.tenant, sandbox_id, msg)
+                proc = await start_process(svc, who, sandbox_id, msg)
             elif kind == "reconnect":
                 command_id = str(msg.get("command_id"))
                 try:
-                    proc = svc.processes.get(who.tenant, sandbox_id, command_id)
+                    proc = svc.processes.get(who, sandbox_id, command_id, Permission.exec)
                 except errors.NotFound:
                     await send(ws, {"type": "error", "error_type": "CommandNotFound",
                                     "error": f"no command {command_id}"})  # fmt: skip

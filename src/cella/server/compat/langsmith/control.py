@@ -13,6 +13,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 
 from cella import errors
 from cella.models import BucketAuth, BucketMount, SandboxCreate, SandboxUpdate
+from cella.policy.access import Permission
 from cella.server.compat.langsmith.create import (
     CELLA_NAMES,
     flag,
@@ -33,20 +34,24 @@ from cella.server.deps import Caller, DaemonDep, fleet_grant
 from cella.server.routes.downloads import link_url
 from cella.server.routes.ports import login_url
 from cella.service.daemon import Daemon
+from cella.service.keys import Principal
 from cella.service.lifecycle import UNSET
 from cella.service.logins import ACCESS as LOGIN_ACCESS
 from cella.store import SandboxRecord, SnapshotRecord
 
 Json = dict[str, Any]
+VIEW, MANAGE = Permission.view, Permission.manage
 JsonBody = Annotated[dict[str, Any], Body()]
 
 
 def router(prefix: str) -> APIRouter:
     api = APIRouter(prefix=prefix, include_in_schema=False)
 
-    def box(svc: Daemon, tenant: str, name: str) -> SandboxRecord:
+    def box(svc: Daemon, who: Principal, name: str, need: Permission = VIEW) -> SandboxRecord:
+        """The caller's box `name`, if it may `need` it (checked before anything starts
+        in the background, where a refusal would be lost)."""
         try:
-            return svc.registry.named(tenant, name)
+            return svc.registry.named(who, name, need)
         except errors.NotFound:
             raise errors.NotFound(f"Sandbox '{name}' not found") from None
 
@@ -58,7 +63,7 @@ def router(prefix: str) -> APIRouter:
     @api.post("/boxes")
     async def create_box(request: Request, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
         spec = create_spec(svc, who.tenant, body)
-        made = svc.create(who.tenant, spec, creator=who, fleet_grant=fleet_grant(request))
+        made = svc.create(who, spec, fleet_grant=fleet_grant(request))
         task = svc.background.start(made, name=f"create-{spec.name}")
         if body.get("wait_for_ready", True):
             timeout = float(body.get("timeout") or 30)
@@ -71,24 +76,24 @@ def router(prefix: str) -> APIRouter:
             if task.done():
                 return shown(svc, request, task.result())
             with contextlib.suppress(errors.NotFound):
-                return shown(svc, request, svc.registry.named(who.tenant, spec.name or ""))
+                return shown(svc, request, svc.registry.named(who, spec.name or ""))
             await asyncio.sleep(0.01)
         return shown(svc, request, await task)
 
     @api.get("/boxes")
     async def list_boxes(request: Request, svc: DaemonDep, who: Caller) -> Json:
-        rows = svc.registry.find(who.tenant)
+        rows = svc.registry.find(who)
         return {"sandboxes": [shown(svc, request, r) for r in rows if r.state != "deleting"]}
 
     @api.get("/boxes/{name}")
     async def get_box(name: str, request: Request, svc: DaemonDep, who: Caller) -> Json:
-        return shown(svc, request, box(svc, who.tenant, name))
+        return shown(svc, request, box(svc, who, name))
 
     @api.patch("/boxes/{name}")
     async def update_box(
         name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name, MANAGE)
         unknown = set(body) - {"name", "idle_ttl_seconds", "delete_after_stop_seconds",
                                "proxy_config", "run_config"}  # fmt: skip
         if unknown:
@@ -96,9 +101,9 @@ def router(prefix: str) -> APIRouter:
         change = update_of(body, row)  # all of it checked before anything changes
         if "proxy_config" in body:
             policy = network_of(body["proxy_config"], svc, who.tenant)
-            await svc.egress.set_network(who.tenant, row.id, policy)
+            await svc.egress.set_network(who, row.id, policy)
         row = await svc.lifecycle.update(
-            who.tenant,
+            who,
             row.id,
             name=change.name,
             idle_timeout_seconds=given(change, "idle_timeout_seconds"),
@@ -109,37 +114,37 @@ def router(prefix: str) -> APIRouter:
 
     @api.delete("/boxes/{name}", status_code=204)
     async def delete_box(name: str, svc: DaemonDep, who: Caller) -> Response:
-        await svc.lifecycle.delete(who.tenant, box(svc, who.tenant, name).id)
+        await svc.lifecycle.delete(who, box(svc, who, name, MANAGE).id)
         return Response(status_code=204)
 
     @api.get("/boxes/{name}/status")
     async def box_status(name: str, request: Request, svc: DaemonDep, who: Caller) -> Json:
-        view = shown(svc, request, box(svc, who.tenant, name))
+        view = shown(svc, request, box(svc, who, name))
         return {"status": view["status"], "status_message": view["status_message"]}
 
     @api.post("/boxes/{name}/start")
     async def start_box(name: str, svc: DaemonDep, who: Caller) -> Json:
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name, Permission.exec)
         # booting takes seconds: the SDK polls /status for it
-        svc.background.start(svc.lifecycle.resume(who.tenant, row.id), name=f"start-{row.id}")
+        svc.background.start(svc.lifecycle.resume(who, row.id), name=f"start-{row.id}")
         return {"status": "provisioning"}
 
     @api.post("/boxes/{name}/stop")
     async def stop_box(name: str, svc: DaemonDep, who: Caller) -> Json:
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name, MANAGE)
         # preserve_memory_on_stop (the row's stop_keeps_memory) makes this stop a pause
-        svc.background.start(svc.lifecycle.stop(who.tenant, row.id), name=f"stop-{row.id}")
+        svc.background.start(svc.lifecycle.stop(who, row.id), name=f"stop-{row.id}")
         return {"status": "stopped"}
 
     @api.post("/boxes/{name}/service-url")
     async def service_url(
         name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name, Permission.exec)
         if body.get("access") is not None:
             return login_service_url(request, row.id, body)
         token = svc.ports.mint(
-            who.tenant,
+            who,
             row.id,
             int(body.get("port") or 0),
             int(body.get("expires_in_seconds") or 600),
@@ -159,7 +164,7 @@ def router(prefix: str) -> APIRouter:
         name: str, request: Request, svc: DaemonDep, who: Caller, body: JsonBody
     ) -> Json:
         """cella's download link (`/v1/downloads/...`), made to wake a stopped box."""
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name)
         unknown = set(body) - {"path", "expires_in_seconds", "content_type", "content_disposition"}
         if unknown:
             raise not_supported(f"download links with {sorted(unknown)}")
@@ -172,7 +177,7 @@ def router(prefix: str) -> APIRouter:
         if expires is not None and (not isinstance(expires, int) or isinstance(expires, bool)):
             raise errors.InvalidArgument(f"expires_in_seconds: a whole number, not {expires!r}")
         link = svc.downloads.mint(
-            who.tenant,
+            who,
             row.id,
             absolute(body["path"]),
             expires,
@@ -188,7 +193,7 @@ def router(prefix: str) -> APIRouter:
 
     @api.post("/boxes/{name}/snapshot")
     async def capture(name: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
-        row = box(svc, who.tenant, name)
+        row = box(svc, who, name)
         unknown = set(body) - {
             "name",
             "tag",
@@ -210,7 +215,7 @@ def router(prefix: str) -> APIRouter:
         snap_name, tag = str(body["name"]), str(body.get("tag") or "latest")
         if body.get("docker_image"):  # the image in the sandbox's Docker, not the VM
             snap = svc.images.from_sandbox(
-                who.tenant,
+                who,
                 row.id,
                 snap_name,
                 str(body["docker_image"]),
@@ -222,7 +227,7 @@ def router(prefix: str) -> APIRouter:
         if body.get("run_config") or body.get("fs_capacity_bytes"):
             raise not_supported("run_config or fs_capacity_bytes on a capture of the running VM")
         snap = await svc.snapshots.snapshot(
-            who.tenant,
+            who,
             row.id,
             snap_name,
             tag,

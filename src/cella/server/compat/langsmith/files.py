@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from cella import errors
 from cella.guest.protocol import Entry
 from cella.models import ExecRequest, guest_path
+from cella.policy.access import Permission, Principal
 from cella.server.compat.langsmith.waking import awake
 from cella.server.deps import Caller, DaemonDep
 from cella.service.daemon import Daemon
@@ -40,7 +41,7 @@ async def upload(sandbox_id: str, path: str, svc: DaemonDep, who: Caller, file: 
         while chunk := await file.read(256 << 10):
             yield chunk
 
-    entry = await svc.files.write(who.tenant, sandbox_id, target, chunks(), parents=True)
+    entry = await svc.files.write(who, sandbox_id, target, chunks(), parents=True)
     return {"path": target, "size": entry.size}
 
 
@@ -57,7 +58,7 @@ async def download(
 ) -> Response:
     await awake(svc, who, sandbox_id)
     target = absolute(path)
-    entry = await svc.files.stat(who.tenant, sandbox_id, target)
+    entry = await svc.files.stat(who, sandbox_id, target)
     if entry.kind == "dir":
         raise errors.IsADirectory(f"{target} is a directory")
     etag = f'"{entry.size:x}-{entry.mtime_ns:x}"'
@@ -75,12 +76,12 @@ async def download(
     if request.method == "HEAD":
         return Response(headers={**headers, "content-length": str(entry.size)})
     if span is None:
-        body = await svc.files.read(who.tenant, sandbox_id, target)
+        body = await svc.files.read(who, sandbox_id, target)
         return StreamingResponse(body, headers={**headers, "content-length": str(entry.size)})
     first, last = span
     headers["content-range"] = f"bytes {first}-{last}/{entry.size}"
     headers["content-length"] = str(last - first + 1)
-    body = slice_of(svc, who.tenant, sandbox_id, target, first, last - first + 1)
+    body = slice_of(svc, who, sandbox_id, target, first, last - first + 1)
     return StreamingResponse(body, status_code=206, headers=headers)
 
 
@@ -90,7 +91,7 @@ async def glob(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> 
     root = absolute(str(body.get("path") or HOME))
     limit = min(int(body.get("limit") or GLOB_LIMIT), GLOB_LIMIT)
     matcher = glob_regex(str(body.get("pattern") or "*"))
-    matches, truncated = await walk(svc, who.tenant, sandbox_id, root, matcher, limit)
+    matches, truncated = await walk(svc, who, sandbox_id, root, matcher, limit)
     return {
         "matches": [
             {
@@ -113,7 +114,7 @@ async def grep(sandbox_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> 
     argv = ["grep", "-rnIF", "--", str(body.get("pattern") or ""), root]
     if body.get("glob") and "/" not in body["glob"] and "**" not in body["glob"]:
         argv[1:1] = [f"--include={body['glob']}"]
-    result = await svc.exec.run(who.tenant, sandbox_id, ExecRequest(command=argv, timeout=60))
+    result = await svc.exec.run(who, sandbox_id, ExecRequest(command=argv, timeout=60))
     matches = []
     for line in result.stdout.decode(errors="replace").splitlines():
         path, _, rest = line.partition(":")
@@ -150,12 +151,13 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
 
 
 async def slice_of(
-    svc: Daemon, tenant: str, sandbox_id: str, path: str, offset: int, count: int
+    svc: Daemon, who: Principal, sandbox_id: str, path: str, offset: int, count: int
 ) -> AsyncIterator[bytes]:
     """`count` bytes of a file from `offset`, read in the guest (`dd`), streamed."""
     argv = ["dd", f"if={path}", "bs=64K", "iflag=skip_bytes,count_bytes",
             f"skip={offset}", f"count={count}", "status=none"]  # fmt: skip
-    async for event in svc.exec.stream(tenant, sandbox_id, ExecRequest(command=argv)):
+    request = ExecRequest(command=argv)
+    async for event in svc.exec.stream(who, sandbox_id, request, need=Permission.view):
         data = getattr(event, "data", None)
         if data and getattr(event, "stream", "") == "stdout":
             yield data
@@ -184,14 +186,14 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
 
 
 async def walk(
-    svc: Daemon, tenant: str, sandbox_id: str, root: str, rx: re.Pattern[str], limit: int
+    svc: Daemon, who: Principal, sandbox_id: str, root: str, rx: re.Pattern[str], limit: int
 ) -> tuple[list[tuple[str, Entry]], bool]:
     """Entries under `root` whose path relative to it matches, breadth first (the files
     room's walk, for GLOB_SECONDS at most), until `limit` matches or a bound of the walk."""
     recursive = "**" in rx.pattern or "/" in rx.pattern
     depth = None if recursive else 1
     found: list[tuple[str, Entry]] = []
-    tree = svc.files.walk(tenant, sandbox_id, root, depth=depth, seconds=GLOB_SECONDS)
+    tree = svc.files.walk(who, sandbox_id, root, depth=depth, seconds=GLOB_SECONDS)
     async for item in tree:
         if rx.match(item.relative):
             found.append((item.path, item.entry))

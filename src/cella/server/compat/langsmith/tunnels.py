@@ -50,7 +50,7 @@ async def serve_tunnel(ws: WebSocket, sandbox_id: str) -> None:
             await stream.write(TUNNEL_BAD_VERSION)
             return
         try:
-            guest = await svc.ports.open(who.tenant, sandbox_id, port)
+            guest = await svc.ports.open(who, sandbox_id, port)
         except errors.CellaError:
             await stream.write(TUNNEL_DIAL_FAILED)
             return

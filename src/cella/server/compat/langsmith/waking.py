@@ -11,4 +11,4 @@ from cella.store import SandboxRecord
 
 async def awake(svc: Daemon, who: Principal, sandbox_id: str) -> SandboxRecord:
     """The sandbox, running (see `Lifecycle.awake`)."""
-    return await svc.lifecycle.awake(who.tenant, sandbox_id, read_only=who.read_only)
+    return await svc.lifecycle.awake(who, sandbox_id)

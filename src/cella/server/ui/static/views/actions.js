@@ -1,4 +1,4 @@
-// Lifecycle actions on a sandbox, each confirmed first.
+// Lifecycle actions on a sandbox, each confirmed first; only those the key may take.
 import { api } from "../api.js";
 import { confirmAction, h, toast } from "../dom.js";
 
@@ -9,6 +9,15 @@ const ACTIONS = {
   error: ["delete"],
   lost: ["delete"],
 };
+
+// What each action needs of the caller (the sandbox's `permission` says what it has): a
+// control the key may not use is not shown.
+const NEEDS = { pause: "manage", stop: "manage", delete: "manage", resume: "exec", snapshot: "exec", fork: "exec" };
+const LEVELS = { view: 1, exec: 2, manage: 3 };
+
+export function may(sb, level) {
+  return (LEVELS[sb.permission] || 0) >= LEVELS[level];
+}
 
 async function act(sb, action) {
   const what = action === "fork" ? "fork (1 branch)" : action;
@@ -24,7 +33,8 @@ async function act(sb, action) {
 }
 
 export function actionButtons(sb, after) {
-  return h("span", { class: "actions" }, (ACTIONS[sb.state] || []).map((action) =>
+  const allowed = (ACTIONS[sb.state] || []).filter((action) => may(sb, NEEDS[action]));
+  return h("span", { class: "actions" }, allowed.map((action) =>
     h("button", {
       type: "button",
       class: action === "delete" ? "danger small" : "small",

@@ -1,6 +1,7 @@
 // The sandbox's files: browse, view, upload, download.
 import { api, download, query, raw } from "../api.js";
 import { bytes, h, toast } from "../dom.js";
+import { may } from "./actions.js";
 
 const VIEW_MAX = 1 << 20;
 
@@ -11,8 +12,9 @@ export async function render(body, sb) {
   const upload = h("input", { id: "upload", type: "file", "aria-label": "Upload a file to this directory" });
   const list = h("tbody");
   const viewer = h("section", { id: "viewer", "aria-label": "File content" });
+  // a key that may only view the sandbox reads its files, and is offered no upload
   const form = h("form", { class: "bar" }, h("label", { for: "files-path" }, "Directory"), where, go,
-    h("label", { for: "upload", class: "button" }, "Upload…"), upload);
+    ...(may(sb, "exec") ? [h("label", { for: "upload", class: "button" }, "Upload…"), upload] : []));
   body.append(form,
     h("div", { class: "cols" },
       h("table", { class: "list", id: "files" }, h("thead", {}, h("tr", {}, ["Name", "Size", "Mode", ""].map((c) => h("th", { scope: "col" }, c)))), list),

@@ -2,7 +2,7 @@
 // and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
 import { api } from "../api.js";
 import { badge, h, mib, toast } from "../dom.js";
-import { actionButtons } from "./actions.js";
+import { actionButtons, may } from "./actions.js";
 import * as files from "./files.js";
 import * as lineage from "./lineage.js";
 import * as terminal from "./terminal.js";
@@ -16,7 +16,10 @@ export async function render(main, [id, tab], params) {
   const suffix = tenant ? `?tenant=${encodeURIComponent(tenant)}` : "";
   const sb = await load(id, tenant);
   if (sb.state === "deleted" && !["trace", "lineage"].includes(tab)) tab = "trace";
-  const nav = h("nav", { class: "tabs", "aria-label": "Sandbox" }, Object.keys(TABS).map((t) =>
+  // the terminal runs commands: only for a key that may exec in it
+  const tabs = Object.keys(TABS).filter((t) => t !== "terminal" || may(sb, "exec"));
+  if (!tabs.includes(tab)) tab = "overview";
+  const nav = h("nav", { class: "tabs", "aria-label": "Sandbox" }, tabs.map((t) =>
     h("a", { href: `#/sandboxes/${id}/${t}${suffix}`, "aria-current": t === tab ? "page" : false }, t)));
   const head = h("div", { class: "bar" },
     h("h1", {}, sb.name || sb.id), badge(sb.state), h("span", { class: "muted mono" }, sb.id),
@@ -50,6 +53,9 @@ async function overview(body, sb) {
       h("table", { class: "kv" }, h("caption", {}, "Sandbox"), h("tbody", {},
         row("template", sb.template),
         row("tenant", sb.tenant || ""),
+        row("creator", sb.creator || "made before keys had principals"),
+        row("access", `${sb.visibility || "tenant"}${Object.keys(sb.shares || {}).length ? `; shared with ${Object.entries(sb.shares).map(([p, l]) => `${p} (${l})`).join(", ")}` : ""}`),
+        row("your key", sb.permission || "–"),
         row("created", `${sb.created_at} (${sb.created_from || ""})`),
         row("limits", `${sb.vcpus} vCPU · ${sb.memory_mib} MiB · disk ${sb.disk_mib ? `${sb.disk_mib} MiB` : "template's"}`),
         row("wall clock", sb.ttl_seconds ? `${sb.ttl_seconds} s, then ${sb.ttl_action}` : "none"),
@@ -61,7 +67,7 @@ async function overview(body, sb) {
         row("accelerator", `${sb.accel || ""} ${sb.accel_reason ? `(${sb.accel_reason})` : ""}`),
         sb.error ? row("error", h("span", { class: "error" }, sb.error)) : null)),
       h("table", { class: "kv" }, h("caption", {}, "Usage"), usage)),
-    ports(sb));
+    may(sb, "exec") ? ports(sb) : null);
   async function refresh() {
     try {
       const u = await api("GET", `/v1/sandboxes/${sb.id}/usage`, { tenant: sb.tenant });
