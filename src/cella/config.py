@@ -94,6 +94,14 @@ class DaemonSettings(BaseSettings):
     )
     tls_cert: Path | None = Field(default=None, description="serve HTTPS with this certificate")
     tls_key: Path | None = Field(default=None, description="the private key of tls_cert")
+    proxy_api_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="with TLS: the loopback port where the API also answers in clear, for "
+        "the egress proxy alone to reach (access delegation, rewrite rules); `cella serve` "
+        "picks one when 0",
+    )
     allow_insecure_listen: bool = Field(
         default=False,
         description="listen on an address other than loopback without TLS (only behind a "

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from cella import errors
 from cella.fleet.tls import node_certificate
 from cella.models import RewriteRule, SandboxPort
 from tests.daemon import Daemon, DaemonFactory, free_port
@@ -44,14 +43,24 @@ def test_the_api_speaks_tls_only(daemon: Daemon, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("SSL_CERT_FILE", cert)
     with daemon.client() as client, client.create() as sb:
         assert sb.exec("echo over tls").stdout == b"over tls\n"
-        # a rewrite rule needs the proxy to reach the daemon in clear: refused here by name
-        to_itself = RewriteRule(host="api.internal", to=SandboxPort(sandbox=sb.id, port=80))
-        with pytest.raises(
-            errors.InvalidArgument, match="rewrites: not supported by a daemon serving TLS"
-        ):
-            sb.set_network(rewrites=[to_itself])
-        sb.set_network(allow=["pypi.org"])  # the control: the same call without it
+        # a rewrite rule: the proxy reaches the daemon in clear on a loopback port of its
+        # own (`proxy_api_port`), so it works here as on a daemon without TLS
+        served = sb.exec("cd /tmp && echo served-here > page.txt && "
+                         "(nohup python3 -m http.server 8000 >/dev/null 2>&1 &)")  # fmt: skip
+        assert served.exit_code == 0, served.stderr
+        to_itself = RewriteRule(host="api.internal", to=SandboxPort(sandbox=sb.id, port=8000))
+        sb.set_network(rewrites=[to_itself])
+        got = sb.exec("for i in $(seq 50); do curl -sf http://api.internal/page.txt && break; "
+                      "sleep 0.2; done")  # fmt: skip
+        assert got.stdout == b"served-here\n", got.stdout + got.stderr
+        sb.set_network(allow=["pypi.org"])  # the rule gone: the name is refused again
         assert sb.refresh().info.network.allow == ["pypi.org"]
+        assert sb.exec("curl -sf -m 10 http://api.internal/page.txt").exit_code != 0
+        # access delegation the same way: `cella.api` in the guest is this TLS daemon
+        key = client.create_key("tls-team")["key"]
+    with daemon.client(key) as team, team.create(access_delegation={"mode": "inherit"}) as box:
+        listed = box.exec("curl -s -m 20 http://cella.api/v1/sandboxes")
+        assert box.id in listed.stdout.decode(), listed.stdout + listed.stderr
     daemon_file = (daemon.data_dir / "daemon.json").read_text()
     assert f'"url": "{daemon.url}"' in daemon_file  # local clients find https
 

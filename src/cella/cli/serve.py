@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -62,6 +65,8 @@ def serve(
     except ValueError as exc:
         typer.echo(f"cella serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    if settings.tls_cert is not None and not settings.proxy_api_port and ray is None:
+        settings = settings.model_copy(update={"proxy_api_port": _free_loopback_port()})
     host, port = settings.host_port
     typer.echo(
         f"cella serve: the API at {settings.url}/v1, the web console at {settings.url}/ui "
@@ -77,12 +82,52 @@ def serve(
         from cella.server.compat import ADAPTERS
 
         app = create_app(settings, ADAPTERS)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
-        ssl_certfile=settings.tls_cert,
-        ssl_keyfile=settings.tls_key,
+    main = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=5,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
+        )
     )
+    asyncio.run(_serve(main, app, settings))
+
+
+async def _serve(main: Any, app: Any, settings: Any) -> None:
+    """The API; with TLS, also in clear on a loopback port for the egress proxy alone (it
+    carries delegated calls and rewrites there), stopped with the API."""
+    import uvicorn
+
+    if settings.tls_cert is None or not settings.proxy_api_port:
+        await main.serve()
+        return
+
+    class Quiet(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:  # the API's server takes the signals
+            yield
+
+    clear = Quiet(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=settings.proxy_api_port,
+            log_level=settings.log_level,
+            lifespan="off",  # the daemon is started and stopped by the API's server
+        )
+    )
+    task = asyncio.create_task(clear.serve())
+    try:
+        await main.serve()
+    finally:
+        clear.should_exit = True
+        await task
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

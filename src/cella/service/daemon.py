@@ -81,7 +81,8 @@ class Daemon:
             self.events.sinks.append(self._spans)
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
-        self.rewrites = Rewrites(self.registry, self.ports, tls=settings.tls_cert is not None)
+        clear = settings.tls_cert is None or settings.proxy_api_port != 0
+        self.rewrites = Rewrites(self.registry, self.ports, tls=not clear)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
@@ -239,10 +240,11 @@ class Daemon:
         return row
 
     def _grant(self, who: Principal, spec: SandboxCreate) -> delegation.Json | None:
-        if spec.access_delegation is not None and self.settings.tls_cert is not None:
+        tls = self.settings.tls_cert is not None
+        if spec.access_delegation is not None and tls and not self.settings.proxy_api_port:
             raise errors.InvalidArgument(
-                "access_delegation: not supported by a daemon serving TLS (the egress proxy "
-                "reaches the API over plain HTTP on loopback)"
+                "access_delegation: not supported by a daemon serving TLS without a "
+                "proxy_api_port (the egress proxy reaches the API in clear on loopback)"
             )
         if spec.access_delegation is not None:
             own = self.keys.by_id(who.key_id) if who.key_id else None

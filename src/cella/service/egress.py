@@ -40,7 +40,10 @@ BOUNDARY_REFRESH_SECONDS = 30.0  # the host's interface addresses can change (DH
 
 
 def api_address(settings: DaemonSettings) -> tuple[str, int]:
-    """Where the daemon's own API is reached from this host (any-address listens: loopback)."""
+    """Where the daemon's own API is reached in clear from this host (any-address listens:
+    loopback; a daemon serving TLS: its clear loopback port for the proxy)."""
+    if settings.tls_cert is not None and settings.proxy_api_port:
+        return "127.0.0.1", settings.proxy_api_port
     host, port = settings.host_port
     host = host.strip("[]")
     with contextlib.suppress(ValueError):

@@ -36,8 +36,8 @@ class Rewrites:
             return policy
         if self.tls:
             raise errors.InvalidArgument(
-                "rewrites: not supported by a daemon serving TLS (the egress proxy reaches "
-                "the daemon over plain HTTP)"
+                "rewrites: not supported by a daemon serving TLS without a proxy_api_port "
+                "(the egress proxy reaches the daemon in clear on loopback)"
             )
         rules = [self._settled(who, rule) for rule in policy.rewrites]
         return policy.model_copy(update={"rewrites": rules})
