@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +23,7 @@ from bench._stats import report, summary_ms
 from cella import Client
 from cella.models import BucketMount
 from tests.daemon import Daemon, kill_vms_of
-from tests.integration.test_cloud_auth import _wait_tls
-from tests.netservers import TestCA, free_loopback_block
+from tests.netservers import TestCA, free_loopback_block, moto_key, start_moto
 
 S3_HOST = "s3.us-east-1.amazonaws.com"
 BUCKET = "bench"
@@ -53,24 +50,10 @@ def main() -> None:
     prefix = free_loopback_block()
     s3 = f"{prefix}.4"
     ca = TestCA(base / "ca", [S3_HOST, s3])
-    log = base / "moto.log"
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", s3, "-p", "443",
-         "-c", str(ca.server_cert), "-k", str(ca.server_key)],
-        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    moto = start_moto(s3, ca, base / "moto.log")
     d: Daemon | None = None
     try:
-        _wait_tls(s3, 443, moto, log)
-        setup = {"aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
-        iam = boto3.client("iam", endpoint_url=f"https://{s3}", region_name="us-east-1",
-                           verify=str(ca.cert), **setup)  # fmt: skip
-        iam.create_user(UserName="bench")
-        policy = {"Effect": "Allow", "Action": "*", "Resource": "*"}
-        iam.put_user_policy(UserName="bench", PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [policy]}))  # fmt: skip
-        key = iam.create_access_key(UserName="bench")["AccessKey"]
+        key = moto_key(s3, ca, "bench")
         client = boto3.client(
             "s3", endpoint_url=f"https://{s3}", region_name="us-east-1", verify=str(ca.cert),
             aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"],

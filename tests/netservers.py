@@ -8,11 +8,14 @@ import gzip
 import http.server
 import ipaddress
 import json
+import os
 import random
 import socket
 import ssl
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -481,3 +484,45 @@ class GcsHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+def start_moto(addr: str, ca: TestCA, log: Path) -> subprocess.Popen[bytes]:
+    """moto's server on `addr:443` with `ca`'s certificate, checking signatures once its
+    first three calls (the IAM setup of `moto_key`) are done; returned once it listens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", addr, "-p", "443",
+         "-c", str(ca.server_cert), "-k", str(ca.server_key)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto exited: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection((addr, 443), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("moto did not start")
+
+
+def moto_key(addr: str, ca: TestCA, user: str) -> dict[str, str]:
+    """An IAM user of the moto at `addr` allowed everything, and its access key (moto's
+    first three calls, made before it checks signatures)."""
+    import boto3
+
+    iam = boto3.client(
+        "iam", endpoint_url=f"https://{addr}", region_name="us-east-1",
+        aws_access_key_id="setup", aws_secret_access_key="setup", verify=str(ca.cert),
+    )  # fmt: skip
+    iam.create_user(UserName=user)
+    allow_all = {"Effect": "Allow", "Action": "*", "Resource": "*"}
+    iam.put_user_policy(
+        UserName=user,
+        PolicyName="all",
+        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [allow_all]}),
+    )
+    key: dict[str, str] = iam.create_access_key(UserName=user)["AccessKey"]
+    return key

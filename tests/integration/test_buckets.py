@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,8 +42,16 @@ from langsmith.sandbox import (
 from cella import Client, Sandbox, errors
 from cella.models import BucketMount, GitMount
 from tests.daemon import Daemon
-from tests.integration.test_cloud_auth import TokenHandler, _wait_tls
-from tests.netservers import GcsHandler, Recorder, Servers, TestCA, free_loopback_block
+from tests.integration.test_cloud_auth import TokenHandler
+from tests.netservers import (
+    GcsHandler,
+    Recorder,
+    Servers,
+    TestCA,
+    free_loopback_block,
+    moto_key,
+    start_moto,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -99,28 +104,10 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     prefix = free_loopback_block()
     s3, token, gcs = f"{prefix}.4", f"{prefix}.5", f"{prefix}.6"
     ca = TestCA(base / "ca", [S3_HOST, VHOST, TOKEN_HOST, GCS_HOST, s3, token, gcs])
-    log = base / "moto.log"
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", s3, "-p", "443",
-         "-c", str(ca.server_cert), "-k", str(ca.server_key)],
-        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    moto = start_moto(s3, ca, base / "moto.log")
     servers = Servers()
     try:
-        _wait_tls(s3, 443, moto, log)
-        iam = boto3.client(
-            "iam", endpoint_url=f"https://{s3}", region_name="us-east-1",
-            aws_access_key_id="setup", aws_secret_access_key="setup", verify=str(ca.cert),
-        )  # fmt: skip
-        iam.create_user(UserName="agent")
-        allow_all = {"Effect": "Allow", "Action": "*", "Resource": "*"}
-        iam.put_user_policy(
-            UserName="agent",
-            PolicyName="all",
-            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [allow_all]}),
-        )
-        key = iam.create_access_key(UserName="agent")["AccessKey"]
+        key = moto_key(s3, ca, "agent")
         private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         pem = private.private_bytes(
             serialization.Encoding.PEM,

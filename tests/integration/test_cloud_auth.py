@@ -13,17 +13,12 @@ import asyncio
 import hashlib
 import http.server
 import json
-import os
 import secrets
-import socket
 import ssl
-import subprocess
-import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -49,7 +44,14 @@ from cella import Client, Sandbox
 from cella.models import AwsSigning, GcpToken
 from cella.policy.cloud import DUMMY_AWS_ENV
 from tests.daemon import Daemon
-from tests.netservers import Recorder, Servers, TestCA, free_loopback_block
+from tests.netservers import (
+    Recorder,
+    Servers,
+    TestCA,
+    free_loopback_block,
+    moto_key,
+    start_moto,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -160,19 +162,6 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _wait_tls(addr: str, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto exited: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection((addr, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("moto did not start")
-
-
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     base = tmp_path_factory.mktemp("cloud")
@@ -180,33 +169,10 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     s3, token, api = f"{prefix}.4", f"{prefix}.5", f"{prefix}.6"
     names = [S3_HOST, STS_HOST, STORE_HOST, TOKEN_HOST, API_HOST]
     ca = TestCA(base / "ca", [*names, s3, token, api])
-    # moto checks signatures once its first three calls (the IAM setup below) are done
-    log = base / "moto.log"
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", s3, "-p", "443",
-         "-c", str(ca.server_cert), "-k", str(ca.server_key)],
-        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    moto = start_moto(s3, ca, base / "moto.log")
     servers = Servers()
     try:
-        _wait_tls(s3, 443, moto, log)
-        iam = boto3.client(
-            "iam",
-            endpoint_url=f"https://{s3}",
-            region_name="us-east-1",
-            aws_access_key_id="setup",
-            aws_secret_access_key="setup",
-            verify=str(ca.cert),
-        )
-        iam.create_user(UserName="agent")
-        allow_all = {"Effect": "Allow", "Action": "*", "Resource": "*"}
-        iam.put_user_policy(
-            UserName="agent",
-            PolicyName="all",
-            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [allow_all]}),
-        )
-        key = iam.create_access_key(UserName="agent")["AccessKey"]
+        key = moto_key(s3, ca, "agent")
         private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         pem = private.private_bytes(
             serialization.Encoding.PEM,
