@@ -185,6 +185,24 @@ class DaemonSettings(BaseSettings):
     )
     default_max_pids: int = Field(default=4096, ge=16, description="guest processes per sandbox")
     reaper_interval: float = Field(default=0.5, gt=0, description="seconds between TTL checks")
+    metrics_interval: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds between samples of each running sandbox's CPU, memory and disk "
+        "(0: none are taken)",
+    )
+    metrics_keep: int = Field(
+        default=720, ge=1, le=100_000, description="samples kept per sandbox (the oldest go)"
+    )
+    webhook_attempts: int = Field(
+        default=6, ge=1, le=20, description="tries of a webhook delivery before it is failed"
+    )
+    webhook_backoff: float = Field(
+        default=2.0,
+        gt=0,
+        description="seconds before a failed webhook delivery's first retry (doubling after "
+        "each, up to 10 minutes)",
+    )
     pool_size: int = Field(default=2, ge=0, le=256, description="warm VMs kept per pool shape")
     pool_spares: int = Field(
         default=1,

@@ -14,9 +14,6 @@ from tests.unit.in_process import serving
 CALLS = [
     ("POST", "/volumes", "volumes"),
     ("GET", "/volumes/vol-1", "volumes"),
-    ("GET", "/sandboxes/metrics", "sandbox metrics"),
-    ("GET", "/sandboxes/sb-1/metrics", "sandbox metrics"),
-    ("GET", "/sandboxes/sb-1/logs", "sandbox logs"),
     ("POST", "/v3/templates", "building templates"),
     ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
     ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
@@ -53,6 +50,25 @@ async def test_served_paths_are_not_shadowed(tmp_path: Path) -> None:
     assert info.status_code == 404 and info.json()["code"] == 404
     assert gone.status_code == 404 and gone.json()["code"] == 404
     assert listed.status_code == 200 and listed.json() == []
+
+
+async def test_metrics_and_logs_are_served(tmp_path: Path) -> None:
+    """`/sandboxes/metrics` is no sandbox id: it wants `sandbox_ids` (E2B's 400 without,
+    an empty map for ids nobody has); a missing sandbox's metrics and logs are E2B's 404."""
+    async with serving(tmp_path) as app:
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            head = {"X-API-KEY": app.admin_key}
+            bare = await c.get("/sandboxes/metrics", headers=head)
+            many = await c.get("/sandboxes/metrics?sandbox_ids=sb-1,sb-2", headers=head)
+            one = await c.get("/sandboxes/sb-0000000000000000/metrics", headers=head)
+            logs = await c.get("/v2/sandboxes/sb-0000000000000000/logs", headers=head)
+            bad = await c.get("/v2/sandboxes/sb-1/logs?direction=sideways", headers=head)
+    assert bare.status_code == 400 and "sandbox_ids" in bare.json()["message"]
+    assert many.status_code == 200 and many.json() == {"sandboxes": {}}
+    assert one.status_code == 404 and one.json()["code"] == 404
+    assert logs.status_code == 404 and logs.json()["code"] == 404
+    assert bad.status_code == 400 and "direction" in bad.json()["message"]
 
 
 async def test_refreshes_extend_and_never_shorten(tmp_path: Path) -> None:

@@ -316,6 +316,35 @@ def _git_mount(text: str) -> GitMount:
         raise typer.BadParameter(f"--mount: {exc}") from None
 
 
+@app.command()
+def metrics(
+    sandbox_id: str,
+    since: Annotated[
+        float | None, typer.Option(help="only samples of the last SECONDS", metavar="SECONDS")
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """CPU, memory and disk of a sandbox over time (sampled while it runs)."""
+    import time
+
+    start = time.time() - since if since is not None else None
+    with Client() as client:
+        rows = client.get(sandbox_id).metrics(start=start)
+    if json_:
+        emit_json([m.model_dump(mode="json") for m in rows])
+        return
+    table = Listing("time", "cpu %", "mem MiB", "cache MiB", "disk MiB")
+    for m in rows:
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(m.at)),
+            f"{m.cpu_used_pct:.1f} of {m.cpu_count}",
+            f"{m.mem_used >> 20}/{m.mem_total >> 20}",
+            str(m.mem_cache >> 20),
+            f"{m.disk_used >> 20}/{m.disk_total >> 20}",
+        )
+    out.print(table)
+
+
 @app.command("refresh-mounts")
 def refresh_mounts(
     sandbox_id: str,

@@ -56,6 +56,17 @@ from cella.models.network import (
     SecretList,
     SecretPut,
 )
+from cella.models.observe import (
+    MetricList,
+    MetricSample,
+    Webhook,
+    WebhookCreate,
+    WebhookCreated,
+    WebhookDelivery,
+    WebhookDeliveryList,
+    WebhookList,
+    WebhookUpdate,
+)
 from cella.models.pairs import parse_pairs
 from cella.models.ports import ExposedPort, ExposeRequest, LoginUrl
 from cella.models.registries import (
@@ -137,6 +148,8 @@ __all__ = [
     "KeyUseInfo",
     "LineageNode",
     "LoginUrl",
+    "MetricList",
+    "MetricSample",
     "MkdirRequest",
     "MountRefresh",
     "MountRefreshList",
@@ -175,6 +188,13 @@ __all__ = [
     "TemplateBuild",
     "TemplateList",
     "WalkEntry",
+    "Webhook",
+    "WebhookCreate",
+    "WebhookCreated",
+    "WebhookDelivery",
+    "WebhookDeliveryList",
+    "WebhookList",
+    "WebhookUpdate",
     "account_name",
     "decode_data",
     "encode_data",

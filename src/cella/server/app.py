@@ -34,6 +34,7 @@ from cella.server.routes import (
     snapshots,
     templates,
     terminal,
+    webhooks,
 )
 from cella.service.daemon import Daemon
 
@@ -52,6 +53,7 @@ API = (
     evals,
     terminal,
     rewrites,
+    webhooks,
 )
 
 

@@ -6,7 +6,8 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
 `buckets` (S3 and GCS buckets mounted in the guest through the egress proxy),
 `ports` (guest servers, service URLs), `trace` (events and
-lineage), `usage`, `reaper`, `recovery`, `templates` (built in, from images, from
+lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
+tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
 Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
 the pool) and `background` (work a request starts and does not wait for). API surfaces (the
 REST routes, compatible APIs) call these rooms and nothing below them.
@@ -40,6 +41,7 @@ from cella.service.image_snapshots import ImageSnapshots
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
+from cella.service.metrics import Metrics
 from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
@@ -56,6 +58,8 @@ from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
+from cella.service.webhook_delivery import Deliveries
+from cella.service.webhooks import Webhooks
 from cella.store import SandboxRecord, Store, sealing
 from cella.store.sealing import KeyFile, seal_store
 from cella.telemetry.events import EventLog
@@ -108,6 +112,11 @@ class Daemon:
         self.image_registries = ImageRegistries(store)
         self.trace = Trace(self.registry)
         self.usage = Usage(self.registry)
+        self.metrics = Metrics(settings, self.registry)
+        self.webhooks = Webhooks(
+            self.registry, Deliveries(settings, store, lambda: self.egress.boundary)
+        )
+        self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
@@ -178,6 +187,8 @@ class Daemon:
         self.pool.watch(shape)
         self.reaper.start()
         self.processes.start_sweeper()
+        self.metrics.start()
+        self.webhooks.deliveries.start()
         (self.driver.paths.root / DAEMON_FILE).write_text(json.dumps({"url": self.settings.url}))
 
     async def shutdown(self) -> None:
@@ -185,6 +196,8 @@ class Daemon:
         yet) are destroyed; work started in the background is cancelled."""
         await self.background.close()
         await self.reaper.close()
+        await self.metrics.close()
+        await self.webhooks.deliveries.close()
         await self.processes.close()
         await self.pool.close()
         await self.snapshots.close()

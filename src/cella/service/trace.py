@@ -120,3 +120,17 @@ class Trace:
                 "passed": result["passed"],
                 "score": result["score"],
             }
+
+    def window(
+        self,
+        who: Principal,
+        sandbox_id: str,
+        since: str | None = None,
+        until: str | None = None,
+        backward: bool = False,
+        limit: int = 1000,
+    ) -> list[EventRecord]:
+        """Up to `limit` of the sandbox's events at or after `since` (forward, oldest
+        first) or at or before `until` (backward, newest first); times in ISO form."""
+        self.registry.owned(who, sandbox_id)
+        return self.store.events_between(sandbox_id, since, until, backward, limit)

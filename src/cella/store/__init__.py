@@ -1,6 +1,7 @@
 """SQLite state: the only module that touches the database. It speaks in typed records."""
 
 from cella.store.db import Store
+from cella.store.observe import DeliveryRecord, MetricRecord, WebhookRecord
 from cella.store.records import (
     EvalRunRecord,
     EventRecord,
@@ -14,14 +15,17 @@ from cella.store.records import (
 )
 
 __all__ = [
+    "DeliveryRecord",
     "EvalRunRecord",
     "EventRecord",
     "KeyRecord",
     "KeyUse",
+    "MetricRecord",
     "RegistryRecord",
     "SandboxRecord",
     "SecretRecord",
     "SecretRef",
     "SnapshotRecord",
     "Store",
+    "WebhookRecord",
 ]

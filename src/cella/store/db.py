@@ -18,6 +18,7 @@ from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
 from cella.store.migrations import MIGRATIONS
+from cella.store.observe import Observations
 from cella.store.records import (
     EvalRunRecord,
     EventRecord,
@@ -38,7 +39,7 @@ def now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-class Store:
+class Store(Observations):
     """Small, synchronous and fast: every call is one short transaction."""
 
     def __init__(self, path: Path) -> None:
@@ -368,6 +369,26 @@ class Store:
         rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [EventRecord(**{**dict(r), "data": json.loads(r["data"])}) for r in rows]
 
+    def events_between(
+        self,
+        sandbox_id: str,
+        since: str | None,
+        until: str | None,
+        backward: bool = False,
+        limit: int = 1000,
+    ) -> list[EventRecord]:
+        sql = "SELECT * FROM events WHERE sandbox_id = ?"
+        args: list[Any] = [sandbox_id]
+        if since is not None:
+            sql += " AND at >= ?"
+            args.append(since)
+        if until is not None:
+            sql += " AND at <= ?"
+            args.append(until)
+        sql += f" ORDER BY id {'DESC' if backward else 'ASC'} LIMIT ?"
+        rows = self._exec(sql, (*args, limit)).fetchall()
+        return [EventRecord(**{**dict(r), "data": json.loads(r["data"])}) for r in rows]
+
     # -- secrets (values are read only to hand them to the egress proxy) ------------------
 
     def seal_with(self, sealer: Sealer) -> None:
@@ -401,6 +422,8 @@ class Store:
                 sealer.open(row["value"], _owner(row))
             if held is not None:
                 sealer.open(held["value"], _registry_owner(held))
+            for _, owner, sealed in self.sealed_webhooks()[:1]:
+                sealer.open(sealed, owner)
         except errors.HostError:
             return False
         return True
@@ -427,12 +450,19 @@ class Store:
                     self._db.execute(
                         "UPDATE registries SET value = ? WHERE id = ?", (value, row["id"])
                     )
+                hooks = self._db.execute("SELECT id, tenant, value FROM webhooks").fetchall()
+                for row in hooks:
+                    owner = f"webhook/{row['tenant']}/{row['id']}"
+                    value = new.seal(old.open(row["value"], owner), owner)
+                    self._db.execute(
+                        "UPDATE webhooks SET value = ? WHERE id = ?", (value, row["id"])
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
         self._sealer = new
-        return len(rows) + len(held)
+        return len(rows) + len(held) + len(hooks)
 
     def _sealing(self) -> Sealer:
         if self._sealer is None:

@@ -187,4 +187,48 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN visibility TEXT NOT NULL DEFAULT 'tenant';
     ALTER TABLE sandboxes ADD COLUMN shares TEXT NOT NULL DEFAULT '{}';
     """,
+    # metrics sampled over time (a bounded history per sandbox), lifecycle webhooks (their
+    # secrets sealed) and their deliveries, in order per webhook and sandbox
+    """
+    CREATE TABLE sandbox_metrics (
+        sandbox_id TEXT NOT NULL,
+        at REAL NOT NULL,
+        cpu_count INTEGER NOT NULL,
+        cpu_used_pct REAL NOT NULL,
+        mem_used INTEGER NOT NULL,
+        mem_total INTEGER NOT NULL,
+        mem_cache INTEGER NOT NULL,
+        disk_used INTEGER NOT NULL,
+        disk_total INTEGER NOT NULL
+    );
+    CREATE INDEX sandbox_metrics_at ON sandbox_metrics (sandbox_id, at);
+    CREATE TABLE webhooks (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        url TEXT NOT NULL,
+        events TEXT NOT NULL,
+        enabled INTEGER NOT NULL DEFAULT 1,
+        flavor TEXT NOT NULL DEFAULT 'cella',
+        value TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX webhooks_tenant ON webhooks (tenant);
+    CREATE TABLE webhook_deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        webhook_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        event TEXT NOT NULL,
+        body TEXT NOT NULL,
+        state TEXT NOT NULL,
+        attempts TEXT NOT NULL DEFAULT '[]',
+        next_at REAL NOT NULL,
+        created_at TEXT NOT NULL,
+        delivered_at TEXT
+    );
+    CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_at);
+    CREATE INDEX webhook_deliveries_hook ON webhook_deliveries (webhook_id, id);
+    """,
 ]

@@ -34,6 +34,7 @@ from cella.models import (
     KeyUseInfo,
     LineageNode,
     LoginUrl,
+    MetricSample,
     MountRefresh,
     ProcessInfo,
     ProcessList,
@@ -47,6 +48,9 @@ from cella.models import (
     SigningKeys,
     Template,
     TemplateList,
+    Webhook,
+    WebhookCreated,
+    WebhookDelivery,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
@@ -346,6 +350,46 @@ class AsyncClient:
 
     async def delete_registry(self, key: str) -> None:
         await self.request("DELETE", f"/v1/registries/{key}")
+
+    async def create_webhook(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        events: builtins.list[str] | None = None,
+        secret: str | None = None,
+        enabled: bool | None = None,
+    ) -> WebhookCreated:
+        """Registers a URL told of the tenant's sandboxes' lifecycle events (all of them
+        unless `events` says which), each delivery signed with `secret` (made when not
+        given, and returned this once): see `cella.policy.webhooks.verify`."""
+        body = create_body(url=url, name=name, events=events, secret=secret, enabled=enabled)
+        response = await self.request("POST", "/v1/webhooks", json=body)
+        return WebhookCreated.model_validate(response.json())
+
+    async def webhooks(self) -> builtins.list[Webhook]:
+        response = await self.request("GET", "/v1/webhooks")
+        return [Webhook.model_validate(w) for w in response.json()["webhooks"]]
+
+    async def get_webhook(self, webhook_id: str) -> Webhook:
+        response = await self.request("GET", f"/v1/webhooks/{webhook_id}")
+        return Webhook.model_validate(response.json())
+
+    async def update_webhook(self, webhook_id: str, **fields: Any) -> Webhook:
+        """Replaces the fields given: `url`, `name`, `events`, `enabled`, `secret`."""
+        response = await self.request("PATCH", f"/v1/webhooks/{webhook_id}", json=fields)
+        return Webhook.model_validate(response.json())
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self.request("DELETE", f"/v1/webhooks/{webhook_id}")
+
+    async def webhook_deliveries(
+        self, webhook_id: str, after: int = 0, limit: int = 100
+    ) -> builtins.list[WebhookDelivery]:
+        """The webhook's deliveries, oldest first, each with its attempts."""
+        params = {"after": after, "limit": limit}
+        response = await self.request("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=params)
+        return [WebhookDelivery.model_validate(d) for d in response.json()["deliveries"]]
 
     async def snapshot_from_image(
         self,
@@ -708,6 +752,15 @@ class AsyncSandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = await self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    async def metrics(
+        self, start: float | None = None, end: float | None = None
+    ) -> builtins.list[MetricSample]:
+        """CPU, memory and disk over time (samples taken while it runs), oldest first;
+        `start` and `end` in unix seconds."""
+        params = create_body(start=start, end=end)
+        response = await self.client.request("GET", f"{self._path}/metrics", params=params)
+        return [MetricSample.model_validate(m) for m in response.json()["metrics"]]
 
     async def refresh_mounts(self, mount: str | None = None) -> builtins.list[MountRefresh]:
         """Fetches the git mounts (or the one with id `mount`) now and resets each to its

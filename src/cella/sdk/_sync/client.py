@@ -35,6 +35,7 @@ from cella.models import (
     KeyUseInfo,
     LineageNode,
     LoginUrl,
+    MetricSample,
     MountRefresh,
     ProcessInfo,
     ProcessList,
@@ -48,6 +49,9 @@ from cella.models import (
     SigningKeys,
     Template,
     TemplateList,
+    Webhook,
+    WebhookCreated,
+    WebhookDelivery,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
@@ -340,6 +344,46 @@ class Client:
 
     def delete_registry(self, key: str) -> None:
         self.request("DELETE", f"/v1/registries/{key}")
+
+    def create_webhook(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        events: builtins.list[str] | None = None,
+        secret: str | None = None,
+        enabled: bool | None = None,
+    ) -> WebhookCreated:
+        """Registers a URL told of the tenant's sandboxes' lifecycle events (all of them
+        unless `events` says which), each delivery signed with `secret` (made when not
+        given, and returned this once): see `cella.policy.webhooks.verify`."""
+        body = create_body(url=url, name=name, events=events, secret=secret, enabled=enabled)
+        response = self.request("POST", "/v1/webhooks", json=body)
+        return WebhookCreated.model_validate(response.json())
+
+    def webhooks(self) -> builtins.list[Webhook]:
+        response = self.request("GET", "/v1/webhooks")
+        return [Webhook.model_validate(w) for w in response.json()["webhooks"]]
+
+    def get_webhook(self, webhook_id: str) -> Webhook:
+        response = self.request("GET", f"/v1/webhooks/{webhook_id}")
+        return Webhook.model_validate(response.json())
+
+    def update_webhook(self, webhook_id: str, **fields: Any) -> Webhook:
+        """Replaces the fields given: `url`, `name`, `events`, `enabled`, `secret`."""
+        response = self.request("PATCH", f"/v1/webhooks/{webhook_id}", json=fields)
+        return Webhook.model_validate(response.json())
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self.request("DELETE", f"/v1/webhooks/{webhook_id}")
+
+    def webhook_deliveries(
+        self, webhook_id: str, after: int = 0, limit: int = 100
+    ) -> builtins.list[WebhookDelivery]:
+        """The webhook's deliveries, oldest first, each with its attempts."""
+        params = {"after": after, "limit": limit}
+        response = self.request("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=params)
+        return [WebhookDelivery.model_validate(d) for d in response.json()["deliveries"]]
 
     def snapshot_from_image(
         self,
@@ -700,6 +744,15 @@ class Sandbox:
         """Limits and live usage (CPU time, memory, disk, processes)."""
         response = self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
+
+    def metrics(
+        self, start: float | None = None, end: float | None = None
+    ) -> builtins.list[MetricSample]:
+        """CPU, memory and disk over time (samples taken while it runs), oldest first;
+        `start` and `end` in unix seconds."""
+        params = create_body(start=start, end=end)
+        response = self.client.request("GET", f"{self._path}/metrics", params=params)
+        return [MetricSample.model_validate(m) for m in response.json()["metrics"]]
 
     def refresh_mounts(self, mount: str | None = None) -> builtins.list[MountRefresh]:
         """Fetches the git mounts (or the one with id `mount`) now and resets each to its

@@ -18,6 +18,8 @@ from cella.models import (
     ExecRequest,
     ExecResult,
     LineageNode,
+    MetricList,
+    MetricSample,
     MountRefreshList,
     ProcessInfo,
     ProcessList,
@@ -128,6 +130,19 @@ async def delete_sandbox(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Response:
 async def sandbox_usage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> SandboxUsage:
     """Limits, and live usage: CPU time, memory (host and guest), disk, processes."""
     return SandboxUsage.model_validate(await svc.usage.usage(who, sandbox_id))
+
+
+@router.get("/{sandbox_id}/metrics", response_model=MetricList)
+async def sandbox_metrics(
+    sandbox_id: ID,
+    svc: DaemonDep,
+    who: Auth,
+    start: Annotated[float | None, Query(ge=0, description="unix seconds")] = None,
+    end: Annotated[float | None, Query(ge=0, description="unix seconds")] = None,
+) -> MetricList:
+    """CPU, memory and disk over time, sampled while the sandbox runs (oldest first)."""
+    rows = svc.metrics.history(who, sandbox_id, start, end)
+    return MetricList(metrics=[MetricSample.model_validate(r, from_attributes=True) for r in rows])
 
 
 @router.post("/{sandbox_id}/mounts/refresh", response_model=MountRefreshList)

@@ -4,8 +4,8 @@ The pinned SDK (`e2b==2.63.0`, `e2b/api/client/api/*`) can call each of these pa
 a route the framework would answer a bare 404 that the SDK reads as "not found", or, outside
 the paths E2B's error shape owns, a body the SDK cannot read at all. Each answers instead a
 400 in E2B's `{code, message}` that names what is missing. Registered before the served
-routes (`/sandboxes/metrics` would otherwise be read as a sandbox's id), so none of these
-paths may be one cella serves: `DELETE /templates/{id}` (a snapshot's deletion) is not here.
+routes (a static path would otherwise be read as a sandbox's id), so none of these paths
+may be one cella serves: `DELETE /templates/{id}` (a snapshot's deletion) is not here.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ TEMPLATES = "building templates from the SDK (cella's own: /v1/templates)"
 UNSERVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("/volumes", "volumes", ALL),
     ("/volumes/{rest:path}", "volumes", ALL),
-    ("/sandboxes/metrics", "sandbox metrics", ALL),
-    ("/sandboxes/{sandbox_id}/metrics", "sandbox metrics", ALL),
-    ("/sandboxes/{sandbox_id}/logs", "sandbox logs (cella's own: its events)", ALL),
     ("/templates", TEMPLATES, ALL),
     ("/templates/{rest:path}", TEMPLATES, ("GET", "POST", "PUT", "PATCH")),
     ("/v2/templates", TEMPLATES, ALL),
