@@ -7,9 +7,10 @@ measures it whatever the guest does, and it is what the sandbox costs (under TCG
 includes translating the guest's code). Memory and disk come from inside the guest, since
 only the guest knows which of its pages hold data or cache and how full its file system is:
 `/proc/meminfo` read through the agent at every sample, the root file system's `statfs`
-(an exec of `stat -f`) every `DISK_EVERY` samples. What the guest says is bounded by what
-the sandbox was given; when it does not answer, the host's view stands in (the QEMU's
-share of host memory, the disk overlay's allocated bytes)."""
+(an exec of `stat -f`, so at most every `DISK_SECONDS`). What the guest says is bounded by
+what the sandbox was given; when it does not answer, the host's view stands in (the
+QEMU's share of host memory, the disk overlay's allocated bytes). A sandbox whose lock is
+held (a snapshot, stop or pause under way) is not asked that time."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from cella.service.registry import Registry
 from cella.store import MetricRecord, SandboxRecord
 
 log = logging.getLogger("cella.metrics")
-DISK_EVERY = 6
+DISK_SECONDS = 30.0
 MAX_IDS = 100  # sandboxes one call may ask for
 MIB = 1 << 20
 
@@ -38,7 +39,7 @@ class _Last:
     vm: VM
     wall: float
     cpu: float
-    samples: int = 0
+    disk_at: float = 0.0
     disk: tuple[int, int] | None = None  # (used, total) bytes, from the guest
 
 
@@ -109,6 +110,8 @@ class Metrics:
             row = self.store.get_sandbox(sandbox_id)
             if row is None or row.state != SandboxState.running or vm.pid is None:
                 continue
+            if self.registry.lock(sandbox_id).locked():
+                continue  # a snapshot, stop or pause under way: no guest calls across it
             try:
                 await asyncio.wait_for(self.sample(row, vm), max(self.interval, 5.0))
             except (errors.CellaError, OSError, TimeoutError, ValueError) as exc:
@@ -128,9 +131,9 @@ class Metrics:
         last.wall, last.cpu = wall, cpu
         mem_total = row.memory_mib * MIB
         mem_used, mem_cache = await self._memory(vm, mem_total)
-        if last.samples % DISK_EVERY == 0:
+        if wall - last.disk_at >= DISK_SECONDS:
+            last.disk_at = wall
             last.disk = await self._disk(vm) or last.disk
-        last.samples += 1
         disk_total = (row.disk_mib or self.driver.template_disk_mib(row.template)) * MIB
         if last.disk is not None:
             disk_used, disk_total = last.disk
