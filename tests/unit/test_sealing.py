@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cella import errors
-from cella.store import Store
+from cella.store import Store, WebhookRecord
 from cella.store.records import SecretRecord
 from cella.store.sealing import KeyFile, Sealer, new_key
 
@@ -121,3 +121,18 @@ def test_a_wrong_key_file_is_refused_at_start(store: Store, tmp_path: Path) -> N
     again = Store(tmp_path / "cella.db")
     with pytest.raises(errors.HostError, match="does not open"):
         again.seal_with(KeyFile(tmp_path / "secrets.key").load(again.opens_with))
+
+
+def test_webhook_secrets_are_sealed_and_rotated(store: Store, tmp_path: Path) -> None:
+    hook = WebhookRecord("wh-1", "acme", "n", "http://hooks.test/", ["sandbox.killed"], VALUE)
+    store.put_webhook(hook)
+    raw = on_disk(tmp_path / "cella.db")
+    assert b"hooks.test" in raw and VALUE.encode() not in raw  # the row, not the secret
+    key_file = KeyFile(tmp_path / "secrets.key")
+    old = Sealer(key_file.path.read_bytes())
+    key_file.rotate(store)
+    assert not store.opens_with(old)  # the webhook's secret was resealed with the rest
+    again = Store(tmp_path / "cella.db")
+    again.seal_with(key_file.load(again.opens_with))
+    assert again.get_webhook("acme", "wh-1").secret == VALUE  # type: ignore[union-attr]
+    assert again.get_webhook("other", "wh-1") is None  # another tenant's id is nothing
