@@ -182,7 +182,7 @@ def test_e2b_sdk_reads_metrics_and_logs(python: Path, daemon: Daemon) -> None:
                        "mem_total": m.mem_total, "disk": m.disk_used,
                        "disk_total": m.disk_total, "at": m.timestamp.isoformat()},
             "from_class": len(from_class), "async": async_count,
-            "many": sorted(many.sandboxes.additional_properties),
+            "many": sorted(many.sandboxes),
             "found": [e.message for e in logs.logs],
             "levels": [str(e.level.value) for e in logs.logs],
             "newest": [e.fields.additional_properties["type"] for e in newest.logs],
