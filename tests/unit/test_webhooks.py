@@ -122,6 +122,41 @@ async def test_deliveries_are_signed_in_order_and_retried(
     assert log[0].body.encode() == seen[1]["body"]
 
 
+async def test_every_lifecycle_event_and_a_disabled_webhook(
+    tmp_path: Path, receiver: tuple[int, list[dict[str, Any]]]
+) -> None:
+    """All five events, in the order they happened (the receiver's first answer is a 500:
+    that delivery comes again, before the rest); a disabled webhook is sent none."""
+    port, seen = receiver
+    async with serving(
+        tmp_path, egress_hosts={"hooks.test": "127.0.0.1"}, webhook_backoff=0.2
+    ) as app:
+        sealed(app, tmp_path)
+        app.daemon.webhooks.deliveries.start()
+        try:
+            async with app.client() as client:
+                off = await client.create_webhook(f"http://hooks.test:{port}/off", enabled=False)
+                hook = await client.create_webhook(f"http://hooks.test:{port}/all")
+                sandbox = await client.create()
+                await sandbox.share(visibility="private")
+                await sandbox.pause()
+                await sandbox.resume()
+                await sandbox.delete()
+                deadline = time.monotonic() + 30
+                while len(seen) < 6 and time.monotonic() < deadline:
+                    await _sleep()
+                assert await client.webhook_deliveries(off.id) == []
+        finally:
+            await app.daemon.webhooks.deliveries.close()
+    assert {r["path"] for r in seen} == {"/all"}
+    kinds = [json.loads(r["body"])["type"] for r in seen[1:]]
+    assert kinds == [
+        "sandbox.created", "sandbox.updated", "sandbox.paused", "sandbox.resumed",
+        "sandbox.killed",
+    ]  # fmt: skip
+    assert all(r["headers"]["cella-webhook-id"] == hook.id for r in seen)
+
+
 async def test_only_owners_manage_webhooks(tmp_path: Path) -> None:
     """A member's key sees only its own sandboxes, so it may not be told of all of them."""
     async with serving(tmp_path, egress_hosts={"hooks.test": "127.0.0.1"}) as app:
