@@ -126,11 +126,8 @@ class Deliveries:
         """Tries the first pending delivery of each webhook and sandbox that is due; returns
         when the next one is due (None: nothing is pending)."""
         moment, soonest = time.time(), None
-        heads: dict[tuple[str, str], DeliveryRecord] = {}
-        for delivery in self.store.pending_deliveries():
-            heads.setdefault((delivery.webhook_id, delivery.sandbox_id), delivery)
         due = []
-        for delivery in heads.values():
+        for delivery in self.store.pending_heads():
             if delivery.next_at > moment:
                 soonest = min(soonest or delivery.next_at, delivery.next_at)
             else:

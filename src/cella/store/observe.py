@@ -176,10 +176,12 @@ class Observations:
         )
         return int(cur.lastrowid or 0)
 
-    def pending_deliveries(self) -> list[DeliveryRecord]:
-        """Every pending delivery, oldest first."""
+    def pending_heads(self) -> list[DeliveryRecord]:
+        """The oldest pending delivery of each webhook and sandbox (the next to send)."""
         rows = self._exec(
-            "SELECT * FROM webhook_deliveries WHERE state = 'pending' ORDER BY id"
+            "SELECT * FROM webhook_deliveries WHERE id IN (SELECT MIN(id) FROM "
+            "webhook_deliveries WHERE state = 'pending' GROUP BY webhook_id, sandbox_id) "
+            "ORDER BY id"
         ).fetchall()
         return [_delivery(r) for r in rows]
 
