@@ -52,7 +52,7 @@ class Delegations:
             raise errors.InvalidArgument(
                 "access_delegation needs the tenant's own API key, not one acting for it"
             )
-        return delegation.grant_for(asked, who, self._address(), self._certificate())
+        return delegation.grant_for(asked, who, self.address(), self.certificate())
 
     def header(self, grant: delegation.Json) -> dict[str, str]:
         """What the node is sent with the create."""
@@ -77,14 +77,14 @@ class Delegations:
             return None
         return Grant(row[0], json.loads(row[1]))
 
-    def _certificate(self) -> str | None:
+    def certificate(self) -> str | None:
         """The certificate a node's proxy pins to reach this gateway (None: in clear)."""
         if self.settings.tls_cert is None:
             return None
         return leaf_certificate(self.settings.tls_cert.read_text())
 
-    def _address(self) -> tuple[str, int]:
-        """Where a node's proxy reaches this gateway's API."""
+    def address(self, what: str = "access_delegation") -> tuple[str, int]:
+        """Where a node's proxy (or daemon) reaches this gateway's API (for `what`)."""
         host, port = self.settings.host_port
         host = host.strip("[]")
         try:
@@ -93,8 +93,8 @@ class Delegations:
             unspecified = False
         if unspecified:
             raise errors.InvalidArgument(
-                f"access_delegation: the gateway listens on {host}, not on one address the "
-                "nodes' proxies can be sent to; give --listen the address they reach it at"
+                f"{what}: the gateway listens on {host}, not on one address the nodes can be "
+                "sent to; give --listen the address they reach it at"
             )
         return host, port
 
