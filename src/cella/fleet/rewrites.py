@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from cella import errors
 from cella.fleet.delegation import Delegations
 from cella.fleet.locator import Locator
@@ -28,6 +30,7 @@ from cella.fleet.node_client import Node
 from cella.models import NetworkPolicy
 from cella.policy import access
 from cella.policy.delegation import sandbox_of, valid
+from cella.server.error_shapes import describe
 from cella.service.keys import Keys, Principal
 from cella.service.ports import load_key
 
@@ -86,7 +89,10 @@ class FleetRewrites:
         made ids of the caller's sandboxes anywhere in the fleet (others refused by name)."""
         if not isinstance(network, dict) or not network.get("rewrites"):
             return network
-        policy = NetworkPolicy.model_validate(network)  # refused as a node refuses it
+        try:
+            policy = NetworkPolicy.model_validate(network)  # refused as a node refuses it
+        except ValidationError as exc:
+            raise errors.InvalidArgument(describe(exc.errors())) from None
         self.delegations.address("rewrites")  # a gateway the nodes cannot reach says why
         rules = []
         for rule in policy.rewrites:
