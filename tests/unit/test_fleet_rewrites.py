@@ -5,10 +5,12 @@ credentials a relayed rewrite carries. (End to end across nodes: tests/fleet.)""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx2
 import pytest
 
 from cella import errors
@@ -18,11 +20,14 @@ from cella.fleet.locator import Locator
 from cella.fleet.placement_table import Placements
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.tls import node_certificate
+from cella.models import RewriteRule, SandboxPort
 from cella.policy.access import Role
 from cella.policy.delegation import mint
+from cella.policy.rewrites import FLEET_REWRITE
 from cella.service.keys import Keys, Principal
-from cella.service.rewrites import FleetLink
+from cella.service.rewrites import FleetLink, Rewrites
 from cella.store import Store
+from tests.unit.in_process import URL, serving
 
 
 @pytest.fixture
@@ -126,3 +131,41 @@ async def test_a_gateway_on_every_address_links_no_node(tmp_path: Path) -> None:
         await rewrites.settle(who, {"rewrites": [rule]})
     with pytest.raises(errors.InvalidArgument, match=r"port"):
         await rewrites.settle(who, {"rewrites": [{**rule, "to": {"sandbox": "x", "port": 0}}]})
+
+
+async def test_a_node_takes_its_link_and_deliveries_from_its_gateway_alone(
+    tmp_path: Path,
+) -> None:
+    """`PUT /v1/fleet/link` and the delivery door answer an admin key only (the delivery
+    also needs the gateway's own header); once linked, a rule may name a sandbox that is
+    not on this node (the gateway settled it), where an unlinked daemon refuses it."""
+    (tmp_path / "egress").mkdir()
+    (tmp_path / "egress" / "mitmproxy-ca-cert.pem").write_text("the deployment's CA\n")
+    async with serving(tmp_path) as app:
+        _, team_key = app.daemon.keys.create("team")
+        transport = httpx2.ASGITransport(app=app.app)
+        admin = {"authorization": f"Bearer {app.admin_key}"}
+        team = {"authorization": f"Bearer {team_key}"}
+        link = {"url": "http://127.0.0.1:8420", "key": "ab" * 32, "tls": None}
+        async with httpx2.AsyncClient(transport=transport, base_url=URL) as http:
+            async with app.client(team_key) as client:
+                box = await client.create(name="caller")
+                rule = RewriteRule(host="svc.internal", to=SandboxPort(sandbox="sb-x", port=80))
+                with pytest.raises(errors.InvalidArgument, match="may exec in"):
+                    await box.set_network(rewrites=[rule])  # unlinked: no such sandbox here
+                refused = await http.put("/v1/fleet/link", json=link, headers=team)
+                assert refused.status_code == 403 and app.daemon.rewrites.link is None
+                linked = await http.put("/v1/fleet/link", json=link, headers=admin)
+                assert linked.status_code == 204, linked.text
+                kept = tmp_path / "fleet-link.json"
+                assert json.loads(kept.read_text()) == link and kept.stat().st_mode & 0o077 == 0
+                await box.set_network(rewrites=[rule])  # the control: linked, it is kept
+                assert box.info.network.rewrites[0].to.sandbox == "sb-x"
+                door = f"/v1/fleet/rewrites/{box.id}/8000/page.txt"
+                acting = admin | {"x-cella-tenant": "team"}
+                for headers in (team, team | {FLEET_REWRITE: "sb-a"}, acting):
+                    got = await http.get(door, headers=headers)
+                    assert got.status_code == 403 and "fleet gateway" in got.text, got.text
+            # a restarted daemon keeps its link
+            assert Rewrites(app.daemon.registry, app.daemon.ports, tls=False,
+                            link_file=kept).link == FleetLink.of(link)  # fmt: skip
