@@ -113,7 +113,10 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     async def on_box(name: str, request: Request, who: Caller) -> Response:
         where = await gateway.locator.placement_named(who, name)
         changed = request.method == "PATCH" and request.url.path.endswith(f"/boxes/{name}")
-        body = await request.json() if changed else None  # (relayed as read)
+        try:
+            body = await request.json() if changed else None  # (relayed as read)
+        except ValueError:
+            raise errors.InvalidArgument("the body is not JSON") from None
         changes = isinstance(body, dict) and "proxy_config" in body
         rules = None
         if isinstance(body, dict) and changes:  # its rewrites decided here, as on a create
