@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import tempfile
 import time
 from collections.abc import Iterator
@@ -50,7 +51,19 @@ class Fleet:
             base_url=self.gateway.url,
             headers={"authorization": f"Bearer {key}"},
             timeout=httpx2.Timeout(120.0),
+            verify=self.gateway.tls or True,
         )
+
+    def serve_tls(self, cert: Path, key: Path) -> None:
+        """The gateway restarted serving TLS with `cert` (clients made before still speak
+        plain HTTP to it: only the last checks call this)."""
+        self.gateway.stop()
+        self.gateway.settings |= {"tls_cert": str(cert), "tls_key": str(key)}
+        self.gateway.tls = ssl.create_default_context(cafile=str(cert))
+        self.gateway.url = self.gateway.url.replace("http://", "https://")
+        self.gateway.start(timeout=120)
+        self.admin.close()
+        self.admin = self.client(self.gateway.admin_key)
 
     def node_of(self, sandbox_id: str) -> str:
         """The node whose data directory holds the sandbox's VM."""

@@ -10,6 +10,7 @@ import base64
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,16 +22,20 @@ from langsmith.sandbox import (
     ResourceCreationError,
     SandboxClient,
     SandboxClientError,
+    aws_auth,
     git_mount,
     mount_config,
+    opaque_secret,
+    proxy_config,
+    workspace_secret,
 )
 from langsmith.sandbox._verify import SandboxTokenVerifier
 
 from cella import Client
 from cella.fleet.relay import NODE_HINT
-from cella.fleet.tls import trusting
+from cella.fleet.tls import node_certificate, trusting
 from tests.fleet.conftest import NODES, Fleet
-from tests.fleet.outside import GIT_TOKEN, PASSWORD, USER, Outside
+from tests.fleet.outside import BUCKET, GIT_TOKEN, PASSWORD, S3_HOST, USER, Outside
 from tests.integration.test_langsmith import WHOAMI
 
 WAIT = 900  # seconds a build may take (TCG boots are slow)
@@ -366,3 +371,176 @@ try:
 except urllib.error.HTTPError as e:
     print(json.dumps({"status": e.code, "body": e.read().decode()}))
 """
+
+
+SERVE = ("mkdir -p /tmp/www && echo served-on-{node} > /tmp/www/page.txt && cd /tmp/www && "
+         "(nohup python3 -m http.server 8000 >/dev/null 2>&1 &)")  # fmt: skip
+FETCH = ("for i in $(seq 50); do curl -s -o /tmp/got -w '%{{http_code}}' http://{host}/page.txt "
+         "> /tmp/code; grep -q '^[1-4]' /tmp/code && break; sleep 0.2; done; "
+         "echo \"$(cat /tmp/code) $(cat /tmp/got)\"")  # fmt: skip
+
+
+def shell(client: httpx2.Client, sandbox_id: str, command: str) -> str:
+    answer = client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"command": command})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["exit_code"] == 0, answer.json()
+    return str(answer.json()["stdout"])
+
+
+def test_a_rewrite_reaches_a_sandbox_on_another_node(fleet: Fleet) -> None:
+    """A rewrite rule's target runs on another node than the caller: the gateway settles
+    it, and checks on every request that the rule's setter may still exec in it (a share
+    taken back refuses the next request); a closed port is a 502."""
+    keys = {
+        who: fleet.admin.post(
+            "/v1/keys", json={"tenant": "acme", "principal": who, "roles": ["member"]}
+        ).json()["key"]
+        for who in ("rw-alice", "rw-bob")
+    }
+    with fleet.client(keys["rw-alice"]) as alice, fleet.client(keys["rw-bob"]) as bob:
+        made = alice.post("/v1/sandboxes", json={**SHAPE_256, "name": "rw-target"})
+        assert made.status_code == 201, made.text
+        target = made.json()["id"]
+        there = fleet.node_of(target)
+        elsewhere = next(n for n in NODES if n != there)
+        made = bob.post("/v1/sandboxes", json={**SHAPE_256, "name": "rw-caller"},
+                        headers={NODE_HINT: elsewhere})  # fmt: skip
+        assert made.status_code == 201, made.text
+        caller = made.json()["id"]
+        try:
+            assert fleet.node_of(caller) == elsewhere
+            shell(alice, target, SERVE.format(node=there))
+            rules = {"rewrites": [
+                {"host": "svc.internal", "to": {"sandbox": "rw-target", "port": 8000}},
+                {"host": "closed.internal", "to": {"sandbox": target, "port": 8999}},
+            ]}  # fmt: skip
+            # alice's sandbox is private: bob may not name it...
+            refused = bob.put(f"/v1/sandboxes/{caller}/network", json=rules)
+            assert refused.status_code == 400 and "may exec in" in refused.text, refused.text
+            # ...until she shares it with him (the control: the same rules)
+            shared = alice.put(f"/v1/sandboxes/{target}/access",
+                               json={"shares": {"rw-bob": "exec"}})  # fmt: skip
+            assert shared.status_code == 200, shared.text
+            set_ = bob.put(f"/v1/sandboxes/{caller}/network", json=rules)
+            assert set_.status_code == 200, set_.text
+            kept = set_.json()["network"]["rewrites"]
+            assert [r["to"]["sandbox"] for r in kept] == [target, target]  # settled to its id
+            got = shell(bob, caller, FETCH.format(host="svc.internal"))
+            assert got == f"200 served-on-{there}\n", got
+            closed = shell(bob, caller, "curl -s -o /dev/null -w '%{http_code}' "
+                           "http://closed.internal/")  # fmt: skip
+            assert closed == "502", closed
+            # the share taken back: the next request is refused, the rule unchanged
+            alice.put(f"/v1/sandboxes/{target}/access", json={"shares": {}})
+            gone = shell(bob, caller, FETCH.format(host="svc.internal"))
+            assert gone.startswith("403") and "no longer exec" in gone, gone
+            assert "served-on" not in gone
+        finally:
+            bob.delete(f"/v1/sandboxes/{caller}")
+            alice.delete(f"/v1/sandboxes/{target}")
+
+
+SHAPE_256 = {"memory_mib": 256}
+
+
+def test_an_aws_rule_through_the_gateway(
+    fleet: Fleet, client: SandboxClient, tenant: httpx2.Client, outside: Outside
+) -> None:
+    """LangSmith's `aws_auth` through the gateway (a workspace secret the gateway keeps and
+    pushes to the nodes, an opaque one): the node's proxy signs with SigV4 and moto, which
+    checks every signature, takes the object; the guest holds neither key. The control: a
+    box allowed the same host without the rule is refused by S3."""
+    key_id, secret = outside.aws_key["AccessKeyId"], outside.aws_key["SecretAccessKey"]
+    put = tenant.put("/v1/secrets/FLEET_AWS_ID", json={"value": key_id, "hosts": [S3_HOST]})
+    assert put.status_code == 200, put.text
+    allow = {"allow_list": [S3_HOST]}
+    rule = aws_auth(access_key_id=workspace_secret("FLEET_AWS_ID"),
+                    secret_access_key=opaque_secret(secret),
+                    env_vars={"AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
+    url = f"https://{S3_HOST}/{BUCKET}/through-the-gateway.txt"
+    code = "curl -sS -o /tmp/out -w '%{http_code}'"
+    try:
+        config = proxy_config(rules=[rule], access_control=allow)
+        with client.sandbox(name="aws-box", proxy_config=config, mem_bytes=256 * MIB,
+                            timeout=SLOW) as box:  # fmt: skip
+            typed = "-H 'Content-Type: text/plain' --data-binary @/tmp/body"
+            sent = box.run(f"printf 'via the gateway' > /tmp/body && {code} -X PUT {typed} '{url}'")
+            assert sent.stdout == "200", sent.stdout + sent.stderr
+            assert box.run(f"curl -sS '{url}'").stdout == "via the gateway"
+            seen = box.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'")
+            assert "AWS_DEFAULT_REGION=us-east-1" in seen.stdout  # the control: env was read
+            assert secret not in seen.stdout and key_id not in seen.stdout
+        got = outside.s3.get_object(Bucket=BUCKET, Key="through-the-gateway.txt")
+        assert got["Body"].read() == b"via the gateway"
+        bare = {"access_control": allow}
+        with client.sandbox(name="aws-bare", proxy_config=bare, mem_bytes=256 * MIB,
+                            timeout=SLOW) as box:  # fmt: skip
+            refused = box.run(f"{code} '{url}'")
+            assert refused.stdout == "403", refused.stdout + refused.stderr
+    finally:
+        tenant.delete("/v1/secrets/FLEET_AWS_ID")
+
+
+def test_capture_a_docker_image_through_the_gateway(
+    fleet: Fleet, client: SandboxClient, tenant: httpx2.Client
+) -> None:
+    """`capture_snapshot(docker_image=...)` through the gateway: an image made in a docker
+    sandbox's own Docker becomes a snapshot of the fleet, which a box boots from on another
+    node; a missing image fails the build (the control). The docker box is small: the
+    build boots a VM of its own beside it on the box's node (768 MiB here)."""
+    made = tenant.post("/v1/sandboxes", json={"template": "docker", "name": "fleet-docker",
+                                              "memory_mib": 256})  # fmt: skip
+    assert made.status_code == 201, made.text
+    box = made.json()["id"]
+    try:
+        out = tenant.post(f"/v1/sandboxes/{box}/exec", json={"user": "root", "command": (
+            "mkdir -p /var/tmp/r/etc && echo made in docker > /var/tmp/r/etc/marker && "
+            "tar -C /var/tmp/r -c . | docker import - fleetimg:1")})  # fmt: skip
+        assert out.status_code == 200 and out.json()["exit_code"] == 0, out.text
+        with pytest.raises(ResourceCreationError, match=r"docker save"):
+            client.capture_snapshot("fleet-docker", "nothing", docker_image="absent:1",
+                                    timeout=WAIT)  # fmt: skip
+        snap = client.capture_snapshot(
+            "fleet-docker", "fleet-from-docker", docker_image="fleetimg:1", timeout=WAIT
+        )
+        assert snap.status == "ready"
+        assert [s.id for s in client.list_snapshots(name_contains="fleet-from-docker")] == [snap.id]
+        tenant.delete(f"/v1/sandboxes/{box}")  # room for the box made from it
+        elsewhere = next(n for n in NODES if not fleet.snapshot_dir(n, snap.id).exists())
+        with client.sandbox(snapshot="fleet-from-docker", timeout=SLOW,
+                            headers={NODE_HINT: elsewhere}) as sb:  # fmt: skip
+            assert sb.read("/etc/marker") == b"made in docker\n"
+        client.delete_snapshot(snap.id)
+    finally:
+        tenant.delete(f"/v1/sandboxes/{box}")
+
+
+def test_access_delegation_through_a_gateway_serving_tls(fleet: Fleet, tmp_path: Path) -> None:
+    """The gateway restarted serving TLS (the last check: every other client here speaks
+    plain HTTP to it): a delegated box's `http://cella.api` reaches it over TLS, the node's
+    proxy trusting the gateway's certificate alone; revoking the creator's key ends it."""
+    cert, key = node_certificate(tmp_path / "tls", "127.0.0.1", "gateway")
+    fleet.serve_tls(cert, key)
+    assert fleet.gateway.url.startswith("https://")
+    made = fleet.admin.post("/v1/keys", json={"tenant": "acme"}).json()
+    with fleet.client(made["key"]) as creator:
+        answer = creator.post("/v1/sandboxes", json={**SHAPE_256, "name": "tls-delegated",
+                              "access_delegation": {"mode": "inherit"}})  # fmt: skip
+        assert answer.status_code == 201, answer.text
+        box = answer.json()["id"]
+        write = creator.put(f"/v1/sandboxes/{box}/files/content",
+                            params={"path": "/tmp/call.py"}, content=CALL.encode())  # fmt: skip
+        assert write.status_code == 200, write.text
+        listed = json.loads(shell(creator, box, "python3 /tmp/call.py GET /v1/sandboxes"))
+        assert listed["status"] == 200, listed
+        assert box in listed["body"]  # the gateway's list, through the node's pinned TLS
+        # the control: the creator's key revoked, the same call is refused
+        assert fleet.admin.delete(f"/v1/keys/{made['id']}").status_code == 204
+        with fleet.client(fleet.gateway.admin_key) as admin:
+            acting = {"x-cella-tenant": "acme"}
+            again = {"command": "python3 /tmp/call.py GET /v1/sandboxes"}
+            out = admin.post(f"/v1/sandboxes/{box}/exec", headers=acting, json=again)
+            assert out.status_code == 200, out.text
+            refused = json.loads(out.json()["stdout"])
+            assert refused["status"] == 401 and "revoked" in refused["body"], refused
+            admin.delete(f"/v1/sandboxes/{box}", headers=acting)

@@ -1,7 +1,7 @@
 """What a fleet's sandboxes reach outside it, started before the cluster (its nodes are
 told where): a TLS registry behind htpasswd holding a busybox image, a web server that
-echoes what it gets, a proxy callback that answers as it is told, and a private git
-repository over HTTPS that wants a token."""
+echoes what it gets, a proxy callback that answers as it is told, a private git
+repository over HTTPS that wants a token, and moto's S3 checking every Signature V4."""
 
 from __future__ import annotations
 
@@ -20,12 +20,16 @@ from tests.netservers import (
     Servers,
     TestCA,
     free_loopback_block,
+    moto_key,
+    start_moto,
 )
 from tests.oci_images import Registry, busybox_image
 
 USER, PASSWORD = "puller", "s3cret-of-the-registry"
 GIT_TOKEN = "fleet-git-TOKEN-41c2"
 REGISTRY = "registry.test"  # the name sandboxes (and builds, which pull in one) reach it by
+S3_HOST = "s3.us-east-1.amazonaws.com"  # moto, by the name AWS rules sign for
+BUCKET = "fleet-bucket"
 
 
 @dataclass
@@ -38,12 +42,14 @@ class Outside:
     answers: list[dict[str, Any]]  # the callback answers the last of them
     asked: Recorder  # what the callback was asked
     git_seen: Recorder  # what the git server (https://git.test/private.git) was sent
+    aws_key: dict[str, str]  # moto's IAM user's AccessKeyId and SecretAccessKey
+    s3: Any  # boto3's S3 client of moto with that key, from the host
 
     @classmethod
     @contextlib.contextmanager
     def started(cls, root: Path) -> Iterator[Outside]:
         prefix = free_loopback_block()
-        ca = TestCA(root / "ca", [REGISTRY, f"{prefix}.1", "git.test"])
+        ca = TestCA(root / "ca", [REGISTRY, f"{prefix}.1", "git.test", S3_HOST, f"{prefix}.5"])
         salt = "crypt.mksalt(crypt.METHOD_BLOWFISH)"
         crypt = f"import crypt; print(crypt.crypt({PASSWORD!r}, {salt}))"
         hashed = subprocess.run(
@@ -56,6 +62,7 @@ class Outside:
             root / "registry", f"{prefix}.1", ca, htpasswd=root / "htpasswd", name=REGISTRY
         )
         servers = Servers()
+        moto = start_moto(f"{prefix}.5", ca, root / "moto.log")
         try:
             image = registry.push(
                 f"oci:{root / 'layout'}:busybox", "team/busybox:1", creds=f"{USER}:{PASSWORD}"
@@ -68,12 +75,24 @@ class Outside:
             git_seen = servers.start(
                 GitHandler, (f"{prefix}.4", 443), ca.server_context(), root=repo, token=GIT_TOKEN
             )
+            key = moto_key(f"{prefix}.5", ca, "agent")
+            import boto3
+
+            s3 = boto3.client(
+                "s3", endpoint_url=f"https://{prefix}.5", region_name="us-east-1",
+                aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"],
+                verify=str(ca.cert),
+            )  # fmt: skip
+            s3.create_bucket(Bucket=BUCKET)
             hosts = {REGISTRY: f"{prefix}.1", "web.test": f"{prefix}.2",
-                     "callback.test": f"{prefix}.3", "git.test": f"{prefix}.4"}  # fmt: skip
-            yield cls(registry, image, ca.cert, hosts, seen, answers, asked, git_seen)
+                     "callback.test": f"{prefix}.3", "git.test": f"{prefix}.4",
+                     S3_HOST: f"{prefix}.5"}  # fmt: skip
+            yield cls(registry, image, ca.cert, hosts, seen, answers, asked, git_seen, key, s3)
         finally:
             servers.close()
             registry.close()
+            moto.kill()
+            moto.wait()
 
 
 def seed_repository(root: Path) -> None:

@@ -16,8 +16,9 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.delegation import Delegations
 from cella.fleet.placement_table import Placements
+from cella.fleet.tls import node_certificate
 from cella.models import AccessDelegation, SandboxState
-from cella.network.delegation import ApiAccess, authorize, is_api
+from cella.network.delegation import ApiAccess, access_from, authorize, is_api
 from cella.policy import delegation as tokens
 from cella.policy.access import Role
 from cella.service.delegation import (
@@ -25,6 +26,7 @@ from cella.service.delegation import (
     given,
     grant,
     grant_for,
+    pinned_of,
     proxy_access,
     upstream_of,
 )
@@ -117,6 +119,13 @@ def test_the_proxy_replaces_the_guests_credentials_with_a_fresh_token() -> None:
     token = headers["x-api-key"]
     assert tokens.valid(token, KEY) and headers["authorization"] == f"Bearer {token}"
     assert headers["accept"] == "*/*"
+    # what the daemon sends the proxy: in clear on this host, or a gateway's pinned TLS
+    plain = {"sandbox": "sb-1", "api": {"upstream": ["127.0.0.1", 8420], "key": KEY.hex()}}
+    assert access_from(plain) == api and api.pinned is None
+    pem = "-----BEGIN CERTIFICATE-----\nTUlJQg==\n-----END CERTIFICATE-----\n"
+    over_tls = {"sandbox": "sb-1", "api": {**plain["api"], "tls": pem}}  # type: ignore[dict-item]
+    assert access_from(over_tls) == ApiAccess("sb-1", ("127.0.0.1", 8420), KEY, pem)
+    assert access_from({"sandbox": "sb-1"}) is None
 
 
 def test_a_gateways_grant_is_read_whole_or_refused() -> None:
@@ -138,6 +147,17 @@ def test_a_gateways_grant_is_read_whole_or_refused() -> None:
                 header.replace("8420", '"8420"')):  # fmt: skip
         with pytest.raises(errors.InvalidArgument, match="not a grant"):
             given(asked, bad)
+    assert pinned_of(row) is None  # in clear, on this host
+    # a gateway serving TLS sends its certificate; the node keeps it for its proxy to pin
+    pem = "-----BEGIN CERTIFICATE-----\nTUlJQg==\n-----END CERTIFICATE-----\n"
+    over_tls = grant_for(asked, Principal("team", False, False, "key-1"), ("10.0.0.2", 443), pem)
+    sent = json.dumps({k: over_tls[k] for k in ("key_id", "key", "upstream", "tls")})
+    kept_tls = given(asked, sent)
+    assert kept_tls == over_tls and pinned_of(replace(row, delegation=kept_tls)) == pem
+    for not_pem in (7, "", "a certificate", pem + pem, pem.replace("TUlJQg==", "<x>")):
+        tampered = json.dumps({**json.loads(sent), "tls": not_pem})
+        with pytest.raises(errors.InvalidArgument, match="tls is not one PEM certificate"):
+            given(asked, tampered)
 
 
 def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> None:
@@ -166,6 +186,20 @@ def test_a_gateway_checks_tokens_against_the_grants_it_made(tmp_path: Path) -> N
     placements.deleted("sb-1")
     with pytest.raises(errors.Unauthenticated, match="not a valid"):
         keys.authenticate(token)
+    # a gateway serving TLS: the grant carries its certificate, which the proxy pins
+    cert, key_file = node_certificate(tmp_path / "tls", "127.0.0.1", "gateway")
+    chain = cert.read_text() + cert.read_text()  # a chain: the first one is the server's
+    (tmp_path / "chain.pem").write_text(chain)
+    tls = DaemonSettings(
+        data_dir=tmp_path, listen="127.0.0.1:8420", tls_cert=tmp_path / "chain.pem",
+        tls_key=key_file,
+    )  # fmt: skip
+    pinned = Delegations(tmp_path / "g3.db", tls, placements, keys)
+    over_tls = pinned.ask(creator, AccessDelegation(mode="inherit"))
+    assert over_tls is not None and over_tls["tls"] == cert.read_text()
+    sent = json.loads(pinned.header(over_tls)[FLEET_GRANT])
+    assert sent["tls"] == cert.read_text() and sent["upstream"] == ["127.0.0.1", 8420]
+    assert "tls" not in json.loads(delegations.header(made)[FLEET_GRANT])  # in clear: none
     # a gateway on every address says why it cannot
     everywhere = DaemonSettings(data_dir=tmp_path, listen="0.0.0.0:8420")
     bad = Delegations(tmp_path / "g2.db", everywhere, placements, keys)

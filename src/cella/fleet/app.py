@@ -25,6 +25,7 @@ from cella.fleet.status import fleet_capacity, fleet_status
 from cella.models import Capacity, ForkRequest, KeyRotation, SnapshotFromImage
 from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
+from cella.policy.rewrites import FLEET_REWRITE, PREFIX, TOKEN_HEADER
 from cella.server.app import build_app, routes
 from cella.server.deps import Auth, KeyOrSession
 from cella.server.front import serve
@@ -123,6 +124,32 @@ def router(gateway: Gateway) -> APIRouter:
         hint = request.headers.get(NODE_HINT)
         made = await gateway.launcher.fork_sandbox(who, sandbox_id, body.count, hint)
         return {"sandboxes": made}
+
+    @api.put("/v1/sandboxes/{sandbox_id}/network", tags=["egress"])
+    async def set_network(sandbox_id: str, request: Request, who: Auth) -> Response:
+        """Relayed with its rewrites' targets settled among the caller's sandboxes of the
+        whole fleet, and the rules kept here with who set them."""
+        node = await gateway.locator.node_of(who, sandbox_id)
+        settled = await gateway.rewrites.settle(who, await _json(request))
+        answer = await node.call("PUT", request.url.path, who, json=settled)
+        if answer.is_success:
+            gateway.rewrites.record(sandbox_id, who, settled)
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    @api.api_route(PREFIX + "/{sandbox_id}/{host}/{rest:path}", methods=METHODS,
+                   include_in_schema=False)  # fmt: skip
+    async def rewritten(sandbox_id: str, host: str, rest: str, request: Request) -> Response:
+        """A node's rewritten request (its token, not a key): to the rule's target, on its
+        node, as the rule's setter."""
+        token = request.headers.get(TOKEN_HEADER, "")
+        kept, node = gateway.rewrites.check(sandbox_id, host, token)
+        raw = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+        prefix = f"{PREFIX}/{sandbox_id}/{host}"
+        path = raw[len(prefix) :] if raw.startswith(prefix) else "/" + rest
+        query = f"?{request.url.query}" if request.url.query else ""
+        target = f"/v1/fleet/rewrites/{kept.target}/{kept.port}{path or '/'}{query}"
+        return await forward(request, node, kept.setter, target=target,
+                             extra={FLEET_REWRITE: sandbox_id})  # fmt: skip
 
     @api.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=METHODS, tags=["sandboxes"])
     async def on_sandbox(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:

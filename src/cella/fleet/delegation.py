@@ -1,9 +1,10 @@
 """Access delegation on a fleet: the gateway makes the grant of a sandbox it places (the
 creator is one of the gateway's keys) and keeps it; the node gets it with the create
 (`FLEET_GRANT`) and its proxy takes the sandbox's `cella.api` to the gateway's address, with
-tokens minted from the grant's key. The gateway checks those tokens against the grants kept
-here, so code in the sandbox calls the whole fleet as its creator, until the creator's key
-is revoked or the sandbox is gone."""
+tokens minted from the grant's key; a gateway serving TLS is reached over TLS, its
+certificate (the first of its `tls_cert`) sent with the grant and pinned by the proxy. The
+gateway checks those tokens against the grants kept here, so code in the sandbox calls the
+whole fleet as its creator, until the creator's key is revoked or the sandbox is gone."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class Delegations:
 
     def ask(self, who: Principal, asked: AccessDelegation | None) -> delegation.Json | None:
         """The grant for a create asking `asked` (None: no delegation), refused as a node
-        refuses it: a caller acting for the tenant, an API the proxy would reach in clear."""
+        refuses it: a caller acting for the tenant, a gateway on no one address."""
         if asked is None:
             return None
         own = self.keys.by_id(who.key_id) if who.key_id else None
@@ -51,11 +52,11 @@ class Delegations:
             raise errors.InvalidArgument(
                 "access_delegation needs the tenant's own API key, not one acting for it"
             )
-        return delegation.grant_for(asked, who, self._address())
+        return delegation.grant_for(asked, who, self.address(), self.certificate())
 
     def header(self, grant: delegation.Json) -> dict[str, str]:
         """What the node is sent with the create."""
-        sent = {k: grant[k] for k in ("key_id", "key", "upstream")}
+        sent = {k: grant[k] for k in delegation.SENT if k in grant}
         return {delegation.FLEET_GRANT: json.dumps(sent)}
 
     def made(self, sandbox_id: str, tenant: str, grant: delegation.Json) -> None:
@@ -76,13 +77,14 @@ class Delegations:
             return None
         return Grant(row[0], json.loads(row[1]))
 
-    def _address(self) -> tuple[str, int]:
-        """Where a node's proxy reaches this gateway's API (plain HTTP, as on a node)."""
-        if self.settings.tls_cert is not None:
-            raise errors.InvalidArgument(
-                "access_delegation: not supported by a gateway serving TLS (the nodes' egress "
-                "proxies reach its API over plain HTTP)"
-            )
+    def certificate(self) -> str | None:
+        """The certificate a node's proxy pins to reach this gateway (None: in clear)."""
+        if self.settings.tls_cert is None:
+            return None
+        return leaf_certificate(self.settings.tls_cert.read_text())
+
+    def address(self, what: str = "access_delegation") -> tuple[str, int]:
+        """Where a node's proxy (or daemon) reaches this gateway's API (for `what`)."""
         host, port = self.settings.host_port
         host = host.strip("[]")
         try:
@@ -91,7 +93,17 @@ class Delegations:
             unspecified = False
         if unspecified:
             raise errors.InvalidArgument(
-                f"access_delegation: the gateway listens on {host}, not on one address the "
-                "nodes' proxies can be sent to; give --listen the address they reach it at"
+                f"{what}: the gateway listens on {host}, not on one address the nodes can be "
+                "sent to; give --listen the address they reach it at"
             )
         return host, port
+
+
+def leaf_certificate(pem: str) -> str:
+    """The first certificate of a PEM file (a chain starts with the server's own)."""
+    begin, end = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
+    start = pem.find(begin)
+    stop = pem.find(end, start)
+    if start < 0 or stop < 0:
+        raise errors.InvalidArgument("access_delegation: the gateway's tls_cert has no certificate")
+    return pem[start : stop + len(end)].replace("\r\n", "\n") + "\n"

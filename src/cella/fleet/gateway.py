@@ -26,6 +26,7 @@ from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
 from cella.fleet.planner import Planner
 from cella.fleet.quotas import Quotas
+from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.shared_secrets import SharedSecrets
 from cella.fleet.snapshots import FleetSnapshots
 from cella.service.evals import Evals
@@ -68,6 +69,9 @@ class Gateway:
         self.image_registries = ImageRegistries(self.store)  # lent to a node for a pull
         self.locator = Locator(self.membership, self.placements)
         self.snapshots = FleetSnapshots(self.membership)
+        self.rewrites = FleetRewrites(
+            root / "rewrites.db", root / "rewrites.key", self.locator, self.keys, self.delegations
+        )
         self.launcher = Launcher(
             self.membership,
             self.locator,
@@ -75,6 +79,7 @@ class Gateway:
             Planner(self.membership),
             self.snapshots,
             self.delegations,
+            self.rewrites,
         )
 
     async def start(self) -> None:
@@ -86,6 +91,9 @@ class Gateway:
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them
+        link = self.rewrites.link(node.name)  # its rewrites are decided here
+        if link is not None:
+            await node.json("PUT", "/v1/fleet/link", json=link)
 
     async def snapshot_id(self, who: Principal, ref: str) -> str:
         """The id of the caller's snapshot `ref`, wherever in the fleet it is."""

@@ -19,6 +19,7 @@ from cella.fleet.registries import build_with
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.server.compat.langsmith import registries
 from cella.server.compat.langsmith.create import SNAPSHOT_FIELDS, read_create
+from cella.server.compat.langsmith.proxy_config import rewrite_rules
 from cella.server.compat.langsmith.shapes import DATAPLANE, ERROR_SHAPE, PREFIXES
 from cella.server.deps import Caller, api_key_caller
 from cella.server.error_shapes import add_error_shape
@@ -34,6 +35,22 @@ def install(app: FastAPI, gateway: Gateway) -> None:
     add_error_shape(app, ERROR_SHAPE)  # its SDK reads the same errors as from a node
 
 
+def _rewrites(config: Any) -> dict[str, Any] | None:
+    """A box's rewrite rules (its targets may be anywhere in the fleet), as cella's."""
+    rules = config.get("rules") if isinstance(config, dict) else None
+    if not isinstance(rules, list):
+        return None
+    found = [
+        r.model_dump()
+        for rule in rules
+        if isinstance(rule, dict)
+        and rule.get("type") == "rewrite"
+        and rule.get("enabled") is not False
+        for r in rewrite_rules(rule)
+    ]
+    return {"rewrites": found} if found else None
+
+
 def control(gateway: Gateway, prefix: str) -> APIRouter:
     api = APIRouter(prefix=prefix, include_in_schema=False)
 
@@ -46,6 +63,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
         body = {k: v for k, v in body.items() if k not in SNAPSHOT_FIELDS} | {"name": box.name}
         answer: httpx2.Response | None = None
         grant = gateway.delegations.ask(who, box.spec().access_delegation)
+        rewrites = await gateway.rewrites.settle(who, _rewrites(body.get("proxy_config")))
         headers = _host(request) | ({} if grant is None else gateway.delegations.header(grant))
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[dict[str, Any]]:
@@ -65,6 +83,7 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
             made = answer.json()
             if grant is not None:
                 gateway.delegations.made(made["id"], who.tenant, grant)
+            gateway.rewrites.record(made["id"], who, rewrites)
             return [await node.json("GET", f"/v1/sandboxes/{made['id']}", who)]
 
         source = box.snapshot or shape_of(box.spec())
@@ -93,7 +112,18 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
     @api.api_route("/boxes/{name}/{rest:path}", methods=METHODS)
     async def on_box(name: str, request: Request, who: Caller) -> Response:
         where = await gateway.locator.placement_named(who, name)
+        changed = request.method == "PATCH" and request.url.path.endswith(f"/boxes/{name}")
+        try:
+            body = await request.json() if changed else None  # (relayed as read)
+        except ValueError:
+            raise errors.InvalidArgument("the body is not JSON") from None
+        changes = isinstance(body, dict) and "proxy_config" in body
+        rules = None
+        if isinstance(body, dict) and changes:  # its rewrites decided here, as on a create
+            rules = await gateway.rewrites.settle(who, _rewrites(body["proxy_config"]))
         answer = await forward(request, gateway.locator.usable(where), who, langsmith=True)
+        if changes and answer.status_code < 300:
+            gateway.rewrites.record(where.sandbox_id, who, rules)
         if request.method == "DELETE" and answer.status_code < 300:
             gateway.locator.deleted(where.sandbox_id)
         return answer

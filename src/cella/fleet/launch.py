@@ -20,6 +20,7 @@ from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
 from cella.fleet.planner import Planner, Shape
 from cella.fleet.quotas import Quotas
+from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.snapshots import FleetSnapshots
 from cella.models import SandboxCreate
 from cella.server.error_shapes import describe
@@ -43,6 +44,7 @@ class Launcher:
         planner: Planner,
         snapshots: FleetSnapshots,
         delegations: Delegations,
+        rewrites: FleetRewrites,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -51,6 +53,7 @@ class Launcher:
         self.planner = planner
         self.snapshots = snapshots
         self.delegations = delegations
+        self.rewrites = rewrites
 
     async def launch(
         self,
@@ -109,6 +112,8 @@ class Launcher:
 
         grant = self.delegations.ask(who, spec.access_delegation)
         headers = {} if grant is None else self.delegations.header(grant)
+        if "network" in body:  # rewrites to sandboxes anywhere in the fleet
+            body = {**body, "network": await self.rewrites.settle(who, body["network"])}
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
             # by id: a snapshot's names and tags live on the node it was taken on
@@ -116,6 +121,7 @@ class Launcher:
             made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
             if grant is not None:
                 self.delegations.made(made["id"], who.tenant, grant)
+            self.rewrites.record(made["id"], who, body.get("network"))
             return [made]
 
         source = spec.snapshot or shape_of(spec)

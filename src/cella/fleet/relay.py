@@ -15,6 +15,7 @@ from starlette.background import BackgroundTask
 
 from cella import errors
 from cella.fleet.node_client import Node
+from cella.policy.rewrites import CARRIED, FLEET_REWRITE
 from cella.service.delegation import FLEET_GRANT
 from cella.service.keys import PRINCIPAL_HEADER, READ_ONLY_HEADER, ROLES_HEADER, Principal
 from cella.service.logins import FLEET_USER
@@ -39,7 +40,9 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "x-forwarded-proto",
     FLEET_USER,  # the gateway says who its caller is, no one else
     FLEET_GRANT,  # and which grants it made
+    FLEET_REWRITE,  # and that it delivers a rewritten request
 }
+CREDENTIALS = ("authorization", "proxy-authorization", "x-api-key")
 NODE_HINT = "x-cella-node"  # the node a create or fork should go to, if it has room
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -52,21 +55,29 @@ async def forward(
     *,
     node_key: bool = True,
     extra: dict[str, str] | None = None,
+    target: str | None = None,
 ) -> Response:
     """The request, streamed to `node` as `who` (with the node's key, unless `node_key` is
-    false: the request carries its own credential), and its answer streamed back."""
-    if any(part in (".", "..") for part in request.url.path.split("/")):
+    false: the request carries its own credential), and its answer streamed back. With
+    `target` (a path and query), to that path of the node instead, the request's own
+    credential headers carried under `CARRIED` names (a rewritten request's, for the
+    sandbox's server)."""
+    path = request.url.path if target is None else target.partition("?")[0]
+    if any(part in (".", "..") for part in path.split("/")):
         # the HTTP client resolves them: the node would be asked for another route
         raise errors.InvalidArgument("a path with `.` or `..` segments is not relayed")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
+    if target is not None:
+        headers += [(CARRIED + k.lower(), v) for k, v in request.headers.items()
+                    if k.lower() in CREDENTIALS]  # fmt: skip
     if node_key:
         headers += list(node.headers(who, langsmith).items())
     headers.append(("x-forwarded-proto", request.url.scheme))  # URLs the node hands out
     headers += list((extra or {}).items())
     upstream = node.client.build_request(
         request.method,
-        request.url.path,
-        params=request.url.query,
+        request.url.path if target is None else target,
+        params=request.url.query if target is None else None,
         headers=headers,
         content=request.stream(),
     )

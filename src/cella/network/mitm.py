@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import ctx, http, tcp
+from mitmproxy import ctx, http, tcp, tls
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers, server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
@@ -230,6 +230,7 @@ class Egress:
         self._tasks: set[asyncio.Task[None]] = set()
         self._verdicts: dict[str, str] = {}  # server connection id -> why it was allowed
         self._tunnels: set[str] = set()  # server connections of passed-through streams
+        self._pins: dict[str, str] = {}  # server connection id -> the certificate it must show
         self.cloud = CloudAuth(Tokens(lambda: ctx.options.ssl_verify_upstream_trusted_ca))
         self.callbacks = Callbacks(self._callback_address)
 
@@ -364,6 +365,8 @@ class Egress:
         req = flow.request
         if net is not None and net.api is not None and is_api(net.api, req.host):
             authorize(req.headers, net.api)
+            if net.api.pinned:  # a gateway serving TLS: `tls_start_server` pins its certificate
+                req.scheme = "https"
             flow.metadata["cella"] = Tally(net, req.host, req.port, req.scheme, REASON)
             if net.needles:  # checked for secrets as they stream, like every response
                 req.headers["accept-encoding"] = "identity"
@@ -591,8 +594,13 @@ class Egress:
         net = self._net(data.client)
         host, port = str(data.server.address[0]), int(data.server.address[1])
         if net is not None and net.api is not None and is_api(net.api, host):
+            if bool(data.server.tls) != bool(net.api.pinned):  # never but as `requestheaders`
+                data.server.error = "cella egress: cella.api is reached by plain HTTP requests"
+                return  # (TLS to a pinned gateway, in clear to a daemon on this host)
             data.server.address = net.api.upstream  # the daemon, whatever port was asked
             self._verdicts[data.server.id] = REASON
+            if net.api.pinned:
+                self._pins[data.server.id] = net.api.pinned
             return
         routed = host == ROUTE_HOST and not data.server.tls and data.server.sni is None
         if routed and net is not None and net.rewrites is not None:
@@ -614,7 +622,15 @@ class Egress:
         data.server.address = (str(pinned), port)
         self._verdicts[data.server.id] = decision.reason
 
+    def tls_start_server(self, data: tls.TlsData) -> None:
+        """TLS to a fleet gateway's API trusts the gateway's certificate and nothing else
+        (every other upstream TLS is mitmproxy's, with the host's roots)."""
+        pem = self._pins.get(data.conn.id)
+        if pem is not None:
+            data.ssl_conn = pinned_connection(pem)
+
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._pins.pop(data.server.id, None)
         if data.server.id not in self._tunnels:  # a tunnel's verdict is read when it ends
             self._verdicts.pop(data.server.id, None)
 
@@ -664,6 +680,29 @@ def _rewritten(tally: Tally) -> dict[str, Any]:
 
 def _peer(server: Any) -> str | None:
     return str(server.peername[0]) if getattr(server, "peername", None) else None
+
+
+def pinned_connection(pem: str) -> Any:
+    """A client TLS connection that accepts exactly the certificate `pem` (as its own trust
+    anchor, whatever issued it; no other CA, no name check: the pin is the identity)."""
+    from OpenSSL import SSL, crypto
+
+    pinned = crypto.load_certificate(crypto.FILETYPE_PEM, pem.encode())
+    want = pinned.digest("sha256")
+    context = SSL.Context(SSL.TLS_CLIENT_METHOD)
+    context.set_min_proto_version(SSL.TLS1_2_VERSION)
+    store = context.get_cert_store()
+    assert store is not None
+    store.add_cert(pinned)
+    store.set_flags(crypto.X509StoreFlags.PARTIAL_CHAIN)
+
+    def verify(_conn: Any, cert: Any, _errno: int, depth: int, ok: int) -> bool:
+        return bool(ok) and (depth > 0 or cert.digest("sha256") == want)
+
+    context.set_verify(SSL.VERIFY_PEER, verify)
+    connection = SSL.Connection(context)
+    connection.set_connect_state()
+    return connection
 
 
 def _denied(host: str, port: int, decision: Decision) -> http.Response:

@@ -17,6 +17,8 @@ SCHEMES = frozenset(
 TOKEN_HEADER = "x-cella-rewrite-token"  # the daemon's proof it is the proxy asking
 HOST_HEADER = "x-cella-rewrite-host"  # the Host the sandbox sent, for the other's server
 PREFIX = "/v1/rewrites"
+FLEET_REWRITE = "x-cella-fleet-rewrite"  # a gateway's delivery: the calling sandbox's id
+CARRIED = "x-cella-carried-"  # + a credential header's name: the request's own, delivered
 
 
 def redact(name: str, value: str) -> str:

@@ -86,7 +86,12 @@ class Daemon:
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
         clear = settings.tls_cert is None or settings.proxy_api_port != 0
-        self.rewrites = Rewrites(self.registry, self.ports, tls=not clear)
+        self.rewrites = Rewrites(
+            self.registry,
+            self.ports,
+            tls=not clear,
+            link_file=settings.data_dir / "fleet-link.json",
+        )
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)

@@ -8,8 +8,9 @@ every request, so revoking the key ends the sandbox's access at once.
 
 A sandbox a fleet gateway places gets the gateway's grant instead (`FLEET_GRANT`, from an
 admin key acting for the tenant): the creator's key is the gateway's, tokens are checked
-there, and the proxy takes `cella.api` to the gateway's address, so the code in the sandbox
-sees the whole fleet."""
+there, and the proxy takes `cella.api` to the gateway's address (over TLS with the gateway's
+certificate pinned when it serves TLS: `tls`, the certificate's PEM), so the code in the
+sandbox sees the whole fleet."""
 
 from __future__ import annotations
 
@@ -42,13 +43,20 @@ def grant(asked: AccessDelegation | None, creator: Principal | None) -> Json | N
 
 FLEET_GRANT = "x-cella-grant"  # a fleet gateway's grant for a sandbox it creates here
 _KEY = re.compile(r"^[0-9a-f]{64}$")
+PEM = re.compile(
+    r"^-----BEGIN CERTIFICATE-----\n[A-Za-z0-9+/=\n]{1,16384}-----END CERTIFICATE-----\n?$"
+)
+SENT = ("key_id", "key", "upstream", "tls")  # what of a gateway's grant a node is sent
 
 
-def grant_for(asked: AccessDelegation, creator: Principal, upstream: tuple[str, int]) -> Json:
-    """A fleet gateway's grant (with where its API is reached), as the node keeps it."""
+def grant_for(
+    asked: AccessDelegation, creator: Principal, upstream: tuple[str, int], tls: str | None = None
+) -> Json:
+    """A fleet gateway's grant (with where its API is reached and, when it serves TLS, the
+    certificate the proxy pins), as the node keeps it."""
     made = grant(asked, creator)
     assert made is not None
-    return made | {"upstream": [upstream[0], upstream[1]]}
+    return made | {"upstream": [upstream[0], upstream[1]]} | ({"tls": tls} if tls else {})
 
 
 def given(asked: AccessDelegation | None, header: str) -> Json:
@@ -63,14 +71,24 @@ def given(asked: AccessDelegation | None, header: str) -> Json:
     ok = isinstance(key_id, str) and isinstance(key, str) and bool(_KEY.match(key))
     if not ok or not isinstance(host, str) or not isinstance(port, int):
         raise errors.InvalidArgument(f"{FLEET_GRANT}: not a grant")
+    tls = sent.get("tls")
+    if tls is not None and not (isinstance(tls, str) and PEM.match(tls)):
+        raise errors.InvalidArgument(f"{FLEET_GRANT}: tls is not one PEM certificate")
     return {"mode": asked.mode, "permissions": list(asked.permissions), "key_id": key_id,
-            "key": key, "upstream": [host, port]}  # fmt: skip
+            "key": key, "upstream": [host, port]} | ({"tls": tls} if tls else {})  # fmt: skip
 
 
 def upstream_of(row: SandboxRecord) -> tuple[str, int] | None:
     """Where the proxy takes the sandbox's `cella.api` when not to this daemon (a gateway's)."""
     found = (row.delegation or {}).get("upstream")
     return (str(found[0]), int(found[1])) if found else None
+
+
+def pinned_of(row: SandboxRecord) -> str | None:
+    """The certificate (PEM) the proxy pins on its TLS connection to a gateway's API (None:
+    the API is reached in clear, on this host)."""
+    found = (row.delegation or {}).get("tls")
+    return str(found) if found else None
 
 
 def proxy_access(row: SandboxRecord) -> bytes | None:

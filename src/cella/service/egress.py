@@ -29,7 +29,7 @@ from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service import proxy_credentials as credentials
-from cella.service.delegation import proxy_access, upstream_of
+from cella.service.delegation import pinned_of, proxy_access, upstream_of
 from cella.service.registry import Registry
 from cella.service.rewrites import Rewrites
 from cella.store import SandboxRecord, SecretRecord, SecretRef
@@ -200,11 +200,14 @@ class SandboxEgress:
 
     def _api(self, row: SandboxRecord) -> dict[str, Any] | None:
         """cella's API for a sandbox with access delegation: the address the proxy takes
-        `cella.api` to, and the key it mints the sandbox's tokens with."""
+        `cella.api` to (with the certificate pinned there when it is a gateway serving TLS),
+        and the key it mints the sandbox's tokens with."""
         key = proxy_access(row)
         if key is None:
             return None
-        return {"upstream": list(upstream_of(row) or self.api), "key": key.hex()}
+        api = {"upstream": list(upstream_of(row) or self.api), "key": key.hex()}
+        pinned = pinned_of(row)
+        return api | ({"tls": pinned} if pinned else {})
 
     def _release(self, vm: VM) -> None:
         addr = self._addresses.pop(vm, None)

@@ -8,26 +8,104 @@ request for a rule's host to the daemon (`server/routes/rewrites.py`), where `fo
 checks the token and the sandbox's rules as they are now, and hands the request to the
 other sandbox's port as service URLs do (`Ports.http`). A target that is not running is a
 503, a port nothing listens on a 502: never a wait.
+
+A node of a fleet has a `FleetLink` (its gateway's API, the pinned certificate, the key
+this node's tokens for the gateway are minted with; the gateway sends it when the node
+joins). There the gateway decides: a rule may name a sandbox on another node (the gateway
+settled it), and every request goes to the gateway's `/v1/rewrites/...`, which checks the
+rule's setter may still use the target and hands it to the target's node (`deliver`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+import contextlib
+import json
+import os
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import httpx2
 
 from cella import errors
 from cella.models import NetworkPolicy, RewriteRule, SandboxPort, SandboxState
 from cella.policy.access import Permission, Principal
-from cella.service.ports import HttpResponse, Ports
+from cella.policy.delegation import mint
+from cella.policy.rewrites import HOST_HEADER, PREFIX, TOKEN_HEADER
+from cella.service.delegation import PEM
+from cella.service.keys import require_admin
+from cella.service.ports import HOP_BY_HOP, HttpResponse, Ports
 from cella.service.registry import Registry
 from cella.store import SandboxRecord
 
+Request = tuple[str, str, list[tuple[str, str]]]  # method, target, headers
+LINK_TIMEOUT = httpx2.Timeout(30.0, read=600.0)
+
+
+@dataclass(frozen=True)
+class FleetLink:
+    """A fleet gateway's door for this node's rewrites."""
+
+    url: str  # its API: https://host:port (or http:// on one host)
+    key: bytes  # this node's: the tokens it sends the gateway are minted with it
+    tls: str | None  # the gateway's certificate (PEM), the only one trusted there
+
+    @classmethod
+    def of(cls, given: Any) -> FleetLink:
+        try:
+            url, key, tls = str(given["url"]), bytes.fromhex(given["key"]), given.get("tls")
+        except (KeyError, TypeError, ValueError):
+            raise errors.InvalidArgument("a fleet link is {url, key (hex), tls}") from None
+        if not url.startswith(("http://", "https://")) or len(key) < 32:
+            raise errors.InvalidArgument("a fleet link needs an http(s) URL and a 32-byte key")
+        if tls is not None and not (isinstance(tls, str) and PEM.match(tls)):
+            raise errors.InvalidArgument("a fleet link's tls is one PEM certificate")
+        if url.startswith("https://") != (tls is not None):
+            raise errors.InvalidArgument("a fleet link's https URL comes with its certificate")
+        return cls(url.rstrip("/"), key, tls)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "key": self.key.hex(), "tls": self.tls}
+
+    def context(self) -> ssl.SSLContext | None:
+        """Trusts the gateway's certificate alone (as the egress proxy does for
+        `cella.api`): whatever issued it, whatever names it holds."""
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cadata=self.tls)
+        context.check_hostname = False
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        return context
+
 
 class Rewrites:
-    def __init__(self, registry: Registry, ports: Ports, *, tls: bool) -> None:
+    def __init__(
+        self, registry: Registry, ports: Ports, *, tls: bool, link_file: Path | None = None
+    ) -> None:
         self.registry = registry
         self.ports = ports
         self.tls = tls  # the proxy reaches the daemon over plain HTTP only
+        self.link_file = link_file
+        self.link: FleetLink | None = None
+        self._client: httpx2.AsyncClient | None = None
+        if link_file is not None and link_file.exists():
+            with contextlib.suppress(ValueError, errors.InvalidArgument):
+                self.link = FleetLink.of(json.loads(link_file.read_text()))
+
+    async def set_link(self, who: Principal, given: Any) -> None:
+        """This node joins a fleet whose gateway decides its rewrites (kept across restarts)."""
+        require_admin(who, "link this node to a fleet gateway")
+        link = FleetLink.of(given)
+        if self.link_file is not None:
+            fd = os.open(self.link_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(link.to_json(), f)
+        if link != self.link and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self.link = link
 
     def settle(self, who: Principal, policy: NetworkPolicy) -> NetworkPolicy:
         """The policy with each rewrite's target as the id of a live sandbox of the tenant
@@ -50,6 +128,8 @@ class Rewrites:
             except errors.NotFound:
                 target = self.registry.named(who, given, Permission.exec)
         except (errors.NotFound, errors.PermissionDenied):
+            if self.link is not None:  # on another node: the gateway settled it, and checks
+                return rule  # the setter's access on every request
             raise errors.InvalidArgument(
                 f"rewrite {rule.host}: no sandbox {given!r} of this tenant that this key "
                 "may exec in"
@@ -91,25 +171,91 @@ class Rewrites:
         rule = next((r for r in row.network.rewrites if r.host == host.lower()), None)
         if rule is None:
             raise errors.NotFound(f"sandbox {sandbox_id} has no rewrite for {host}")
+        if self.link is not None:
+            return await self._via_gateway(self.link, sandbox_id, rule.host, request, body,
+                                           shown_host)  # fmt: skip
         target = self.registry.store.get_sandbox(rule.to.sandbox)
         if target is None or target.tenant != row.tenant or target.state == SandboxState.deleted:
             raise errors.SandboxUnavailable(
                 f"{host}: sandbox {rule.to.sandbox} no longer exists (rewrite rule)"
             )
+        return await self._to_port(row.tenant, target.id, rule.to.port, host, request, body,
+                                   shown_host)  # fmt: skip
+
+    async def deliver(
+        self,
+        who: Principal,
+        sandbox_id: str,
+        port: int,
+        request: Request,
+        body: AsyncIterable[bytes],
+        shown_host: str,
+    ) -> HttpResponse:
+        """A rewritten request the fleet's gateway hands to a sandbox here: `who` is the
+        rule's setter, who must still be allowed to exec in it."""
+        try:
+            target = self.registry.get(who, sandbox_id, Permission.exec)
+        except (errors.NotFound, errors.PermissionDenied):
+            raise errors.PermissionDenied(
+                f"{shown_host}: the rewrite rule's setter may no longer exec in sandbox "
+                f"{sandbox_id}"
+            ) from None
+        return await self._to_port(target.tenant, target.id, port, shown_host, request, body,
+                                   shown_host)  # fmt: skip
+
+    async def _to_port(
+        self,
+        tenant: str,
+        target: str,
+        port: int,
+        host: str,
+        request: Request,
+        body: AsyncIterable[bytes],
+        shown_host: str,
+    ) -> HttpResponse:
         method, path, headers = request
         try:
             return await self.ports.http(
-                Principal.service(row.tenant),
-                target.id,
-                rule.to.port,
-                method,
-                path,
-                headers,
-                body,
-                shown_host,
+                Principal.service(tenant), target, port, method, path, headers, body, shown_host
             )
         except errors.InvalidState:  # stopped, stopping, starting, failed
-            state = self.registry.row(target.id).state
+            state = self.registry.row(target).state
             raise errors.SandboxUnavailable(
-                f"{host}: sandbox {target.id} is {state}, not running (rewrite rule)"
+                f"{host}: sandbox {target} is {state}, not running (rewrite rule)"
             ) from None
+
+    async def _via_gateway(
+        self,
+        link: FleetLink,
+        sandbox_id: str,
+        host: str,
+        request: Request,
+        body: AsyncIterable[bytes],
+        shown_host: str,
+    ) -> HttpResponse:
+        """The request on to the fleet's gateway, as this node's (a token for the sandbox
+        minted with the link's key); its answer, whatever it is, streamed back."""
+        if self._client is None:
+            verify: ssl.SSLContext | bool = link.context() or True
+            self._client = httpx2.AsyncClient(timeout=LINK_TIMEOUT, verify=verify)
+        method, target, headers = request
+        sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | {"host"}]
+        sent += [(TOKEN_HEADER, mint(sandbox_id, link.key)), (HOST_HEADER, shown_host)]
+        url = f"{link.url}{PREFIX}/{sandbox_id}/{host}{target}"
+        asked = self._client.build_request(method, url, headers=sent, content=body)
+        try:
+            answer = await self._client.send(asked, stream=True)
+        except httpx2.TransportError as exc:
+            raise errors.SandboxUnavailable(
+                f"{host}: the fleet's gateway does not answer (rewrite rule): {exc}"
+            ) from None
+
+        async def streamed() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            finally:
+                await answer.aclose()
+
+        kept = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in HOP_BY_HOP]
+        return HttpResponse(answer.status_code, answer.reason_phrase, kept, streamed())
