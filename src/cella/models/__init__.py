@@ -91,6 +91,14 @@ from cella.models.templates import (
     TemplateBuild,
     TemplateList,
 )
+from cella.models.volumes import (
+    Volume,
+    VolumeCreate,
+    VolumeEntry,
+    VolumeEntryList,
+    VolumeList,
+    VolumeMount,
+)
 
 __all__ = [
     "MAX_MOUNTS",
@@ -174,6 +182,12 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "Volume",
+    "VolumeCreate",
+    "VolumeEntry",
+    "VolumeEntryList",
+    "VolumeList",
+    "VolumeMount",
     "WalkEntry",
     "account_name",
     "decode_data",

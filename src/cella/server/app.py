@@ -34,6 +34,8 @@ from cella.server.routes import (
     snapshots,
     templates,
     terminal,
+    volume_dav,
+    volumes,
 )
 from cella.service.daemon import Daemon
 
@@ -52,6 +54,8 @@ API = (
     evals,
     terminal,
     rewrites,
+    volumes,
+    volume_dav,
 )
 
 

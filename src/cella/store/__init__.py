@@ -11,6 +11,7 @@ from cella.store.records import (
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    VolumeRecord,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "SecretRef",
     "SnapshotRecord",
     "Store",
+    "VolumeRecord",
 ]

@@ -187,4 +187,16 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN visibility TEXT NOT NULL DEFAULT 'tenant';
     ALTER TABLE sandboxes ADD COLUMN shares TEXT NOT NULL DEFAULT '{}';
     """,
+    # volumes: a tenant's persistent file trees (their files are on the host, under the data
+    # directory); sandboxes record the volumes they mount
+    """
+    CREATE TABLE volumes (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
