@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cella.policy.volumes import DAV_HOST, PREFIX, TOKEN_HEADER
+from cella.policy.volumes import BASE_HEADER, DAV_HOST, PREFIX, TOKEN_HEADER
 
-CREDENTIALS = ("authorization", "x-api-key", "cookie", TOKEN_HEADER)
+CREDENTIALS = ("authorization", "x-api-key", "cookie", TOKEN_HEADER, BASE_HEADER)
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ def route(req: Any, sandbox: str, access: VolumeAccess, route_host: str) -> None
     for name in CREDENTIALS:
         req.headers.pop(name, None)
     req.headers[TOKEN_HEADER] = access.token
+    req.headers[BASE_HEADER] = "/"  # the guest asked for /{volume}/...
     path = req.path if req.path.startswith("/") else "/" + req.path
     req.scheme = "http"
     req.host = route_host

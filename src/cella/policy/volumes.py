@@ -8,3 +8,4 @@ DAV_HOST = "volumes.cella"  # plain HTTP, to the proxy; a sandbox without mounts
 PREFIX = "/v1/volume-dav"  # + /{sandbox_id}/{volume_id}/{path}
 TOKEN_HEADER = "x-cella-volume-token"  # the daemon's proof it is the proxy asking
 REASON = "the sandbox's volume mounts"
+BASE_HEADER = "x-cella-volume-base"  # the path the guest's URLs start with (hrefs in it)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from cella import errors
-from cella.policy.volumes import PREFIX, TOKEN_HEADER
+from cella.policy.volumes import BASE_HEADER, PREFIX, TOKEN_HEADER
 from cella.server.deps import DaemonDep
 from cella.service.daemon import Daemon
 from cella.service.volumes import Entry, VolumeRecord
@@ -36,13 +36,16 @@ async def dav(
     token = request.headers.get(TOKEN_HEADER, "")
     record = svc.volumes.mount_of(sandbox_id, token, volume_id, method)
     path = "/" + path
+    # where the caller's URLs start: `/` through the proxy, else this route's own prefix
+    base = request.headers.get(BASE_HEADER) or f"{PREFIX}/{sandbox_id}/"
+    base = base.rstrip("/") + f"/{volume_id}"
     if method == "OPTIONS":
         return Response(headers={"DAV": "1", "Allow": ", ".join(METHODS)})
     if method == "PROPFIND":
         if len(await request.body()) > MAX_PROPFIND_BODY:
             raise errors.PayloadTooLarge("PROPFIND body too large")
         depth = request.headers.get("depth", "1")
-        return _propfind(svc, record, path, 0 if depth == "0" else 1)
+        return _propfind(svc, record, path, 0 if depth == "0" else 1, base)
     if method in ("GET", "HEAD"):
         return await _get(svc, record, path, request)
     if method == "PUT":
@@ -59,7 +62,7 @@ async def dav(
             return Response(status_code=405)
         return Response(status_code=201)
     if method == "MOVE":
-        target = _destination(request.headers.get("destination", ""), volume_id)
+        target = _destination(request.headers.get("destination", ""), base)
         overwrite = request.headers.get("overwrite", "T").upper() != "F"
         try:
             existed = svc.volumes.move(record, path, target, overwrite)
@@ -77,21 +80,20 @@ def _exists(svc: Daemon, record: VolumeRecord, path: str) -> bool:
     return True
 
 
-def _destination(header: str, volume_id: str) -> str:
+def _destination(header: str, prefix: str) -> str:
     where = unquote(urlsplit(header).path)
-    prefix = f"/{volume_id}"
     if not header or not (where == prefix or where.startswith(prefix + "/")):
         raise errors.InvalidArgument("MOVE: Destination must be in the same volume")
     return where[len(prefix) :] or "/"
 
 
-def _propfind(svc: Daemon, record: VolumeRecord, path: str, depth: int) -> Response:
+def _propfind(svc: Daemon, record: VolumeRecord, path: str, depth: int, base: str) -> Response:
     here = svc.volumes.stat(record, path)
     entries = [here]
     if here.is_dir and depth > 0:
         entries += svc.volumes.listing(record, path, 1)
     parts = ['<?xml version="1.0" encoding="utf-8"?>\n<D:multistatus xmlns:D="DAV:">']
-    parts += [_response(record.id, e) for e in entries]
+    parts += [_response(base, e) for e in entries]
     parts.append("</D:multistatus>\n")
     return Response(
         "".join(parts).encode(),
@@ -100,8 +102,8 @@ def _propfind(svc: Daemon, record: VolumeRecord, path: str, depth: int) -> Respo
     )
 
 
-def _response(volume_id: str, entry: Entry) -> str:
-    href = quote(f"/{volume_id}{entry.path.rstrip('/')}") + ("/" if entry.is_dir else "")
+def _response(base: str, entry: Entry) -> str:
+    href = quote(f"{base}{entry.path.rstrip('/')}") + ("/" if entry.is_dir else "")
     kind = "<D:collection/>" if entry.is_dir else ""
     size = "" if entry.is_dir else f"<D:getcontentlength>{entry.size}</D:getcontentlength>"
     return (
