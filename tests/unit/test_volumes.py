@@ -101,32 +101,31 @@ def test_mount_model() -> None:
 
 
 async def test_content_api_quota_and_deletion(tmp_path: Path) -> None:
-    async with serving(tmp_path, max_volume_mib_per_tenant=1) as app:
-        async with app.client() as client:
-            vol = await client.create_volume("data")
-            with pytest.raises(errors.AlreadyExists):
-                await client.create_volume("data")
-            await vol.write("/a/b.txt", "hello", parents=True)
-            assert await vol.read_text("/a/b.txt") == "hello"
-            assert [e.path for e in await vol.list("/", depth=2)] == ["/a", "/a/b.txt"]
-            with pytest.raises(errors.VolumeQuotaExceeded):
-                await vol.write("/big", b"x" * (2 << 20))
-            await vol.write("/fits", b"x" * (512 << 10))  # the control: under the quota
-            listed = await client.volumes()
-            assert listed.quota_bytes == 1 << 20 and listed.used_bytes == 5 + (512 << 10)
-            with pytest.raises(errors.NotFound):
-                await vol.read("/big")
+    async with serving(tmp_path, max_volume_mib_per_tenant=1) as app, app.client() as client:
+        vol = await client.create_volume("data")
+        with pytest.raises(errors.AlreadyExists):
+            await client.create_volume("data")
+        await vol.write("/a/b.txt", "hello", parents=True)
+        assert await vol.read_text("/a/b.txt") == "hello"
+        assert [e.path for e in await vol.list("/", depth=2)] == ["/a", "/a/b.txt"]
+        with pytest.raises(errors.VolumeQuotaExceeded):
+            await vol.write("/big", b"x" * (2 << 20))
+        await vol.write("/fits", b"x" * (512 << 10))  # the control: under the quota
+        listed = await client.volumes()
+        assert listed.quota_bytes == 1 << 20 and listed.used_bytes == 5 + (512 << 10)
+        with pytest.raises(errors.NotFound):
+            await vol.read("/big")
 
-            record = app.daemon.store.volume_by_id(vol.id)
-            assert record is not None
-            user = mounted(app, VolumeMount(volume=vol.id, path="/mnt/v"), tenant=record.tenant)
-            with pytest.raises(errors.InUse, match=user):
-                await client.delete_volume("data")
-            assert (await vol.refresh()).info.used_by == [user]
-            await client.delete_volume("data", force=True)
-            assert not (tmp_path / "volumes" / vol.id).exists()  # its files are gone
-            with pytest.raises(errors.NotFound):
-                await client.volume("data")
+        record = app.daemon.store.volume_by_id(vol.id)
+        assert record is not None
+        user = mounted(app, VolumeMount(volume=vol.id, path="/mnt/v"), tenant=record.tenant)
+        with pytest.raises(errors.InUse, match=user):
+            await client.delete_volume("data")
+        assert (await vol.refresh()).info.used_by == [user]
+        await client.delete_volume("data", force=True)
+        assert not (tmp_path / "volumes" / vol.id).exists()  # its files are gone
+        with pytest.raises(errors.NotFound):
+            await client.volume("data")
 
 
 async def test_another_tenants_volume_is_not_found(tmp_path: Path) -> None:
