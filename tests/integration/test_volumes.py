@@ -75,6 +75,7 @@ def test_e2b_two_sandboxes_share_a_volume_that_outlives_them(python: Path, daemo
         vol = Volume.create("shared-sync")
         a = Sandbox.create(volume_mounts={"/mnt/shared": vol})
         b = Sandbox.create(volume_mounts={"/mnt/shared": "shared-sync"})
+        mounts = [(m["name"], m["path"]) for m in b.get_info().volume_mounts]
         a.files.write("/mnt/shared/from-a.txt", "written in a")
         seen_in_b = until(lambda: b.files.read("/mnt/shared/from-a.txt"))
         b.commands.run("mkdir -p /mnt/shared/d && echo written in b > /mnt/shared/d/from-b.txt")
@@ -90,11 +91,12 @@ def test_e2b_two_sandboxes_share_a_volume_that_outlives_them(python: Path, daemo
             unknown = "found"
         except VolumeNotFoundException as exc:
             unknown = type(exc).__name__
-        print(json.dumps({"in_b": seen_in_b, "in_a": seen_in_a, "kept": kept,
+        print(json.dumps({"mounts": mounts, "in_b": seen_in_b, "in_a": seen_in_a, "kept": kept,
                           "listing": listing, "name": info.name, "unknown": unknown,
                           "listed": [v.name for v in Volume.list()]}))
         """,
     )
+    assert got["mounts"] == [["shared-sync", "/mnt/shared"]]
     assert got["in_b"] == "written in a"
     assert got["in_a"] == "written in b\n"
     assert got["kept"] == "written in a"

@@ -95,6 +95,10 @@ class Volumes:
             used_bytes=self.files.size_of(r.id for r in records),
         )
 
+    def names(self, who: Principal) -> dict[str, str]:
+        """The tenant's volumes' names by id."""
+        return {r.id: r.name for r in self.store.list_volumes(who.tenant)}
+
     def shown(self, record: VolumeRecord) -> Volume:
         return Volume(
             id=record.id,

@@ -107,7 +107,13 @@ async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
     row = sandbox(svc, who, sandbox_id)
     # the envd tokens open its commands and files: only to a key that may exec in it
     drives = svc.registry.permission(who, row) in (Permission.exec, Permission.manage)
-    return detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    detail = detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    if row.volume_mounts:  # by name, as they were asked for
+        names = svc.volumes.names(who)
+        detail["volumeMounts"] = [
+            {"name": names.get(m.volume, m.volume), "path": m.path} for m in row.volume_mounts
+        ]
+    return detail
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
