@@ -6,6 +6,9 @@ fork mounting the same volume)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Callable
@@ -190,3 +193,30 @@ def _read(sb: Sandbox, path: str) -> bytes:
     if done.exit_code != 0:
         raise errors.NotFound(done.stderr.decode())
     return done.stdout
+
+
+def test_volumes_through_the_cli(daemon: Daemon) -> None:
+    def cella(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", "volume", *args],
+            env=daemon.env(),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    made = cella("create", "cli-vol", "--json")
+    assert made.returncode == 0, made.stderr
+    volume_id = json.loads(made.stdout)["id"]
+    put = cella("put", "cli-vol", "/notes/a.txt", "--parents", stdin="from the cli\n")
+    assert put.returncode == 0, put.stderr
+    assert cella("cat", volume_id, "/notes/a.txt").stdout == "from the cli\n"
+    files = json.loads(cella("files", "cli-vol", "/", "--depth", "2", "--json").stdout)
+    assert [f["path"] for f in files] == ["/notes", "/notes/a.txt"]
+    listed = json.loads(cella("ls", "--json").stdout)
+    assert any(v["name"] == "cli-vol" and v["size_bytes"] == 13 for v in listed["volumes"])
+    missing = cella("cat", "cli-vol", "/nope.txt")
+    assert missing.returncode != 0 and "nope.txt" in missing.stderr
+    assert cella("rm", "cli-vol").returncode == 0
+    assert cella("get", volume_id).returncode != 0  # gone, with its files
