@@ -156,6 +156,7 @@ class VolumeFiles:
         limit = None if room is None else room + before
         temp = self.tmp / f"w-{secrets.token_hex(8)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.fchmod(fd, 0o644)  # whatever the daemon's umask
         written = 0
         try:
             with os.fdopen(fd, "wb") as out:
@@ -179,7 +180,8 @@ class VolumeFiles:
             self._mkdirs(volume_id, clean)
         else:
             try:
-                where.mkdir(mode=0o755)
+                where.mkdir()
+                where.chmod(0o755)
             except FileExistsError:
                 raise errors.AlreadyExists(f"{clean}: exists") from None
             except FileNotFoundError:
@@ -192,7 +194,9 @@ class VolumeFiles:
             here = here / part
             if here.is_symlink() or (here.exists() and not here.is_dir()):
                 raise errors.NotADirectory(f"{clean}: {part} is not a directory")
-            here.mkdir(mode=0o755, exist_ok=True)
+            if not here.exists():
+                here.mkdir()
+                here.chmod(0o755)
 
     def remove(self, volume_id: str, path: str) -> None:
         where, clean = self._path(volume_id, path)
