@@ -73,14 +73,15 @@ def bucket_plan(mount: BucketMount) -> Plan:
 
 def volume_plan(mount: VolumeMount) -> Plan:
     """A volume over WebDAV, for close-to-open consistency between sandboxes: a file is
-    written to the local cache and uploaded as soon as it is closed (`--vfs-write-back 0s`,
-    replaced whole on the host); a file opened for reading is read from the daemon, never
-    from a cache; directory listings and attributes are kept for 1 s."""
+    written to the local cache and uploaded a second after it is closed (`--vfs-write-back
+    1s`: a write-then-rename, as tools save files, is renamed in the cache before its upload
+    starts, which rclone would lose), replaced whole on the host; a file opened for reading
+    is read from the daemon, never from a cache; listings and attributes are kept 1 s."""
     argv = [
         "rclone", "mount", f":webdav:{mount.volume}", mount.path, "--daemon",
         "--daemon-wait", "60s", "--allow-other", "--umask", "0000",
         "--cache-dir", f"{CACHE_DIR}/{mount.id}", "--vfs-cache-mode", "writes",
-        "--vfs-write-back", "0s", "--dir-cache-time", "1s", "--attr-timeout", "1s",
+        "--vfs-write-back", "1s", "--dir-cache-time", "1s", "--attr-timeout", "1s",
         "--poll-interval", "0", "--log-file", f"{LOG_DIR}/{mount.id}.log",
         "--log-level", "NOTICE",
     ]  # fmt: skip
