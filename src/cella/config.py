@@ -175,6 +175,12 @@ class DaemonSettings(BaseSettings):
     )
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
     max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
+    max_volume_mib_per_tenant: int | None = Field(
+        default=10240,
+        ge=1,
+        description="bytes (MiB) all of a tenant's volumes may hold; a write past it is refused "
+        "(none: unbounded)",
+    )
     max_host_memory_mib: int = Field(
         default_factory=lambda: _host_memory_mib() * 4 // 5,
         description="RAM all sandboxes may commit together (default 80% of the host's)",

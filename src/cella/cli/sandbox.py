@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import BucketMount, GitMount, RewriteRule, parse_pairs
+from cella.models import BucketMount, GitMount, RewriteRule, VolumeMount, parse_pairs
 from cella.models import Sandbox as SandboxInfo
 from cella.sdk import Client, Sandbox
 
@@ -107,6 +107,13 @@ def create(
             '"secret_access_key"} or {"service_account"} (secret names)}'
         ),
     ] = None,
+    volume: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a volume mounted in the guest, repeatable: NAME:/path, or NAME:/path:ro "
+            "(read-only)"
+        ),
+    ] = None,
     visibility: Annotated[
         str | None,
         typer.Option(
@@ -122,6 +129,7 @@ def create(
     mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
     rewrites = [_rewrite(r) for r in rewrite or []]
     buckets = [_bucket_mount(m) for m in bucket_mount or []]
+    volumes = [_volume_mount(v) for v in volume or []]
     with Client() as client:
         sb = client.create(
             template,
@@ -138,6 +146,7 @@ def create(
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
             bucket_mounts=buckets or None,
+            volume_mounts=volumes or None,
             visibility=visibility,
         )
     if json_:
@@ -300,6 +309,17 @@ def _rewrite(text: str) -> RewriteRule:
         raise typer.BadParameter(
             f"--rewrite {text!r}: expected HOST=SANDBOX:PORT[:strip|redact|keep]; {exc}"
         ) from None
+
+
+def _volume_mount(text: str) -> VolumeMount:
+    name, _, rest = text.partition(":")
+    path, _, flag = rest.partition(":")
+    if flag not in ("", "ro", "rw"):
+        raise typer.BadParameter(f"--volume {text!r}: expected NAME:/path[:ro]")
+    try:
+        return VolumeMount(volume=name, path=path, read_only=flag == "ro")
+    except ValueError as exc:
+        raise typer.BadParameter(f"--volume {text!r}: {exc}") from None
 
 
 def _bucket_mount(text: str) -> BucketMount:

@@ -102,6 +102,14 @@ from cella.models.templates import (
     TemplateBuild,
     TemplateList,
 )
+from cella.models.volumes import (
+    Volume,
+    VolumeCreate,
+    VolumeEntry,
+    VolumeEntryList,
+    VolumeList,
+    VolumeMount,
+)
 
 __all__ = [
     "MAX_MOUNTS",
@@ -187,6 +195,12 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "Volume",
+    "VolumeCreate",
+    "VolumeEntry",
+    "VolumeEntryList",
+    "VolumeList",
+    "VolumeMount",
     "WalkEntry",
     "Webhook",
     "WebhookCreate",

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from cella.models.buckets import BucketMount, BucketState, check_bucket_auth
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
+from cella.models.volumes import MAX_VOLUME_MOUNTS, VolumeMount
 from cella.policy.access import Visibility
 
 
@@ -155,10 +156,21 @@ class SandboxCreate(BaseModel):
         "proxy, which adds the credentials their `auth` names; mounted again after a resume, "
         "restore or fork; a mount that fails fails the create",
     )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        max_length=MAX_VOLUME_MOUNTS,
+        description="the tenant's volumes mounted in the guest (a network file system served "
+        "by the daemon through the egress proxy), shared with every sandbox mounting them; "
+        "mounted again after a resume, restore or fork, never copied into a snapshot",
+    )
 
     @model_validator(mode="after")
     def _mounts(self) -> SandboxCreate:
-        both: list[GitMount | BucketMount] = [*self.mounts, *self.bucket_mounts]
+        both: list[GitMount | BucketMount | VolumeMount] = [
+            *self.mounts,
+            *self.bucket_mounts,
+            *self.volume_mounts,
+        ]
         check_mounts(both)
         check_bucket_auth(self.bucket_mounts)
         return self
@@ -226,8 +238,9 @@ class Sandbox(BaseModel):
     )
     mounts: list[GitMount] = Field(default_factory=list, description="git repositories")
     bucket_mounts: list[BucketMount] = Field(default_factory=list, description="S3, GCS")
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, description="volumes")
     mount_states: dict[str, BucketState] = Field(
-        default_factory=dict, description="bucket mount id -> where it is"
+        default_factory=dict, description="bucket or volume mount id -> where it is"
     )
     accel: str | None
     accel_reason: str | None

@@ -43,6 +43,8 @@ from cella.network.callbacks import CallbackRule, Callbacks, Signing, full_reque
 from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.network.rewrites import ROUTE_HOST, Rewrite, Rewrites, rewrites_from, route
+from cella.network.volumes import VolumeAccess, is_volumes, volumes_from
+from cella.network.volumes import route as route_volume
 from cella.policy.egress import (
     Boundary,
     Decision,
@@ -54,6 +56,7 @@ from cella.policy.egress import (
 )
 from cella.policy.rewrites import HOST_HEADER, TOKEN_HEADER, guard
 from cella.policy.secrets import Redactor, secret_forms
+from cella.policy.volumes import REASON as VOLUMES_REASON
 
 log = logging.getLogger("cella.egress")
 RESOLVE_TTL = 30.0
@@ -101,6 +104,7 @@ class Net:
     callbacks: tuple[CallbackRule, ...] = ()
     tenant: str = ""
     rewrites: Rewrites | None = None  # hosts answered by another sandbox's port
+    volumes: VolumeAccess | None = None  # its volume mounts, served by the daemon
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -214,6 +218,7 @@ def _net_from(msg: dict[str, Any]) -> Net:
         callbacks=callbacks,
         tenant=str(msg.get("tenant") or ""),
         rewrites=rewrites_from(msg),
+        volumes=volumes_from(msg),
     )
 
 
@@ -370,6 +375,11 @@ class Egress:
             flow.metadata["cella"] = Tally(net, req.host, req.port, req.scheme, REASON)
             if net.needles:  # checked for secrets as they stream, like every response
                 req.headers["accept-encoding"] = "identity"
+            return
+        if net is not None and net.volumes is not None and is_volumes(net.volumes, req.host):
+            decision = Decision(True, VOLUMES_REASON)
+            self._report(net, req.host, req.port, decision, protocol="http", method=req.method)
+            route_volume(req, net.sandbox, net.volumes, ROUTE_HOST)
             return
         rule = net.rewrite(req.host, req.port) if net is not None else None
         if net is not None and rule is not None:
@@ -603,8 +613,9 @@ class Egress:
                 self._pins[data.server.id] = net.api.pinned
             return
         routed = host == ROUTE_HOST and not data.server.tls and data.server.sni is None
-        if routed and net is not None and net.rewrites is not None:
-            data.server.address = net.rewrites.upstream  # a request `_rewrite` routed
+        door = None if net is None else (net.rewrites or net.volumes)
+        if routed and door is not None:
+            data.server.address = door.upstream  # a request `_rewrite` or a volume routed
             return  # (its flow reports it; a guest naming ROUTE_HOST is refused below)
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:

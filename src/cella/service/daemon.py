@@ -4,7 +4,8 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 `admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
 `shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
-`buckets` (S3 and GCS buckets mounted in the guest through the egress proxy),
+`buckets` (S3 and GCS buckets and volumes mounted in the guest through the egress proxy),
+`volumes` (the tenant's persistent file trees, shared between sandboxes),
 `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
 tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
@@ -57,6 +58,7 @@ from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
+from cella.service.volumes import Volumes
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.service.webhook_delivery import Deliveries
 from cella.service.webhooks import Webhooks
@@ -92,6 +94,7 @@ class Daemon:
             tls=not clear,
             link_file=settings.data_dir / "fleet-link.json",
         )
+        self.volumes = Volumes(settings, self.registry, self.ports, clear=clear)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
@@ -222,6 +225,7 @@ class Daemon:
         `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
         creator's key)."""
         tenant = who.tenant
+        spec = self.volumes.settle(who, spec)
         granted: delegation.Json | None
         if fleet_grant is not None:
             granted = delegation.given(spec.access_delegation, fleet_grant)
@@ -273,9 +277,10 @@ class Daemon:
         return delegation.grant(spec.access_delegation, who)
 
     async def _with_mounts(self, who: Principal, row: SandboxRecord) -> SandboxRecord:
-        """Clones a new sandbox's git mounts and mounts its buckets; one that fails fails the
-        create as any other failure does: the VM and its files are gone, the row says why."""
-        if not row.mounts and not row.bucket_mounts:
+        """Clones a new sandbox's git mounts and mounts its buckets and volumes; one that
+        fails fails the create as any other failure does: the VM and its files are gone, the
+        row says why."""
+        if not row.mounts and not row.bucket_mounts and not row.volume_mounts:
             return row
         try:
             await self.mounts.clone_all(who, row.id)

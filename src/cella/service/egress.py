@@ -195,6 +195,7 @@ class SandboxEgress:
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
+            volumes=self._volumes(row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -208,6 +209,12 @@ class SandboxEgress:
         api = {"upstream": list(upstream_of(row) or self.api), "key": key.hex()}
         pinned = pinned_of(row)
         return api | ({"tls": pinned} if pinned else {})
+
+    def _volumes(self, row: SandboxRecord) -> dict[str, Any] | None:
+        """A sandbox with volume mounts: where the proxy takes `volumes.cella`, its token."""
+        if not row.volume_mounts:
+            return None
+        return {"upstream": list(self.api), "token": self.rewrites.ports.mount_token(row.id)}
 
     def _release(self, vm: VM) -> None:
         addr = self._addresses.pop(vm, None)

@@ -75,6 +75,7 @@ def new_record(
         secrets=secrets,
         mounts=list(spec.mounts),
         bucket_mounts=list(spec.bucket_mounts),
+        volume_mounts=list(spec.volume_mounts),
         created_from=created_from,
         **lineage,
     )
@@ -100,6 +101,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         secrets={k: v.secret for k, v in row.secrets.items()},
         mounts=row.mounts,
         bucket_mounts=row.bucket_mounts,
+        volume_mounts=row.volume_mounts,
     )
 
 

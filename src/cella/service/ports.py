@@ -137,6 +137,20 @@ class Ports:
         if not hmac.compare_digest(token.encode(), self.rewrite_token(sandbox_id).encode()):
             raise errors.PermissionDenied("not the egress proxy's rewrite token")
 
+    def volume_token(self, volume_id: str) -> str:
+        """A bearer for one volume's content API (E2B's volume token), valid as long as the
+        volume lives."""
+        return _b64(self._sign(f"volume:{volume_id}"))
+
+    def mount_token(self, sandbox_id: str) -> str:
+        """The egress proxy's bearer for one sandbox's volume mounts (the daemon checks the
+        mounts themselves on every request)."""
+        return _b64(self._sign(f"volume-mounts:{sandbox_id}"))
+
+    @staticmethod
+    def same(given: str, expected: str) -> bool:
+        return hmac.compare_digest(given.encode(), expected.encode())
+
     def host_caller(
         self, sandbox_id: str, port: int, *, access: str, traffic: str, service_token: str
     ) -> Principal:

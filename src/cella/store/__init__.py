@@ -12,6 +12,7 @@ from cella.store.records import (
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    VolumeRecord,
 )
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "SecretRef",
     "SnapshotRecord",
     "Store",
+    "VolumeRecord",
     "WebhookRecord",
 ]

@@ -17,6 +17,7 @@ from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
+from cella.models.volumes import VolumeMount
 from cella.store.migrations import MIGRATIONS
 from cella.store.observe import Observations
 from cella.store.records import (
@@ -29,6 +30,7 @@ from cella.store.records import (
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    VolumeRecord,
 )
 from cella.store.sealing import Sealer
 
@@ -568,6 +570,43 @@ class Store(Observations):
         )
         return cur.rowcount > 0
 
+    # -- volumes (their files are the volumes room's, on the host) -----------------------
+
+    def put_volume(self, record: VolumeRecord) -> VolumeRecord:
+        record.created_at = record.created_at or now()
+        try:
+            self._exec(
+                "INSERT INTO volumes (id, tenant, name, created_at) VALUES (?, ?, ?, ?)",
+                (record.id, record.tenant, record.name, record.created_at),
+            )
+        except sqlite3.IntegrityError:
+            raise errors.AlreadyExists(f"a volume named {record.name!r} exists") from None
+        return record
+
+    def get_volume(self, tenant: str, key: str) -> VolumeRecord | None:
+        """The tenant's volume by id or name."""
+        row = self._exec(
+            "SELECT * FROM volumes WHERE tenant = ? AND (id = ? OR name = ?)", (tenant, key, key)
+        ).fetchone()
+        return VolumeRecord(**dict(row)) if row else None
+
+    def volume_by_id(self, volume_id: str) -> VolumeRecord | None:
+        row = self._exec("SELECT * FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+        return VolumeRecord(**dict(row)) if row else None
+
+    def list_volumes(self, tenant: str | None) -> list[VolumeRecord]:
+        if tenant is None:
+            rows = self._exec("SELECT * FROM volumes ORDER BY created_at, id").fetchall()
+        else:
+            rows = self._exec(
+                "SELECT * FROM volumes WHERE tenant = ? ORDER BY created_at, id", (tenant,)
+            ).fetchall()
+        return [VolumeRecord(**dict(r)) for r in rows]
+
+    def delete_volume(self, tenant: str, volume_id: str) -> bool:
+        cur = self._exec("DELETE FROM volumes WHERE tenant = ? AND id = ?", (tenant, volume_id))
+        return cur.rowcount > 0
+
 
 def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
@@ -575,6 +614,7 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
         "exec_defaults": record.exec_defaults.model_dump(),
         "mounts": [m.model_dump() for m in record.mounts],
         "bucket_mounts": [m.model_dump() for m in record.bucket_mounts],
+        "volume_mounts": [m.model_dump() for m in record.volume_mounts],
         "mount_states": {k: v.model_dump(mode="json") for k, v in record.mount_states.items()},
         "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
     }
@@ -592,6 +632,10 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
         out["bucket_mounts"] = [
             m.model_dump() if isinstance(m, BucketMount) else m for m in out["bucket_mounts"]
         ]
+    if "volume_mounts" in out:
+        out["volume_mounts"] = [
+            m.model_dump() if isinstance(m, VolumeMount) else m for m in out["volume_mounts"]
+        ]
     if "mount_states" in out:
         out["mount_states"] = {
             k: v.model_dump(mode="json") if isinstance(v, BucketState) else v
@@ -603,7 +647,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
             for k, v in out["secrets"].items()
         }
     for key in ("labels", "network", "secrets", "exec_defaults", "mounts", "bucket_mounts",
-                "mount_states", "shares"):  # fmt: skip
+                "mount_states", "shares", "volume_mounts"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
     if out.get("delegation") is not None:
@@ -620,6 +664,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["mounts"] = [GitMount.model_validate(m) for m in json.loads(out["mounts"])]
     out["bucket_mounts"] = [BucketMount.model_validate(m) for m in json.loads(out["bucket_mounts"])]
+    out["volume_mounts"] = [VolumeMount.model_validate(m) for m in json.loads(out["volume_mounts"])]
     states = json.loads(out["mount_states"]).items()
     out["mount_states"] = {k: BucketState.model_validate(v) for k, v in states}
     out["state"] = SandboxState(out["state"])

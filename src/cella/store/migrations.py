@@ -231,4 +231,16 @@ MIGRATIONS: list[str] = [
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_at);
     CREATE INDEX webhook_deliveries_hook ON webhook_deliveries (webhook_id, id);
     """,
+    # volumes: a tenant's persistent file trees (their files are on the host, under the data
+    # directory); sandboxes record the volumes they mount
+    """
+    CREATE TABLE volumes (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]

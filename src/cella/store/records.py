@@ -14,6 +14,7 @@ from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
+from cella.models.volumes import VolumeMount
 
 
 def epoch(iso: str) -> float:
@@ -60,6 +61,7 @@ class SandboxRecord:
     secrets: dict[str, SecretRef] = field(default_factory=dict)
     mounts: list[GitMount] = field(default_factory=list)
     bucket_mounts: list[BucketMount] = field(default_factory=list)
+    volume_mounts: list[VolumeMount] = field(default_factory=list)
     mount_states: dict[str, BucketState] = field(default_factory=dict)  # bucket mount id ->
     accel: str | None = None
     accel_reason: str | None = None
@@ -200,3 +202,13 @@ class EvalRunRecord:
     created_at: str
     name: str | None = None
     finished_at: str | None = None
+
+
+@dataclass(slots=True)
+class VolumeRecord:
+    """A tenant's volume: its files live on the host, under the daemon's data directory."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: str = ""

@@ -48,12 +48,16 @@ from cella.models import (
     SigningKeys,
     Template,
     TemplateList,
+    VolumeEntry,
+    VolumeList,
+    VolumeMount,
     Webhook,
     WebhookCreated,
     WebhookDelivery,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models import Volume as VolumeInfo
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
@@ -155,6 +159,7 @@ class AsyncClient:
         access_delegation: dict[str, Any] | None = None,
         mounts: builtins.list[GitMount] | None = None,
         bucket_mounts: builtins.list[BucketMount] | None = None,
+        volume_mounts: builtins.list[VolumeMount] | None = None,
         visibility: str | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
@@ -181,7 +186,9 @@ class AsyncClient:
         `refresh_interval_seconds` while it runs. `bucket_mounts` are S3 and GCS buckets
         mounted in the guest (rclone) before it is returned, their requests authenticated by
         the egress proxy with the stored secrets their `auth` names (their hosts are allowed);
-        each one's state is in `info.mount_states`. `visibility`: `private` (its creator, the
+        each one's state is in `info.mount_states`. `volume_mounts` mount the tenant's volumes
+        (`create_volume`) at their paths, shared with every other sandbox mounting them
+        (read-only ones refuse writes). `visibility`: `private` (its creator, the
         tenant's owners and whom it is shared with: `share`) or `tenant` (every key of the
         tenant may exec in it too); by default `tenant` for an owner's key, `private` for a
         member's.
@@ -214,6 +221,7 @@ class AsyncClient:
             bucket_mounts=[m.model_dump(exclude_none=True) for m in bucket_mounts]
             if bucket_mounts
             else None,
+            volume_mounts=[m.model_dump() for m in volume_mounts] if volume_mounts else None,
         )
         response = await self.request("POST", "/v1/sandboxes", json=body)
         return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
@@ -329,6 +337,25 @@ class AsyncClient:
         return int(KeyRotation.model_validate(response.json()).resealed)
 
     # -- image registries ----------------------------------------------------------------
+
+    async def create_volume(self, name: str) -> AsyncVolume:
+        """A new, empty volume of the tenant (names are unique in it)."""
+        response = await self.request("POST", "/v1/volumes", json={"name": name})
+        return AsyncVolume(self, VolumeInfo.model_validate(response.json()))
+
+    async def volumes(self) -> VolumeList:
+        """The tenant's volumes, with its quota and the bytes they hold."""
+        response = await self.request("GET", "/v1/volumes")
+        return VolumeList.model_validate(response.json())
+
+    async def volume(self, key: str) -> AsyncVolume:
+        """A volume by id or name."""
+        response = await self.request("GET", f"/v1/volumes/{key}")
+        return AsyncVolume(self, VolumeInfo.model_validate(response.json()))
+
+    async def delete_volume(self, key: str, *, force: bool = False) -> None:
+        """Deletes a volume and its files; one a sandbox mounts only with `force`."""
+        await self.request("DELETE", f"/v1/volumes/{key}", params={"force": force})
 
     async def create_registry(
         self, name: str, url: str, *, username: str | None = None, password: str | None = None
@@ -1000,3 +1027,74 @@ class AsyncFiles:
         """The directory `path` as an uncompressed tar archive."""
         response = await self._request("GET", "/archive", params={"path": path})
         return response.content
+
+
+class AsyncVolume:
+    """A volume's files, read and written without a sandbox."""
+
+    def __init__(self, client: AsyncClient, info: VolumeInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def __repr__(self) -> str:
+        return f"<Volume {self.info.id} {self.info.name}>"
+
+    async def _request(self, method: str, op: str, **kwargs: Any) -> httpx2.Response:
+        return await self.client.request(method, f"/v1/volumes/{self.info.id}/{op}", **kwargs)
+
+    async def refresh(self) -> AsyncVolume:
+        response = await self.client.request("GET", f"/v1/volumes/{self.info.id}")
+        self.info = VolumeInfo.model_validate(response.json())
+        return self
+
+    async def write(
+        self,
+        path: str,
+        data: bytes | str | AsyncIterable[bytes],
+        *,
+        parents: bool = False,
+        mode: int | None = None,
+    ) -> VolumeEntry:
+        """Writes a file whole (replaced at once for every reader), within the tenant's
+        volume quota; `data` may be an iterator of chunks (streamed)."""
+        content = data.encode() if isinstance(data, str) else data
+        params: dict[str, Any] = {"path": path, "parents": parents}
+        if mode is not None:
+            params["mode"] = mode
+        response = await self._request("PUT", "content", params=params, content=content)
+        return VolumeEntry.model_validate(response.json())
+
+    async def read(self, path: str) -> bytes:
+        response = await self._request("GET", "content", params={"path": path})
+        return response.content
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def list(self, path: str = "/", *, depth: int = 1) -> builtins.list[VolumeEntry]:
+        response = await self._request("GET", "list", params={"path": path, "depth": depth})
+        return [VolumeEntry.model_validate(e) for e in response.json()["entries"]]
+
+    async def stat(self, path: str) -> VolumeEntry:
+        response = await self._request("GET", "stat", params={"path": path})
+        return VolumeEntry.model_validate(response.json())
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> VolumeEntry:
+        params = {"path": path, "parents": parents}
+        response = await self._request("POST", "mkdir", params=params)
+        return VolumeEntry.model_validate(response.json())
+
+    async def remove(self, path: str) -> None:
+        """Removes a file, or a directory with what it holds."""
+        await self._request("DELETE", "content", params={"path": path})
+
+    async def delete(self, *, force: bool = False) -> None:
+        await self.client.delete_volume(self.info.id, force=force)

@@ -40,7 +40,7 @@ MaybeBody = Annotated[dict[str, Any] | None, Body()]
 DEFAULT_TIMEOUT = 300  # E2B's API default lifetime, in seconds
 REFRESH_MIN, REFRESH_MAX = 15, 3600  # a refresh's duration: E2B's floor, its spec's ceiling
 TEMPLATES = {BASE: "default", "code-interpreter-v1": "code-interpreter"}  # E2B's names
-UNSUPPORTED = ("mcp", "iam", "volumeMounts", "autoResume")
+UNSUPPORTED = ("mcp", "iam", "autoResume")
 
 
 def not_supported(what: str) -> errors.CellaError:
@@ -107,7 +107,13 @@ async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
     row = sandbox(svc, who, sandbox_id)
     # the envd tokens open its commands and files: only to a key that may exec in it
     drives = svc.registry.permission(who, row) in (Permission.exec, Permission.manage)
-    return detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    detail = detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    if row.volume_mounts:  # by name, as they were asked for
+        names = svc.volumes.names(who)
+        detail["volumeMounts"] = [
+            {"name": names.get(m.volume, m.volume), "path": m.path} for m in row.volume_mounts
+        ]
+    return detail
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -249,6 +255,7 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         "labels": {str(k): str(v) for k, v in metadata.items()},
         "exec_defaults": ExecDefaults(env={str(k): str(v) for k, v in env.items()}),
         "network": network_of(body),
+        "volume_mounts": volume_mounts(body.get("volumeMounts")),
     }
     template = str(body.get("templateID") or BASE)
     with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
@@ -260,6 +267,18 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
     except ValueError as exc:
         problems = getattr(exc, "errors", None)
         raise errors.InvalidArgument(describe(problems()) if problems else str(exc)) from None
+
+
+def volume_mounts(given: Any) -> list[Json]:
+    """`volumeMounts` (`[{name, path}]`) as cella's volume mounts (read-write, as E2B's)."""
+    if given is None:
+        return []
+    if not isinstance(given, list) or not all(isinstance(m, dict) for m in given):
+        raise errors.InvalidArgument("volumeMounts must be a list of {name, path}")
+    for mount in given:
+        if set(mount) - {"name", "path"} or not mount.get("name") or not mount.get("path"):
+            raise errors.InvalidArgument("each of volumeMounts is {name, path}")
+    return [{"volume": str(m["name"]), "path": str(m["path"])} for m in given]
 
 
 def network_of(body: Json, public_ports: bool | None = None) -> NetworkPolicy:

@@ -24,7 +24,7 @@ FOREVER = timedelta(days=3650)
 # E2B's control-plane paths; under /v2/sandboxes only the bare collection and `<id>/connect`
 # (the rest of that prefix is LangSmith's)
 _PATHS = re.compile(
-    r"^/(sandboxes|snapshots|templates|volumes|secrets|default-templates|events)(/.*)?$"
+    r"^/(sandboxes|snapshots|templates|volumes|volumecontent|secrets|default-templates|events)(/.*)?$"
     r"|^/v[23]/templates(/.*)?$"
     r"|^/v2/sandboxes/?$"
     r"|^/v2/sandboxes/(?!boxes/|snapshots|dataplane/)[^/]+/(connect|logs)$"

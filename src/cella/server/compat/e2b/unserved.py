@@ -21,8 +21,6 @@ ALL = ("GET", "POST", "PUT", "PATCH", "DELETE")
 # (path, what it is in E2B's API, methods); `{rest:path}` covers the calls below a collection
 TEMPLATES = "building templates from the SDK (cella's own: /v1/templates)"
 UNSERVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("/volumes", "volumes", ALL),
-    ("/volumes/{rest:path}", "volumes", ALL),
     ("/templates", TEMPLATES, ALL),
     ("/templates/{rest:path}", TEMPLATES, ("GET", "POST", "PUT", "PATCH")),
     ("/v2/templates", TEMPLATES, ALL),
