@@ -37,7 +37,7 @@ from cella import errors
 from cella._proc import Progress, quiet, run
 from cella.config import DaemonSettings
 from cella.images import beneath, layers
-from cella.models import ImageConfig
+from cella.models import ImageConfig, StartCommand
 from cella.paths import Paths
 
 HEADROOM_MIB = 256  # free space a new sandbox's file system starts with
@@ -83,6 +83,9 @@ class TemplateMeta(BaseModel):
     seconds: dict[str, float] = Field(default_factory=dict, description="time per step")
     tenant: str | None = Field(
         default=None, description="the one tenant that may use it (None: every tenant)"
+    )
+    start: StartCommand | None = Field(
+        default=None, description="started before its warm snapshot (in every sandbox of it)"
     )
 
 
@@ -145,13 +148,15 @@ def build_from_image(
     source: str | None = None,
     limits: ImportLimits | None = None,
     tenant: str | None = None,
+    start: StartCommand | None = None,
 ) -> TemplateMeta:
     """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
     same image digest already built as this name is a cache hit. `cert_dir` holds CA
     certificates (`*.crt`) registries are checked against; `credentials` is `user:password`.
     An image over `limits` (default: the settings') is refused before it is unpacked. With
     `tenant`, the template is that tenant's alone (its base may still be shared by digest:
-    the image was fetched with the tenant's own access first)."""
+    the image was fetched with the tenant's own access first). `start` is what its sandboxes
+    have running (`StartCommand`)."""
     limits = limits or ImportLimits.of(DaemonSettings())
     layout = paths.images / "oci"
     layout.mkdir(parents=True, exist_ok=True)
@@ -161,8 +166,8 @@ def build_from_image(
         meta = _build(
             paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials, limits
         )
-        if meta.kind != kind or meta.tenant != tenant:  # a cache hit of another build
-            meta = meta.model_copy(update={"kind": kind, "tenant": tenant})
+        if (meta.kind, meta.tenant, meta.start) != (kind, tenant, start):  # a cache hit
+            meta = meta.model_copy(update={"kind": kind, "tenant": tenant, "start": start})
             _write_meta(paths, meta)
         return meta
 

@@ -86,7 +86,10 @@ from cella.models.sandbox import (
 )
 from cella.models.templates import (
     BuildEvent,
+    BuildStep,
     ImageConfig,
+    StartCommand,
+    StepBuild,
     Template,
     TemplateBuild,
     TemplateList,
@@ -104,6 +107,7 @@ __all__ = [
     "BucketMount",
     "BucketState",
     "BuildEvent",
+    "BuildStep",
     "CallbackRule",
     "Capacity",
     "ChmodRequest",
@@ -170,6 +174,8 @@ __all__ = [
     "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
+    "StartCommand",
+    "StepBuild",
     "StopRequest",
     "Template",
     "TemplateBuild",
