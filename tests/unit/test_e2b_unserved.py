@@ -17,10 +17,11 @@ CALLS = [
     ("GET", "/sandboxes/metrics", "sandbox metrics"),
     ("GET", "/sandboxes/sb-1/metrics", "sandbox metrics"),
     ("GET", "/sandboxes/sb-1/logs", "sandbox logs"),
-    ("POST", "/v3/templates", "building templates"),
-    ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
-    ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
-    ("GET", "/default-templates", "building templates"),
+    ("POST", "/templates", "v1 builds"),
+    ("POST", "/templates/t-1/builds/b-1", "v1 builds"),
+    ("PATCH", "/v2/templates/t-1", "public templates"),
+    ("GET", "/templates/t-1/tags/count", "tag counts"),
+    ("GET", "/default-templates", "default templates"),
 ]
 
 

@@ -6,11 +6,13 @@ from cella.store.records import (
     EventRecord,
     KeyRecord,
     KeyUse,
+    NamedTemplateRecord,
     RegistryRecord,
     SandboxRecord,
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    TemplateBuildRecord,
 )
 
 __all__ = [
@@ -18,10 +20,12 @@ __all__ = [
     "EventRecord",
     "KeyRecord",
     "KeyUse",
+    "NamedTemplateRecord",
     "RegistryRecord",
     "SandboxRecord",
     "SecretRecord",
     "SecretRef",
     "SnapshotRecord",
     "Store",
+    "TemplateBuildRecord",
 ]
