@@ -1,0 +1,215 @@
+"""E2B's `Template` builder (the pinned `e2b==2.63.0`, unchanged) building cella templates
+against a real daemon: a small busybox image served by a TLS registry on loopback (reached
+by the builder sandbox through the egress proxy, by a name the operator maps), a `copy` of
+a local file, env vars, a `run_cmd` and a start command serving what they made; a sandbox
+of the template has it running. One build for the module; the control is a build whose
+step fails, with the step's output in the log the SDK reads."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from tests.daemon import Daemon, DaemonFactory
+from tests.netservers import TestCA, free_loopback_block
+from tests.oci_images import Registry, server_image
+from tests.sdk_env import run_script, sdk_python
+
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
+E2B = ["e2b==2.63.0"]
+HOST = "registry.e2b.test"  # the registry, as the builder sandbox reaches it
+BUILD_SECONDS = 1800  # a build under TCG: builder restore, buildah, import, warm snapshot
+
+
+@dataclass
+class Setup:
+    python: Path
+    daemon: Daemon
+    image: str  # the busybox web server image, by the name builders reach it
+    context: Path  # the local files the copy step uploads
+
+
+@pytest.fixture(scope="module")
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, module_daemon_factory: DaemonFactory
+) -> Iterator[Setup]:
+    root = tmp_path_factory.mktemp("e2b-templates")
+    layout = root / "layout"
+    server_image(layout)
+    prefix = free_loopback_block()
+    ca = TestCA(root / "ca", [HOST, f"{prefix}.1"])
+    registry = Registry(root / "registry", f"{prefix}.1", ca, name=HOST)
+    context = root / "context"
+    (context / "site").mkdir(parents=True)
+    (context / "site" / "index.html").write_text("<h1>copied from the SDK's side</h1>\n")
+    try:
+        image = registry.push(f"oci:{layout}:server", "web/server:1")
+        daemon = module_daemon_factory(
+            "e2b-templates-daemon",
+            pool_size="0",
+            extra_ca_certificates=json.dumps([str(ca.cert)]),
+            egress_hosts=json.dumps({HOST: registry.addr}),
+        )
+        yield Setup(sdk_python("e2b-2.63.0", E2B), daemon, image, context)
+    finally:
+        registry.close()
+
+
+def e2b(setup: Setup, script: str) -> Any:
+    env = {
+        "E2B_API_URL": setup.daemon.url,
+        "E2B_SANDBOX_URL": setup.daemon.url,
+        "E2B_API_KEY": setup.daemon.admin_key,
+        "IMAGE": setup.image,
+        "CONTEXT": str(setup.context),
+    }
+    preamble = "import json, os\nfrom e2b import *\nfrom e2b.exceptions import *\n"
+    return run_script(setup.python, preamble + textwrap.dedent(script), env, BUILD_SECONDS)
+
+
+@pytest.fixture(scope="module")
+def built(setup: Setup) -> dict[str, Any]:
+    """The module's one template: `web-app:v1`, its logs as the SDK printed them."""
+    return e2b(
+        setup,
+        """
+        logs = []
+        template = (
+            Template(file_context_path=os.environ["CONTEXT"])
+            .from_image(os.environ["IMAGE"])
+            .copy("site/index.html", "/home/user/site/")
+            .set_envs({"GREETING": "hello from set_envs"})
+            .run_cmd('echo "$GREETING" > env.txt && whoami > who.txt')
+            .set_start_cmd("httpd -f -p 8000 -h /home/user/site",
+                           "wget -q -O /dev/null http://127.0.0.1:8000/index.html")
+        )
+        info = Template.build(template, "web-app:v1", tags=["stable"],
+                              on_build_logs=lambda e: logs.append(e.message))
+        print(json.dumps({"id": info.template_id, "build": info.build_id,
+                          "tags": info.tags, "logs": logs}))
+        """,
+    )
+
+
+def test_a_template_built_with_template_runs_its_start_command(
+    setup: Setup, built: dict[str, Any]
+) -> None:
+    text = "\n".join(built["logs"])
+    assert "Uploaded 'site/index.html'" in text  # the copy's files, through the signed link
+    assert "builder sandbox" in text and "STEP" in text and "warm snapshot" in text
+    assert sorted(built["tags"]) == ["stable", "v1"]
+    got = e2b(
+        setup,
+        """
+        import urllib.request
+        sb = Sandbox.create("web-app:v1")
+        req = urllib.request.Request(os.environ["E2B_API_URL"] + "/index.html",
+                                     headers={"Host": sb.get_host(8000)})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            page = [r.status, r.read().decode()]
+        out = {
+            "page": page,
+            "env": sb.files.read("/home/user/env.txt"),
+            "who": sb.files.read("/home/user/who.txt"),
+            "ran": sb.commands.run("echo $GREETING; pwd; whoami").stdout,
+            "exists": Template.exists("web-app"),
+            "missing": Template.exists("no-such-template"),
+        }
+        sb.kill()
+        print(json.dumps(out))
+        """,
+    )
+    # the start command serves the file the copy step uploaded, from the first moment
+    assert got["page"] == [200, "<h1>copied from the SDK's side</h1>\n"]
+    assert got["env"] == "hello from set_envs\n" and got["who"] == "user\n"  # run_cmd as user
+    assert got["ran"].split() == ["hello", "from", "set_envs", "/home/user", "user"]
+    assert got["exists"] is True and got["missing"] is False
+
+
+def test_tags_move_and_name_the_build(setup: Setup, built: dict[str, Any]) -> None:
+    got = e2b(
+        setup,
+        """
+        assigned = Template.assign_tags("web-app:v1", "production")
+        tags = {t.tag: t.build_id for t in Template.get_tags("web-app")}
+        Template.remove_tags("web-app", "stable")
+        after = sorted(t.tag for t in Template.get_tags("web-app"))
+        try:
+            Template.assign_tags("web-app:nope", "x")
+            missing = None
+        except Exception as exc:
+            missing = type(exc).__name__ + ": " + str(exc)
+        print(json.dumps({"assigned": assigned.build_id, "tags": tags, "after": after,
+                          "missing": missing}))
+        """,
+    )
+    assert got["assigned"] == built["build"]
+    assert got["tags"] == {"v1": built["build"], "stable": built["build"],
+                           "production": built["build"]}  # fmt: skip
+    assert got["after"] == ["production", "v1"]
+    assert got["missing"] and "nope" in got["missing"]
+
+
+def test_a_failing_step_fails_the_build_with_its_log(setup: Setup) -> None:
+    """The control: the same image with a step that fails; the SDK raises its own
+    BuildException with the step's output, and the status names the step."""
+    got = e2b(
+        setup,
+        """
+        logs = []
+        template = (Template().from_image(os.environ["IMAGE"])
+                    .run_cmd("echo fine")
+                    .run_cmd("echo about to fail && exit 7"))
+        try:
+            Template.build(template, "broken", on_build_logs=lambda e: logs.append(e.message))
+            error = None
+        except BuildException as exc:
+            error = str(exc)
+        info = Template.build_in_background(Template().from_image(os.environ["IMAGE"])
+                                            .run_cmd("exit 3"), "broken-too")
+        import time
+        while (status := Template.get_build_status(info)).status.value == "building":
+            time.sleep(1)
+        print(json.dumps({"error": error, "logs": logs, "status": status.status.value,
+                          "step": status.reason.step if status.reason else None}))
+        """,
+    )
+    assert got["error"] and "exit" in got["error"]
+    assert any("about to fail" in line for line in got["logs"])
+    assert got["status"] == "error" and got["step"] == "0"  # the first (and only) step
+
+
+def test_what_cella_cannot_build_is_refused_by_name(setup: Setup) -> None:
+    got = e2b(
+        setup,
+        """
+        def refusal(template):
+            try:
+                Template.build(template, "refused")
+            except Exception as exc:
+                return type(exc).__name__ + ": " + str(exc)
+        print(json.dumps({
+            "aws": refusal(Template().from_aws_registry(os.environ["IMAGE"], "AKIA", "k", "r")),
+            "base": refusal(Template().from_template("base").run_cmd("true")),
+        }))
+        """,
+    )
+    assert "BuildException" in got["aws"] and "fromImageRegistry of type 'aws'" in got["aws"]
+    assert "BuildException" in got["base"] and "fromTemplate 'base'" in got["base"]
+
+
+def test_a_template_is_deleted_once_no_sandbox_uses_it(setup: Setup, built: dict[str, Any]) -> None:
+    head = {"X-API-KEY": setup.daemon.admin_key}
+    gone = httpx2.delete(f"{setup.daemon.url}/templates/web-app", headers=head, timeout=60)
+    assert gone.status_code == 204, gone.text
+    again = httpx2.delete(f"{setup.daemon.url}/templates/web-app", headers=head, timeout=60)
+    assert again.status_code == 404 and again.json()["code"] == 404
+    listed = httpx2.get(f"{setup.daemon.url}/templates", headers=head, timeout=60)
+    assert all(t["names"] != ["web-app"] for t in listed.json())
