@@ -146,8 +146,13 @@ def test_tags_move_and_name_the_build(setup: Setup, built: dict[str, Any]) -> No
             missing = None
         except Exception as exc:
             missing = type(exc).__name__ + ": " + str(exc)
+        import asyncio
+        async def main():  # the async SDK reads the same
+            return ([t.tag for t in await AsyncTemplate.get_tags("web-app")],
+                    await AsyncTemplate.exists("web-app"))
+        async_tags, async_exists = asyncio.run(main())
         print(json.dumps({"assigned": assigned.build_id, "tags": tags, "after": after,
-                          "missing": missing}))
+                          "missing": missing, "async": [sorted(async_tags), async_exists]}))
         """,
     )
     assert got["assigned"] == built["build"]
@@ -155,6 +160,7 @@ def test_tags_move_and_name_the_build(setup: Setup, built: dict[str, Any]) -> No
                            "production": built["build"]}  # fmt: skip
     assert got["after"] == ["production", "v1"]
     assert got["missing"] and "nope" in got["missing"]
+    assert got["async"] == [["production", "v1"], True]
 
 
 def test_a_failing_step_fails_the_build_with_its_log(setup: Setup) -> None:
