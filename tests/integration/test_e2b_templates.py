@@ -33,6 +33,7 @@ class Setup:
     python: Path
     daemon: Daemon
     image: str  # the busybox web server image, by the name builders reach it
+    host_image: str  # the same, as the daemon's host fetches it (an admin's build)
     context: Path  # the local files the copy step uploads
 
 
@@ -57,9 +58,30 @@ def setup(
             extra_ca_certificates=json.dumps([str(ca.cert)]),
             egress_hosts=json.dumps({HOST: registry.addr}),
         )
-        yield Setup(sdk_python("e2b-2.63.0", E2B), daemon, image, context)
+        host_image = f"{registry.addr}/web/server:1"
+        yield Setup(sdk_python("e2b-2.63.0", E2B), daemon, image, host_image, context)
     finally:
         registry.close()
+
+
+def test_cellas_own_templates_have_their_start_command_running(setup: Setup) -> None:
+    """The core the E2B builder's start command rests on, through cella's own SDK: a
+    template whose start command serves a page has it running in a new sandbox."""
+    with setup.daemon.client() as admin:
+        made = admin.build_template(
+            "e2b-start-srv",
+            setup.host_image,
+            start_cmd="mkdir -p /tmp/www && echo served > /tmp/www/i && "
+            "exec httpd -f -p 8000 -h /tmp/www",
+            ready_cmd="wget -Y off -q -O /dev/null http://127.0.0.1:8000/i",
+        )
+        try:
+            assert made.start is not None and made.start.ready and "httpd" in str(made.start)
+            with admin.create("e2b-start-srv") as sb:
+                got = sb.exec(["wget", "-Y", "off", "-q", "-O-", "http://127.0.0.1:8000/i"])
+                assert (got.exit_code, got.stdout) == (0, b"served\n")
+        finally:
+            admin.delete_template("e2b-start-srv")
 
 
 def e2b(setup: Setup, script: str) -> Any:
