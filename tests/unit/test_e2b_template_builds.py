@@ -156,3 +156,35 @@ async def test_build_requests_uploads_and_refusals(tmp_path: Path) -> None:
             assert gone.status_code == 204
             assert (await call("GET", "/templates/aliases/web")).status_code == 404
             assert json.loads((await call("GET", "/templates")).text) == []
+
+
+async def test_a_template_on_another_starts_from_its_base_and_steps(tmp_path: Path) -> None:
+    """`fromTemplate` of a template built from steps: its image and steps come first, its
+    start command unless the new build has one; kept expanded, so a later build on the new
+    one never follows a name that names another build by then."""
+    async with serving(tmp_path) as app:
+        builds = app.daemon.template_builds
+        named, base, _ = builds.request("tenant", "base-app", [])
+        spec = {"from_image": "docker.io/library/alpine:3", "steps": [
+            {"type": "run", "args": ["echo base"], "files_hash": None}],
+            "start": {"command": "serve", "ready": None, "ready_timeout_seconds": 600}}  # fmt: skip
+        app.daemon.store.update_build(base.id, state="ready", spec=json.dumps(spec), image="img-x")
+        app.daemon.store.set_template_tag(named.id, "default", base.id)
+        _, child, _ = builds.request("tenant", "child", [])
+        body = {"fromTemplate": "base-app", "steps": [{"type": "RUN", "args": ["echo child"]}]}
+        transport = httpx2.ASGITransport(app=app.app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cella.test") as c:
+            _, key = app.daemon.keys.create("tenant")  # a key of that tenant
+            head = {"X-API-KEY": key}
+            r = await c.post(
+                f"/v2/templates/{child.template_id}/builds/{child.id}", headers=head, json=body
+            )
+            assert r.status_code == 202, r.text
+            other = await c.post("/v3/templates", headers={"X-API-KEY": app.admin_key},
+                                 json={"name": "base-app"})  # fmt: skip
+            assert other.json()["templateID"] != named.id  # another tenant's own name
+        kept = json.loads(app.daemon.store.get_build(child.id).spec)  # type: ignore[union-attr]
+        assert kept["from_image"] == "docker.io/library/alpine:3"
+        assert kept["from_template"] is None
+        assert [s["args"] for s in kept["steps"]] == [["echo base"], ["echo child"]]
+        assert kept["start"]["command"] == "serve"

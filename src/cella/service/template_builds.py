@@ -35,7 +35,7 @@ from typing import IO, Any
 from cella import errors
 from cella.images import steps as translate
 from cella.images.oci import HEADROOM_MIB
-from cella.models import StepBuild
+from cella.models import StartCommand, StepBuild
 from cella.service.background import Background
 from cella.service.dockerfiles import DockerfileBuild, Dockerfiles
 from cella.service.image_registries import image_host
@@ -179,29 +179,32 @@ class TemplateBuilds:
         row = self.build(tenant, template_id, build_id)
         if row.state != "waiting":
             raise errors.Conflict(f"build {build_id} was started already ({row.state})")
-        image, steps = self._expand(tenant, spec, credentials)
+        image, steps, start = self._expand(tenant, spec, credentials)
         done = translate.dockerfile(image, steps)
         missing = [h for h in done.hashes if not self._file(tenant, h).exists()]
         if missing:
             raise errors.InvalidArgument(f"files not uploaded for the copy steps: {missing}")
         registry = (image_host(image), credentials) if credentials else None
-        kept = {**json.loads(row.spec), **spec.model_dump(mode="json"), "registry": bool(registry)}
+        # kept expanded (a base template's steps in it): a later build on this one reads
+        # its image and steps, never a name that may name another build by then
+        flat = StepBuild(from_image=image, steps=steps, start=start)
+        kept = {**json.loads(row.spec), **flat.model_dump(mode="json"), "registry": bool(registry)}
         self.store.update_build(build_id, state="building", spec=json.dumps(kept))
         self._logs[build_id] = []
         self._log(build_id, "info", f"building {image} with {len(spec.steps)} step(s)")
-        work = self._run(tenant, row, done, spec, registry)
+        work = self._run(tenant, row, done, flat, registry)
         self.background.start(work, name=f"template-build-{build_id}")
 
     def _expand(
         self, tenant: str, spec: StepBuild, credentials: str | None
-    ) -> tuple[str, list[Any]]:
-        """The base image and every step, those of a `from_template` base first."""
+    ) -> tuple[str, list[Any], StartCommand | None]:
+        """The base image, every step (those of a `from_template` base first) and the start
+        command (the base's unless the build has its own)."""
         if (spec.from_image is None) == (spec.from_template is None):
             raise errors.InvalidArgument("exactly one of fromImage and fromTemplate is needed")
         if spec.from_image is not None:
-            return translate.reference(spec.from_image, image_host(spec.from_image)), list(
-                spec.steps
-            )
+            image = translate.reference(spec.from_image, image_host(spec.from_image))
+            return image, list(spec.steps), spec.start
         if credentials:
             raise errors.InvalidArgument("registry credentials go with fromImage only")
         ref = spec.from_template or ""
@@ -217,8 +220,8 @@ class TemplateBuilds:
         )
         if kept.get("registry"):
             raise errors.InvalidArgument(f"{ref!r} was built from a private registry's image")
-        image, steps = self._expand(tenant, had.model_copy(update={"start": None}), None)
-        return image, [*steps, *spec.steps]
+        image, steps, start = self._expand(tenant, had, None)
+        return image, [*steps, *spec.steps], spec.start or start
 
     async def _run(
         self,
