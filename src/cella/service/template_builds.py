@@ -41,7 +41,13 @@ from cella.service.dockerfiles import DockerfileBuild, Dockerfiles
 from cella.service.image_registries import image_host
 from cella.service.signing import Signer
 from cella.service.templates import OWNED_PREFIX, Templates
-from cella.store import NamedTemplateRecord, Store, TemplateBuildRecord
+from cella.store import (
+    NamedTemplateRecord,
+    SandboxRecord,
+    SnapshotRecord,
+    Store,
+    TemplateBuildRecord,
+)
 
 DEFAULT_TAG = "default"
 FREE_MIB = HEADROOM_MIB  # free space a template's file system starts with
@@ -354,12 +360,12 @@ class TemplateBuilds:
         if named is None:
             return False
         images = [b.image for b in self.store.builds_of(named.id) if b.image]
-        users = [
-            r.id for r in self.store.list_sandboxes(tenant)
-            if r.template in images and r.state not in ("deleted", "error")
+        rows: list[SandboxRecord | SnapshotRecord] = [
+            *self.store.list_sandboxes(tenant), *self.store.list_snapshots(tenant)
         ]  # fmt: skip
+        users = [r.id for r in rows if r.template in images and r.state not in ("deleted", "error")]
         if users:
-            raise errors.Conflict(f"template {ref!r} is in use by sandbox(es) {users}")
+            raise errors.Conflict(f"template {ref!r} is in use by {users}: delete those first")
         for image in images:
             await self.templates.delete_owned(tenant, image)
         self.store.delete_named_template(named.id)
