@@ -296,8 +296,9 @@ class TemplateBuilds:
             entries.append({"timestamp": stamp, "level": level, "message": message})
 
     def _end(self, build_id: str, **fields: Any) -> None:
-        logs = self._logs.pop(build_id, [])
+        logs = self._logs.get(build_id, [])
         self.store.update_build(build_id, logs=json.dumps(logs), **fields)
+        self._logs.pop(build_id, None)  # after the store has them: a poll never sees none
 
     def logs(self, row: TemplateBuildRecord) -> list[dict[str, str]]:
         """The build's log so far (the stored one once it ended)."""
