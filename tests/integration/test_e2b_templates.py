@@ -8,6 +8,7 @@ step fails, with the step's output in the log the SDK reads."""
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tests.sdk_env import run_script, sdk_python
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
 E2B = ["e2b==2.63.0"]
 HOST = "registry.e2b.test"  # the registry, as the builder sandbox reaches it
+PRIVATE = "private.e2b.test"  # one that wants a password (puller / s3cret)
 BUILD_SECONDS = 1800  # a build under TCG: builder restore, buildah, import, warm snapshot
 
 
@@ -34,6 +36,7 @@ class Setup:
     daemon: Daemon
     image: str  # the busybox web server image, by the name builders reach it
     host_image: str  # the same, as the daemon's host fetches it (an admin's build)
+    private_image: str  # the same on the registry that wants a password
     context: Path  # the local files the copy step uploads
 
 
@@ -45,23 +48,35 @@ def setup(
     layout = root / "layout"
     server_image(layout)
     prefix = free_loopback_block()
-    ca = TestCA(root / "ca", [HOST, f"{prefix}.1"])
+    ca = TestCA(root / "ca", [HOST, PRIVATE, f"{prefix}.1", f"{prefix}.2"])
     registry = Registry(root / "registry", f"{prefix}.1", ca, name=HOST)
+    hashed = subprocess.run(
+        ["/usr/bin/python3", "-W", "ignore", "-c",
+         "import crypt; print(crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH)))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    (root / "htpasswd").write_text(f"puller:{hashed}\n")
+    private = Registry(
+        root / "private", f"{prefix}.2", ca, htpasswd=root / "htpasswd", name=PRIVATE
+    )
     context = root / "context"
     (context / "site").mkdir(parents=True)
     (context / "site" / "index.html").write_text("<h1>copied from the SDK's side</h1>\n")
     try:
         image = registry.push(f"oci:{layout}:server", "web/server:1")
+        private_image = private.push(f"oci:{layout}:server", "team/server:1", creds="puller:s3cret")
         daemon = module_daemon_factory(
             "e2b-templates-daemon",
             pool_size="0",
             extra_ca_certificates=json.dumps([str(ca.cert)]),
-            egress_hosts=json.dumps({HOST: registry.addr}),
+            egress_hosts=json.dumps({HOST: registry.addr, PRIVATE: private.addr}),
         )
         host_image = f"{registry.addr}/web/server:1"
-        yield Setup(sdk_python("e2b-2.63.0", E2B), daemon, image, host_image, context)
+        python = sdk_python("e2b-2.63.0", E2B)
+        yield Setup(python, daemon, image, host_image, private_image, context)
     finally:
         registry.close()
+        private.close()
 
 
 def test_cellas_own_templates_have_their_start_command_running(setup: Setup) -> None:
@@ -90,6 +105,7 @@ def e2b(setup: Setup, script: str) -> Any:
         "E2B_SANDBOX_URL": setup.daemon.url,
         "E2B_API_KEY": setup.daemon.admin_key,
         "IMAGE": setup.image,
+        "PRIVATE_IMAGE": setup.private_image,
         "CONTEXT": str(setup.context),
     }
     preamble = "import json, os\nfrom e2b import *\nfrom e2b.exceptions import *\n"
@@ -127,6 +143,15 @@ def test_a_template_built_with_template_runs_its_start_command(
     assert "Uploaded 'site/index.html'" in text  # the copy's files, through the signed link
     assert "builder sandbox" in text and "STEP" in text and "warm snapshot" in text
     assert sorted(built["tags"]) == ["stable", "v1"]
+    head = {"X-API-KEY": setup.daemon.admin_key}
+    stored = httpx2.get(
+        f"{setup.daemon.url}/templates/{built['id']}/builds/{built['build']}/logs",
+        params={"level": "info", "limit": "100"},
+        headers=head,
+        timeout=60,
+    )  # the log as kept after the build: E2B's logs call
+    assert stored.status_code == 200, stored.text
+    assert any("STEP 1/" in e["message"] for e in stored.json()["logs"])
     got = e2b(
         setup,
         """
@@ -212,6 +237,35 @@ def test_a_failing_step_fails_the_build_with_its_log(setup: Setup) -> None:
     assert got["error"] and "exit" in got["error"]
     assert any("about to fail" in line for line in got["logs"])
     assert got["status"] == "error" and got["step"] == "0"  # the first (and only) step
+
+
+def test_a_private_registry_image_with_its_credentials(setup: Setup) -> None:
+    """`from_image(..., username=, password=)`: the builder pulls with them (the control:
+    the same image without them fails at its base, with the registry's refusal in the log)
+    and they are kept nowhere."""
+    got = e2b(
+        setup,
+        """
+        image = os.environ["PRIVATE_IMAGE"]
+        Template.build(Template().from_image(image, username="puller", password="s3cret")
+                       .run_cmd("echo pulled > pulled.txt"), "from-private")
+        sb = Sandbox.create("from-private")
+        pulled = sb.files.read("/home/user/pulled.txt")
+        sb.kill()
+        logs = []
+        try:
+            Template.build(Template().from_image(image).run_cmd("true"), "no-password",
+                           on_build_logs=lambda e: logs.append(e.message))
+            refused = None
+        except BuildException as exc:
+            refused = str(exc)
+        print(json.dumps({"pulled": pulled, "refused": refused, "logs": logs}))
+        """,
+    )
+    assert got["pulled"] == "pulled\n"
+    assert got["refused"] and any("unauthorized" in line.lower() for line in got["logs"])
+    stored = [f.read_bytes() for f in setup.daemon.data_dir.glob("cella.db*")]
+    assert stored and not any(b"s3cret" in data for data in stored)  # its build's alone
 
 
 def test_what_cella_cannot_build_is_refused_by_name(setup: Setup) -> None:
