@@ -188,3 +188,16 @@ async def test_a_template_on_another_starts_from_its_base_and_steps(tmp_path: Pa
         assert kept["from_template"] is None
         assert [s["args"] for s in kept["steps"]] == [["echo base"], ["echo child"]]
         assert kept["start"]["command"] == "serve"
+
+
+async def test_a_build_a_restart_cut_short_ends_in_error(tmp_path: Path) -> None:
+    async with serving(tmp_path) as app:
+        builds = app.daemon.template_builds
+        _, running, _ = builds.request("tenant", "cut-short", [])
+        _, waiting, _ = builds.request("tenant", "not-started", [])
+        app.daemon.store.update_build(running.id, state="building")
+        builds.recover()  # what a daemon does as it starts
+        cut = app.daemon.store.get_build(running.id)
+        assert cut is not None and cut.state == "error" and "restarted" in (cut.error or "")
+        kept = app.daemon.store.get_build(waiting.id)  # the control: not started, kept
+        assert kept is not None and kept.state == "waiting"
