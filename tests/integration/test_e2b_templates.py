@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,6 +98,33 @@ def test_cellas_own_templates_have_their_start_command_running(setup: Setup) -> 
                 assert (got.exit_code, got.stdout) == (0, b"served\n")
         finally:
             admin.delete_template("e2b-start-srv")
+
+
+def test_the_cli_builds_a_dockerfile_template_with_a_start_command(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """`cella template build --dockerfile ... --start-cmd ... --ready-cmd ...`: the
+    Dockerfile's image, built in a builder sandbox, with its start command running in a
+    sandbox of it."""
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {setup.image}\nRUN mkdir -p /srv && echo from-the-dockerfile > /srv/i\n"
+    )
+    built = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "template", "build", "e2b-start-df",
+         "--dockerfile", str(tmp_path), "--allow", HOST, "--json",
+         "--start-cmd", "exec httpd -f -p 8000 -h /srv",
+         "--ready-cmd", "wget -Y off -q -O /dev/null http://127.0.0.1:8000/i"],
+        env=setup.daemon.env(None), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout)["start"]["command"] == "exec httpd -f -p 8000 -h /srv"
+    with setup.daemon.client() as admin:
+        try:
+            with admin.create("e2b-start-df") as sb:
+                got = sb.exec(["wget", "-Y", "off", "-q", "-O-", "http://127.0.0.1:8000/i"])
+                assert (got.exit_code, got.stdout) == (0, b"from-the-dockerfile\n")
+        finally:
+            admin.delete_template("e2b-start-df")
 
 
 def e2b(setup: Setup, script: str) -> Any:
