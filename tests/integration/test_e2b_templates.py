@@ -270,15 +270,17 @@ def test_a_failing_step_fails_the_build_with_its_log(setup: Setup) -> None:
 def test_a_private_registry_image_with_its_credentials(setup: Setup) -> None:
     """`from_image(..., username=, password=)`: the builder pulls with them (the control:
     the same image without them fails at its base, with the registry's refusal in the log)
-    and they are kept nowhere."""
+    and they are kept nowhere. `min_free_disk_mb` sizes the template's file system."""
     got = e2b(
         setup,
         """
         image = os.environ["PRIVATE_IMAGE"]
         Template.build(Template().from_image(image, username="puller", password="s3cret")
-                       .run_cmd("echo pulled > pulled.txt"), "from-private")
+                       .run_cmd("echo pulled > pulled.txt"), "from-private",
+                       min_free_disk_mb=1024)
         sb = Sandbox.create("from-private")
         pulled = sb.files.read("/home/user/pulled.txt")
+        blocks, size = sb.commands.run("stat -f -c '%a %S' /").stdout.split()
         sb.kill()
         logs = []
         try:
@@ -287,10 +289,12 @@ def test_a_private_registry_image_with_its_credentials(setup: Setup) -> None:
             refused = None
         except BuildException as exc:
             refused = str(exc)
-        print(json.dumps({"pulled": pulled, "refused": refused, "logs": logs}))
+        print(json.dumps({"pulled": pulled, "refused": refused, "logs": logs,
+                          "free_mib": int(blocks) * int(size) >> 20}))
         """,
     )
     assert got["pulled"] == "pulled\n"
+    assert got["free_mib"] >= 900  # min_free_disk_mb=1024, less the file system's own
     assert got["refused"] and any("unauthorized" in line.lower() for line in got["logs"])
     stored = [f.read_bytes() for f in setup.daemon.data_dir.glob("cella.db*")]
     assert stored and not any(b"s3cret" in data for data in stored)  # its build's alone

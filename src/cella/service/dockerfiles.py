@@ -37,9 +37,9 @@ AUTH_FILE = "/var/tmp/cella-build-auth.json"  # a file, not an argument: argumen
 @dataclass(frozen=True, slots=True)
 class DockerfileBuild:
     """How a context is built: its Dockerfile's path in it, what the builder may reach,
-    the file system's size, whose template it is (None: every tenant's), what it starts,
-    commands run in the builder (in the context's directory) before buildah, and
-    `user:password` for one registry host."""
+    the file system's size (and the least it has free), whose template it is (None: every
+    tenant's), what it starts, commands run in the builder (in the context's directory)
+    before buildah, and `user:password` for one registry host."""
 
     dockerfile: str = "Dockerfile"
     allow: list[str] = field(default_factory=list)
@@ -49,6 +49,7 @@ class DockerfileBuild:
     prepare: list[list[str]] = field(default_factory=list)
     registry: tuple[str, str] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    free_mib: int = oci.HEADROOM_MIB
 
 
 class Dockerfiles:
@@ -138,6 +139,7 @@ class Dockerfiles:
                         limits=limits,
                         tenant=how.tenant,
                         start=how.start,
+                        free_mib=how.free_mib,
                     )
         finally:
             with contextlib.suppress(errors.CellaError):

@@ -50,7 +50,7 @@ from cella.store import (
 )
 
 DEFAULT_TAG = "default"
-FREE_MIB = HEADROOM_MIB  # free space a template's file system starts with
+MAX_FREE_MIB = 1 << 20
 UPLOAD_AUDIENCE = "cella:template-files"
 UPLOAD_SECONDS = 3600
 MAX_LOG_ENTRIES = 20000
@@ -96,9 +96,11 @@ class TemplateBuilds:
         tags: list[str],
         vcpus: int | None = None,
         memory_mib: int | None = None,
+        free_mib: int | None = None,
     ) -> tuple[NamedTemplateRecord, TemplateBuildRecord, list[str]]:
         """A new build (`waiting`) of the tenant's template `name` (`name:tag` adds a tag),
-        made on first use; the tags it will carry once ready (`default` without any)."""
+        made on first use; the tags it will carry once ready (`default` without any); its
+        sandboxes' shape and the least its file system has free."""
         name, _, tag = name.partition(":")
         wanted = list(dict.fromkeys([*([tag] if tag else []), *tags])) or [DEFAULT_TAG]
         translate.check_name(name)
@@ -108,7 +110,9 @@ class TemplateBuilds:
         if named is None:
             new_id = "".join(secrets.choice(_ID) for _ in range(20))
             named = self.store.add_named_template(NamedTemplateRecord(new_id, tenant, name))
-        shape = {"vcpus": vcpus, "memory_mib": memory_mib, "tags": wanted}
+        if free_mib is not None and not 0 <= free_mib <= MAX_FREE_MIB:
+            raise errors.InvalidArgument(f"the free space asked for is 0-{MAX_FREE_MIB} MiB")
+        shape = {"vcpus": vcpus, "memory_mib": memory_mib, "tags": wanted, "free_mib": free_mib}
         build = self.store.insert_build(
             TemplateBuildRecord(str(uuid.uuid4()), named.id, tenant, spec=json.dumps(shape))
         )
@@ -261,6 +265,7 @@ class TemplateBuilds:
                     prepare=prepare,
                     registry=registry,
                     labels={"cella.build": build_id},
+                    free_mib=json.loads(row.spec).get("free_mib") or HEADROOM_MIB,
                 )
                 await self.dockerfiles.build(tenant, image, _chunks(context), progress, how)
         except BaseException as exc:

@@ -23,11 +23,10 @@ from cella.server.compat.e2b.shapes import ENVD_VERSION, iso
 from cella.server.deps import Caller, DaemonDep
 from cella.server.error_shapes import describe
 from cella.service.daemon import Daemon
-from cella.service.template_builds import FREE_MIB as HEADROOM_MIB
 from cella.store import NamedTemplateRecord, TemplateBuildRecord
 
 router = APIRouter(include_in_schema=False)
-REQUEST_FIELDS = {"name", "alias", "tags", "cpuCount", "memoryMB", "minFreeDiskMB"}
+REQUEST_FIELDS = {"name", "alias", "tags", "cpuCount", "memoryMB", "minFreeDiskMb"}
 START_FIELDS = {"fromImage", "fromTemplate", "fromImageRegistry", "force", "steps", "startCmd",
                 "readyCmd"}  # fmt: skip
 STEP_FIELDS = {"type", "args", "filesHash", "force"}
@@ -49,12 +48,8 @@ async def request_build(body: JsonBody, svc: DaemonDep, who: Caller) -> Json:
     tags = body.get("tags") or []
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise errors.InvalidArgument("tags must be a list of strings")
-    free = int_param(body.get("minFreeDiskMB"), 0, "minFreeDiskMB")
-    if free > HEADROOM_MIB:
-        raise not_supported(
-            f"minFreeDiskMB over {HEADROOM_MIB} (a template's file system starts with "
-            f"{HEADROOM_MIB} MiB free; sandboxes may ask for a larger disk)"
-        )
+    free = body.get("minFreeDiskMb")
+    free = None if free is None else int_param(free, 0, "minFreeDiskMb")
     vcpus = body.get("cpuCount")
     memory = body.get("memoryMB")
     if vcpus is not None or memory is not None:
@@ -64,7 +59,7 @@ async def request_build(body: JsonBody, svc: DaemonDep, who: Caller) -> Json:
             )
         except ValidationError as exc:
             raise errors.InvalidArgument(describe(exc.errors())) from None
-    named, build, wanted = svc.template_builds.request(who.tenant, name, tags, vcpus, memory)
+    named, build, wanted = svc.template_builds.request(who.tenant, name, tags, vcpus, memory, free)
     return {
         "templateID": named.id,
         "buildID": build.id,
