@@ -12,10 +12,11 @@ from cella.server.compat.e2b.unserved import UNSERVED
 from tests.unit.in_process import serving
 
 CALLS = [
-    ("POST", "/v3/templates", "building templates"),
-    ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
-    ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
-    ("GET", "/default-templates", "building templates"),
+    ("POST", "/templates", "v1 builds"),
+    ("POST", "/templates/t-1/builds/b-1", "v1 builds"),
+    ("PATCH", "/v2/templates/t-1", "public templates"),
+    ("GET", "/templates/t-1/tags/count", "tag counts"),
+    ("GET", "/default-templates", "default templates"),
 ]
 
 

@@ -97,7 +97,10 @@ from cella.models.sandbox import (
 )
 from cella.models.templates import (
     BuildEvent,
+    BuildStep,
     ImageConfig,
+    StartCommand,
+    StepBuild,
     Template,
     TemplateBuild,
     TemplateList,
@@ -123,6 +126,7 @@ __all__ = [
     "BucketMount",
     "BucketState",
     "BuildEvent",
+    "BuildStep",
     "CallbackRule",
     "Capacity",
     "ChmodRequest",
@@ -191,6 +195,8 @@ __all__ = [
     "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
+    "StartCommand",
+    "StepBuild",
     "StopRequest",
     "Template",
     "TemplateBuild",

@@ -31,6 +31,7 @@ from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
+from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
@@ -55,6 +56,7 @@ from cella.service.sharing import Sharing
 from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
+from cella.service.template_builds import TemplateBuilds
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
@@ -138,6 +140,15 @@ class Daemon:
             self.exec,
             self.files,
         )
+        self.dockerfiles = Dockerfiles(self.templates)
+        self.template_builds = TemplateBuilds(
+            store,
+            self.templates,
+            self.dockerfiles,
+            self.background,
+            self.signer,
+            settings.max_upload_mib << 20,
+        )
         self.images = ImageSnapshots(
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
         )
@@ -188,6 +199,7 @@ class Daemon:
         default warm snapshot exists, fills the pool and starts the reaper."""
         await self.driver.prepare()
         await self.recovery.recover()
+        self.template_builds.recover()
         self.snapshots.flatten_left()
         await self.egress.start()
         shape = Shape(self.settings.pool_template, *POOLED_SHAPE)

@@ -25,11 +25,13 @@ from cella.store.records import (
     EventRecord,
     KeyRecord,
     KeyUse,
+    NamedTemplateRecord,
     RegistryRecord,
     SandboxRecord,
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    TemplateBuildRecord,
     VolumeRecord,
 )
 from cella.store.sealing import Sealer
@@ -605,6 +607,81 @@ class Store(Observations):
 
     def delete_volume(self, tenant: str, volume_id: str) -> bool:
         cur = self._exec("DELETE FROM volumes WHERE tenant = ? AND id = ?", (tenant, volume_id))
+        return cur.rowcount > 0
+
+    # -- templates built from steps (their names, builds and tags) -------------------------
+
+    def add_named_template(self, record: NamedTemplateRecord) -> NamedTemplateRecord:
+        record.created_at = record.updated_at = now()
+        try:
+            self._insert("named_templates", dataclasses.asdict(record))
+        except sqlite3.IntegrityError:
+            raise errors.Conflict(f"a template named {record.name!r} exists") from None
+        return record
+
+    def named_template(self, tenant: str, key: str) -> NamedTemplateRecord | None:
+        """The tenant's template by id or name."""
+        row = self._exec(
+            "SELECT * FROM named_templates WHERE tenant = ? AND (id = ? OR name = ?)",
+            (tenant, key, key),
+        ).fetchone()
+        return NamedTemplateRecord(**dict(row)) if row else None
+
+    def named_templates(self, tenant: str | None) -> list[NamedTemplateRecord]:
+        rows = self._list("named_templates", tenant, None)
+        return [NamedTemplateRecord(**dict(r)) for r in rows]
+
+    def delete_named_template(self, template_id: str) -> None:
+        for table, column in (
+            ("template_tags", "template_id"),
+            ("template_builds", "template_id"),
+            ("named_templates", "id"),
+        ):
+            self._exec(f"DELETE FROM {table} WHERE {column} = ?", (template_id,))  # fmt: skip
+
+    def insert_build(self, record: TemplateBuildRecord) -> TemplateBuildRecord:
+        record.created_at = record.updated_at = now()
+        self._insert("template_builds", dataclasses.asdict(record))
+        return record
+
+    def update_build(self, build_id: str, **fields: Any) -> None:
+        self._update("template_builds", build_id, fields)
+
+    def get_build(self, build_id: str) -> TemplateBuildRecord | None:
+        row = self._get("template_builds", build_id)
+        return TemplateBuildRecord(**dict(row)) if row else None
+
+    def builds_of(self, template_id: str) -> list[TemplateBuildRecord]:
+        rows = self._exec(
+            "SELECT * FROM template_builds WHERE template_id = ? ORDER BY created_at, rowid",
+            (template_id,),
+        ).fetchall()
+        return [TemplateBuildRecord(**dict(r)) for r in rows]
+
+    def builds_in(self, states: Iterable[str]) -> list[TemplateBuildRecord]:
+        return [TemplateBuildRecord(**dict(r)) for r in self._list("template_builds", None, states)]
+
+    def set_template_tag(self, template_id: str, tag: str, build_id: str) -> None:
+        self._exec(
+            "INSERT INTO template_tags (template_id, tag, build_id, created_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (template_id, tag) DO UPDATE SET "
+            "build_id = excluded.build_id, created_at = excluded.created_at",
+            (template_id, tag, build_id, now()),
+        )
+
+    def template_tags(self, template_id: str) -> list[tuple[str, str, str]]:
+        """(tag, build id, when it was set) of each of the template's tags."""
+        rows = self._exec(
+            "SELECT tag, build_id, created_at FROM template_tags WHERE template_id = ? "
+            "ORDER BY created_at, tag",
+            (template_id,),
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def delete_template_tag(self, template_id: str, tag: str) -> bool:
+        cur = self._exec(
+            "DELETE FROM template_tags WHERE template_id = ? AND tag = ?", (template_id, tag)
+        )
         return cur.rowcount > 0
 
 

@@ -243,4 +243,36 @@ MIGRATIONS: list[str] = [
     );
     ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
     """,
+    # templates built from steps (E2B's `Template`): a tenant's names, their builds, tags
+    """
+    CREATE TABLE named_templates (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    CREATE TABLE template_builds (
+        id TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        state TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        image TEXT,
+        error TEXT,
+        step TEXT,
+        logs TEXT NOT NULL DEFAULT '[]',
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX template_builds_template ON template_builds (template_id);
+    CREATE TABLE template_tags (
+        template_id TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    """,
 ]

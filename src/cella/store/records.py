@@ -156,6 +156,37 @@ class RegistryRecord:
 
 
 @dataclass(slots=True)
+class NamedTemplateRecord:
+    """A tenant's template built from steps (E2B's `Template`): its id and name; each of
+    its builds makes a cella template of the tenant's alone."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class TemplateBuildRecord:
+    """One build of a named template: its steps (`spec`, JSON; never a registry password),
+    its state (`waiting`, `building`, `ready`, `error`), the cella template it made, the
+    step that failed, and its log (JSON lines of timestamp, level, message)."""
+
+    id: str
+    template_id: str
+    tenant: str
+    state: str = "waiting"
+    spec: str = "{}"
+    image: str | None = None
+    error: str | None = None
+    step: str | None = None
+    logs: str = "[]"
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
 class KeyRecord:
     id: str
     tenant: str

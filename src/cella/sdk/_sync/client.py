@@ -47,6 +47,7 @@ from cella.models import (
     SandboxUsage,
     Secret,
     SigningKeys,
+    StartCommand,
     Template,
     TemplateList,
     VolumeEntry,
@@ -496,13 +497,24 @@ class Client:
         *,
         disk_mib: int | None = None,
         registry_secret: str | None = None,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> Template:
         """A template from an OCI/Docker image (`registry/repo:tag`, `...@sha256:...`, or a
         `docker save` / OCI archive or layout on the daemon's host); admin only. Progress
-        lines go to `on_progress`; a rebuild of the same digest is a cache hit."""
+        lines go to `on_progress`; a rebuild of the same digest is a cache hit. With
+        `start_cmd`, every sandbox of it has that command running (started before the
+        template's warm snapshot, once `ready_cmd` exits 0)."""
+        start = None
+        if start_cmd or ready_cmd:
+            start = StartCommand(command=start_cmd, ready=ready_cmd).model_dump()
         body = create_body(
-            name=name, image=image, disk_mib=disk_mib, registry_secret=registry_secret
+            name=name,
+            image=image,
+            disk_mib=disk_mib,
+            registry_secret=registry_secret,
+            start=start,
         )
         return self._build("/v1/templates", on_progress, json=body)
 
@@ -514,14 +526,18 @@ class Client:
         dockerfile: str = "Dockerfile",
         allow: builtins.list[str] | None = None,
         disk_mib: int | None = None,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> Template:
         """A template from a Dockerfile in the `context` directory, built by buildah inside
-        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM)."""
+        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM); its
+        sandboxes have `start_cmd` running, as `build_template`'s."""
         params: builtins.list[tuple[str, str | int | float | bool | None]] = [
             ("dockerfile", dockerfile)
         ]
         params += [("allow", a) for a in allow or []]
+        params += [(k, v) for k, v in (("start_cmd", start_cmd), ("ready_cmd", ready_cmd)) if v]
         if disk_mib is not None:
             params.append(("disk_mib", disk_mib))
         return self._build(

@@ -231,7 +231,10 @@ async def list_snapshots(request: Request, svc: DaemonDep, who: Caller) -> Respo
 
 @router.delete("/templates/{ref:path}", status_code=204)
 async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
-    """E2B deletes snapshots as templates: by id or name."""
+    """A template built from steps (by id or name), or a snapshot: E2B deletes snapshots
+    as templates, by id or name."""
+    if await svc.template_builds.delete(who.tenant, unquote(ref)):
+        return Response(status_code=204)
     snap = svc.snapshots.resolve(who.tenant, unquote(ref))
     await svc.snapshots.delete(who.tenant, snap.id)
     return Response(status_code=204)
@@ -258,9 +261,15 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         "volume_mounts": volume_mounts(body.get("volumeMounts")),
     }
     template = str(body.get("templateID") or BASE)
-    with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
-        spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
-    if "snapshot" not in spec:
+    built = svc.template_builds.resolve(who.tenant, template)  # one built with Template
+    if built is not None:
+        spec["template"] = built.template
+        spec |= {"vcpus": built.vcpus} if built.vcpus else {}
+        spec |= {"memory_mib": built.memory_mib} if built.memory_mib else {}
+    else:
+        with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
+            spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
+    if "snapshot" not in spec and "template" not in spec:
         spec["template"] = TEMPLATES.get(template, template)
     try:
         return SandboxCreate.model_validate(spec)
