@@ -31,6 +31,8 @@ def _named_hosts(values: list[str]) -> list[str]:
 
 HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
 SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
+IDENTITY_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+IDENTITY_REF = re.compile(r"\{identity:([A-Za-z0-9][A-Za-z0-9._-]{0,63})\}")
 
 
 class HeaderRule(BaseModel):
@@ -56,6 +58,30 @@ class HeaderRule(BaseModel):
     @property
     def secrets(self) -> list[str]:
         return SECRET_REF.findall(self.value)
+
+    @property
+    def identities(self) -> list[str]:
+        return IDENTITY_REF.findall(self.value)
+
+
+class IdentityToken(BaseModel):
+    """A workload identity token: a JWT the egress proxy mints for the sandbox whenever a
+    header rule's value names it (`{identity:NAME}`), signed with the daemon's key
+    (`/.well-known/jwks.json`): `iss` the daemon's issuer, `sub`
+    `spiffe://cella/tenant/TENANT/sandbox/ID`, `aud` this audience, valid `ttl_seconds`.
+    The sandbox never holds it, nor any key to make one."""
+
+    model_config = {"extra": "forbid"}
+
+    audience: str = Field(min_length=1, max_length=1024)
+    ttl_seconds: int = Field(default=300, ge=30, le=3600)
+
+    @field_validator("audience")
+    @classmethod
+    def _audience(cls, value: str) -> str:
+        if any(not c.isprintable() for c in value):
+            raise ValueError("an audience is printable text")
+        return value
 
 
 AWS_HOSTS = ["*.amazonaws.com"]
@@ -210,6 +236,20 @@ class NetworkPolicy(BaseModel):
         description="servers in the sandbox answer anyone who knows their host name "
         "(`{port}-{sandbox_id}.{domain}`) without a token, as E2B's sandboxes do by default",
     )
+    identity_tokens: dict[str, IdentityToken] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="workload identity tokens by name, put into requests by header rules "
+        "whose value names them (`Bearer {identity:NAME}`): JWTs the proxy mints and "
+        "the daemon's JWKS verifies",
+    )
+    port_host: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9.${}:_-]+$",
+        description="the Host header servers in the sandbox see on requests through its "
+        "service URLs and host names (`${PORT}` is the port); default `127.0.0.1:PORT`",
+    )
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)
@@ -222,6 +262,31 @@ class NetworkPolicy(BaseModel):
         if twice:
             raise ValueError(f"one rewrite a host: {', '.join(twice)} has more")
         return rules
+
+    @field_validator("identity_tokens")
+    @classmethod
+    def _identity_names(cls, tokens: dict[str, IdentityToken]) -> dict[str, IdentityToken]:
+        for name in tokens:
+            if not re.match(IDENTITY_NAME, name):
+                raise ValueError(f"{name!r} is not an identity token name (letters, digits, ._-)")
+        return tokens
+
+    @model_validator(mode="after")
+    def _identities_named(self) -> NetworkPolicy:
+        for rule in self.headers:
+            unknown = [n for n in rule.identities if n not in self.identity_tokens]
+            if unknown:
+                raise ValueError(
+                    f"header {rule.name}: identity token {unknown[0]!r} is not among "
+                    f"identity_tokens ({', '.join(self.identity_tokens) or 'none'})"
+                )
+        return self
+
+    def host_for(self, port: int) -> str:
+        """The Host header a server in the sandbox sees on `port`."""
+        if self.port_host is None:
+            return f"127.0.0.1:{port}"
+        return self.port_host.replace("${PORT}", str(port))
 
     @field_validator("env")
     @classmethod

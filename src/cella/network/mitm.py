@@ -87,6 +87,7 @@ class HeaderRule:
     name: str
     value: str
     secrets: tuple[tuple[str, str], ...] = ()
+    identities: tuple[tuple[str, str, int], ...] = ()  # (name, audience, seconds) to mint
 
 
 @dataclass
@@ -199,6 +200,9 @@ def _net_from(msg: dict[str, Any]) -> Net:
             name=r["name"],
             value=r["value"],
             secrets=tuple((s["name"], s["value"]) for s in r.get("secrets", [])),
+            identities=tuple(
+                (i["name"], i["audience"], int(i["ttl_seconds"])) for i in r.get("identities", [])
+            ),
         )
         for r in msg.get("headers", [])
     )
@@ -412,7 +416,15 @@ class Egress:
             if _substitute_head(req, b):
                 tally.credentials.append(b.name)
         for rule in net.header_rules(req.host):
-            req.headers[rule.name] = rule.value  # whatever the sandbox sent in its place
+            value = rule.value
+            for name, audience, seconds in rule.identities:  # minted for this request
+                if self.callbacks.signing is None:
+                    flow.response = _refusal(503, "cella egress: no signing key yet")
+                    return
+                token = self.callbacks.signing.workload(audience, net.tenant, net.sandbox, seconds)
+                value = value.replace(f"{{identity:{name}}}", token)
+                tally.credentials.append(f"identity:{name}")
+            req.headers[rule.name] = value  # whatever the sandbox sent in its place
             tally.credentials.extend(name for name, _ in rule.secrets)
         if net.cloud.covers(req.host):
             try:

@@ -55,6 +55,7 @@ from cella.service.snapshots import Snapshots
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
+from cella.service.waking import Waking
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.store import SandboxRecord, Store, sealing
 from cella.store.sealing import KeyFile, seal_store
@@ -110,6 +111,7 @@ class Daemon:
         self.usage = Usage(self.registry)
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.templates = Templates(
             settings,

@@ -45,7 +45,12 @@ def header_rules(store: Store, row: SandboxRecord) -> list[dict[str, Any]]:
             used.append({"name": name, "value": secret.value})
         else:
             rendered = {"hosts": rule.hosts, "name": rule.name, "value": value}
-            out.append({**rendered, "secrets": used})
+            minted = [  # `{identity:NAME}`: the proxy mints the token per request
+                {"name": n, **row.network.identity_tokens[n].model_dump()}
+                for n in rule.identities
+                if n in row.network.identity_tokens
+            ]
+            out.append({**rendered, "secrets": used, "identities": minted})
     return out
 
 
