@@ -56,6 +56,7 @@ from cella.models.network import (
     Secret,
     SecretList,
     SecretPut,
+    UpstreamProxy,
 )
 from cella.models.pairs import parse_pairs
 from cella.models.ports import ExposedPort, ExposeRequest, LoginUrl
@@ -176,6 +177,7 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "UpstreamProxy",
     "WalkEntry",
     "account_name",
     "decode_data",

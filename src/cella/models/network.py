@@ -84,6 +84,54 @@ class IdentityToken(BaseModel):
         return value
 
 
+UPSTREAM_URL = re.compile(r"^(socks5|http)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
+
+
+class UpstreamProxy(BaseModel):
+    """A proxy of the tenant's own that the egress proxy sends this sandbox's allowed
+    connections through (after its rules decided them; nothing in the sandbox sees it):
+    `socks5://host:port` (RFC 1928, with RFC 1929 user and password) or
+    `http://host:port` (HTTP CONNECT, with Basic proxy credentials). Its address is held to
+    the operator's boundary like any destination; when it cannot be reached or refuses,
+    the connection fails rather than going out directly."""
+
+    model_config = {"extra": "forbid"}
+
+    url: str = Field(max_length=300, description="socks5://host:port or http://host:port")
+    username: str | None = Field(default=None, min_length=1, max_length=255)
+    password_secret: str | None = Field(
+        default=None, pattern=SECRET_NAME, description="the tenant's secret holding the password"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        found = UPSTREAM_URL.match(value.strip())
+        if found is None or not 1 <= int(found.group(3)) <= 65535:
+            raise ValueError(
+                f"{value!r}: an upstream proxy is socks5://host:port or http://host:port"
+            )
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _pair(self) -> UpstreamProxy:
+        if self.password_secret is not None and self.username is None:
+            raise ValueError("a password needs a username")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0]
+
+    @property
+    def host(self) -> str:
+        return self.url.partition("://")[2].rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rpartition(":")[2])
+
+
 AWS_HOSTS = ["*.amazonaws.com"]
 GOOGLE_API_HOSTS = ["*.googleapis.com"]  # storage.googleapis.com among them
 AWS_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -243,6 +291,9 @@ class NetworkPolicy(BaseModel):
         "whose value names them (`Bearer {identity:NAME}`): JWTs the proxy mints and "
         "the daemon's JWKS verifies",
     )
+    upstream_proxy: UpstreamProxy | None = Field(
+        default=None, description="a proxy of the tenant's own its allowed traffic goes through"
+    )
     port_host: str | None = Field(
         default=None,
         max_length=253,
@@ -302,7 +353,10 @@ class NetworkPolicy(BaseModel):
     def secret_names(self) -> list[str]:
         """Every tenant secret the rules use."""
         rules: list[HeaderRule | AwsSigning | GcpToken] = [*self.headers, *self.aws, *self.gcp]
-        return list(dict.fromkeys(name for rule in rules for name in rule.secrets))
+        names = [name for rule in rules for name in rule.secrets]
+        if self.upstream_proxy is not None and self.upstream_proxy.password_secret:
+            names.append(self.upstream_proxy.password_secret)
+        return list(dict.fromkeys(names))
 
 
 class SecretPut(BaseModel):

@@ -43,6 +43,7 @@ from cella.network.callbacks import CallbackRule, Callbacks, Signing, full_reque
 from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.network.rewrites import ROUTE_HOST, Rewrite, Rewrites, rewrites_from, route
+from cella.network.upstream import Splicer, Upstream, UpstreamError, dial
 from cella.policy.egress import (
     Boundary,
     Decision,
@@ -102,6 +103,7 @@ class Net:
     callbacks: tuple[CallbackRule, ...] = ()
     tenant: str = ""
     rewrites: Rewrites | None = None  # hosts answered by another sandbox's port
+    upstream: Upstream | None = None  # the tenant's own proxy its connections go through
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -218,6 +220,7 @@ def _net_from(msg: dict[str, Any]) -> Net:
         callbacks=callbacks,
         tenant=str(msg.get("tenant") or ""),
         rewrites=rewrites_from(msg),
+        upstream=Upstream.of(msg.get("upstream")),
     )
 
 
@@ -236,6 +239,7 @@ class Egress:
         self._tunnels: set[str] = set()  # server connections of passed-through streams
         self.cloud = CloudAuth(Tokens(lambda: ctx.options.ssl_verify_upstream_trusted_ca))
         self.callbacks = Callbacks(self._callback_address)
+        self.splicer = Splicer()
 
     # -- control channel ----------------------------------------------------------------
 
@@ -624,6 +628,18 @@ class Egress:
             data.server.error = f"cella egress: {host} does not resolve"
             return
         data.server.address = (str(pinned), port)
+        if net is not None and net.upstream is not None:
+            try:  # through the sandbox's own proxy, to the address decided on
+                proxy_ip = await self._reach(net.upstream.host, net.upstream.port)
+                tunnel = await dial(net.upstream, str(proxy_ip), str(pinned), port)
+                data.server.address = await self.splicer.hand_over(tunnel)
+            except (UpstreamError, ValueError) as exc:
+                why = f"upstream proxy {net.upstream.address}: {exc}"
+                data.server.error = f"cella egress: {host}:{port} {why}"
+                self._report(net, host, port, Decision(False, why), protocol="tcp")
+                return
+            self._verdicts[data.server.id] = f"{decision.reason} (via {net.upstream.address})"
+            return
         self._verdicts[data.server.id] = decision.reason
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:

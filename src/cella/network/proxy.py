@@ -277,10 +277,12 @@ class EgressProxy:
         callbacks: list[dict[str, Any]] | None = None,
         tenant: str = "",
         rewrites: dict[str, Any] | None = None,
+        upstream: dict[str, Any] | None = None,
     ) -> None:
         """What the VM at `addr` may reach, with which credentials (`api`: cella's own, for
         access delegation; `cloud`: AWS signing and GCP token rules; `rewrites`: hosts
-        answered by other sandboxes' ports, through the daemon); takes effect for its next
+        answered by other sandboxes' ports, through the daemon; `upstream`: the tenant's own
+        proxy its allowed connections go through); takes effect for its next
         connection."""
         self.addresses.claim(addr)
         msg = {
@@ -296,6 +298,7 @@ class EgressProxy:
             "callbacks": callbacks or [],
             "tenant": tenant,
             "rewrites": rewrites,
+            "upstream": upstream,
         }
         self._state[addr] = msg
         self._send(msg)

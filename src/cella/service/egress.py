@@ -160,7 +160,8 @@ class SandboxEgress:
     def check_rules(self, policy: NetworkPolicy) -> None:
         """A tenant's allow rules stay inside the operator's boundary (an admin key acting
         for a tenant is a tenant here); the proxy checks again at every connect."""
-        for text in policy.allow:
+        extra = [policy.upstream_proxy.host] if policy.upstream_proxy else []
+        for text in [*policy.allow, *extra]:
             why = self.boundary.refusal(parse_rule(text))
             if why is not None:
                 raise errors.DestinationForbidden(why)
@@ -195,6 +196,7 @@ class SandboxEgress:
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
+            upstream=credentials.upstream(self.store, row),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 

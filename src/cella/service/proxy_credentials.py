@@ -88,3 +88,21 @@ def _auth_header(secret: SecretRecord) -> list[str] | None:
         pair = f"{secret.username or 'x-access-token'}:{secret.value}"
         return ["Authorization", "Basic " + base64.b64encode(pair.encode()).decode()]
     return None
+
+
+def upstream(store: Store, row: SandboxRecord) -> dict[str, Any] | None:
+    """The sandbox's own upstream proxy, its password read from the tenant's secret."""
+    proxy = row.network.upstream_proxy
+    if proxy is None:
+        return None
+    password = None
+    if proxy.password_secret is not None:
+        secret = store.get_secret(row.tenant, proxy.password_secret)
+        password = secret.value if secret is not None else ""  # gone: the proxy refuses
+    return {
+        "scheme": proxy.scheme,
+        "host": proxy.host,
+        "port": proxy.port,
+        "username": proxy.username,
+        "password": password,
+    }

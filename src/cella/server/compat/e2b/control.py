@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import time
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
@@ -24,6 +25,8 @@ from cella.models import (
     NetworkPolicy,
     SandboxCreate,
     SandboxUpdate,
+    SecretPut,
+    UpstreamProxy,
 )
 from cella.models.sandbox import MAX_LIFETIME_SECONDS
 from cella.policy.access import Permission
@@ -151,7 +154,8 @@ async def update_network(sandbox_id: str, svc: DaemonDep, who: Caller, body: Jso
     """Replaces the sandbox's egress rules (what is omitted is cleared, as E2B's API does);
     a running sandbox has them for its next connection."""
     row = sandbox(svc, who, sandbox_id)
-    await svc.egress.set_network(who, row.id, network_of(body, row.network))
+    upstream = egress_proxy_of(svc, who, body)
+    await svc.egress.set_network(who, row.id, network_of(body, row.network, upstream))
     return Response(status_code=204)
 
 
@@ -259,7 +263,7 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         **lifecycle_of(body),
         "labels": {str(k): str(v) for k, v in metadata.items()},
         "exec_defaults": ExecDefaults(env={str(k): str(v) for k, v in env.items()}),
-        "network": network_of(body),
+        "network": network_of(body, upstream=egress_proxy_of(svc, who, body.get("network"))),
     }
     template = str(body.get("templateID") or BASE)
     with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
@@ -296,17 +300,20 @@ def lifecycle_of(body: Json) -> Json:
     return {"ttl_action": action, "auto_resume": wake}
 
 
-def network_of(body: Json, kept: NetworkPolicy | None = None) -> NetworkPolicy:
+def network_of(
+    body: Json, kept: NetworkPolicy | None = None, upstream: UpstreamProxy | None = None
+) -> NetworkPolicy:
     """`allow_internet_access`, `network.allowOut`/`denyOut` as egress rules,
     `network.rules` as header rules (`${e2b.identity.tokens.NAME}` in a value: the `iam`
     token NAME, minted by the egress proxy), `maskRequestHost` as the Host its port
     servers see. Without them, cella's default holds: nothing is reachable until allowed.
-    (An update's body is the `network` object itself, with `allow_internet_access` in it;
-    what it cannot carry, public ports, the masked host and the `iam` tokens, is `kept`.)"""
+    `upstream` is its `egressProxy` (`egress_proxy_of`). (An update's body is the `network`
+    object itself, with `allow_internet_access` in it; what it cannot carry, public ports,
+    the masked host and the `iam` tokens, is `kept`.)"""
     net = (body.get("network") or {}) if kept is None else body
     if not isinstance(net, dict):
         raise errors.InvalidArgument("network must be an object")
-    for unsupported in ("egressProxy", "dnsServers", "httpsPorts"):
+    for unsupported in ("dnsServers", "httpsPorts"):
         if net.get(unsupported):
             raise not_supported(f"network.{unsupported}")
     allow = [str(r) for r in net.get("allowOut") or []]
@@ -330,6 +337,37 @@ def network_of(body: Json, kept: NetworkPolicy | None = None) -> NetworkPolicy:
             ),
             identity_tokens=tokens,
             port_host=(mask or None) if kept is None else kept.port_host,
+            upstream_proxy=upstream,
+        )
+    except ValidationError as exc:
+        raise errors.InvalidArgument(describe(exc.errors())) from None
+
+
+def egress_proxy_of(svc: Daemon, who: Principal, net: Any) -> UpstreamProxy | None:
+    """`network.egressProxy` (`{address: "host:port", username, password}`): a SOCKS5 proxy
+    of the tenant's own, its password kept as a tenant secret (bound to no host, named by
+    its digest), never in the sandbox's network policy."""
+    proxy = net.get("egressProxy") if isinstance(net, dict) else None
+    if proxy is None:
+        return None
+    if not isinstance(proxy, dict) or not isinstance(proxy.get("address"), str):
+        raise errors.InvalidArgument("network.egressProxy needs an address (host:port)")
+    if proxy.get("tls"):
+        raise not_supported("network.egressProxy.tls (TLS to the proxy)")
+    username, password = proxy.get("username"), proxy.get("password")
+    if password is not None and username is None:
+        raise errors.InvalidArgument("network.egressProxy: a password needs a username")
+    secret = None
+    if password is not None:
+        digest = hashlib.sha256(f"{proxy['address']}\0{username}\0{password}".encode())
+        secret = f"e2b-egress-proxy-{digest.hexdigest()[:24]}"
+        try:
+            svc.egress.put_secret(who.tenant, secret, SecretPut(value=str(password)))
+        except ValidationError as exc:
+            raise errors.InvalidArgument(describe(exc.errors())) from None
+    try:
+        return UpstreamProxy(
+            url=f"socks5://{proxy['address']}", username=username, password_secret=secret
         )
     except ValidationError as exc:
         raise errors.InvalidArgument(describe(exc.errors())) from None
