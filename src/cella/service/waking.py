@@ -34,11 +34,12 @@ class Waking:
         if not row.auto_resume or row.state not in ASLEEP:
             return row
         service = Principal.service(row.tenant)
-        row = await self.lifecycle.awake(service, sandbox_id)
-        self.registry.events.emit(sandbox_id, "woken", {"by": "traffic"})
         now = time.time()
         if row.ttl_seconds and row.age_seconds(now) >= row.ttl_seconds - 1:
+            # granted before it runs, or the reaper would find it expired again at once
             grant = max(MIN_WAKE_SECONDS, row.wake_ttl_seconds or 0)
             longer = int(row.age_seconds(now)) + grant
-            row = await self.lifecycle.update(service, sandbox_id, ttl_seconds=longer)
+            await self.lifecycle.update(service, sandbox_id, ttl_seconds=longer)
+        row = await self.lifecycle.awake(service, sandbox_id)
+        self.registry.events.emit(sandbox_id, "woken", {"by": "traffic"})
         return row
