@@ -257,12 +257,14 @@ def test_mask_request_host(python: Path, daemon: Daemon) -> None:
         """
         masked = serve(Sandbox.create(network={"mask_request_host": "${PORT}-app.example.com"}))
         plain = serve(Sandbox.create())
-        out = {"masked": fetch(masked.get_host(8000)), "plain": fetch(plain.get_host(8000))}
+        out = {"masked": fetch(masked.get_host(8000)), "plain": fetch(plain.get_host(8000)),
+               "info": masked.get_info().network.get("mask_request_host")}
         masked.kill(); plain.kill()
         print(json.dumps(out))
         """,
     )
     assert got["masked"] == [200, "host=8000-app.example.com"]
+    assert got["info"] == "${PORT}-app.example.com"
     assert got["plain"] == [200, "host=127.0.0.1:8000"]
 
 
@@ -288,6 +290,7 @@ def test_deny_out_and_an_upstream_proxy(
             "through": run(proxied, "curl -s -m 30 http://api.e2b.test/through"),
             "denied": run(proxied, f"curl -s -m 30 {code} http://other.e2b.test/denied"),
             "env": run(proxied, "env; cat /proc/1/environ"),
+            "info": proxied.get_info().network.get("egress_proxy"),
         }
         direct = Sandbox.create(network={"allow_out": ["api.e2b.test"]})
         out["direct"] = run(direct, "curl -s -m 30 http://api.e2b.test/direct")
@@ -302,6 +305,7 @@ def test_deny_out_and_an_upstream_proxy(
     assert got["denied"] == "403"
     assert "/denied" not in {r["path"] for r in net.other_seen.requests}
     assert "s0cks-pw" not in got["env"]  # the proxy's password never enters the sandbox
+    assert got["info"] == {"address": "proxy.e2b.test:1080", "username": "alice"}
     assert "/direct" in seen and len(net.socks.seen.requests) == 1  # the control: untouched
     # cella's own API: an HTTP CONNECT proxy for one sandbox
     sb = admin.create(

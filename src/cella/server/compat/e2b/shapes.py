@@ -125,7 +125,7 @@ def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dic
         "endAt": iso(ends),
         "envdVersion": ENVD_VERSION,
         **({"envdAccessToken": access.token, "domain": access.domain} if access else {}),
-        "network": {"allowPublicTraffic": row.network.public_ports},
+        "network": network_json(row),
         "cpuCount": row.vcpus,
         "memoryMB": row.memory_mib,
         "diskSizeMB": row.disk_mib or disk_mib,
@@ -137,3 +137,17 @@ def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dic
             "onTimeout": "pause" if row.ttl_action in ("pause", "stop") else "kill",
         },
     }
+
+
+def network_json(row: SandboxRecord) -> dict[str, Any]:
+    """What E2B's sandbox info says of its network (never the egress proxy's password)."""
+    net = row.network
+    out: dict[str, Any] = {"allowPublicTraffic": net.public_ports}
+    if net.port_host is not None:
+        out["maskRequestHost"] = net.port_host
+    if net.upstream_proxy is not None and net.upstream_proxy.scheme == "socks5":
+        proxy = {"address": net.upstream_proxy.url.partition("://")[2]}
+        if net.upstream_proxy.username is not None:
+            proxy["username"] = net.upstream_proxy.username
+        out["egressProxy"] = proxy
+    return out
