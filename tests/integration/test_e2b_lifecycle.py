@@ -77,6 +77,7 @@ def daemon_settings(net: Net) -> dict[str, str]:
         "max_sandboxes_per_tenant": "10",
         "reaper_interval": "0.5",
         "egress_hosts": json.dumps(hosts),
+        "egress_tenant_upstreams": json.dumps({"corp": "http://proxy-http.e2b.test:3128"}),
     }
 
 
@@ -307,19 +308,24 @@ def test_deny_out_and_an_upstream_proxy(
     assert "s0cks-pw" not in got["env"]  # the proxy's password never enters the sandbox
     assert got["info"] == {"address": "proxy.e2b.test:1080", "username": "alice"}
     assert "/direct" in seen and len(net.socks.seen.requests) == 1  # the control: untouched
-    # cella's own API: an HTTP CONNECT proxy for one sandbox
+    # cella's own API: an HTTP CONNECT proxy for one sandbox, and the operator's for a tenant
     sb = admin.create(
         allow=["api.e2b.test"],
         upstream_proxy=UpstreamProxyRule(url="http://proxy-http.e2b.test:3128"),
     )
-    try:
-        out = sb.exec("curl -s -m 30 http://api.e2b.test/via-connect")
-        assert json.loads(out.stdout)["path"] == "/via-connect"
-        assert net.connect.seen.requests == [{"target": f"{net.api}:80", "user": None}]
-        reasons = [d.reason for d in sb.egress() if d.host == "api.e2b.test"]
-        assert any("via http://proxy-http.e2b.test:3128" in r for r in reasons), reasons
-    finally:
-        sb.delete()
+    with daemon.client(admin.create_key("corp")["key"]) as corp:
+        theirs = corp.create(allow=["api.e2b.test"])
+        try:
+            for box, path in ((sb, "/via-connect"), (theirs, "/via-tenant")):
+                out = box.exec(f"curl -s -m 30 http://api.e2b.test{path}")
+                assert json.loads(out.stdout)["path"] == path
+                reasons = [d.reason for d in box.egress() if d.host == "api.e2b.test"]
+                assert any("via http://proxy-http.e2b.test:3128" in r for r in reasons), reasons
+            tunnel = {"target": f"{net.api}:80", "user": None}
+            assert net.connect.seen.requests == [tunnel, tunnel]
+        finally:
+            sb.delete()
+            theirs.delete()
 
 
 def test_workload_identity_tokens(python: Path, daemon: Daemon, net: Net) -> None:

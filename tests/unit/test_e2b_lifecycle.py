@@ -209,3 +209,32 @@ async def test_e2b_forks_up_to_100_and_pause_keeps_the_lifetime(tmp_path: Path) 
             assert row.age_seconds(later) < 60 and due([row], later, lambda _: False) == []
             info = (await c.get(f"/sandboxes/{sid}", headers=head)).json()
             assert info["lifecycle"] == {"autoResume": False, "onTimeout": "pause"}
+
+
+def test_an_operators_upstream_for_a_tenant() -> None:
+    """`egress_tenant_upstreams`: the operator's proxy for a tenant's sandboxes (credentials
+    in the URL), unless a sandbox names its own; a URL that is no proxy is refused."""
+    from cella.config import DaemonSettings, upstream_parts
+    from cella.models import UpstreamProxy as Rule
+    from cella.service.proxy_credentials import upstream
+
+    url = "socks5://corp%40x:p%3Aw@proxy.corp.test:1080"
+    assert upstream_parts(url) == {
+        "scheme": "socks5",
+        "host": "proxy.corp.test",
+        "port": 1080,
+        "username": "corp@x",
+        "password": "p:w",
+    }
+    settings = DaemonSettings(egress_tenant_upstreams={"acme": url})
+    assert settings.egress_tenant_upstreams == {"acme": url}
+    for bad in ("ftp://h:1", "socks5://nohost", "http://h:port"):
+        with pytest.raises(ValueError, match="not socks5"):
+            upstream_parts(bad)
+    row = record(S.running)
+    got = upstream(None, row, url)  # type: ignore[arg-type]  (no secret is read)
+    assert got is not None and got["operator"] is True and got["host"] == "proxy.corp.test"
+    assert upstream(None, row, None) is None  # type: ignore[arg-type]
+    row.network = NetworkPolicy(upstream_proxy=Rule(url="http://own.test:3128"))
+    own = upstream(None, row, url)  # type: ignore[arg-type]
+    assert own is not None and own["host"] == "own.test" and "operator" not in own

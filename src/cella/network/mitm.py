@@ -355,6 +355,19 @@ class Egress:
             raise ValueError(decision.reason if not decision.allowed else "does not resolve")
         return addresses[0]
 
+    async def _upstream_address(self, up: Upstream) -> IPAddress:
+        """Where an upstream proxy is: a tenant's held to the boundary (`_reach`), the
+        operator's wherever the operator put it."""
+        if not up.operator:
+            return await self._reach(up.host, up.port)
+        try:
+            return ipaddress.ip_address(up.host)
+        except ValueError:
+            found = await self._resolve(up.host)
+        if not found:
+            raise ValueError("does not resolve")
+        return found[0]
+
     # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -630,7 +643,7 @@ class Egress:
         data.server.address = (str(pinned), port)
         if net is not None and net.upstream is not None:
             try:  # through the sandbox's own proxy, to the address decided on
-                proxy_ip = await self._reach(net.upstream.host, net.upstream.port)
+                proxy_ip = await self._upstream_address(net.upstream)
                 tunnel = await dial(net.upstream, str(proxy_ip), str(pinned), port)
                 data.server.address = await self.splicer.hand_over(tunnel)
             except (UpstreamError, ValueError) as exc:

@@ -45,6 +45,7 @@ class Upstream:
     port: int
     username: str | None = None
     password: str | None = None
+    operator: bool = False  # the operator's, for a tenant: its address is not the tenant's
 
     @classmethod
     def of(cls, data: dict[str, Any] | None) -> Upstream | None:
@@ -56,6 +57,7 @@ class Upstream:
             int(data["port"]),
             data.get("username"),
             data.get("password"),
+            bool(data.get("operator")),
         )
 
     @property

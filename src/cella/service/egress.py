@@ -103,6 +103,7 @@ class SandboxEgress:
         self._refresher: asyncio.Task[None] | None = None
         self._ca: bytes | None = None
         self.max_connections = settings.max_connections_per_sandbox
+        self.upstreams = settings.egress_tenant_upstreams
         self.api = api_address(settings)  # where `cella.api` leads a delegated sandbox
         self._addresses: dict[VM, str] = {}
         self._held: dict[str, int] = {}  # sandbox id -> connections open now
@@ -196,7 +197,7 @@ class SandboxEgress:
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
-            upstream=credentials.upstream(self.store, row),
+            upstream=credentials.upstream(self.store, row, self.upstreams.get(row.tenant)),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from cella.config import upstream_parts
 from cella.models import AwsSigning, NetworkPolicy
 from cella.store import SandboxRecord, SecretRecord, Store
 
@@ -90,11 +91,15 @@ def _auth_header(secret: SecretRecord) -> list[str] | None:
     return None
 
 
-def upstream(store: Store, row: SandboxRecord) -> dict[str, Any] | None:
-    """The sandbox's own upstream proxy, its password read from the tenant's secret."""
+def upstream(
+    store: Store, row: SandboxRecord, tenant_default: str | None = None
+) -> dict[str, Any] | None:
+    """The sandbox's own upstream proxy, its password read from the tenant's secret; else
+    the operator's for its tenant (`egress_tenant_upstreams`), whose address is the
+    operator's choice and so not held to the boundary."""
     proxy = row.network.upstream_proxy
     if proxy is None:
-        return None
+        return {**upstream_parts(tenant_default), "operator": True} if tenant_default else None
     password = None
     if proxy.password_secret is not None:
         secret = store.get_secret(row.tenant, proxy.password_secret)
