@@ -398,7 +398,10 @@ class Egress:
             flow.response = _denied(req.host, req.port, decision)
             self._report(net, req.host, req.port, decision, protocol=req.scheme, method=req.method)
             return
-        tally = Tally(net, req.host, req.port, req.scheme, decision.reason)
+        reason = decision.reason
+        if net.upstream is not None:  # its connection goes through it (`server_connect`)
+            reason = f"{reason} (via {net.upstream.address})"
+        tally = Tally(net, req.host, req.port, req.scheme, reason)
         flow.metadata["cella"] = tally
         await self._credentials(flow, net, tally)
 
