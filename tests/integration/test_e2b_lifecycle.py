@@ -365,3 +365,37 @@ def test_workload_identity_tokens(python: Path, daemon: Daemon, net: Net) -> Non
     other = {r["path"]: r["headers"] for r in net.other_seen.requests}
     assert other["/plain"]["authorization"] == "Bearer guess"  # no rule for that host
     assert "PRIVATE KEY" not in got["env"] and "eyJ" not in got["env"]
+
+
+def test_the_async_sdk_wakes_a_paused_sandbox(python: Path, daemon: Daemon) -> None:
+    """`AsyncSandbox` with the same lifecycle: a command (envd) wakes it after a pause; a
+    fork of more than 20 is refused by the SDK itself before it asks (E2B's own limit)."""
+    got = e2b(
+        python,
+        daemon,
+        """
+        import asyncio
+        async def main():
+            sb = await AsyncSandbox.create(
+                timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+            out = {"paused": await sb.pause(),
+                   "state": (await sb.get_info()).state.value}
+            out["run"] = (await sb.commands.run("echo woke")).stdout
+            out["after"] = (await sb.get_info()).state.value
+            try:
+                await sb.fork(count=21)
+                out["fork"] = "sent"
+            except InvalidArgumentException:
+                out["fork"] = "refused"
+            await sb.kill()
+            return out
+        print(json.dumps(asyncio.run(main())))
+        """,
+    )
+    assert got == {
+        "paused": True,
+        "state": "paused",
+        "run": "woke\n",
+        "after": "running",
+        "fork": "refused",
+    }
