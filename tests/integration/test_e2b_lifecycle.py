@@ -21,6 +21,7 @@ import jwt
 import pytest
 
 from cella import Client
+from cella.models import HeaderRule, IdentityToken
 from cella.models import UpstreamProxy as UpstreamProxyRule
 from tests.daemon import Daemon
 from tests.netservers import EchoHandler, Recorder, Servers, UpstreamProxy, free_loopback_block
@@ -399,3 +400,63 @@ def test_the_async_sdk_wakes_a_paused_sandbox(python: Path, daemon: Daemon) -> N
         "after": "running",
         "fork": "refused",
     }
+
+
+HOST_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("host=" + self.headers.get("Host", "")).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8000), H).serve_forever()
+"""
+
+
+def test_cellas_own_sdk(admin: Client, daemon: Daemon, net: Net) -> None:
+    """The same in cella's core, from its own SDK: a sandbox with `auto_resume` is woken by
+    a request to its service URL (which sees the `port_host` it asked for); a header rule
+    puts a workload token into requests to a host, which verifies against the JWKS. The
+    control: without `auto_resume` the same request is refused and the sandbox sleeps on."""
+    rule = HeaderRule(hosts=["api.e2b.test"], name="X-Identity", value="{identity:svc}")
+    sb = admin.create(
+        allow=["api.e2b.test"],
+        headers=[rule],
+        identity_tokens={"svc": IdentityToken(audience="urn:svc", ttl_seconds=60)},
+        port_host="${PORT}-mine.test",
+        ttl_seconds=600,
+        ttl_clock="running",
+        auto_resume=True,
+    )
+    plain = admin.create(ttl_seconds=600)
+    try:
+        for box in (sb, plain):
+            box.files.write("/tmp/host.py", HOST_SERVER)
+            box.exec("sh -c 'python3 /tmp/host.py >/dev/null 2>&1 &'")
+            box.exec("for i in $(seq 300); do curl -sf localhost:8000 >/dev/null && break; "
+                     "sleep 0.1; done")  # fmt: skip
+        assert sb.info.ttl_clock == "running" and sb.info.auto_resume is True
+        sb.exec("curl -s -m 30 http://api.e2b.test/core-identity")
+        seen = {r["path"]: r["headers"] for r in net.api_seen.requests}
+        token = seen["/core-identity"]["x-identity"]
+        jwks = httpx2.get(f"{daemon.url}/.well-known/jwks.json").json()
+        key = jwt.PyJWKSet.from_dict(jwks)[jwt.get_unverified_header(token)["kid"]]
+        claims = jwt.decode(token, key, algorithms=["EdDSA"], audience="urn:svc")
+        assert claims["sub"].endswith(f"/sandbox/{sb.id}") and claims["exp"] - claims["iat"] == 60
+        with pytest.raises(jwt.InvalidAudienceError):
+            jwt.decode(token, key, algorithms=["EdDSA"], audience="urn:other")
+        exposed = {box.id: box.expose(8000) for box in (sb, plain)}
+        sb.pause()
+        plain.pause()
+        for box in (sb, plain):
+            url, token = exposed[box.id].url, exposed[box.id].token
+            exposed[box.id] = httpx2.get(f"{url}/", headers={"X-Cella-Service-Token": token})
+        woke = exposed[sb.id]
+        assert woke.status_code == 200 and woke.text == "host=8000-mine.test"
+        assert admin.get(sb.id).state == "running"
+        assert exposed[plain.id].status_code == 409 and admin.get(plain.id).state == "paused"
+    finally:
+        sb.delete()
+        plain.delete()
