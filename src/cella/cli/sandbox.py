@@ -14,7 +14,14 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import BucketMount, GitMount, RewriteRule, VolumeMount, parse_pairs
+from cella.models import (
+    BucketMount,
+    GitMount,
+    RewriteRule,
+    UpstreamProxy,
+    VolumeMount,
+    parse_pairs,
+)
 from cella.models import Sandbox as SandboxInfo
 from cella.sdk import Client, Sandbox
 
@@ -74,9 +81,23 @@ def create(
     memory: Annotated[int | None, typer.Option(help="RAM in MiB")] = None,
     disk: Annotated[int | None, typer.Option(help="disk in MiB")] = None,
     ttl: Annotated[int | None, typer.Option(help="wall-clock limit, seconds")] = None,
+    ttl_clock: Annotated[
+        str | None,
+        typer.Option(help="wall (default) or running: --ttl leaves out time paused or stopped"),
+    ] = None,
+    auto_resume: Annotated[
+        bool, typer.Option(help="traffic to its ports (service URLs, host names) wakes it")
+    ] = False,
     idle_timeout: Annotated[int | None, typer.Option(help="idle limit, seconds")] = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     allow: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    upstream_proxy: Annotated[
+        str | None,
+        typer.Option(help="socks5://host:port or http://host:port: your proxy its traffic uses"),
+    ] = None,
+    port_host: Annotated[
+        str | None, typer.Option(help="the Host its port servers see (${PORT} is the port)")
+    ] = None,
     deny: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
     secret: Annotated[
         list[str] | None, typer.Option(help="ENV=SECRET_NAME: a placeholder in ENV, repeatable")
@@ -137,9 +158,13 @@ def create(
             memory_mib=memory,
             disk_mib=disk,
             ttl_seconds=ttl,
+            ttl_clock=ttl_clock,
+            auto_resume=auto_resume or None,
             idle_timeout_seconds=idle_timeout,
             labels=_pairs(label, "label") or None,
             allow=allow,
+            upstream_proxy=_upstream(upstream_proxy) if upstream_proxy else None,
+            port_host=port_host,
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
             rewrites=rewrites or None,
@@ -293,6 +318,13 @@ def _lifecycle(action: str, sandbox_id: str, json_: bool) -> None:
             )
         else:
             console.print(f"{sandbox_id}: {result.state if result else 'deleted'}")
+
+
+def _upstream(url: str) -> UpstreamProxy:
+    try:
+        return UpstreamProxy(url=url)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--upstream-proxy {url!r}: {exc}") from None
 
 
 def _rewrite(text: str) -> RewriteRule:

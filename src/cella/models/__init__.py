@@ -48,6 +48,7 @@ from cella.models.network import (
     EgressLog,
     GcpToken,
     HeaderRule,
+    IdentityToken,
     KeyRotation,
     NetworkPolicy,
     RewriteRule,
@@ -55,6 +56,7 @@ from cella.models.network import (
     Secret,
     SecretList,
     SecretPut,
+    UpstreamProxy,
 )
 from cella.models.observe import (
     MetricList,
@@ -152,6 +154,7 @@ __all__ = [
     "GitRef",
     "GuestPath",
     "HeaderRule",
+    "IdentityToken",
     "ImageConfig",
     "KeyCreate",
     "KeyCreated",
@@ -201,6 +204,7 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "UpstreamProxy",
     "Volume",
     "VolumeCreate",
     "VolumeEntry",

@@ -30,6 +30,8 @@ class SandboxState(StrEnum):
 
 
 ExpiryAction = Literal["stop", "pause", "delete"]
+TtlClock = Literal["wall", "running"]
+MAX_FORKS = 100  # branches of one fork call
 RestoreMemory = Literal["if_present", "always", "never"]
 DelegatedPermission = Literal["sandboxes:read", "sandboxes:write"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
@@ -104,6 +106,18 @@ class SandboxCreate(BaseModel):
     ttl_seconds: LifetimeSeconds | None = None
     idle_timeout_seconds: LifetimeSeconds | None = None
     ttl_action: ExpiryAction = Field(default="delete", description="what the TTL does")
+    ttl_clock: TtlClock = Field(
+        default="wall",
+        description="`wall`: `ttl_seconds` counts from creation, whatever the state; "
+        "`running`: time paused or stopped is not counted (a sandbox paused with 60 s "
+        "left has 60 s left when it is resumed)",
+    )
+    auto_resume: bool = Field(
+        default=False,
+        description="traffic to a paused or stopped sandbox's ports (service URLs, host "
+        "names; E2B's envd) resumes it, the request waiting meanwhile; when its lifetime "
+        "had run out it gets its first `ttl_seconds` again (at least 300 s), from the wake",
+    )
     idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
     delete_after_stop_seconds: RetentionSeconds | None = Field(
         default=None, description="a stopped sandbox is deleted after this"
@@ -223,6 +237,8 @@ class Sandbox(BaseModel):
     ttl_seconds: int | None
     idle_timeout_seconds: int | None
     ttl_action: ExpiryAction = "delete"
+    ttl_clock: TtlClock = "wall"
+    auto_resume: bool = False
     idle_action: ExpiryAction = "stop"
     max_pids: int | None = None
     delete_after_stop_seconds: int | None = None
@@ -369,7 +385,7 @@ class SnapshotList(BaseModel):
 class ForkRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    count: int = Field(default=1, ge=1, le=64)
+    count: int = Field(default=1, ge=1, le=MAX_FORKS)
 
 
 class SandboxUsage(BaseModel):

@@ -61,6 +61,7 @@ from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
 from cella.service.volumes import Volumes
+from cella.service.waking import Waking
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.service.webhook_delivery import Deliveries
 from cella.service.webhooks import Webhooks
@@ -129,6 +130,7 @@ class Daemon:
         self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.templates = Templates(
             settings,

@@ -103,6 +103,7 @@ class SandboxEgress:
         self._refresher: asyncio.Task[None] | None = None
         self._ca: bytes | None = None
         self.max_connections = settings.max_connections_per_sandbox
+        self.upstreams = settings.egress_tenant_upstreams
         self.api = api_address(settings)  # where `cella.api` leads a delegated sandbox
         self._addresses: dict[VM, str] = {}
         self._held: dict[str, int] = {}  # sandbox id -> connections open now
@@ -160,7 +161,8 @@ class SandboxEgress:
     def check_rules(self, policy: NetworkPolicy) -> None:
         """A tenant's allow rules stay inside the operator's boundary (an admin key acting
         for a tenant is a tenant here); the proxy checks again at every connect."""
-        for text in policy.allow:
+        extra = [policy.upstream_proxy.host] if policy.upstream_proxy else []
+        for text in [*policy.allow, *extra]:
             why = self.boundary.refusal(parse_rule(text))
             if why is not None:
                 raise errors.DestinationForbidden(why)
@@ -196,6 +198,7 @@ class SandboxEgress:
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
             volumes=self._volumes(row),
+            upstream=credentials.upstream(self.store, row, self.upstreams.get(row.tenant)),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 

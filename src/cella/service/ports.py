@@ -185,12 +185,15 @@ class Ports:
         body: AsyncIterable[bytes],
         host: str | None = None,
     ) -> HttpResponse:
-        """One HTTP/1.1 request to the guest server on `port` (its `Host` the port's
-        loopback address, or `host`); the response streams."""
+        """One HTTP/1.1 request to the guest server on `port` (its `Host` the one the
+        sandbox's network policy names, by default the port's loopback address, or
+        `host`); the response streams."""
         stream = await self.open(who, sandbox_id, port)
+        if host is None:
+            host = self.registry.get(who, sandbox_id).network.host_for(port)
         conn = h11.Connection(h11.CLIENT)
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-        sent += [("host", host or f"127.0.0.1:{port}"), ("connection", "close")]
+        sent += [("host", host), ("connection", "close")]
         if not any(k.lower() == "content-length" for k, _ in sent):
             sent.append(("transfer-encoding", "chunked"))  # a body of unknown length
         try:

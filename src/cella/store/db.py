@@ -746,6 +746,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["mount_states"] = {k: BucketState.model_validate(v) for k, v in states}
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
+    out["auto_resume"] = bool(out["auto_resume"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None
     return SandboxRecord(**out)
 

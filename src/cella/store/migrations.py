@@ -275,4 +275,14 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (template_id, tag)
     );
     """,
+    # a lifetime that time paused or stopped does not consume (`ttl_clock` running: the
+    # time held so far, and since when it is held), and waking on traffic (`auto_resume`,
+    # with the lifetime a wake grants when the old one has run out)
+    """
+    ALTER TABLE sandboxes ADD COLUMN ttl_clock TEXT NOT NULL DEFAULT 'wall';
+    ALTER TABLE sandboxes ADD COLUMN held_seconds REAL NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN held_since TEXT;
+    ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN wake_ttl_seconds INTEGER;
+    """,
 ]

@@ -30,6 +30,7 @@ from cella.models import (
     GcpToken,
     GitMount,
     HeaderRule,
+    IdentityToken,
     KeyRotation,
     KeyUseInfo,
     LineageNode,
@@ -49,6 +50,7 @@ from cella.models import (
     StartCommand,
     Template,
     TemplateList,
+    UpstreamProxy,
     VolumeEntry,
     VolumeList,
     VolumeMount,
@@ -139,6 +141,8 @@ class AsyncClient:
         ttl_seconds: int | None = None,
         idle_timeout_seconds: int | None = None,
         ttl_action: str | None = None,
+        ttl_clock: str | None = None,
+        auto_resume: bool | None = None,
         idle_action: str | None = None,
         max_pids: int | None = None,
         labels: dict[str, str] | None = None,
@@ -150,6 +154,9 @@ class AsyncClient:
         gcp: builtins.list[GcpToken] | None = None,
         egress_env: dict[str, str] | None = None,
         rewrites: builtins.list[RewriteRule] | None = None,
+        identity_tokens: dict[str, IdentityToken] | None = None,
+        upstream_proxy: UpstreamProxy | None = None,
+        port_host: str | None = None,
         name: str | None = None,
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
@@ -192,10 +199,25 @@ class AsyncClient:
         (read-only ones refuse writes). `visibility`: `private` (its creator, the
         tenant's owners and whom it is shared with: `share`) or `tenant` (every key of the
         tenant may exec in it too); by default `tenant` for an owner's key, `private` for a
-        member's.
+        member's. `ttl_clock="running"` leaves the time it is paused or stopped out of
+        `ttl_seconds`; `auto_resume` lets traffic to its ports wake it. `identity_tokens`
+        are workload identity JWTs that header rules put into requests (`{identity:NAME}`),
+        minted by the egress proxy; `upstream_proxy` sends its allowed traffic through a
+        proxy of yours; `port_host` is the Host header its port servers see.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
-        network = network_body(*rules, rewrites=rewrites) if any(rules) or rewrites else None
+        wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
+        network = (
+            network_body(
+                *rules,
+                rewrites=rewrites,
+                identity_tokens=identity_tokens,
+                upstream_proxy=upstream_proxy,
+                port_host=port_host,
+            )
+            if wanted
+            else None
+        )
         body = create_body(
             name=name,
             snapshot=snapshot,
@@ -213,6 +235,8 @@ class AsyncClient:
             ttl_seconds=ttl_seconds,
             idle_timeout_seconds=idle_timeout_seconds,
             ttl_action=ttl_action,
+            ttl_clock=ttl_clock,
+            auto_resume=auto_resume,
             idle_action=idle_action,
             max_pids=max_pids,
             labels=labels,
@@ -822,12 +846,27 @@ class AsyncSandbox:
         egress_env: dict[str, str] | None = None,
         callbacks: builtins.list[CallbackRule] | None = None,
         rewrites: builtins.list[RewriteRule] | None = None,
+        identity_tokens: dict[str, IdentityToken] | None = None,
+        upstream_proxy: UpstreamProxy | None = None,
+        port_host: str | None = None,
     ) -> AsyncSandbox:
         """Replaces the egress rules (those of `create`); a running sandbox's next connection
         follows them, and its next command the new `egress_env`. `callbacks` ask an outside
         URL about requests to their hosts (`CallbackRule`); `rewrites` send requests to a
         host name to a port of another of the tenant's sandboxes (`RewriteRule`)."""
-        body = network_body(allow, deny, headers, aws, gcp, egress_env, callbacks, rewrites)
+        body = network_body(
+            allow,
+            deny,
+            headers,
+            aws,
+            gcp,
+            egress_env,
+            callbacks,
+            rewrites,
+            identity_tokens=identity_tokens,
+            upstream_proxy=upstream_proxy,
+            port_host=port_host,
+        )
         response = await self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self
