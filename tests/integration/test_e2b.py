@@ -279,7 +279,14 @@ def test_errors_the_sdk_maps(python: Path, daemon: Daemon, admin: Client) -> Non
             Sandbox.create(mcp={"x": {}})
         except SandboxException as e:
             out["mcp"] = "not supported" in str(e)
-        for name, call in (("volume", lambda: Volume.create("data")),
+        def default_templates():
+            from e2b.api import ApiClient, handle_api_exception
+            from e2b.api.client.api.templates import get_default_templates
+            from e2b.connection_config import ConnectionConfig
+            raise handle_api_exception(
+                get_default_templates.sync_detailed(client=ApiClient(ConnectionConfig()))
+            )
+        for name, call in (("unserved", default_templates),
                            ("metrics", lambda: Sandbox.get_metrics("sb-0000000000000000"))):
             try:
                 call()
@@ -298,8 +305,8 @@ def test_errors_the_sdk_maps(python: Path, daemon: Daemon, admin: Client) -> Non
     assert got["metadata"] == "400" and got["mcp"] is True
     assert got["auth"] == "AuthenticationException"
     # E2B calls cella does not serve are named in E2B's shape (not the SDK's KeyError)
-    assert "not supported by cella: volumes" in got["volume"][1], got["volume"]
-    assert "KeyError" not in got["volume"][0]
+    assert "not supported by cella: E2B's default templates" in got["unserved"][1], got
+    assert "KeyError" not in got["unserved"][0]
     # metrics are served: a sandbox nobody has is the SDK's own not-found
     assert got["metrics"][0] == "SandboxNotFoundException", got["metrics"]
     # and the control: the same key works
