@@ -17,7 +17,7 @@ import functools
 import hashlib
 import posixpath
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from cella import errors
@@ -58,14 +58,23 @@ class Files:
         mode: int = 0o644,
         parents: bool = False,
         declared: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Entry:
-        """Replaces the file atomically with `body` (at most the upload limit)."""
+        """Replaces the file atomically with `body` (at most the upload limit), with
+        `metadata` (kept as extended attributes; the old file's are not kept)."""
         agent = self._agent(who, sandbox_id)
         digest = hashlib.sha256()
-        await agent.write_file(
-            path, _hashed(self._bounded(body, declared), digest), mode=mode, parents=parents
-        )
-        entry = await agent.stat(path)
+        chunks = _hashed(self._bounded(body, declared), digest)
+        if metadata:
+            await agent.write_file(path, chunks, mode=mode, parents=parents, metadata=metadata)
+        else:
+            await agent.write_file(path, chunks, mode=mode, parents=parents)
+        entry = await agent.stat(path, metadata=bool(metadata))
+        if metadata and entry.metadata != dict(metadata):  # an agent from before metadata
+            raise errors.InvalidState(
+                f"{path} was written without its metadata: this sandbox's guest agent "
+                "predates file metadata (a sandbox booted anew has it)"
+            )
         self.events.emit(
             sandbox_id,
             "file_write",
@@ -73,11 +82,18 @@ class Files:
         )
         return entry
 
-    async def list(self, who: Principal, sandbox_id: str, path: str) -> list[Entry]:
-        return await self._agent(who, sandbox_id, VIEW).list_dir(path)
+    async def list(
+        self, who: Principal, sandbox_id: str, path: str, *, metadata: bool = False
+    ) -> list[Entry]:
+        """A directory's entries (with their `metadata`, if asked)."""
+        agent = self._agent(who, sandbox_id, VIEW)
+        return await (agent.list_dir(path, metadata=True) if metadata else agent.list_dir(path))
 
-    async def stat(self, who: Principal, sandbox_id: str, path: str) -> Entry:
-        return await self._agent(who, sandbox_id, VIEW).stat(path)
+    async def stat(
+        self, who: Principal, sandbox_id: str, path: str, *, metadata: bool = False
+    ) -> Entry:
+        agent = self._agent(who, sandbox_id, VIEW)
+        return await (agent.stat(path, metadata=True) if metadata else agent.stat(path))
 
     def walk(
         self,
@@ -88,11 +104,12 @@ class Files:
         depth: int | None = 1,
         limit: int = MAX_WALK_ENTRIES,
         seconds: float | None = None,
+        metadata: bool = False,
     ) -> Walk:
         """The entries under `root`, within bounds (see `Walk`); each directory is listed
         as `list` lists it, so a walk counts as activity and stops with the sandbox."""
         return Walk(
-            functools.partial(self.list, who, sandbox_id),
+            functools.partial(self.list, who, sandbox_id, metadata=metadata),
             root,
             depth=depth,
             limit=limit,
