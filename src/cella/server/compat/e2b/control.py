@@ -9,6 +9,7 @@ import base64
 import binascii
 import contextlib
 import time
+from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
@@ -33,6 +34,7 @@ from cella.server.error_shapes import describe
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
 from cella.store import SandboxRecord
+from cella.store.records import epoch
 
 Json = dict[str, Any]
 JsonBody = Annotated[dict[str, Any], Body()]
@@ -88,6 +90,9 @@ async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Respo
         rows = [r for r in rows if state_of(r) in states.split(",")]
     if template := q.get("template"):
         rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
+    if after := q.get("startedAfter"):
+        since = timestamp_param(after, "startedAfter")
+        rows = [r for r in rows if epoch(r.created_at) >= since]
     if q.get("order") == "desc":
         rows.reverse()
     start = page_start(q.get("nextToken"))
@@ -342,6 +347,16 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
     if not raw:
         return {}
     return {unquote(k): unquote(v) for k, v in parse_qsl(raw, keep_blank_values=True)}
+
+
+def timestamp_param(value: str, name: str) -> float:
+    """An RFC 3339 time (the SDK sends `isoformat()`, with its offset) as epoch seconds;
+    one without an offset is UTC."""
+    try:
+        stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise errors.InvalidArgument(f"{name} must be an RFC 3339 time") from None
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
 
 
 def page_start(token: str | None) -> int:

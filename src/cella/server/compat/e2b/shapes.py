@@ -17,7 +17,9 @@ from cella.server.error_shapes import ErrorShape
 from cella.store import SandboxRecord
 from cella.store.records import epoch
 
-ENVD_VERSION = "0.5.7"  # what the SDK gates features on (octet-stream uploads, close_stdin)
+# what the SDK gates features on: octet-stream uploads (0.5.7), file metadata (0.6.2),
+# entries in watch events (0.6.3), watches of network mounts (0.6.4)
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "cella"
 BASE = "base"  # E2B's default template: cella's `default`
 FOREVER = timedelta(days=3650)
