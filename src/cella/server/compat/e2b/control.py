@@ -27,6 +27,7 @@ from cella.server.compat.e2b.shapes import (
     as_cella_refs,
     detail_json,
     sandbox_json,
+    started_at,
     state_of,
 )
 from cella.server.deps import Caller, DaemonDep
@@ -34,7 +35,6 @@ from cella.server.error_shapes import describe
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
 from cella.store import SandboxRecord
-from cella.store.records import epoch
 
 Json = dict[str, Any]
 JsonBody = Annotated[dict[str, Any], Body()]
@@ -92,7 +92,7 @@ async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Respo
         rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
     if after := q.get("startedAfter"):
         since = timestamp_param(after, "startedAfter")
-        rows = [r for r in rows if epoch(r.created_at) >= since]
+        rows = [r for r in rows if started_at(r) >= since]
     if q.get("order") == "desc":
         rows.reverse()
     start = page_start(q.get("nextToken"))
@@ -349,14 +349,14 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
     return {unquote(k): unquote(v) for k, v in parse_qsl(raw, keep_blank_values=True)}
 
 
-def timestamp_param(value: str, name: str) -> float:
-    """An RFC 3339 time (the SDK sends `isoformat()`, with its offset) as epoch seconds;
-    one without an offset is UTC."""
+def timestamp_param(value: str, name: str) -> datetime:
+    """An RFC 3339 time (the SDK sends `isoformat()`, with its offset); one without an
+    offset is UTC."""
     try:
         stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise errors.InvalidArgument(f"{name} must be an RFC 3339 time") from None
-    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
 def page_start(token: str | None) -> int:

@@ -107,9 +107,14 @@ def state_of(row: SandboxRecord) -> str:
     return "running" if row.state in (S.running, S.creating, S.starting) else "paused"
 
 
+def started_at(row: SandboxRecord) -> datetime:
+    """When the sandbox started, to the microsecond its `startedAt` shows."""
+    return datetime.fromtimestamp(epoch(row.created_at), UTC)
+
+
 def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dict[str, Any]:
     """E2B's `SandboxDetail` (get) and, without access, `ListedSandbox` (list)."""
-    started = datetime.fromtimestamp(epoch(row.created_at), UTC)
+    started = started_at(row)
     ends = started + (timedelta(seconds=row.ttl_seconds) if row.ttl_seconds else FOREVER)
     allow = row.network.allow
     return {
