@@ -117,17 +117,25 @@ class Files:
         )
 
     async def move(
-        self, who: Principal, sandbox_id: str, source: str, destination: str, *, user: str = "root"
+        self,
+        who: Principal,
+        sandbox_id: str,
+        source: str,
+        destination: str,
+        *,
+        user: str = "root",
+        metadata: bool = False,
     ) -> Entry:
         """Renames `source` to `destination` (replacing a file there; a directory is not
-        moved into one of that name), as `user`; the moved entry."""
+        moved into one of that name), as `user`; the moved entry (with its `metadata`, if
+        asked)."""
         await self.stat(who, sandbox_id, source)  # a missing source is NotFound
         argv = ["mv", "-T", "--", source, destination]
         done = await self.exec.run(who, sandbox_id, _as(user, argv))
         if done.exit_code != 0:
             raise errors.InvalidArgument(f"move failed: {done.stderr.decode(errors='replace')}")
         self.events.emit(sandbox_id, "file_move", {"source": source, "destination": destination})
-        return await self.stat(who, sandbox_id, destination)
+        return await self.stat(who, sandbox_id, destination, metadata=metadata)
 
     async def chown(
         self,

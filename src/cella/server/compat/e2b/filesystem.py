@@ -109,7 +109,10 @@ async def make_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
 
 async def move(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     source, dest = where.path(body.get("source")), where.path(body.get("destination"))
-    entry = await where.svc.files.move(where.who, where.sandbox_id, source, dest, user=where.user)
+    files = where.svc.files
+    entry = await files.move(
+        where.who, where.sandbox_id, source, dest, user=where.user, metadata=True
+    )
     return {"entry": entry_json(entry, dest)}
 
 
