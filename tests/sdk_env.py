@@ -43,5 +43,7 @@ def run_script(python: Path, script: str, env: dict[str, str], timeout: float = 
         check=False,
     )
     if done.returncode != 0:
-        raise AssertionError(f"the script failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        raise AssertionError(
+            f"the script failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])

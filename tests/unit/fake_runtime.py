@@ -10,7 +10,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +122,7 @@ class FakeAgent:
         *,
         mode: int = 0o644,
         parents: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         if isinstance(data, bytes):
             self.files[path] = data
@@ -122,11 +131,11 @@ class FakeAgent:
         else:
             self.files[path] = b"".join(data)
 
-    async def stat(self, path: str) -> Entry:
+    async def stat(self, path: str, *, metadata: bool = False) -> Entry:
         data = await self.read_file(path)
         return Entry(path.rsplit("/", 1)[-1], "file", 0o644, len(data), 0, 0, 0)
 
-    async def list_dir(self, path: str) -> list[Entry]:
+    async def list_dir(self, path: str, *, metadata: bool = False) -> list[Entry]:
         return [await self.stat(p) for p in self.files if p.startswith(path.rstrip("/") + "/")]
 
     async def mkdir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None:

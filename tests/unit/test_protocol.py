@@ -74,6 +74,27 @@ def test_entry_roundtrip() -> None:
     )
 
 
+def _record(kind: str, name: bytes, target: bytes = b"") -> bytes:
+    import struct
+
+    head = struct.pack(">BIQQII", ord(kind), 0o644, 3, 5, 0, 0)
+    return head + struct.pack(">H", len(name)) + name + struct.pack(">H", len(target)) + target
+
+
+def test_metadata_records_belong_to_the_entry_before_them() -> None:
+    payload = (
+        _record("f", b"a.txt")
+        + _record("x", b"content-type", b"text/plain")
+        + _record("x", b"owner", b"red")
+        + _record("f", b"b.txt")
+    )
+    a, b = decode_entries(payload)
+    assert a.metadata == {"content-type": "text/plain", "owner": "red"}
+    assert b.name == "b.txt" and b.metadata is None  # the control: one without any
+    with pytest.raises(ProtocolError):  # metadata of no entry
+        decode_entries(_record("x", b"k", b"v") + _record("f", b"a.txt"))
+
+
 def test_exit_frame() -> None:
     status = decode_exit((137).to_bytes(4, "big") + (9).to_bytes(4, "big") + b"\x01")
     assert (status.exit_code, status.signal, status.timed_out) == (137, 9, True)

@@ -34,11 +34,23 @@ def create(
             "tenant's and those shared with it) or viewer (reads only); repeatable"
         ),
     ] = None,
+    e2b_format: Annotated[
+        bool,
+        typer.Option(
+            "--e2b-format", help="an `e2b_` key of hex digits, the form E2B's SDKs accept"
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Create a key for a tenant; it is printed once and only its hash is stored."""
     with Client() as client:
-        created = client.create_key(tenant, read_only=read_only, principal=principal, roles=role)
+        created = client.create_key(
+            tenant,
+            read_only=read_only,
+            principal=principal,
+            roles=role,
+            format="e2b" if e2b_format else None,
+        )
     if json_:
         emit_json(created)
     else:

@@ -561,14 +561,18 @@ class AgentClient:
         *,
         mode: int = 0o644,
         parents: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
-        """Writes atomically: the guest writes a temporary file and renames it into place."""
+        """Writes atomically: the guest writes a temporary file (with `metadata` as its
+        extended attributes) and renames it into place."""
         items: list[tuple[Field, bytes | str | int | bool]] = [
             (Field.PATH, path),
             (Field.MODE, mode),
         ]
         if parents:
             items.append((Field.PARENTS, True))
+        for key, value in (metadata or {}).items():
+            items.append((Field.XATTR, key.encode() + b"\0" + value.encode()))
         cid, ch = self._open()
         try:
             await self._send(cid, Msg.WRITE, fields(items))
@@ -589,11 +593,11 @@ class AgentClient:
         finally:
             self._release(cid)
 
-    async def list_dir(self, path: str) -> list[Entry]:
+    async def list_dir(self, path: str, *, metadata: bool = False) -> list[Entry]:
         cid, ch = self._open()
         entries: list[Entry] = []
         try:
-            await self._send(cid, Msg.LIST, fields([(Field.PATH, path)]))
+            await self._send(cid, Msg.LIST, fields(_path_items(path, metadata)))
             while True:
                 reply, body = await self._next(ch, 60.0)
                 if reply == Msg.DATA:
@@ -608,8 +612,8 @@ class AgentClient:
         finally:
             self._release(cid)
 
-    async def stat(self, path: str) -> Entry:
-        body = await self._expect_ok(Msg.STAT, fields([(Field.PATH, path)]))
+    async def stat(self, path: str, *, metadata: bool = False) -> Entry:
+        body = await self._expect_ok(Msg.STAT, fields(_path_items(path, metadata)))
         entries = decode_entries(body)
         if len(entries) != 1:
             raise errors.AgentUnavailable("malformed stat reply")
@@ -687,3 +691,12 @@ def _guest_error(body: bytes) -> errors.CellaError:
     if err == 0:
         return errors.AgentUnavailable(message)
     return errors.from_errno(err, message)
+
+
+def _path_items(path: str, metadata: bool) -> list[tuple[Field, bytes | str | int | bool]]:
+    """A stat's or a listing's fields: the path, and whether to report metadata (an agent
+    older than metadata ignores the flag and reports none)."""
+    items: list[tuple[Field, bytes | str | int | bool]] = [(Field.PATH, path)]
+    if metadata:
+        items.append((Field.XATTRS, True))
+    return items

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from cella import errors
@@ -88,6 +88,8 @@ class Field(IntEnum):
     SANDBOX_ID = 15
     PIDS_MAX = 16
     PTY = 17  # columns << 16 | rows: run in a terminal of that size
+    XATTR = 18  # key NUL value: metadata set on a written file (`user.e2b.<key>`)
+    XATTRS = 19  # stat and list report each entry's metadata after it
 
 
 class ProtocolError(errors.AgentUnavailable):
@@ -147,6 +149,7 @@ class Entry:
     uid: int
     gid: int
     target: str | None = None
+    metadata: dict[str, str] | None = None  # asked for with XATTRS, when it has any
 
 
 _KINDS = {ord("f"): "file", ord("d"): "dir", ord("l"): "symlink", ord("o"): "other"}
@@ -164,6 +167,13 @@ def decode_entries(payload: bytes) -> list[Entry]:
         off += _ENTRY.size
         name, off = _short_bytes(payload, off)
         target, off = _short_bytes(payload, off)
+        if kind == ord("x"):  # a metadata record of the entry before it
+            if not entries:
+                raise ProtocolError("metadata before any entry")
+            key, value = (b.decode("utf-8", "replace") for b in (name, target))
+            last = entries[-1]
+            entries[-1] = replace(last, metadata={**(last.metadata or {}), key: value})
+            continue
         if kind not in _KINDS:
             raise ProtocolError(f"unknown entry kind {kind}")
         entries.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -10,6 +11,7 @@ from cella.models.access import PrincipalName
 from cella.policy.access import Role
 
 TENANT = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+KeyFormat = Literal["cella", "e2b"]
 
 
 class KeyCreate(BaseModel):
@@ -27,6 +29,11 @@ class KeyCreate(BaseModel):
         max_length=2,
         description="`owner` (every sandbox of the tenant; the default), `member` (its "
         "own, the tenant's and those shared with it), `viewer` (reads only)",
+    )
+    format: KeyFormat = Field(
+        default="cella",
+        description="`cella` (`ck_...`) or `e2b` (`e2b_` and hex, the only form some E2B "
+        "SDKs send); either is accepted everywhere a key is",
     )
 
 

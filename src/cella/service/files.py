@@ -17,7 +17,7 @@ import functools
 import hashlib
 import posixpath
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from cella import errors
@@ -62,16 +62,28 @@ class Files:
         mode: int = 0o644,
         parents: bool = False,
         declared: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Entry:
-        """Replaces the file atomically with `body` (at most the upload limit)."""
+        """Replaces the file atomically with `body` (at most the upload limit), with
+        `metadata` (kept as extended attributes; the old file's are not kept)."""
         digest = hashlib.sha256()
         content = _hashed(self._bounded(body, declared), digest)
         if self.mounted.covers(sandbox_id, path):
+            if metadata:  # a mount's files live elsewhere; rclone keeps no extended attributes
+                raise errors.InvalidArgument(f"{path} is on a mount, which keeps no file metadata")
             entry = await self.mounted.write(who, sandbox_id, path, content, mode, parents)
         else:
             agent = self._agent(who, sandbox_id)
-            await agent.write_file(path, content, mode=mode, parents=parents)
-            entry = await agent.stat(path)
+            if metadata:
+                await agent.write_file(path, content, mode=mode, parents=parents, metadata=metadata)
+            else:
+                await agent.write_file(path, content, mode=mode, parents=parents)
+            entry = await agent.stat(path, metadata=bool(metadata))
+            if metadata and entry.metadata != dict(metadata):  # an agent from before metadata
+                raise errors.InvalidState(
+                    f"{path} was written without its metadata: this sandbox's guest agent "
+                    "predates file metadata (a sandbox booted anew has it)"
+                )
         self.events.emit(
             sandbox_id,
             "file_write",
@@ -79,15 +91,22 @@ class Files:
         )
         return entry
 
-    async def list(self, who: Principal, sandbox_id: str, path: str) -> list[Entry]:
+    async def list(
+        self, who: Principal, sandbox_id: str, path: str, *, metadata: bool = False
+    ) -> list[Entry]:
+        """A directory's entries (with their `metadata`, if asked; a mount's have none)."""
         if self.mounted.covers(sandbox_id, path):
             return await self.mounted.list(who, sandbox_id, path)
-        return await self._agent(who, sandbox_id, VIEW).list_dir(path)
+        agent = self._agent(who, sandbox_id, VIEW)
+        return await (agent.list_dir(path, metadata=True) if metadata else agent.list_dir(path))
 
-    async def stat(self, who: Principal, sandbox_id: str, path: str) -> Entry:
+    async def stat(
+        self, who: Principal, sandbox_id: str, path: str, *, metadata: bool = False
+    ) -> Entry:
         if self.mounted.covers(sandbox_id, path):
             return await self.mounted.stat(who, sandbox_id, path)
-        return await self._agent(who, sandbox_id, VIEW).stat(path)
+        agent = self._agent(who, sandbox_id, VIEW)
+        return await (agent.stat(path, metadata=True) if metadata else agent.stat(path))
 
     def walk(
         self,
@@ -98,11 +117,12 @@ class Files:
         depth: int | None = 1,
         limit: int = MAX_WALK_ENTRIES,
         seconds: float | None = None,
+        metadata: bool = False,
     ) -> Walk:
         """The entries under `root`, within bounds (see `Walk`); each directory is listed
         as `list` lists it, so a walk counts as activity and stops with the sandbox."""
         return Walk(
-            functools.partial(self.list, who, sandbox_id),
+            functools.partial(self.list, who, sandbox_id, metadata=metadata),
             root,
             depth=depth,
             limit=limit,
@@ -110,17 +130,25 @@ class Files:
         )
 
     async def move(
-        self, who: Principal, sandbox_id: str, source: str, destination: str, *, user: str = "root"
+        self,
+        who: Principal,
+        sandbox_id: str,
+        source: str,
+        destination: str,
+        *,
+        user: str = "root",
+        metadata: bool = False,
     ) -> Entry:
         """Renames `source` to `destination` (replacing a file there; a directory is not
-        moved into one of that name), as `user`; the moved entry."""
+        moved into one of that name), as `user`; the moved entry (with its `metadata`, if
+        asked)."""
         await self.stat(who, sandbox_id, source)  # a missing source is NotFound
         argv = ["mv", "-T", "--", source, destination]
         done = await self.exec.run(who, sandbox_id, _as(user, argv))
         if done.exit_code != 0:
             raise errors.InvalidArgument(f"move failed: {done.stderr.decode(errors='replace')}")
         self.events.emit(sandbox_id, "file_move", {"source": source, "destination": destination})
-        return await self.stat(who, sandbox_id, destination)
+        return await self.stat(who, sandbox_id, destination, metadata=metadata)
 
     async def chown(
         self,

@@ -1,4 +1,5 @@
-"""API keys and who they belong to: `ck_<random>`, only their SHA-256 is stored. A key
+"""API keys and who they belong to: `ck_<random>` (or `e2b_<hex>`, the form E2B's SDKs
+accept), only their SHA-256 is stored. A key
 belongs to one tenant and one principal (a person or service: by default the key's id)
 with roles (`cella.policy.access`: which of the tenant's sandboxes it may use); admin keys
 manage keys. The local admin key is written on first
@@ -56,9 +57,11 @@ class Keys:
         read_only: bool = False,
         principal: str | None = None,
         roles: list[Role] | None = None,
+        form: str = "cella",
     ) -> tuple[str, str]:
         """Creates a key; returns (key id, the key itself - never stored). Its roles are
-        `owner` unless told (`viewer` added by `read_only`)."""
+        `owner` unless told (`viewer` added by `read_only`). `form` `e2b`: `e2b_` and 40
+        hex digits (what E2B's SDKs check a key against), else `ck_...`."""
         try:
             held = roles_of(roles, read_only)
         except ValueError as exc:
@@ -68,7 +71,7 @@ class Keys:
             raise errors.InvalidArgument("an admin key cannot be read-only")
         if admin and Role.owner not in held:
             raise errors.InvalidArgument("an admin key is its tenant's owner")
-        key = f"ck_{secrets.token_urlsafe(32)}"
+        key = f"e2b_{secrets.token_hex(20)}" if form == "e2b" else f"ck_{secrets.token_urlsafe(32)}"
         key_id = f"key-{secrets.token_hex(6)}"
         self.store.add_key(key_id, tenant, hash_key(key), admin, read_only, principal, held)
         return key_id, key

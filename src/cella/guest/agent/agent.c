@@ -40,6 +40,7 @@
 #include <sys/time.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -80,7 +81,12 @@ enum {
     F_ARG = 1, F_ENV = 2, F_CWD = 3, F_USER = 4, F_TIMEOUT_MS = 5, F_STDIN = 6, F_PATH = 7,
     F_MODE = 8, F_PARENTS = 9, F_RECURSIVE = 10, F_HOSTNAME = 11, F_TIME_NS = 12, F_SEED = 13,
     F_SIGNAL = 14, F_SANDBOX_ID = 15, F_PIDS_MAX = 16, F_PTY = 17,
+    /* a file's metadata: XATTR (key NUL value) set on a written file, XATTRS (flag) asks
+       stat and list to report each entry's after it */
+    F_XATTR = 18, F_XATTRS = 19,
 };
+/* the namespace of the metadata a caller sets on files (E2B's: `user.e2b.<key>`) */
+#define XATTR_PREFIX "user.e2b."
 
 static int port = -1;
 static int port_hup = 0;
@@ -866,6 +872,18 @@ static void handle_write(uint32_t chan, const uint8_t *p, uint32_t len) {
         w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
         if (w->fd < 0) w->err = errno;
         else fchmod(w->fd, mode); /* not subject to umask */
+        /* metadata goes on the new file before it replaces the old one, so an overwrite
+           keeps none of the old file's and a rename keeps all of it */
+        for (int i = 0; i < n && w->fd >= 0 && !w->err; i++) {
+            if (fs[i].tag != F_XATTR) continue;
+            const uint8_t *nul = memchr(fs[i].val, 0, fs[i].len);
+            size_t kl = nul ? (size_t)(nul - fs[i].val) : 0;
+            char name[256];
+            if (!nul || kl == 0 || kl + sizeof XATTR_PREFIX > sizeof name) { w->err = EINVAL; break; }
+            snprintf(name, sizeof name, "%s%.*s", XATTR_PREFIX, (int)kl, (const char *)fs[i].val);
+            if (fsetxattr(w->fd, name, nul + 1, fs[i].len - kl - 1, 0)) w->err = errno;
+        }
+        if (w->err && w->fd >= 0) { close(w->fd); unlink(w->tmp); w->fd = -1; }
     }
     free(path);
 }
@@ -926,15 +944,45 @@ static size_t encode_entry(uint8_t *out, size_t cap, const char *name, const cha
     return (size_t)(q - out);
 }
 
+/* The entry's metadata (XATTR_PREFIX attributes, the prefix taken off) as records after
+   it: kind 'x', zeros, the key as the name and the value as the target. What does not fit
+   in `cap` is left out. */
+static size_t encode_xattrs(uint8_t *out, size_t cap, const char *full) {
+    char names[8192];
+    ssize_t nl = llistxattr(full, names, sizeof names);
+    size_t used = 0;
+    for (ssize_t off = 0; nl > 0 && off < nl; off += (ssize_t)strlen(names + off) + 1) {
+        const char *name = names + off;
+        if (strncmp(name, XATTR_PREFIX, strlen(XATTR_PREFIX))) continue;
+        char value[4096];
+        ssize_t vl = lgetxattr(full, name, value, sizeof value);
+        if (vl < 0) continue;
+        const char *key = name + strlen(XATTR_PREFIX);
+        size_t kl = strlen(key);
+        size_t need = 1 + 4 + 8 + 8 + 4 + 4 + 2 + kl + 2 + (size_t)vl;
+        if (used + need > cap) break;
+        uint8_t *q = out + used;
+        *q++ = 'x';
+        memset(q, 0, 28); q += 28;
+        q[0] = (uint8_t)(kl >> 8); q[1] = (uint8_t)kl; q += 2;
+        memcpy(q, key, kl); q += kl;
+        q[0] = (uint8_t)((size_t)vl >> 8); q[1] = (uint8_t)vl; q += 2;
+        memcpy(q, value, (size_t)vl); q += vl;
+        used += need;
+    }
+    return used;
+}
+
 static void handle_stat(uint32_t chan, const uint8_t *p, uint32_t len) {
     PARSE_OR_FAIL();
     struct stat st;
-    uint8_t buf[8400];
+    static uint8_t buf[16384];
     if (lstat(path, &st)) {
         send_error(chan, errno, "%s: %s", path, strerror(errno));
     } else {
         const char *base = strrchr(path, '/') + 1;
         size_t m = encode_entry(buf, sizeof buf, *base ? base : "/", path, &st);
+        if (find_field(fs, n, F_XATTRS)) m += encode_xattrs(buf + m, sizeof buf - m, path);
         send_frame(chan, M_OK, buf, m, NULL, 0);
     }
     free(path);
@@ -949,6 +997,8 @@ static void handle_list(uint32_t chan, const uint8_t *p, uint32_t len) {
         return;
     }
     static uint8_t buf[MAX_FRAME];
+    static uint8_t one[16384]; /* an entry and its metadata: never split between frames */
+    int xattrs = find_field(fs, n, F_XATTRS) != NULL;
     size_t used = 0;
     struct dirent *de;
     while ((de = readdir(d))) {
@@ -957,12 +1007,14 @@ static void handle_list(uint32_t chan, const uint8_t *p, uint32_t len) {
         snprintf(full, sizeof full, "%s/%s", strcmp(path, "/") ? path : "", de->d_name);
         struct stat st;
         if (lstat(full, &st)) continue;
-        size_t m = encode_entry(buf + used, sizeof buf - used, de->d_name, full, &st);
-        if (m == 0) { /* frame full: send what we have, keep going */
+        size_t m = encode_entry(one, sizeof one, de->d_name, full, &st);
+        if (m == 0) continue;
+        if (xattrs) m += encode_xattrs(one + m, sizeof one - m, full);
+        if (used + m > sizeof buf) { /* frame full: send what we have, keep going */
             send_frame(chan, M_DATA, buf, used, NULL, 0);
             used = 0;
-            m = encode_entry(buf, sizeof buf, de->d_name, full, &st);
         }
+        memcpy(buf + used, one, m);
         used += m;
     }
     closedir(d);

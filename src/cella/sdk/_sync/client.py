@@ -603,12 +603,16 @@ class Client:
         read_only: bool = False,
         principal: str | None = None,
         roles: builtins.list[str] | None = None,
+        format: str | None = None,
     ) -> dict[str, Any]:
         """A new key for `tenant` (admin); `read_only` keys may only look (GET, HEAD).
         `principal`: the person or service holding it (default: the key's id); `roles`:
         `owner` (every sandbox of the tenant; the default), `member` (its own, the
-        tenant's and those shared with it), `viewer` (reads only)."""
-        body = create_body(tenant=tenant, read_only=read_only, principal=principal, roles=roles)
+        tenant's and those shared with it), `viewer` (reads only); `format` `e2b`: the key
+        is `e2b_` and hex (what E2B's SDKs accept), else `ck_...`."""
+        body = create_body(
+            tenant=tenant, read_only=read_only, principal=principal, roles=roles, format=format
+        )
         response = self.request("POST", "/v1/keys", json=body)
         created: dict[str, Any] = response.json()
         return created

@@ -19,7 +19,11 @@ async def create_key(body: KeyCreate, svc: FrontDep, who: Auth) -> KeyCreated:
     sandboxes it may use). The key is shown once; only its hash is stored."""
     require_admin(who)
     key_id, key = svc.keys.create(
-        body.tenant, read_only=body.read_only, principal=body.principal, roles=body.roles
+        body.tenant,
+        read_only=body.read_only,
+        principal=body.principal,
+        roles=body.roles,
+        form=body.format,
     )
     made = svc.keys.by_id(key_id)
     assert made is not None

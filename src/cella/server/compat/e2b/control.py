@@ -10,6 +10,7 @@ import binascii
 import contextlib
 import hashlib
 import time
+from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
@@ -36,6 +37,7 @@ from cella.server.compat.e2b.shapes import (
     as_cella_refs,
     detail_json,
     sandbox_json,
+    started_at,
     state_of,
 )
 from cella.server.deps import Caller, DaemonDep
@@ -99,6 +101,9 @@ async def list_sandboxes(request: Request, svc: DaemonDep, who: Caller) -> Respo
         rows = [r for r in rows if state_of(r) in states.split(",")]
     if template := q.get("template"):
         rows = [r for r in rows if template in (r.template, r.template == "default" and BASE)]
+    if after := q.get("startedAfter"):
+        since = timestamp_param(after, "startedAfter")
+        rows = [r for r in rows if started_at(r) >= since]
     if q.get("order") == "desc":
         rows.reverse()
     start = page_start(q.get("nextToken"))
@@ -470,6 +475,16 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
     if not raw:
         return {}
     return {unquote(k): unquote(v) for k, v in parse_qsl(raw, keep_blank_values=True)}
+
+
+def timestamp_param(value: str, name: str) -> datetime:
+    """An RFC 3339 time (the SDK sends `isoformat()`, with its offset); one without an
+    offset is UTC."""
+    try:
+        stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise errors.InvalidArgument(f"{name} must be an RFC 3339 time") from None
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
 def page_start(token: str | None) -> int:

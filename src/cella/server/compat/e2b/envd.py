@@ -28,10 +28,10 @@ def owns(request: Request) -> bool:
 
 
 def error_response(request: Request, exc: errors.CellaError) -> Response:
-    """A Connect error on the RPC paths, `{message}` on the plain ones; a sandbox that is
-    gone or broken is a 502 whose text the SDK reads as "not running"."""
+    """A Connect error on the RPC paths, envd's `{code, message}` on the plain ones; a
+    sandbox that is gone or broken is a 502 whose text the SDK reads as "not running"."""
     if isinstance(exc, errors.SandboxError) or not request.url.path.startswith(PREFIXES):
-        return JSONResponse({"message": exc.message}, status_code=exc.status)
+        return JSONResponse({"code": exc.status, "message": exc.message}, status_code=exc.status)
     status, body = connect.connect_error(exc)
     return JSONResponse(body, status_code=status)
 

@@ -57,14 +57,20 @@ def entry_json(entry: Entry, path: str) -> dict[str, Any]:
         "group": OWNERS.get(entry.gid, str(entry.gid)),
         "modifiedTime": mtime.isoformat().replace("+00:00", "Z"),
     }
-    if entry.target:
-        shown["symlinkTarget"] = entry.target
+    if entry.kind == "symlink":  # reported as a link, never followed
+        shown["isSymlink"] = True
+        shown["symlinkTarget"] = entry.target or ""
+    if entry.metadata:
+        shown["metadata"] = entry.metadata
     return shown
 
 
 async def stat(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     path = where.path(body.get("path"))
-    entry = await where.svc.files.stat(where.who, where.sandbox_id, path)
+    try:
+        entry = await where.svc.files.stat(where.who, where.sandbox_id, path, metadata=True)
+    except errors.NotFound:
+        raise errors.NotFound(f"file not found: {path}") from None
     return {"entry": entry_json(entry, path)}
 
 
@@ -74,8 +80,13 @@ async def list_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     has no way to say it was)."""
     root = where.path(body.get("path"))
     depth = max(int(body.get("depth") or 1), 1)
-    walk = where.svc.files.walk(where.who, where.sandbox_id, root, depth=depth)
-    entries = [entry_json(found.entry, found.path) async for found in walk]
+    walk = where.svc.files.walk(where.who, where.sandbox_id, root, depth=depth, metadata=True)
+    try:  # envd's answers: the SDK maps not_found to FileNotFoundException
+        entries = [entry_json(found.entry, found.path) async for found in walk]
+    except errors.NotFound:
+        raise errors.NotFound(f"directory not found: {root}") from None
+    except errors.NotADirectory:
+        raise errors.InvalidArgument(f"path is not a directory: {root}") from None
     if walk.truncated:
         raise errors.PayloadTooLarge(
             f"{root} has more than {MAX_WALK_ENTRIES} entries to depth {depth}: list less deep"
@@ -98,13 +109,21 @@ async def make_dir(where: Target, body: dict[str, Any]) -> dict[str, Any]:
 
 async def move(where: Target, body: dict[str, Any]) -> dict[str, Any]:
     source, dest = where.path(body.get("source")), where.path(body.get("destination"))
-    entry = await where.svc.files.move(where.who, where.sandbox_id, source, dest, user=where.user)
+    files = where.svc.files
+    entry = await files.move(
+        where.who, where.sandbox_id, source, dest, user=where.user, metadata=True
+    )
     return {"entry": entry_json(entry, dest)}
 
 
 async def remove(where: Target, body: dict[str, Any]) -> dict[str, Any]:
+    """Removes the path and all below it; a path that is not there is already removed
+    (envd's `RemoveAll`: no error)."""
     path = where.path(body.get("path"))
-    await where.svc.files.stat(where.who, where.sandbox_id, path)
+    try:
+        await where.svc.files.stat(where.who, where.sandbox_id, path)
+    except errors.NotFound:
+        return {}
     await where.svc.files.remove(where.who, where.sandbox_id, path, recursive=True)
     return {}
 
@@ -115,8 +134,9 @@ WATCHERS = Watchers()
 async def new_watcher(where: Target, body: dict[str, Any]) -> Watcher:
     path, recursive = where.path(body.get("path")), bool(body.get("recursive"))
     svc = where.svc
+    entries = entry_json if body.get("includeEntry") else None
     return await WATCHERS.create(
-        svc.background, svc.files, where.who, where.sandbox_id, path, recursive
+        svc.background, svc.files, where.who, where.sandbox_id, path, recursive, entries
     )
 
 

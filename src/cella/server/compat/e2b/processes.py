@@ -68,6 +68,12 @@ async def attach(where: Target, request: Request) -> Response:
     )
 
 
+# what ends a process because its sandbox went away (killed, crashed) rather than the
+# command: the stream then ends with Connect's `unavailable`, as envd's connection dropping
+# does on E2B, and the SDK's health probe tells the caller the sandbox is not running
+GONE = (errors.AgentUnavailable, errors.SandboxCrashed, errors.SandboxUnavailable)
+
+
 async def events(proc: Process, live: bool) -> AsyncIterator[dict[str, Any]]:
     """start, then output (from now on when re-attaching), then end."""
     yield {"event": {"start": {"pid": proc.pid}}}
@@ -77,6 +83,8 @@ async def events(proc: Process, live: bool) -> AsyncIterator[dict[str, Any]]:
         async for chunk in proc.follow(offsets):
             data = base64.b64encode(chunk.data).decode()
             yield {"event": {"data": {stream_of or chunk.stream: data}}}
+    if isinstance(proc.failure, GONE):
+        raise proc.failure
     yield {"event": {"end": end_of(proc)}}
 
 

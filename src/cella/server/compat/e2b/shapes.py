@@ -18,7 +18,9 @@ from cella.server.error_shapes import ErrorShape
 from cella.store import SandboxRecord
 from cella.store.records import epoch
 
-ENVD_VERSION = "0.5.7"  # what the SDK gates features on (octet-stream uploads, close_stdin)
+# what the SDK gates features on: octet-stream uploads (0.5.7), file metadata (0.6.2),
+# entries in watch events (0.6.3), watches of network mounts (0.6.4)
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "cella"
 BASE = "base"  # E2B's default template: cella's `default`
 FOREVER = timedelta(days=3650)
@@ -110,9 +112,14 @@ def state_of(row: SandboxRecord) -> str:
     return "running" if row.state in (S.running, S.creating, S.starting) else "paused"
 
 
+def started_at(row: SandboxRecord) -> datetime:
+    """When the sandbox started, to the microsecond its `startedAt` shows."""
+    return datetime.fromtimestamp(epoch(row.created_at), UTC)
+
+
 def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dict[str, Any]:
     """E2B's `SandboxDetail` (get) and, without access, `ListedSandbox` (list)."""
-    started = datetime.fromtimestamp(epoch(row.created_at), UTC)
+    started = started_at(row)
     end = row.ends_at(time.time())  # later by each pause, for a `running` lifetime clock
     ends = datetime.fromtimestamp(end, UTC) if end is not None else started + FOREVER
     allow = row.network.allow

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import posixpath
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +63,55 @@ async def running(
     return row
 
 
-async def target(request: Request, username: str | None = None) -> Target:
+async def target(
+    request: Request, username: str | None = None, signed: str | None = None
+) -> Target:
+    """`signed`: the operation (`read`, `write`) a signed URL may stand for, for the calls
+    that take one (`/files`): without `X-Access-Token`, its `signature` must then prove it
+    (before a sleeping sandbox is woken for it, as a token must)."""
     svc: Daemon = daemon(request)
     token = request.headers.get("x-access-token", "")
-    row = await running(svc, request, lambda sandbox_id: svc.ports.check_access(sandbox_id, token))
-    svc.ports.check_access(row.id, token)
+
+    def prove(sandbox_id: str) -> None:
+        if signed and not token:
+            check_signature(svc.ports.access_token(sandbox_id), signed, request)
+        else:
+            svc.ports.check_access(sandbox_id, token)
+
+    row = await running(svc, request, prove)
+    prove(row.id)
     holder = Principal.service(row.tenant)
     return Target(svc, holder, row.id, username or basic_user(request) or DEFAULT_USER)
+
+
+def signature(token: str, path: str, operation: str, user: str, expires: int | None) -> str:
+    """E2B's v1 file URL signature: SHA-256 over `path:operation:user:token[:expires]`,
+    base64 without padding (the SDK's `get_signature`)."""
+    raw = f"{path}:{operation}:{user}:{token}" + ("" if expires is None else f":{expires}")
+    digest = hashlib.sha256(raw.encode()).digest()
+    return "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
+
+
+def check_signature(token: str, operation: str, request: Request) -> None:
+    """A signed URL's `signature` (and `signature_expiration`) for this path, operation
+    and user, as envd checks it: refused when missing, wrong or expired."""
+    q = request.query_params
+    given = q.get("signature")
+    if not given:
+        raise errors.Unauthenticated(
+            "unauthorized access, please provide a valid access token or method signing"
+        )
+    expires: int | None = None
+    if (raw := q.get("signature_expiration")) is not None:
+        try:
+            expires = int(raw)
+        except ValueError:
+            raise errors.InvalidArgument("signature_expiration must be an integer") from None
+    want = signature(token, q.get("path", ""), operation, q.get("username", ""), expires)
+    if not hmac.compare_digest(want.encode(), given.encode()):
+        raise errors.Unauthenticated("invalid signature")
+    if expires is not None and expires < time.time():
+        raise errors.Unauthenticated("signature is already expired")
 
 
 def basic_user(request: Request) -> str | None:
