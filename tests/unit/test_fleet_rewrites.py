@@ -167,5 +167,5 @@ async def test_a_node_takes_its_link_and_deliveries_from_its_gateway_alone(
                     got = await http.get(door, headers=headers)
                     assert got.status_code == 403 and "fleet gateway" in got.text, got.text
             # a restarted daemon keeps its link
-            assert Rewrites(app.daemon.registry, app.daemon.ports, tls=False,
+            assert Rewrites(app.daemon.registry, app.daemon.ports, app.daemon.keys, tls=False,
                             link_file=kept).link == FleetLink.of(link)  # fmt: skip

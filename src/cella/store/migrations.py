@@ -231,4 +231,10 @@ MIGRATIONS: list[str] = [
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_at);
     CREATE INDEX webhook_deliveries_hook ON webhook_deliveries (webhook_id, id);
     """,
+    # who set a sandbox's rewrite rules (their setter's principal, JSON), re-checked on every
+    # rewritten request; NULL for rules set before: their setter is taken to be the
+    # sandbox's creator key (or, with none, the tenant), as `service.rewrites` says
+    """
+    ALTER TABLE sandboxes ADD COLUMN rewrite_setter TEXT;
+    """,
 ]
