@@ -526,3 +526,130 @@ def moto_key(addr: str, ca: TestCA, user: str) -> dict[str, str]:
     )
     key: dict[str, str] = iam.create_access_key(UserName=user)["AccessKey"]
     return key
+
+
+class UpstreamProxy:
+    """A tenant's own proxy on loopback, SOCKS5 (`socks5`, RFC 1928/1929) or HTTP CONNECT
+    (`http`), that records each tunnel it was asked for (`target`, `user`) and carries it."""
+
+    def __init__(
+        self, addr: tuple[str, int], scheme: str, credentials: tuple[str, str] | None = None
+    ) -> None:
+        self.scheme = scheme
+        self.credentials = credentials
+        self.seen = Recorder()
+        self._sock = socket.create_server(addr)
+        self.address = self._sock.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                found = self._socks5(conn) if self.scheme == "socks5" else self._connect(conn)
+            except (OSError, ValueError):
+                return
+            if found is None:
+                return
+            target, user = found
+            host, _, port = target.rpartition(":")
+            self.seen.add({"target": target, "user": user})
+            try:
+                out = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+            except OSError:
+                conn.sendall(b"\x05\x05\x00\x01\0\0\0\0\0\0" if self.scheme == "socks5" else
+                             b"HTTP/1.1 502 Bad Gateway\r\n\r\n")  # fmt: skip
+                return
+            conn.sendall(b"\x05\x00\x00\x01\0\0\0\0\0\0" if self.scheme == "socks5" else
+                         b"HTTP/1.1 200 Connection established\r\n\r\n")  # fmt: skip
+            with out:
+                _splice(conn, out)
+
+    def _socks5(self, conn: socket.socket) -> tuple[str, str | None] | None:
+        _, count = _read(conn, 2)
+        methods = _read(conn, count)
+        user = None
+        if self.credentials is not None:
+            if 2 not in methods:
+                conn.sendall(b"\x05\xff")
+                return None
+            conn.sendall(b"\x05\x02")
+            _, ulen = _read(conn, 2)
+            user = _read(conn, ulen).decode()
+            (plen,) = _read(conn, 1)
+            password = _read(conn, plen).decode()
+            if (user, password) != self.credentials:
+                conn.sendall(b"\x01\x01")
+                return None
+            conn.sendall(b"\x01\x00")
+        else:
+            conn.sendall(b"\x05\x00")
+        _, _, _, kind = _read(conn, 4)
+        if kind == 1:
+            host = str(ipaddress.ip_address(_read(conn, 4)))
+        elif kind == 4:
+            host = f"[{ipaddress.ip_address(_read(conn, 16))}]"
+        else:
+            host = _read(conn, _read(conn, 1)[0]).decode()
+        port = int.from_bytes(_read(conn, 2), "big")
+        return f"{host}:{port}", user
+
+    def _connect(self, conn: socket.socket) -> tuple[str, str | None] | None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return None
+            head += chunk
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        auth = next((v for k, _, v in (x.partition(": ") for x in lines[1:])
+                     if k.lower() == "proxy-authorization"), "")  # fmt: skip
+        user = None
+        if auth.startswith("Basic "):
+            user, _, password = base64.b64decode(auth[6:]).decode().partition(":")
+            if self.credentials is not None and (user, password) != self.credentials:
+                conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+                return None
+        elif self.credentials is not None:
+            conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+            return None
+        if method != "CONNECT":
+            conn.sendall(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+            return None
+        return target, user
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _read(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the client went away")
+        data += chunk
+    return data
+
+
+def _splice(a: socket.socket, b: socket.socket) -> None:
+    def one_way(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    back = threading.Thread(target=one_way, args=(b, a), daemon=True)
+    back.start()
+    one_way(a, b)
+    back.join(60)

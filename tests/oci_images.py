@@ -95,6 +95,26 @@ def _busybox_root(root: Path) -> None:
         os.chown(path, 1000, 1000)
 
 
+def server_image(layout: Path, tag: str = "server") -> None:
+    """Busybox with a web server (`httpd`) and what E2B's template builds use (`chown`,
+    `chmod`, a `/bin/bash` that is busybox's shell), root its only user: the template
+    build adds `user`. No Env, WorkingDir, User or entrypoint."""
+    image = new_image(layout, tag)
+    with layer(image, layout.parent) as root:
+        for d in ("bin", "etc", "tmp", "home", "root"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        (root / "tmp").chmod(0o1777)
+        shutil.copy2(BUSYBOX, root / "bin/busybox")
+        for applet in [*APPLETS, "httpd", "chown", "chmod", "whoami", "tail", "id"]:
+            if not (root / "bin" / applet).exists():
+                (root / "bin" / applet).symlink_to("busybox")
+        (root / "bin/bash").write_text('#!/bin/sh\nexec /bin/sh "$@"\n')
+        (root / "bin/bash").chmod(0o755)
+        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        (root / "etc/group").write_text("root:x:0:\n")
+    run("umoci", "config", "--image", image, "--config.env", "PATH=/bin")
+
+
 def static_image(layout: Path, tag: str = "static") -> None:
     """One static musl binary and nothing else: no shell, no libc, no /etc/passwd."""
     image = new_image(layout, tag)

@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -175,6 +176,12 @@ class DaemonSettings(BaseSettings):
     )
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
     max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
+    max_volume_mib_per_tenant: int | None = Field(
+        default=10240,
+        ge=1,
+        description="bytes (MiB) all of a tenant's volumes may hold; a write past it is refused "
+        "(none: unbounded)",
+    )
     max_host_memory_mib: int = Field(
         default_factory=lambda: _host_memory_mib() * 4 // 5,
         description="RAM all sandboxes may commit together (default 80% of the host's)",
@@ -249,6 +256,12 @@ class DaemonSettings(BaseSettings):
         "nodes' own addresses are reached from sandboxes only through the operator: a name "
         "in egress_hosts, or an address in one of these networks (env: a JSON list)",
     )
+    egress_tenant_upstreams: dict[str, str] = Field(
+        default_factory=dict,
+        description="tenant -> upstream proxy its sandboxes' allowed connections go through "
+        "(`socks5://[user:password@]host:port` or `http://...`, HTTP CONNECT), unless a "
+        "sandbox names its own; the operator's, so its address may be any (env: a JSON object)",
+    )
     egress_aws_hosts: list[str] = Field(
         default_factory=list,
         description="names LangSmith's `aws` proxy rules also sign requests to, beside "
@@ -319,6 +332,13 @@ class DaemonSettings(BaseSettings):
                 raise ValueError(f"egress_tenant_networks: {network!r} is not a CIDR") from None
         return value
 
+    @field_validator("egress_tenant_upstreams")
+    @classmethod
+    def _egress_tenant_upstreams(cls, value: dict[str, str]) -> dict[str, str]:
+        for tenant, url in value.items():
+            upstream_parts(url, f"egress_tenant_upstreams[{tenant!r}]")
+        return value
+
     def egress_host_table(self) -> dict[str, list[str]]:
         return {
             name.lower(): [addrs] if isinstance(addrs, str) else list(addrs)
@@ -386,3 +406,21 @@ class ClientSettings(BaseSettings):
             return (self.data_dir / ADMIN_KEY_FILE).read_text().strip() or None
         except OSError:
             return None
+
+
+def upstream_parts(url: str, where: str = "upstream proxy") -> dict[str, Any]:
+    """`socks5://[user:password@]host:port` (or `http://`) as the egress proxy takes it."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("socks5", "http") or not parts.hostname or port is None:
+        raise ValueError(f"{where}: {url!r} is not socks5://host:port or http://host:port")
+    return {
+        "scheme": parts.scheme,
+        "host": parts.hostname,
+        "port": port,
+        "username": unquote(parts.username) if parts.username is not None else None,
+        "password": unquote(parts.password) if parts.password is not None else None,
+    }

@@ -66,6 +66,7 @@ __all__ = [
     "Timeout",
     "Unauthenticated",
     "UnknownUser",
+    "VolumeQuotaExceeded",
     "from_errno",
 ]
 
@@ -162,6 +163,14 @@ class QuotaExceeded(RequestError):
 
     code = "quota_exceeded"
     status = 429
+
+
+class VolumeQuotaExceeded(PayloadTooLarge):
+    """A write that would take the tenant's volumes past the bytes its quota allows (not
+    retried: it fails the same until something is removed)."""
+
+    code = "volume_quota_exceeded"
+    status = 413
 
 
 # -- conflicts with the current state (409) -------------------------------------------------

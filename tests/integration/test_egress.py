@@ -406,6 +406,9 @@ def test_egress_through_the_cli(daemon: Daemon, admin: Client, net: Net) -> None
             "callbacks": [],
             "rewrites": [],
             "public_ports": False,
+            "identity_tokens": {},
+            "upstream_proxy": None,
+            "port_host": None,
         }
         before = len(net.web_seen.requests)
         ran = cli("sandbox", "exec", sandbox_id, "--", "curl", "-sSf", "http://web.test/cli")

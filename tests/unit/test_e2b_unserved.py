@@ -12,12 +12,11 @@ from cella.server.compat.e2b.unserved import UNSERVED
 from tests.unit.in_process import serving
 
 CALLS = [
-    ("POST", "/volumes", "volumes"),
-    ("GET", "/volumes/vol-1", "volumes"),
-    ("POST", "/v3/templates", "building templates"),
-    ("GET", "/templates/t-1/builds/b-1/status", "building templates"),
-    ("POST", "/v2/templates/t-1/builds/b-1", "building templates"),
-    ("GET", "/default-templates", "building templates"),
+    ("POST", "/templates", "v1 builds"),
+    ("POST", "/templates/t-1/builds/b-1", "v1 builds"),
+    ("PATCH", "/v2/templates/t-1", "public templates"),
+    ("GET", "/templates/t-1/tags/count", "tag counts"),
+    ("GET", "/default-templates", "default templates"),
 ]
 
 
@@ -38,7 +37,8 @@ async def test_unserved_calls_are_named_in_e2bs_shape(
 
 async def test_served_paths_are_not_shadowed(tmp_path: Path) -> None:
     """The control: a sandbox's info and a snapshot's deletion (E2B deletes snapshots as
-    templates) still reach cella's routes: unknown ids are E2B's 404, not a refusal."""
+    templates) and volumes still reach cella's routes: unknown ids are E2B's 404, not a
+    refusal."""
     assert all("DELETE" not in m for p, _, m in UNSERVED if p.startswith("/templates/"))
     async with serving(tmp_path) as app:
         transport = httpx2.ASGITransport(app=app.app)
@@ -47,7 +47,11 @@ async def test_served_paths_are_not_shadowed(tmp_path: Path) -> None:
             info = await c.get("/sandboxes/sb-0000000000000000", headers=head)
             gone = await c.delete("/templates/no-such-snapshot", headers=head)
             listed = await c.get("/snapshots", headers=head)
+            volume = await c.get("/volumes/vol-0000000000000000", headers=head)
+            volumes = await c.get("/volumes", headers=head)
     assert info.status_code == 404 and info.json()["code"] == 404
+    assert volume.status_code == 404 and volume.json()["code"] == 404
+    assert volumes.status_code == 200 and volumes.json() == []
     assert gone.status_code == 404 and gone.json()["code"] == 404
     assert listed.status_code == 200 and listed.json() == []
 

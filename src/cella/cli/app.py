@@ -129,6 +129,7 @@ from cella.cli import (  # noqa: E402
     secret,
     snapshot,
     template,
+    volume,
     webhook,
 )
 from cella.cli.serve import serve  # noqa: E402
@@ -166,6 +167,7 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(secret.app, name="secret")
 app.add_typer(registry.app, name="registry")
+app.add_typer(volume.app, name="volume")
 app.add_typer(template.app, name="template")
 app.add_typer(webhook.app, name="webhook")
 app.add_typer(eval_cli.app, name="eval")

@@ -14,7 +14,14 @@ from rich.markup import escape
 
 from cella import errors
 from cella.cli._output import Listing, console, emit_json, out
-from cella.models import BucketMount, GitMount, RewriteRule, parse_pairs
+from cella.models import (
+    BucketMount,
+    GitMount,
+    RewriteRule,
+    UpstreamProxy,
+    VolumeMount,
+    parse_pairs,
+)
 from cella.models import Sandbox as SandboxInfo
 from cella.sdk import Client, Sandbox
 
@@ -74,9 +81,23 @@ def create(
     memory: Annotated[int | None, typer.Option(help="RAM in MiB")] = None,
     disk: Annotated[int | None, typer.Option(help="disk in MiB")] = None,
     ttl: Annotated[int | None, typer.Option(help="wall-clock limit, seconds")] = None,
+    ttl_clock: Annotated[
+        str | None,
+        typer.Option(help="wall (default) or running: --ttl leaves out time paused or stopped"),
+    ] = None,
+    auto_resume: Annotated[
+        bool, typer.Option(help="traffic to its ports (service URLs, host names) wakes it")
+    ] = False,
     idle_timeout: Annotated[int | None, typer.Option(help="idle limit, seconds")] = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     allow: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
+    upstream_proxy: Annotated[
+        str | None,
+        typer.Option(help="socks5://host:port or http://host:port: your proxy its traffic uses"),
+    ] = None,
+    port_host: Annotated[
+        str | None, typer.Option(help="the Host its port servers see (${PORT} is the port)")
+    ] = None,
     deny: Annotated[list[str] | None, typer.Option(help="egress rule, repeatable")] = None,
     secret: Annotated[
         list[str] | None, typer.Option(help="ENV=SECRET_NAME: a placeholder in ENV, repeatable")
@@ -107,6 +128,13 @@ def create(
             '"secret_access_key"} or {"service_account"} (secret names)}'
         ),
     ] = None,
+    volume: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a volume mounted in the guest, repeatable: NAME:/path, or NAME:/path:ro "
+            "(read-only)"
+        ),
+    ] = None,
     visibility: Annotated[
         str | None,
         typer.Option(
@@ -122,6 +150,7 @@ def create(
     mounts = [_git_mount(m) for m in mount or []]  # checked before anything is asked
     rewrites = [_rewrite(r) for r in rewrite or []]
     buckets = [_bucket_mount(m) for m in bucket_mount or []]
+    volumes = [_volume_mount(v) for v in volume or []]
     with Client() as client:
         sb = client.create(
             template,
@@ -129,15 +158,20 @@ def create(
             memory_mib=memory,
             disk_mib=disk,
             ttl_seconds=ttl,
+            ttl_clock=ttl_clock,
+            auto_resume=auto_resume or None,
             idle_timeout_seconds=idle_timeout,
             labels=_pairs(label, "label") or None,
             allow=allow,
+            upstream_proxy=_upstream(upstream_proxy) if upstream_proxy else None,
+            port_host=port_host,
             deny=deny,
             secrets=_pairs(secret, "secret") or None,
             rewrites=rewrites or None,
             run_entrypoint=run_entrypoint,
             mounts=mounts or None,
             bucket_mounts=buckets or None,
+            volume_mounts=volumes or None,
             visibility=visibility,
         )
     if json_:
@@ -286,6 +320,13 @@ def _lifecycle(action: str, sandbox_id: str, json_: bool) -> None:
             console.print(f"{sandbox_id}: {result.state if result else 'deleted'}")
 
 
+def _upstream(url: str) -> UpstreamProxy:
+    try:
+        return UpstreamProxy(url=url)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--upstream-proxy {url!r}: {exc}") from None
+
+
 def _rewrite(text: str) -> RewriteRule:
     """`HOST=SANDBOX:PORT[:CREDENTIALS]` as a rewrite rule."""
     host, _, target = text.partition("=")
@@ -300,6 +341,17 @@ def _rewrite(text: str) -> RewriteRule:
         raise typer.BadParameter(
             f"--rewrite {text!r}: expected HOST=SANDBOX:PORT[:strip|redact|keep]; {exc}"
         ) from None
+
+
+def _volume_mount(text: str) -> VolumeMount:
+    name, _, rest = text.partition(":")
+    path, _, flag = rest.partition(":")
+    if flag not in ("", "ro", "rw"):
+        raise typer.BadParameter(f"--volume {text!r}: expected NAME:/path[:ro]")
+    try:
+        return VolumeMount(volume=name, path=path, read_only=flag == "ro")
+    except ValueError as exc:
+        raise typer.BadParameter(f"--volume {text!r}: {exc}") from None
 
 
 def _bucket_mount(text: str) -> BucketMount:

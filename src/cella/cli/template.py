@@ -47,13 +47,23 @@ def build(
         str | None,
         typer.Option(help="Secret holding user:password for a private registry."),
     ] = None,
+    start_cmd: Annotated[
+        str | None,
+        typer.Option(help="Shell command every sandbox of the template has running."),
+    ] = None,
+    ready_cmd: Annotated[
+        str | None,
+        typer.Option(help="Shell command polled until it exits 0 before the warm snapshot."),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Build a template from an OCI/Docker image or a Dockerfile (progress on stderr).
 
     A Dockerfile is built inside a builder sandbox (buildah) that reaches only `--allow`
     hosts; an image is fetched and unpacked on the daemon's host. Either ends with the
-    template's warm snapshot, so its first sandbox starts in well under a second."""
+    template's warm snapshot, so its first sandbox starts in well under a second. A start
+    command is started before that snapshot (once the ready command succeeds), so every
+    sandbox of the template has it running."""
     if (from_image is None) == (dockerfile is None):
         raise typer.BadParameter("give exactly one of --from-image and --dockerfile")
     show = progress_printer(json_)
@@ -68,6 +78,8 @@ def build(
                 from_image,
                 disk_mib=disk_mib,
                 registry_secret=registry_secret,
+                start_cmd=start_cmd,
+                ready_cmd=ready_cmd,
                 on_progress=progress,
             )
         else:
@@ -78,6 +90,8 @@ def build(
                 dockerfile=file,
                 allow=allow,
                 disk_mib=disk_mib,
+                start_cmd=start_cmd,
+                ready_cmd=ready_cmd,
                 on_progress=progress,
             )
     if json_:

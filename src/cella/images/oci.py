@@ -37,7 +37,7 @@ from cella import errors
 from cella._proc import Progress, quiet, run
 from cella.config import DaemonSettings
 from cella.images import beneath, layers
-from cella.models import ImageConfig
+from cella.models import ImageConfig, StartCommand
 from cella.paths import Paths
 
 HEADROOM_MIB = 256  # free space a new sandbox's file system starts with
@@ -83,6 +83,9 @@ class TemplateMeta(BaseModel):
     seconds: dict[str, float] = Field(default_factory=dict, description="time per step")
     tenant: str | None = Field(
         default=None, description="the one tenant that may use it (None: every tenant)"
+    )
+    start: StartCommand | None = Field(
+        default=None, description="started before its warm snapshot (in every sandbox of it)"
     )
 
 
@@ -145,13 +148,16 @@ def build_from_image(
     source: str | None = None,
     limits: ImportLimits | None = None,
     tenant: str | None = None,
+    start: StartCommand | None = None,
+    free_mib: int = HEADROOM_MIB,
 ) -> TemplateMeta:
     """A template `name` from the image `ref` (fetched, unpacked, made a base image). The
     same image digest already built as this name is a cache hit. `cert_dir` holds CA
     certificates (`*.crt`) registries are checked against; `credentials` is `user:password`.
     An image over `limits` (default: the settings') is refused before it is unpacked. With
     `tenant`, the template is that tenant's alone (its base may still be shared by digest:
-    the image was fetched with the tenant's own access first)."""
+    the image was fetched with the tenant's own access first). `start` is what its sandboxes
+    have running (`StartCommand`); its file system has at least `free_mib` free."""
     limits = limits or ImportLimits.of(DaemonSettings())
     layout = paths.images / "oci"
     layout.mkdir(parents=True, exist_ok=True)
@@ -159,10 +165,11 @@ def build_from_image(
         fcntl.flock(lock, fcntl.LOCK_EX)
         label = source or ref
         meta = _build(
-            paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials, limits
-        )
-        if meta.kind != kind or meta.tenant != tenant:  # a cache hit of another build
-            meta = meta.model_copy(update={"kind": kind, "tenant": tenant})
+            paths, name, ref, label, layout, progress, disk_mib, cert_dir, credentials, limits,
+            free_mib,
+        )  # fmt: skip
+        if (meta.kind, meta.tenant, meta.start) != (kind, tenant, start):  # a cache hit
+            meta = meta.model_copy(update={"kind": kind, "tenant": tenant, "start": start})
             _write_meta(paths, meta)
         return meta
 
@@ -247,6 +254,7 @@ def _build(
     cert_dir: Path | None,
     credentials: str | None,
     limits: ImportLimits,
+    free_mib: int = HEADROOM_MIB,
 ) -> TemplateMeta:
     tag = f"in-{os.getpid()}-{time.monotonic_ns()}"
     timings: dict[str, float] = {}
@@ -270,7 +278,8 @@ def _build(
     timings["fetch"] = time.monotonic() - started
     try:
         digest, blobs, config = _manifest(layout, tag)
-        same = _built_before(paths, name, digest, disk_mib)
+        # more room than a template starts with: a base of its own size, never a cached one
+        same = _built_before(paths, name, digest, disk_mib) if free_mib <= HEADROOM_MIB else None
         if same is not None:
             progress(f"template {name}: {digest[:19]} is built already (cache hit)")
             if same.name != name:  # another template has this image: share its base
@@ -278,7 +287,10 @@ def _build(
                 _write_meta(paths, same)
             return same
         _check(blobs, limits)
-        return _make(paths, name, label, layout, tag, digest, config, disk_mib, progress, timings)
+        return _make(
+            paths, name, label, layout, tag, digest, config, disk_mib, progress, timings,
+            max(free_mib, HEADROOM_MIB),
+        )  # fmt: skip
     finally:
         _untag(layout, tag)
 
@@ -405,6 +417,7 @@ def _make(
     disk_mib: int | None,
     progress: Progress,
     timings: dict[str, float],
+    free_mib: int = HEADROOM_MIB,
 ) -> TemplateMeta:
     stage = paths.build_tmp / f"image-{name}-{os.getpid()}-{time.monotonic_ns()}"
     stage.mkdir(parents=True)
@@ -417,7 +430,7 @@ def _make(
         _prepare(rootfs)
         started = time.monotonic()
         used = _size_mib(rootfs)
-        size = max(disk_mib or 0, used + HEADROOM_MIB, MIN_DISK_MIB)
+        size = max(disk_mib or 0, used + free_mib, MIN_DISK_MIB)
         progress(f"making a {size} MiB ext4 file system ({used} MiB of files)")
         raw = stage / "root.ext4"
         run(["mkfs.ext4", "-F", "-q", "-L", "cella-root", "-E", "root_owner=0:0",

@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from cella import errors
 from cella._proc import Progress, quiet, run
 from cella.config import DaemonSettings
+from cella.models import ImageConfig, StartCommand
 from cella.paths import Paths
 
 # Bump when the build steps change in a way that changes the resulting image.
@@ -95,6 +96,19 @@ def _digest(paths: Paths, spec: TemplateSpec) -> str:
         return spec.digest(f"{kernel.version} {kernel.build_sha256}")
     except errors.ImageMissing:
         return spec.digest("none")
+
+
+def start_of(paths: Paths, name: str) -> tuple[StartCommand, ImageConfig] | None:
+    """What a template built from an image has running in its warm snapshot (and the
+    image's config it runs with); None for a built-in template or one without."""
+    if name in builtin_templates():
+        return None
+    from cella.images.oci import read_meta
+
+    meta = read_meta(paths, name)
+    if meta is None or meta.start is None:
+        return None
+    return meta.start, meta.config
 
 
 def find_template(paths: Paths, name: str) -> Path:

@@ -48,6 +48,7 @@ from cella.models.network import (
     EgressLog,
     GcpToken,
     HeaderRule,
+    IdentityToken,
     KeyRotation,
     NetworkPolicy,
     RewriteRule,
@@ -55,6 +56,7 @@ from cella.models.network import (
     Secret,
     SecretList,
     SecretPut,
+    UpstreamProxy,
 )
 from cella.models.observe import (
     MetricList,
@@ -97,10 +99,21 @@ from cella.models.sandbox import (
 )
 from cella.models.templates import (
     BuildEvent,
+    BuildStep,
     ImageConfig,
+    StartCommand,
+    StepBuild,
     Template,
     TemplateBuild,
     TemplateList,
+)
+from cella.models.volumes import (
+    Volume,
+    VolumeCreate,
+    VolumeEntry,
+    VolumeEntryList,
+    VolumeList,
+    VolumeMount,
 )
 
 __all__ = [
@@ -115,6 +128,7 @@ __all__ = [
     "BucketMount",
     "BucketState",
     "BuildEvent",
+    "BuildStep",
     "CallbackRule",
     "Capacity",
     "ChmodRequest",
@@ -140,6 +154,7 @@ __all__ = [
     "GitRef",
     "GuestPath",
     "HeaderRule",
+    "IdentityToken",
     "ImageConfig",
     "KeyCreate",
     "KeyCreated",
@@ -183,10 +198,19 @@ __all__ = [
     "SnapshotFromImage",
     "SnapshotList",
     "SnapshotState",
+    "StartCommand",
+    "StepBuild",
     "StopRequest",
     "Template",
     "TemplateBuild",
     "TemplateList",
+    "UpstreamProxy",
+    "Volume",
+    "VolumeCreate",
+    "VolumeEntry",
+    "VolumeEntryList",
+    "VolumeList",
+    "VolumeMount",
     "WalkEntry",
     "Webhook",
     "WebhookCreate",

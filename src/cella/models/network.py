@@ -31,6 +31,8 @@ def _named_hosts(values: list[str]) -> list[str]:
 
 HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
 SECRET_REF = re.compile(r"\{secret:([A-Za-z0-9][A-Za-z0-9._-]{0,127})\}")
+IDENTITY_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+IDENTITY_REF = re.compile(r"\{identity:([A-Za-z0-9][A-Za-z0-9._-]{0,63})\}")
 
 
 class HeaderRule(BaseModel):
@@ -56,6 +58,78 @@ class HeaderRule(BaseModel):
     @property
     def secrets(self) -> list[str]:
         return SECRET_REF.findall(self.value)
+
+    @property
+    def identities(self) -> list[str]:
+        return IDENTITY_REF.findall(self.value)
+
+
+class IdentityToken(BaseModel):
+    """A workload identity token: a JWT the egress proxy mints for the sandbox whenever a
+    header rule's value names it (`{identity:NAME}`), signed with the daemon's key
+    (`/.well-known/jwks.json`): `iss` the daemon's issuer, `sub`
+    `spiffe://cella/tenant/TENANT/sandbox/ID`, `aud` this audience, valid `ttl_seconds`.
+    The sandbox never holds it, nor any key to make one."""
+
+    model_config = {"extra": "forbid"}
+
+    audience: str = Field(min_length=1, max_length=1024)
+    ttl_seconds: int = Field(default=300, ge=30, le=3600)
+
+    @field_validator("audience")
+    @classmethod
+    def _audience(cls, value: str) -> str:
+        if any(not c.isprintable() for c in value):
+            raise ValueError("an audience is printable text")
+        return value
+
+
+UPSTREAM_URL = re.compile(r"^(socks5|http)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
+
+
+class UpstreamProxy(BaseModel):
+    """A proxy of the tenant's own that the egress proxy sends this sandbox's allowed
+    connections through (after its rules decided them; nothing in the sandbox sees it):
+    `socks5://host:port` (RFC 1928, with RFC 1929 user and password) or
+    `http://host:port` (HTTP CONNECT, with Basic proxy credentials). Its address is held to
+    the operator's boundary like any destination; when it cannot be reached or refuses,
+    the connection fails rather than going out directly."""
+
+    model_config = {"extra": "forbid"}
+
+    url: str = Field(max_length=300, description="socks5://host:port or http://host:port")
+    username: str | None = Field(default=None, min_length=1, max_length=255)
+    password_secret: str | None = Field(
+        default=None, pattern=SECRET_NAME, description="the tenant's secret holding the password"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        found = UPSTREAM_URL.match(value.strip())
+        if found is None or not 1 <= int(found.group(3)) <= 65535:
+            raise ValueError(
+                f"{value!r}: an upstream proxy is socks5://host:port or http://host:port"
+            )
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _pair(self) -> UpstreamProxy:
+        if self.password_secret is not None and self.username is None:
+            raise ValueError("a password needs a username")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0]
+
+    @property
+    def host(self) -> str:
+        return self.url.partition("://")[2].rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rpartition(":")[2])
 
 
 AWS_HOSTS = ["*.amazonaws.com"]
@@ -210,6 +284,23 @@ class NetworkPolicy(BaseModel):
         description="servers in the sandbox answer anyone who knows their host name "
         "(`{port}-{sandbox_id}.{domain}`) without a token, as E2B's sandboxes do by default",
     )
+    identity_tokens: dict[str, IdentityToken] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="workload identity tokens by name, put into requests by header rules "
+        "whose value names them (`Bearer {identity:NAME}`): JWTs the proxy mints and "
+        "the daemon's JWKS verifies",
+    )
+    upstream_proxy: UpstreamProxy | None = Field(
+        default=None, description="a proxy of the tenant's own its allowed traffic goes through"
+    )
+    port_host: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9.${}:_-]+$",
+        description="the Host header servers in the sandbox see on requests through its "
+        "service URLs and host names (`${PORT}` is the port); default `127.0.0.1:PORT`",
+    )
 
     _check_allow = field_validator("allow")(_rules)
     _check_deny = field_validator("deny")(_rules)
@@ -222,6 +313,31 @@ class NetworkPolicy(BaseModel):
         if twice:
             raise ValueError(f"one rewrite a host: {', '.join(twice)} has more")
         return rules
+
+    @field_validator("identity_tokens")
+    @classmethod
+    def _identity_names(cls, tokens: dict[str, IdentityToken]) -> dict[str, IdentityToken]:
+        for name in tokens:
+            if not re.match(IDENTITY_NAME, name):
+                raise ValueError(f"{name!r} is not an identity token name (letters, digits, ._-)")
+        return tokens
+
+    @model_validator(mode="after")
+    def _identities_named(self) -> NetworkPolicy:
+        for rule in self.headers:
+            unknown = [n for n in rule.identities if n not in self.identity_tokens]
+            if unknown:
+                raise ValueError(
+                    f"header {rule.name}: identity token {unknown[0]!r} is not among "
+                    f"identity_tokens ({', '.join(self.identity_tokens) or 'none'})"
+                )
+        return self
+
+    def host_for(self, port: int) -> str:
+        """The Host header a server in the sandbox sees on `port`."""
+        if self.port_host is None:
+            return f"127.0.0.1:{port}"
+        return self.port_host.replace("${PORT}", str(port))
 
     @field_validator("env")
     @classmethod
@@ -237,7 +353,10 @@ class NetworkPolicy(BaseModel):
     def secret_names(self) -> list[str]:
         """Every tenant secret the rules use."""
         rules: list[HeaderRule | AwsSigning | GcpToken] = [*self.headers, *self.aws, *self.gcp]
-        return list(dict.fromkeys(name for rule in rules for name in rule.secrets))
+        names = [name for rule in rules for name in rule.secrets]
+        if self.upstream_proxy is not None and self.upstream_proxy.password_secret:
+            names.append(self.upstream_proxy.password_secret)
+        return list(dict.fromkeys(names))
 
 
 class SecretPut(BaseModel):

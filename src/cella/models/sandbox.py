@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from cella.models.buckets import BucketMount, BucketState, check_bucket_auth
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
+from cella.models.volumes import MAX_VOLUME_MOUNTS, VolumeMount
 from cella.policy.access import Visibility
 
 
@@ -29,6 +30,8 @@ class SandboxState(StrEnum):
 
 
 ExpiryAction = Literal["stop", "pause", "delete"]
+TtlClock = Literal["wall", "running"]
+MAX_FORKS = 100  # branches of one fork call
 RestoreMemory = Literal["if_present", "always", "never"]
 DelegatedPermission = Literal["sandboxes:read", "sandboxes:write"]
 LABEL_KEY = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
@@ -103,6 +106,18 @@ class SandboxCreate(BaseModel):
     ttl_seconds: LifetimeSeconds | None = None
     idle_timeout_seconds: LifetimeSeconds | None = None
     ttl_action: ExpiryAction = Field(default="delete", description="what the TTL does")
+    ttl_clock: TtlClock = Field(
+        default="wall",
+        description="`wall`: `ttl_seconds` counts from creation, whatever the state; "
+        "`running`: time paused or stopped is not counted (a sandbox paused with 60 s "
+        "left has 60 s left when it is resumed)",
+    )
+    auto_resume: bool = Field(
+        default=False,
+        description="traffic to a paused or stopped sandbox's ports (service URLs, host "
+        "names; E2B's envd) resumes it, the request waiting meanwhile; when its lifetime "
+        "had run out it gets its first `ttl_seconds` again (at least 300 s), from the wake",
+    )
     idle_action: ExpiryAction = Field(default="stop", description="what idleness does")
     delete_after_stop_seconds: RetentionSeconds | None = Field(
         default=None, description="a stopped sandbox is deleted after this"
@@ -155,10 +170,21 @@ class SandboxCreate(BaseModel):
         "proxy, which adds the credentials their `auth` names; mounted again after a resume, "
         "restore or fork; a mount that fails fails the create",
     )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        max_length=MAX_VOLUME_MOUNTS,
+        description="the tenant's volumes mounted in the guest (a network file system served "
+        "by the daemon through the egress proxy), shared with every sandbox mounting them; "
+        "mounted again after a resume, restore or fork, never copied into a snapshot",
+    )
 
     @model_validator(mode="after")
     def _mounts(self) -> SandboxCreate:
-        both: list[GitMount | BucketMount] = [*self.mounts, *self.bucket_mounts]
+        both: list[GitMount | BucketMount | VolumeMount] = [
+            *self.mounts,
+            *self.bucket_mounts,
+            *self.volume_mounts,
+        ]
         check_mounts(both)
         check_bucket_auth(self.bucket_mounts)
         return self
@@ -211,6 +237,8 @@ class Sandbox(BaseModel):
     ttl_seconds: int | None
     idle_timeout_seconds: int | None
     ttl_action: ExpiryAction = "delete"
+    ttl_clock: TtlClock = "wall"
+    auto_resume: bool = False
     idle_action: ExpiryAction = "stop"
     max_pids: int | None = None
     delete_after_stop_seconds: int | None = None
@@ -226,8 +254,9 @@ class Sandbox(BaseModel):
     )
     mounts: list[GitMount] = Field(default_factory=list, description="git repositories")
     bucket_mounts: list[BucketMount] = Field(default_factory=list, description="S3, GCS")
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, description="volumes")
     mount_states: dict[str, BucketState] = Field(
-        default_factory=dict, description="bucket mount id -> where it is"
+        default_factory=dict, description="bucket or volume mount id -> where it is"
     )
     accel: str | None
     accel_reason: str | None
@@ -356,7 +385,7 @@ class SnapshotList(BaseModel):
 class ForkRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    count: int = Field(default=1, ge=1, le=64)
+    count: int = Field(default=1, ge=1, le=MAX_FORKS)
 
 
 class SandboxUsage(BaseModel):

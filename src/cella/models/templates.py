@@ -26,6 +26,27 @@ class ImageConfig(BaseModel):
         return [*self.entrypoint, *self.cmd]
 
 
+class StartCommand(BaseModel):
+    """What a template's sandboxes have running from their first moment: `command` is
+    started (as the image's user, in its working directory, with its env) before the
+    template's warm snapshot is taken, once `ready` (a shell command) exits 0, so every
+    sandbox restored from it has the command running. A sandbox booted afresh (a resume
+    after a stop) does not start it again."""
+
+    model_config = {"extra": "forbid"}
+
+    command: str | None = Field(
+        default=None, min_length=1, max_length=16384, description="a shell command"
+    )
+    ready: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16384,
+        description="a shell command polled until it exits 0 (none: started is ready)",
+    )
+    ready_timeout_seconds: int = Field(default=600, ge=1, le=3600)
+
+
 class Template(BaseModel):
     name: str
     kind: Literal["builtin", "image", "dockerfile"]
@@ -34,6 +55,10 @@ class Template(BaseModel):
     built: bool = Field(description="its base image exists (builtins: `cella setup` made it)")
     disk_mib: int | None = None
     config: ImageConfig = Field(default_factory=ImageConfig)
+    start: StartCommand | None = Field(
+        default=None, description="running in every sandbox of it (from its warm snapshot)"
+    )
+    tenant: str | None = Field(default=None, description="the one tenant that may use it")
     built_at: str | None = None
     seconds: dict[str, float] = Field(
         default_factory=dict, description="time per build step (fetch, unpack, filesystem, ...)"
@@ -60,6 +85,7 @@ class TemplateBuild(BaseModel):
         pattern=SECRET_NAME,
         description="a secret holding `user:password` for the registry (used on the host only)",
     )
+    start: StartCommand | None = None
 
 
 class BuildEvent(BaseModel):
@@ -69,3 +95,28 @@ class BuildEvent(BaseModel):
     message: str | None = None
     template: Template | None = None
     code: str | None = None
+
+
+class BuildStep(BaseModel):
+    """One step of a template built from steps: `run` (a shell command, and the user to run
+    it as), `copy` (files uploaded by their hash: source, destination, owner, mode), `env`
+    (names and values, alternating), `workdir` or `user`."""
+
+    model_config = {"extra": "forbid"}
+
+    type: Literal["run", "copy", "env", "workdir", "user"]
+    args: list[str] = Field(default_factory=list, max_length=1024)
+    files_hash: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
+class StepBuild(BaseModel):
+    """A template from a base and steps: the base is a registry image (`from_image`) or
+    another template built from steps (`from_template`, whose base and steps come first);
+    `start` is what its sandboxes have running."""
+
+    model_config = {"extra": "forbid"}
+
+    from_image: str | None = Field(default=None, min_length=1, max_length=1024)
+    from_template: str | None = Field(default=None, min_length=1, max_length=256)
+    steps: list[BuildStep] = Field(default_factory=list, max_length=1024)
+    start: StartCommand | None = None

@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import re
+import secrets
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -81,7 +82,6 @@ class Signing:
 
     def sign(self, audience: str, body: bytes) -> str:
         now = int(time.time())
-        header = {"alg": "EdDSA", "typ": "JWT", "kid": self.kid}
         claims = {
             "iss": self.issuer,
             "aud": audience,
@@ -90,6 +90,24 @@ class Signing:
             "exp": now + TOKEN_SECONDS,
             "body_sha256": hashlib.sha256(body).hexdigest(),
         }
+        return self.jwt(claims)
+
+    def workload(self, audience: str, tenant: str, sandbox: str, seconds: int) -> str:
+        """A sandbox's workload identity token (JWT-SVID-like) for `audience`."""
+        now = int(time.time())
+        claims = {
+            "iss": self.issuer,
+            "sub": f"spiffe://cella/tenant/{tenant}/sandbox/{sandbox}",
+            "aud": audience,
+            "iat": now,
+            "nbf": now,
+            "exp": now + seconds,
+            "jti": secrets.token_hex(16),
+        }
+        return self.jwt(claims)
+
+    def jwt(self, claims: dict[str, Any]) -> str:
+        header = {"alg": "EdDSA", "typ": "JWT", "kid": self.kid}
         signing_input = f"{_b64json(header)}.{_b64json(claims)}"
         signature = self.key.sign(signing_input.encode())
         return f"{signing_input}.{_b64(signature)}"

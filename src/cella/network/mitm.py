@@ -43,6 +43,9 @@ from cella.network.callbacks import CallbackRule, Callbacks, Signing, full_reque
 from cella.network.cloud_auth import CloudAuth, CloudRules, Refused, Tokens
 from cella.network.delegation import REASON, ApiAccess, access_from, authorize, is_api
 from cella.network.rewrites import ROUTE_HOST, Rewrite, Rewrites, rewrites_from, route
+from cella.network.upstream import Splicer, Upstream, UpstreamError, dial
+from cella.network.volumes import VolumeAccess, is_volumes, volumes_from
+from cella.network.volumes import route as route_volume
 from cella.policy.egress import (
     Boundary,
     Decision,
@@ -54,6 +57,7 @@ from cella.policy.egress import (
 )
 from cella.policy.rewrites import HOST_HEADER, TOKEN_HEADER, guard
 from cella.policy.secrets import Redactor, secret_forms
+from cella.policy.volumes import REASON as VOLUMES_REASON
 
 log = logging.getLogger("cella.egress")
 RESOLVE_TTL = 30.0
@@ -87,6 +91,7 @@ class HeaderRule:
     name: str
     value: str
     secrets: tuple[tuple[str, str], ...] = ()
+    identities: tuple[tuple[str, str, int], ...] = ()  # (name, audience, seconds) to mint
 
 
 @dataclass
@@ -101,6 +106,8 @@ class Net:
     callbacks: tuple[CallbackRule, ...] = ()
     tenant: str = ""
     rewrites: Rewrites | None = None  # hosts answered by another sandbox's port
+    volumes: VolumeAccess | None = None  # its volume mounts, served by the daemon
+    upstream: Upstream | None = None  # the tenant's own proxy its connections go through
 
     def __post_init__(self) -> None:
         found = {n: m for b in self.secrets for n, m in b.needles()}
@@ -199,6 +206,9 @@ def _net_from(msg: dict[str, Any]) -> Net:
             name=r["name"],
             value=r["value"],
             secrets=tuple((s["name"], s["value"]) for s in r.get("secrets", [])),
+            identities=tuple(
+                (i["name"], i["audience"], int(i["ttl_seconds"])) for i in r.get("identities", [])
+            ),
         )
         for r in msg.get("headers", [])
     )
@@ -214,6 +224,8 @@ def _net_from(msg: dict[str, Any]) -> Net:
         callbacks=callbacks,
         tenant=str(msg.get("tenant") or ""),
         rewrites=rewrites_from(msg),
+        volumes=volumes_from(msg),
+        upstream=Upstream.of(msg.get("upstream")),
     )
 
 
@@ -233,6 +245,7 @@ class Egress:
         self._pins: dict[str, str] = {}  # server connection id -> the certificate it must show
         self.cloud = CloudAuth(Tokens(lambda: ctx.options.ssl_verify_upstream_trusted_ca))
         self.callbacks = Callbacks(self._callback_address)
+        self.splicer = Splicer()
 
     # -- control channel ----------------------------------------------------------------
 
@@ -348,6 +361,19 @@ class Egress:
             raise ValueError(decision.reason if not decision.allowed else "does not resolve")
         return addresses[0]
 
+    async def _upstream_address(self, up: Upstream) -> IPAddress:
+        """Where an upstream proxy is: a tenant's held to the boundary (`_reach`), the
+        operator's wherever the operator put it."""
+        if not up.operator:
+            return await self._reach(up.host, up.port)
+        try:
+            return ipaddress.ip_address(up.host)
+        except ValueError:
+            found = await self._resolve(up.host)
+        if not found:
+            raise ValueError("does not resolve")
+        return found[0]
+
     # -- HTTP (explicit proxy, transparent port 80, intercepted TLS) ---------------------
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -371,6 +397,11 @@ class Egress:
             if net.needles:  # checked for secrets as they stream, like every response
                 req.headers["accept-encoding"] = "identity"
             return
+        if net is not None and net.volumes is not None and is_volumes(net.volumes, req.host):
+            decision = Decision(True, VOLUMES_REASON)
+            self._report(net, req.host, req.port, decision, protocol="http", method=req.method)
+            route_volume(req, net.sandbox, net.volumes, ROUTE_HOST)
+            return
         rule = net.rewrite(req.host, req.port) if net is not None else None
         if net is not None and rule is not None:
             await self._rewrite(flow, net, rule)
@@ -380,7 +411,10 @@ class Egress:
             flow.response = _denied(req.host, req.port, decision)
             self._report(net, req.host, req.port, decision, protocol=req.scheme, method=req.method)
             return
-        tally = Tally(net, req.host, req.port, req.scheme, decision.reason)
+        reason = decision.reason
+        if net.upstream is not None:  # its connection goes through it (`server_connect`)
+            reason = f"{reason} (via {net.upstream.address})"
+        tally = Tally(net, req.host, req.port, req.scheme, reason)
         flow.metadata["cella"] = tally
         await self._credentials(flow, net, tally)
 
@@ -415,7 +449,15 @@ class Egress:
             if _substitute_head(req, b):
                 tally.credentials.append(b.name)
         for rule in net.header_rules(req.host):
-            req.headers[rule.name] = rule.value  # whatever the sandbox sent in its place
+            value = rule.value
+            for name, audience, seconds in rule.identities:  # minted for this request
+                if self.callbacks.signing is None:
+                    flow.response = _refusal(503, "cella egress: no signing key yet")
+                    return
+                token = self.callbacks.signing.workload(audience, net.tenant, net.sandbox, seconds)
+                value = value.replace(f"{{identity:{name}}}", token)
+                tally.credentials.append(f"identity:{name}")
+            req.headers[rule.name] = value  # whatever the sandbox sent in its place
             tally.credentials.extend(name for name, _ in rule.secrets)
         if net.cloud.covers(req.host):
             try:
@@ -603,8 +645,9 @@ class Egress:
                 self._pins[data.server.id] = net.api.pinned
             return
         routed = host == ROUTE_HOST and not data.server.tls and data.server.sni is None
-        if routed and net is not None and net.rewrites is not None:
-            data.server.address = net.rewrites.upstream  # a request `_rewrite` routed
+        door = None if net is None else (net.rewrites or net.volumes)
+        if routed and door is not None:
+            data.server.address = door.upstream  # a request `_rewrite` or a volume routed
             return  # (its flow reports it; a guest naming ROUTE_HOST is refused below)
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:
@@ -620,6 +663,18 @@ class Egress:
             data.server.error = f"cella egress: {host} does not resolve"
             return
         data.server.address = (str(pinned), port)
+        if net is not None and net.upstream is not None:
+            try:  # through the sandbox's own proxy, to the address decided on
+                proxy_ip = await self._upstream_address(net.upstream)
+                tunnel = await dial(net.upstream, str(proxy_ip), str(pinned), port)
+                data.server.address = await self.splicer.hand_over(tunnel)
+            except (UpstreamError, ValueError) as exc:
+                why = f"upstream proxy {net.upstream.address}: {exc}"
+                data.server.error = f"cella egress: {host}:{port} {why}"
+                self._report(net, host, port, Decision(False, why), protocol="tcp")
+                return
+            self._verdicts[data.server.id] = f"{decision.reason} (via {net.upstream.address})"
+            return
         self._verdicts[data.server.id] = decision.reason
 
     def tls_start_server(self, data: tls.TlsData) -> None:

@@ -277,11 +277,14 @@ class EgressProxy:
         callbacks: list[dict[str, Any]] | None = None,
         tenant: str = "",
         rewrites: dict[str, Any] | None = None,
+        volumes: dict[str, Any] | None = None,
+        upstream: dict[str, Any] | None = None,
     ) -> None:
         """What the VM at `addr` may reach, with which credentials (`api`: cella's own, for
         access delegation; `cloud`: AWS signing and GCP token rules; `rewrites`: hosts
-        answered by other sandboxes' ports, through the daemon); takes effect for its next
-        connection."""
+        answered by other sandboxes' ports, through the daemon; `volumes`: its volume mounts'
+        WebDAV, to the daemon; `upstream`: the tenant's own proxy its allowed connections go
+        through); takes effect for its next connection."""
         self.addresses.claim(addr)
         msg = {
             "op": "set",
@@ -296,6 +299,8 @@ class EgressProxy:
             "callbacks": callbacks or [],
             "tenant": tenant,
             "rewrites": rewrites,
+            "volumes": volumes,
+            "upstream": upstream,
         }
         self._state[addr] = msg
         self._send(msg)

@@ -5,17 +5,25 @@ The async side is written by hand in `_async/`; `_sync/` is generated from it
 """
 
 from cella.models import ExecResult
-from cella.sdk._async.client import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSnapshot
-from cella.sdk._sync.client import Client, Files, Sandbox, Snapshot
+from cella.sdk._async.client import (
+    AsyncClient,
+    AsyncFiles,
+    AsyncSandbox,
+    AsyncSnapshot,
+    AsyncVolume,
+)
+from cella.sdk._sync.client import Client, Files, Sandbox, Snapshot, Volume
 
 __all__ = [
     "AsyncClient",
     "AsyncFiles",
     "AsyncSandbox",
     "AsyncSnapshot",
+    "AsyncVolume",
     "Client",
     "ExecResult",
     "Files",
     "Sandbox",
     "Snapshot",
+    "Volume",
 ]

@@ -15,7 +15,16 @@ import httpx2
 
 from cella import errors
 from cella.config import ADMIN_KEY_FILE, ClientSettings
-from cella.models import AwsSigning, CallbackRule, GcpToken, HeaderRule, RewriteRule, encode_data
+from cella.models import (
+    AwsSigning,
+    CallbackRule,
+    GcpToken,
+    HeaderRule,
+    IdentityToken,
+    RewriteRule,
+    UpstreamProxy,
+    encode_data,
+)
 
 DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
 CONNECT_TIMEOUT = 10.0
@@ -99,9 +108,20 @@ def network_body(
     env: dict[str, str] | None = None,
     callbacks: list[CallbackRule] | None = None,
     rewrites: list[RewriteRule] | None = None,
+    *,
+    identity_tokens: dict[str, IdentityToken] | None = None,
+    upstream_proxy: UpstreamProxy | None = None,
+    port_host: str | None = None,
 ) -> dict[str, Any]:
     """Egress rules as the daemon takes them (it validates them, and says what is wrong)."""
-    return {
+    extra: dict[str, Any] = {}
+    if identity_tokens:
+        extra["identity_tokens"] = {k: v.model_dump() for k, v in identity_tokens.items()}
+    if upstream_proxy is not None:
+        extra["upstream_proxy"] = upstream_proxy.model_dump(exclude_none=True)
+    if port_host is not None:
+        extra["port_host"] = port_host
+    return extra | {
         "allow": allow or [],
         "deny": deny or [],
         "headers": [h.model_dump() for h in headers or []],

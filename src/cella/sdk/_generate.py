@@ -19,6 +19,7 @@ REPLACEMENTS = {
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
     "AsyncSnapshot": "Snapshot",
+    "AsyncVolume": "Volume",
     "AsyncBaseTransport": "BaseTransport",
     "aclose": "close",
     "aiter_bytes": "iter_bytes",

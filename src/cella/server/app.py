@@ -34,6 +34,8 @@ from cella.server.routes import (
     snapshots,
     templates,
     terminal,
+    volume_dav,
+    volumes,
     webhooks,
 )
 from cella.service.daemon import Daemon
@@ -54,6 +56,8 @@ API = (
     terminal,
     rewrites,
     webhooks,
+    volumes,
+    volume_dav,
 )
 
 

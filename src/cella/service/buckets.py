@@ -1,5 +1,7 @@
-"""A sandbox's bucket mounts: rclone in the guest serves each S3 or GCS bucket (or prefix)
-as a FUSE file system at its path, for as long as the VM runs.
+"""A sandbox's bucket and volume mounts: rclone in the guest serves each S3 or GCS bucket
+(or prefix), and each of the tenant's volumes (WebDAV to `volumes.cella`, which the egress
+proxy takes to the daemon: `service/volumes.py`), as a FUSE file system at its path, for as
+long as the VM runs.
 
 rclone is driven as argv through the exec room (a fixed script takes the mount's path and
 rclone's argv as its arguments: nothing of the mount is parsed by a shell), so its
@@ -16,15 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from cella import errors
-from cella.models import BucketMount, BucketState, ExecRequest
+from cella.models import BucketMount, BucketState, ExecRequest, VolumeMount
 from cella.policy.access import Principal
 from cella.policy.cloud import DUMMY_AWS_ENV
+from cella.policy.volumes import DAV_HOST
 from cella.service.background import Background
 from cella.service.exec import Exec
 from cella.service.registry import Registry
+from cella.store import SandboxRecord
 
 log = logging.getLogger("cella.buckets")
 MOUNT_TIMEOUT = 120.0  # rclone's own wait for its mount (--daemon-wait) is within it
@@ -45,6 +50,54 @@ fi
 "$@" || { echo "rclone mount failed" >&2; tail -n 2 "$LOG" >&2; exit 1; }
 mountpoint -q -- "$p" || { echo "$p is not mounted" >&2; exit 1; }
 echo mounted"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rclone mount: its id (the key of its state), path, remote, argv and environment."""
+
+    id: str
+    path: str
+    remote: str
+    argv: list[str]
+    env: dict[str, str]
+    what: str  # in messages
+    kind: str  # "bucket" or "volume": its events' names
+
+
+def bucket_plan(mount: BucketMount) -> Plan:
+    what = f"{mount.type} bucket {mount.bucket}"
+    return Plan(mount.id, mount.path, remote(mount), rclone_argv(mount), rclone_env(mount),
+                what, "bucket")  # fmt: skip
+
+
+def volume_plan(mount: VolumeMount) -> Plan:
+    """A volume over WebDAV, for close-to-open consistency between sandboxes: a file is
+    written to the local cache and uploaded a second after it is closed (`--vfs-write-back
+    1s`: a write-then-rename, as tools save files, is renamed in the cache before its upload
+    starts, which rclone would lose), replaced whole on the host; a file opened for reading
+    is read from the daemon, never from a cache; listings and attributes are kept 1 s."""
+    argv = [
+        "rclone", "mount", f":webdav:{mount.volume}", mount.path, "--daemon",
+        "--daemon-wait", "60s", "--allow-other", "--umask", "0000",
+        "--cache-dir", f"{CACHE_DIR}/{mount.id}", "--vfs-cache-mode", "writes",
+        "--vfs-write-back", "1s", "--dir-cache-time", "1s", "--attr-timeout", "1s",
+        "--poll-interval", "0", "--log-file", f"{LOG_DIR}/{mount.id}.log",
+        "--log-level", "NOTICE",
+    ]  # fmt: skip
+    if mount.read_only:
+        argv.append("--read-only")
+    env = {
+        "LOG": f"{LOG_DIR}/{mount.id}.log",
+        "RCLONE_CONFIG": "/dev/null",
+        "RCLONE_WEBDAV_URL": f"http://{DAV_HOST}/",
+        "RCLONE_WEBDAV_VENDOR": "other",
+    }
+    return Plan(mount.id, mount.path, argv[2], argv, env, f"volume {mount.volume}", "volume")
+
+
+def plans(row: SandboxRecord) -> list[Plan]:
+    return [*map(bucket_plan, row.bucket_mounts), *map(volume_plan, row.volume_mounts)]
 
 
 def remote(mount: BucketMount) -> str:
@@ -111,23 +164,20 @@ class Buckets:
         if task is not None:
             await asyncio.shield(task)
         row = self.registry.get(who, sandbox_id)
-        for mount in row.bucket_mounts:
+        for mount in plans(row):
             state = row.mount_states.get(mount.id)
             if state is not None and state.state == "failed":
                 raise errors.MountFailed(state.error or f"mount {mount.id!r} failed")
             if state is None or state.state != "mounted":
                 await self.mount(row.tenant, sandbox_id, mount)
 
-    async def mount(
-        self, tenant: str, sandbox_id: str, mount: BucketMount, activity: bool = True
-    ) -> None:
-        """Mounts one bucket unless it is mounted already."""
+    async def mount(self, tenant: str, sandbox_id: str, mount: Plan, activity: bool = True) -> None:
+        """Mounts one bucket or volume unless it is mounted already."""
         async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
             self._set(sandbox_id, mount.id, "mounting")
-            argv = ["/bin/sh", "-c", SCRIPT, "cella-mount", mount.path, remote(mount),
-                    *rclone_argv(mount)]  # fmt: skip
+            argv = ["/bin/sh", "-c", SCRIPT, "cella-mount", mount.path, mount.remote, *mount.argv]
             req = ExecRequest(
-                command=argv, env=rclone_env(mount), user="root", cwd="/", timeout=MOUNT_TIMEOUT
+                command=argv, env=mount.env, user="root", cwd="/", timeout=MOUNT_TIMEOUT
             )
             try:
                 result = await self.exec.run(
@@ -139,23 +189,21 @@ class Buckets:
             if result.exit_code != 0 or result.timed_out:
                 why = result.stderr.decode(errors="replace").strip().splitlines()
                 detail = why[-1] if why else f"exit status {result.exit_code}"
-                failure = errors.MountFailed(
-                    f"mount {mount.id!r} ({mount.type} bucket {mount.bucket}): {detail}"
-                )
+                failure = errors.MountFailed(f"mount {mount.id!r} ({mount.what}): {detail}")
                 self._failed(sandbox_id, mount, failure.message)
                 raise failure
             kept = result.stdout.decode(errors="replace").strip() == "kept"
             self._set(sandbox_id, mount.id, "mounted")
             self.registry.events.emit(
                 sandbox_id,
-                "bucket_mounted",
-                {"mount": mount.id, "bucket": mount.bucket, "kept": kept},
+                f"{mount.kind}_mounted",
+                {"mount": mount.id, mount.kind: mount.what.rsplit(" ", 1)[-1], "kept": kept},
             )
 
-    def _failed(self, sandbox_id: str, mount: BucketMount, error: str) -> None:
+    def _failed(self, sandbox_id: str, mount: Plan, error: str) -> None:
         self._set(sandbox_id, mount.id, "failed", error)
         self.registry.events.emit(
-            sandbox_id, "bucket_mount_failed", {"mount": mount.id, "error": error}
+            sandbox_id, f"{mount.kind}_mount_failed", {"mount": mount.id, "error": error}
         )
 
     # -- states -------------------------------------------------------------------------
@@ -174,7 +222,7 @@ class Buckets:
     def watch(self, sandbox_id: str) -> None:
         """The sandbox's VM runs (again): its buckets are mounted unless they still are."""
         row = self.registry.store.get_sandbox(sandbox_id)
-        if row is None or not row.bucket_mounts or sandbox_id in self._tasks:
+        if row is None or not plans(row) or sandbox_id in self._tasks:
             return
         task = self.background.start(
             self._remount(row.tenant, sandbox_id), name=f"buckets-{sandbox_id}"
@@ -191,7 +239,7 @@ class Buckets:
             await asyncio.sleep(0.1)
         if row is None or row.state != "running":
             return
-        for mount in row.bucket_mounts:
+        for mount in plans(row):
             try:
                 await self.mount(tenant, sandbox_id, mount, activity=False)
             except errors.CellaError as exc:  # recorded in its state; the next start retries

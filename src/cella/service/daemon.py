@@ -4,7 +4,8 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 `admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
 `shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
-`buckets` (S3 and GCS buckets mounted in the guest through the egress proxy),
+`buckets` (S3 and GCS buckets and volumes mounted in the guest through the egress proxy),
+`volumes` (the tenant's persistent file trees, shared between sandboxes),
 `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
 tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
@@ -30,6 +31,7 @@ from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
+from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
@@ -54,9 +56,12 @@ from cella.service.sharing import Sharing
 from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
+from cella.service.template_builds import TemplateBuilds
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
+from cella.service.volumes import Volumes
+from cella.service.waking import Waking
 from cella.service.warm import Shape, WarmPool, WarmSnapshots
 from cella.service.webhook_delivery import Deliveries
 from cella.service.webhooks import Webhooks
@@ -93,6 +98,7 @@ class Daemon:
             tls=not clear,
             link_file=settings.data_dir / "fleet-link.json",
         )
+        self.volumes = Volumes(settings, self.registry, self.ports, clear=clear)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
@@ -125,6 +131,7 @@ class Daemon:
         self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.templates = Templates(
             settings,
@@ -135,6 +142,15 @@ class Daemon:
             self.lifecycle,
             self.exec,
             self.files,
+        )
+        self.dockerfiles = Dockerfiles(self.templates)
+        self.template_builds = TemplateBuilds(
+            store,
+            self.templates,
+            self.dockerfiles,
+            self.background,
+            self.signer,
+            settings.max_upload_mib << 20,
         )
         self.images = ImageSnapshots(
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
@@ -186,6 +202,7 @@ class Daemon:
         default warm snapshot exists, fills the pool and starts the reaper."""
         await self.driver.prepare()
         await self.recovery.recover()
+        self.template_builds.recover()
         self.snapshots.flatten_left()
         await self.egress.start()
         shape = Shape(self.settings.pool_template, *POOLED_SHAPE)
@@ -223,6 +240,7 @@ class Daemon:
         `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
         creator's key)."""
         tenant = who.tenant
+        spec = self.volumes.settle(who, spec)
         granted: delegation.Json | None
         if fleet_grant is not None:
             granted = delegation.given(spec.access_delegation, fleet_grant)
@@ -274,9 +292,10 @@ class Daemon:
         return delegation.grant(spec.access_delegation, who)
 
     async def _with_mounts(self, who: Principal, row: SandboxRecord) -> SandboxRecord:
-        """Clones a new sandbox's git mounts and mounts its buckets; one that fails fails the
-        create as any other failure does: the VM and its files are gone, the row says why."""
-        if not row.mounts and not row.bucket_mounts:
+        """Clones a new sandbox's git mounts and mounts its buckets and volumes; one that
+        fails fails the create as any other failure does: the VM and its files are gone, the
+        row says why."""
+        if not row.mounts and not row.bucket_mounts and not row.volume_mounts:
             return row
         try:
             await self.mounts.clone_all(who, row.id)

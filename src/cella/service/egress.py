@@ -103,6 +103,7 @@ class SandboxEgress:
         self._refresher: asyncio.Task[None] | None = None
         self._ca: bytes | None = None
         self.max_connections = settings.max_connections_per_sandbox
+        self.upstreams = settings.egress_tenant_upstreams
         self.api = api_address(settings)  # where `cella.api` leads a delegated sandbox
         self._addresses: dict[VM, str] = {}
         self._held: dict[str, int] = {}  # sandbox id -> connections open now
@@ -160,7 +161,8 @@ class SandboxEgress:
     def check_rules(self, policy: NetworkPolicy) -> None:
         """A tenant's allow rules stay inside the operator's boundary (an admin key acting
         for a tenant is a tenant here); the proxy checks again at every connect."""
-        for text in policy.allow:
+        extra = [policy.upstream_proxy.host] if policy.upstream_proxy else []
+        for text in [*policy.allow, *extra]:
             why = self.boundary.refusal(parse_rule(text))
             if why is not None:
                 raise errors.DestinationForbidden(why)
@@ -195,6 +197,8 @@ class SandboxEgress:
             callbacks=[c.model_dump() for c in row.network.callbacks],
             tenant=row.tenant,
             rewrites=self.rewrites.for_proxy(row, self.api),
+            volumes=self._volumes(row),
+            upstream=credentials.upstream(self.store, row, self.upstreams.get(row.tenant)),
         )
         vm.agent.on_stream = functools.partial(self._carry, row.id, addr)
 
@@ -208,6 +212,12 @@ class SandboxEgress:
         api = {"upstream": list(upstream_of(row) or self.api), "key": key.hex()}
         pinned = pinned_of(row)
         return api | ({"tls": pinned} if pinned else {})
+
+    def _volumes(self, row: SandboxRecord) -> dict[str, Any] | None:
+        """A sandbox with volume mounts: where the proxy takes `volumes.cella`, its token."""
+        if not row.volume_mounts:
+            return None
+        return {"upstream": list(self.api), "token": self.rewrites.ports.mount_token(row.id)}
 
     def _release(self, vm: VM) -> None:
         addr = self._addresses.pop(vm, None)

@@ -26,6 +26,7 @@ from cella.models import MAX_WALK_DEPTH, MAX_WALK_ENTRIES, ExecRequest, account_
 from cella.policy.access import Permission, Principal
 from cella.runtime.contract import GuestAgent
 from cella.service.exec import Exec
+from cella.service.mount_files import MountFiles
 from cella.service.registry import Registry
 
 VIEW, EXEC = Permission.view, Permission.exec  # reading files is looking; changing them is not
@@ -38,6 +39,7 @@ class Files:
         self.exec = exec_room
         self.events = registry.events
         self.max_upload_bytes = max_upload_bytes
+        self.mounted = MountFiles(registry, exec_room)  # paths under volume, bucket mounts
 
     def _agent(self, who: Principal, sandbox_id: str, need: Permission = EXEC) -> GuestAgent:
         """The guest of a running sandbox the caller may `need` (reads: `view`)."""
@@ -46,6 +48,8 @@ class Files:
     async def read(self, who: Principal, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """The file's content, streamed; its first chunk is read before this returns, so a
         missing file is an error here rather than a cut stream."""
+        if self.mounted.covers(sandbox_id, path):
+            return await self.mounted.read(who, sandbox_id, path)
         return await _primed(self._agent(who, sandbox_id, VIEW).read_stream(path))
 
     async def write(
@@ -60,12 +64,14 @@ class Files:
         declared: int | None = None,
     ) -> Entry:
         """Replaces the file atomically with `body` (at most the upload limit)."""
-        agent = self._agent(who, sandbox_id)
         digest = hashlib.sha256()
-        await agent.write_file(
-            path, _hashed(self._bounded(body, declared), digest), mode=mode, parents=parents
-        )
-        entry = await agent.stat(path)
+        content = _hashed(self._bounded(body, declared), digest)
+        if self.mounted.covers(sandbox_id, path):
+            entry = await self.mounted.write(who, sandbox_id, path, content, mode, parents)
+        else:
+            agent = self._agent(who, sandbox_id)
+            await agent.write_file(path, content, mode=mode, parents=parents)
+            entry = await agent.stat(path)
         self.events.emit(
             sandbox_id,
             "file_write",
@@ -74,9 +80,13 @@ class Files:
         return entry
 
     async def list(self, who: Principal, sandbox_id: str, path: str) -> list[Entry]:
+        if self.mounted.covers(sandbox_id, path):
+            return await self.mounted.list(who, sandbox_id, path)
         return await self._agent(who, sandbox_id, VIEW).list_dir(path)
 
     async def stat(self, who: Principal, sandbox_id: str, path: str) -> Entry:
+        if self.mounted.covers(sandbox_id, path):
+            return await self.mounted.stat(who, sandbox_id, path)
         return await self._agent(who, sandbox_id, VIEW).stat(path)
 
     def walk(
@@ -143,15 +153,24 @@ class Files:
     async def mkdir(
         self, who: Principal, sandbox_id: str, path: str, *, mode: int, parents: bool
     ) -> None:
-        await self._agent(who, sandbox_id).mkdir(path, mode=mode, parents=parents)
+        if self.mounted.covers(sandbox_id, path):
+            await self.mounted.mkdir(who, sandbox_id, path, mode, parents)
+        else:
+            await self._agent(who, sandbox_id).mkdir(path, mode=mode, parents=parents)
         self.events.emit(sandbox_id, "mkdir", {"path": path, "mode": mode})
 
     async def chmod(self, who: Principal, sandbox_id: str, path: str, mode: int) -> None:
-        await self._agent(who, sandbox_id).chmod(path, mode)
+        if self.mounted.covers(sandbox_id, path):
+            await self.mounted.chmod(who, sandbox_id, path, mode)
+        else:
+            await self._agent(who, sandbox_id).chmod(path, mode)
         self.events.emit(sandbox_id, "chmod", {"path": path, "mode": mode})
 
     async def remove(self, who: Principal, sandbox_id: str, path: str, *, recursive: bool) -> None:
-        await self._agent(who, sandbox_id).remove(path, recursive=recursive)
+        if self.mounted.covers(sandbox_id, path):
+            await self.mounted.remove(who, sandbox_id, path, recursive)
+        else:
+            await self._agent(who, sandbox_id).remove(path, recursive=recursive)
         self.events.emit(sandbox_id, "file_remove", {"path": path, "recursive": recursive})
 
     async def download_archive(

@@ -69,6 +69,9 @@ def new_record(
         ttl_seconds=spec.ttl_seconds,
         idle_timeout_seconds=spec.idle_timeout_seconds,
         ttl_action=spec.ttl_action,
+        ttl_clock=spec.ttl_clock,
+        auto_resume=spec.auto_resume,
+        wake_ttl_seconds=spec.ttl_seconds,
         idle_action=spec.idle_action,
         max_pids=spec.max_pids,
         delete_after_stop_seconds=spec.delete_after_stop_seconds,
@@ -80,6 +83,7 @@ def new_record(
         secrets=secrets,
         mounts=list(spec.mounts),
         bucket_mounts=list(spec.bucket_mounts),
+        volume_mounts=list(spec.volume_mounts),
         created_from=created_from,
         **lineage,
     )
@@ -95,6 +99,8 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         ttl_seconds=row.ttl_seconds,
         idle_timeout_seconds=row.idle_timeout_seconds,
         ttl_action=row.ttl_action,
+        ttl_clock=row.ttl_clock,
+        auto_resume=row.auto_resume,
         idle_action=row.idle_action,
         max_pids=row.max_pids,
         delete_after_stop_seconds=row.delete_after_stop_seconds,
@@ -105,6 +111,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         secrets={k: v.secret for k, v in row.secrets.items()},
         mounts=row.mounts,
         bucket_mounts=row.bucket_mounts,
+        volume_mounts=row.volume_mounts,
     )
 
 

@@ -137,6 +137,20 @@ class Ports:
         if not hmac.compare_digest(token.encode(), self.rewrite_token(sandbox_id).encode()):
             raise errors.PermissionDenied("not the egress proxy's rewrite token")
 
+    def volume_token(self, volume_id: str) -> str:
+        """A bearer for one volume's content API (E2B's volume token), valid as long as the
+        volume lives."""
+        return _b64(self._sign(f"volume:{volume_id}"))
+
+    def mount_token(self, sandbox_id: str) -> str:
+        """The egress proxy's bearer for one sandbox's volume mounts (the daemon checks the
+        mounts themselves on every request)."""
+        return _b64(self._sign(f"volume-mounts:{sandbox_id}"))
+
+    @staticmethod
+    def same(given: str, expected: str) -> bool:
+        return hmac.compare_digest(given.encode(), expected.encode())
+
     def host_caller(
         self, sandbox_id: str, port: int, *, access: str, traffic: str, service_token: str
     ) -> Principal:
@@ -171,12 +185,15 @@ class Ports:
         body: AsyncIterable[bytes],
         host: str | None = None,
     ) -> HttpResponse:
-        """One HTTP/1.1 request to the guest server on `port` (its `Host` the port's
-        loopback address, or `host`); the response streams."""
+        """One HTTP/1.1 request to the guest server on `port` (its `Host` the one the
+        sandbox's network policy names, by default the port's loopback address, or
+        `host`); the response streams."""
         stream = await self.open(who, sandbox_id, port)
+        if host is None:
+            host = self.registry.get(who, sandbox_id).network.host_for(port)
         conn = h11.Connection(h11.CLIENT)
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-        sent += [("host", host or f"127.0.0.1:{port}"), ("connection", "close")]
+        sent += [("host", host), ("connection", "close")]
         if not any(k.lower() == "content-length" for k, _ in sent):
             sent.append(("transfer-encoding", "chunked"))  # a body of unknown length
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from cella.config import upstream_parts
 from cella.models import AwsSigning, NetworkPolicy
 from cella.store import SandboxRecord, SecretRecord, Store
 
@@ -45,7 +46,12 @@ def header_rules(store: Store, row: SandboxRecord) -> list[dict[str, Any]]:
             used.append({"name": name, "value": secret.value})
         else:
             rendered = {"hosts": rule.hosts, "name": rule.name, "value": value}
-            out.append({**rendered, "secrets": used})
+            minted = [  # `{identity:NAME}`: the proxy mints the token per request
+                {"name": n, **row.network.identity_tokens[n].model_dump()}
+                for n in rule.identities
+                if n in row.network.identity_tokens
+            ]
+            out.append({**rendered, "secrets": used, "identities": minted})
     return out
 
 
@@ -83,3 +89,25 @@ def _auth_header(secret: SecretRecord) -> list[str] | None:
         pair = f"{secret.username or 'x-access-token'}:{secret.value}"
         return ["Authorization", "Basic " + base64.b64encode(pair.encode()).decode()]
     return None
+
+
+def upstream(
+    store: Store, row: SandboxRecord, tenant_default: str | None = None
+) -> dict[str, Any] | None:
+    """The sandbox's own upstream proxy, its password read from the tenant's secret; else
+    the operator's for its tenant (`egress_tenant_upstreams`), whose address is the
+    operator's choice and so not held to the boundary."""
+    proxy = row.network.upstream_proxy
+    if proxy is None:
+        return {**upstream_parts(tenant_default), "operator": True} if tenant_default else None
+    password = None
+    if proxy.password_secret is not None:
+        secret = store.get_secret(row.tenant, proxy.password_secret)
+        password = secret.value if secret is not None else ""  # gone: the proxy refuses
+    return {
+        "scheme": proxy.scheme,
+        "host": proxy.host,
+        "port": proxy.port,
+        "username": proxy.username,
+        "password": password,
+    }

@@ -31,6 +31,9 @@ S = SandboxState
 MAX_ERROR = 2000
 
 
+HELD = (S.paused, S.stopped)  # states whose time a `running` lifetime clock leaves out
+
+
 def iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat()
 
@@ -145,7 +148,18 @@ class Registry:
         return self.store.insert_sandbox(record)
 
     def update(self, sandbox_id: str, **fields: Any) -> None:
-        """Writes fields of a row (a state is written before it is acted on)."""
+        """Writes fields of a row (a state is written before it is acted on). A sandbox
+        that comes to be paused or stopped starts a hold, and one that runs again adds the
+        hold to `held_seconds` (what a `running` lifetime clock leaves out)."""
+        state = fields.get("state")
+        if state in HELD or state == S.running:
+            row = self.store.get_sandbox(sandbox_id)
+            now = time.time()
+            if row is not None and state in HELD and row.held_since is None:
+                fields["held_since"] = iso(now)
+            elif row is not None and state == S.running and row.held_since is not None:
+                fields["held_seconds"] = row.held(now)
+                fields["held_since"] = None
         self.store.update_sandbox(sandbox_id, **fields)
 
     def fail(self, sandbox_id: str, exc: BaseException, event: str | None = None) -> None:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import hashlib
 import logging
 import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -34,8 +32,6 @@ from cella.models import (
     ExecDefaults,
     ExecRequest,
     ImageConfig,
-    NetworkPolicy,
-    SandboxCreate,
     Template,
     TemplateBuild,
 )
@@ -111,6 +107,8 @@ class Templates:
             built=(self.paths.templates / meta.image).exists(),
             disk_mib=meta.disk_mib,
             config=meta.config,
+            start=meta.start,
+            tenant=meta.tenant,
             built_at=datetime.fromtimestamp(meta.built_at, UTC).isoformat(),
             seconds=meta.seconds,
         )
@@ -137,8 +135,9 @@ class Templates:
     # -- building ------------------------------------------------------------------------
 
     async def build_image(self, tenant: str, req: TemplateBuild, progress: Progress) -> Template:
-        """A template from an image; ends with its warm snapshot made."""
-        self._check_name(req.name)
+        """A template from an image; ends with its warm snapshot made (after its start
+        command, if it has one, is ready)."""
+        self.check_name(req.name)
         credentials = self._credentials(tenant, req.registry_secret, req.image)
         async with self.lock(req.name):
             await asyncio.to_thread(
@@ -151,87 +150,10 @@ class Templates:
                 cert_dir=self.certs(),
                 credentials=credentials,
                 limits=oci.ImportLimits.of(self.settings),
+                start=req.start,
             )
             await self.warm_up(req.name, progress)
         return self.get(req.name)  # with the snapshot's time
-
-    async def build_dockerfile(
-        self,
-        tenant: str,
-        name: str,
-        context: AsyncIterable[bytes],
-        progress: Progress,
-        *,
-        dockerfile: str = "Dockerfile",
-        allow: builtins.list[str] | None = None,
-        disk_mib: int | None = None,
-    ) -> Template:
-        """A template from a Dockerfile and its context (a tar stream), built by buildah in
-        a builder sandbox that reaches only `allow`; the image comes out as an OCI archive."""
-        self._check_name(name)
-        if dockerfile.startswith("/") or ".." in dockerfile.split("/") or "\x00" in dockerfile:
-            raise errors.InvalidArgument("dockerfile must be a path inside the context")
-        try:
-            self.registry.driver.template_disk_mib(BUILDER_TEMPLATE)
-        except errors.ImageMissing:
-            raise errors.ImageMissing(
-                "the docker template (the builder) is not built: "
-                "run `cella setup --template docker`"
-            ) from None
-        spec = SandboxCreate(  # the pooled shape: restored from the template's warm snapshot
-            template=BUILDER_TEMPLATE,
-            ttl_seconds=3600,
-            labels={"cella.role": "template-builder", "cella.template": name},
-            network=NetworkPolicy(allow=allow or []),
-        )
-        progress(f"starting a builder sandbox (egress: {', '.join(allow or []) or 'none'})")
-        builder = Principal.service(tenant)  # the builder is the tenant's, as a template is
-        box = await self.lifecycle.create(builder, spec)
-        digest = hashlib.sha256()
-        try:
-
-            async def hashed() -> AsyncIterator[bytes]:
-                async for chunk in context:
-                    digest.update(chunk)
-                    yield chunk
-
-            progress("uploading the build context")
-            await self.files.upload_archive(builder, box.id, f"{BUILD_DIR}/context", hashed())
-            source = f"Dockerfile (context sha256:{digest.hexdigest()[:16]})"
-            progress("building the image (buildah)")
-            await self.run_step(builder, box.id, [*BUILDAH, "bud", "--isolation", "chroot",
-                            "--layers=false", "-f", f"{BUILD_DIR}/context/{dockerfile}",
-                            "-t", "cella-build", f"{BUILD_DIR}/context"], progress)  # fmt: skip
-            progress("exporting the image")
-            await self.run_step(builder, box.id, [*BUILDAH, "push", "cella-build",
-                            f"oci:{BUILD_DIR}/layout:cella-build"], progress)  # fmt: skip
-            limits = oci.ImportLimits.of(self.settings)
-            with tempfile.TemporaryDirectory(dir=self.paths.build_tmp) as tmp:
-
-                async def read(path: str) -> AsyncIterator[bytes]:
-                    return await self.files.read(builder, box.id, path)
-
-                # blob by blob, checked: what the builder made is the guest's, and an
-                # archive of it would be unpacked on the host
-                image = await oci.copy_layout(read, f"{BUILD_DIR}/layout", Path(tmp), limits)
-                async with self.lock(name):
-                    await asyncio.to_thread(
-                        oci.build_from_image,
-                        self.paths,
-                        name,
-                        image,
-                        threadsafe(progress),
-                        disk_mib=disk_mib,
-                        kind="dockerfile",
-                        source=source,
-                        limits=limits,
-                    )
-        finally:
-            with contextlib.suppress(errors.CellaError):
-                await self.lifecycle.delete(builder, box.id)
-        async with self.lock(name):
-            await self.warm_up(name, progress)
-        return self.get(name)
 
     async def run_step(
         self,
@@ -322,7 +244,7 @@ class Templates:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _check_name(self, name: str) -> None:
+    def check_name(self, name: str) -> None:
         if name in builtin_templates():
             raise errors.InvalidArgument(f"{name!r} is a built-in template (`cella setup`)")
         if oci.owner_of(self.paths, name) is not None or name.startswith(OWNED_PREFIX):

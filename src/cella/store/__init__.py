@@ -7,11 +7,14 @@ from cella.store.records import (
     EventRecord,
     KeyRecord,
     KeyUse,
+    NamedTemplateRecord,
     RegistryRecord,
     SandboxRecord,
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    TemplateBuildRecord,
+    VolumeRecord,
 )
 
 __all__ = [
@@ -21,11 +24,14 @@ __all__ = [
     "KeyRecord",
     "KeyUse",
     "MetricRecord",
+    "NamedTemplateRecord",
     "RegistryRecord",
     "SandboxRecord",
     "SecretRecord",
     "SecretRef",
     "SnapshotRecord",
     "Store",
+    "TemplateBuildRecord",
+    "VolumeRecord",
     "WebhookRecord",
 ]

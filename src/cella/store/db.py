@@ -17,6 +17,7 @@ from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
+from cella.models.volumes import VolumeMount
 from cella.store.migrations import MIGRATIONS
 from cella.store.observe import Observations
 from cella.store.records import (
@@ -24,11 +25,14 @@ from cella.store.records import (
     EventRecord,
     KeyRecord,
     KeyUse,
+    NamedTemplateRecord,
     RegistryRecord,
     SandboxRecord,
     SecretRecord,
     SecretRef,
     SnapshotRecord,
+    TemplateBuildRecord,
+    VolumeRecord,
 )
 from cella.store.sealing import Sealer
 
@@ -568,6 +572,118 @@ class Store(Observations):
         )
         return cur.rowcount > 0
 
+    # -- volumes (their files are the volumes room's, on the host) -----------------------
+
+    def put_volume(self, record: VolumeRecord) -> VolumeRecord:
+        record.created_at = record.created_at or now()
+        try:
+            self._exec(
+                "INSERT INTO volumes (id, tenant, name, created_at) VALUES (?, ?, ?, ?)",
+                (record.id, record.tenant, record.name, record.created_at),
+            )
+        except sqlite3.IntegrityError:
+            raise errors.AlreadyExists(f"a volume named {record.name!r} exists") from None
+        return record
+
+    def get_volume(self, tenant: str, key: str) -> VolumeRecord | None:
+        """The tenant's volume by id or name."""
+        row = self._exec(
+            "SELECT * FROM volumes WHERE tenant = ? AND (id = ? OR name = ?)", (tenant, key, key)
+        ).fetchone()
+        return VolumeRecord(**dict(row)) if row else None
+
+    def volume_by_id(self, volume_id: str) -> VolumeRecord | None:
+        row = self._exec("SELECT * FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+        return VolumeRecord(**dict(row)) if row else None
+
+    def list_volumes(self, tenant: str | None) -> list[VolumeRecord]:
+        if tenant is None:
+            rows = self._exec("SELECT * FROM volumes ORDER BY created_at, id").fetchall()
+        else:
+            rows = self._exec(
+                "SELECT * FROM volumes WHERE tenant = ? ORDER BY created_at, id", (tenant,)
+            ).fetchall()
+        return [VolumeRecord(**dict(r)) for r in rows]
+
+    def delete_volume(self, tenant: str, volume_id: str) -> bool:
+        cur = self._exec("DELETE FROM volumes WHERE tenant = ? AND id = ?", (tenant, volume_id))
+        return cur.rowcount > 0
+
+    # -- templates built from steps (their names, builds and tags) -------------------------
+
+    def add_named_template(self, record: NamedTemplateRecord) -> NamedTemplateRecord:
+        record.created_at = record.updated_at = now()
+        try:
+            self._insert("named_templates", dataclasses.asdict(record))
+        except sqlite3.IntegrityError:
+            raise errors.Conflict(f"a template named {record.name!r} exists") from None
+        return record
+
+    def named_template(self, tenant: str, key: str) -> NamedTemplateRecord | None:
+        """The tenant's template by id or name."""
+        row = self._exec(
+            "SELECT * FROM named_templates WHERE tenant = ? AND (id = ? OR name = ?)",
+            (tenant, key, key),
+        ).fetchone()
+        return NamedTemplateRecord(**dict(row)) if row else None
+
+    def named_templates(self, tenant: str | None) -> list[NamedTemplateRecord]:
+        rows = self._list("named_templates", tenant, None)
+        return [NamedTemplateRecord(**dict(r)) for r in rows]
+
+    def delete_named_template(self, template_id: str) -> None:
+        for table, column in (
+            ("template_tags", "template_id"),
+            ("template_builds", "template_id"),
+            ("named_templates", "id"),
+        ):
+            self._exec(f"DELETE FROM {table} WHERE {column} = ?", (template_id,))  # fmt: skip
+
+    def insert_build(self, record: TemplateBuildRecord) -> TemplateBuildRecord:
+        record.created_at = record.updated_at = now()
+        self._insert("template_builds", dataclasses.asdict(record))
+        return record
+
+    def update_build(self, build_id: str, **fields: Any) -> None:
+        self._update("template_builds", build_id, fields)
+
+    def get_build(self, build_id: str) -> TemplateBuildRecord | None:
+        row = self._get("template_builds", build_id)
+        return TemplateBuildRecord(**dict(row)) if row else None
+
+    def builds_of(self, template_id: str) -> list[TemplateBuildRecord]:
+        rows = self._exec(
+            "SELECT * FROM template_builds WHERE template_id = ? ORDER BY created_at, rowid",
+            (template_id,),
+        ).fetchall()
+        return [TemplateBuildRecord(**dict(r)) for r in rows]
+
+    def builds_in(self, states: Iterable[str]) -> list[TemplateBuildRecord]:
+        return [TemplateBuildRecord(**dict(r)) for r in self._list("template_builds", None, states)]
+
+    def set_template_tag(self, template_id: str, tag: str, build_id: str) -> None:
+        self._exec(
+            "INSERT INTO template_tags (template_id, tag, build_id, created_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (template_id, tag) DO UPDATE SET "
+            "build_id = excluded.build_id, created_at = excluded.created_at",
+            (template_id, tag, build_id, now()),
+        )
+
+    def template_tags(self, template_id: str) -> list[tuple[str, str, str]]:
+        """(tag, build id, when it was set) of each of the template's tags."""
+        rows = self._exec(
+            "SELECT tag, build_id, created_at FROM template_tags WHERE template_id = ? "
+            "ORDER BY created_at, tag",
+            (template_id,),
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def delete_template_tag(self, template_id: str, tag: str) -> bool:
+        cur = self._exec(
+            "DELETE FROM template_tags WHERE template_id = ? AND tag = ?", (template_id, tag)
+        )
+        return cur.rowcount > 0
+
 
 def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
@@ -575,6 +691,7 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
         "exec_defaults": record.exec_defaults.model_dump(),
         "mounts": [m.model_dump() for m in record.mounts],
         "bucket_mounts": [m.model_dump() for m in record.bucket_mounts],
+        "volume_mounts": [m.model_dump() for m in record.volume_mounts],
         "mount_states": {k: v.model_dump(mode="json") for k, v in record.mount_states.items()},
         "secrets": {k: dataclasses.asdict(v) for k, v in record.secrets.items()},
     }
@@ -592,6 +709,10 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
         out["bucket_mounts"] = [
             m.model_dump() if isinstance(m, BucketMount) else m for m in out["bucket_mounts"]
         ]
+    if "volume_mounts" in out:
+        out["volume_mounts"] = [
+            m.model_dump() if isinstance(m, VolumeMount) else m for m in out["volume_mounts"]
+        ]
     if "mount_states" in out:
         out["mount_states"] = {
             k: v.model_dump(mode="json") if isinstance(v, BucketState) else v
@@ -603,7 +724,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
             for k, v in out["secrets"].items()
         }
     for key in ("labels", "network", "secrets", "exec_defaults", "mounts", "bucket_mounts",
-                "mount_states", "shares"):  # fmt: skip
+                "mount_states", "shares", "volume_mounts"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
     for key in ("delegation", "rewrite_setter"):
@@ -621,10 +742,12 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
     out["mounts"] = [GitMount.model_validate(m) for m in json.loads(out["mounts"])]
     out["bucket_mounts"] = [BucketMount.model_validate(m) for m in json.loads(out["bucket_mounts"])]
+    out["volume_mounts"] = [VolumeMount.model_validate(m) for m in json.loads(out["volume_mounts"])]
     states = json.loads(out["mount_states"]).items()
     out["mount_states"] = {k: BucketState.model_validate(v) for k, v in states}
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
+    out["auto_resume"] = bool(out["auto_resume"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None
     setter = out["rewrite_setter"]
     out["rewrite_setter"] = json.loads(setter) if setter else None

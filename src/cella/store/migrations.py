@@ -231,6 +231,60 @@ MIGRATIONS: list[str] = [
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_at);
     CREATE INDEX webhook_deliveries_hook ON webhook_deliveries (webhook_id, id);
     """,
+    # volumes: a tenant's persistent file trees (their files are on the host, under the data
+    # directory); sandboxes record the volumes they mount
+    """
+    CREATE TABLE volumes (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
+    """,
+    # templates built from steps (E2B's `Template`): a tenant's names, their builds, tags
+    """
+    CREATE TABLE named_templates (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        UNIQUE (tenant, name)
+    );
+    CREATE TABLE template_builds (
+        id TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        state TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        image TEXT,
+        error TEXT,
+        step TEXT,
+        logs TEXT NOT NULL DEFAULT '[]',
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX template_builds_template ON template_builds (template_id);
+    CREATE TABLE template_tags (
+        template_id TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    """,
+    # a lifetime that time paused or stopped does not consume (`ttl_clock` running: the
+    # time held so far, and since when it is held), and waking on traffic (`auto_resume`,
+    # with the lifetime a wake grants when the old one has run out)
+    """
+    ALTER TABLE sandboxes ADD COLUMN ttl_clock TEXT NOT NULL DEFAULT 'wall';
+    ALTER TABLE sandboxes ADD COLUMN held_seconds REAL NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN held_since TEXT;
+    ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN wake_ttl_seconds INTEGER;
+    """,
     # who set a sandbox's rewrite rules (their setter's principal, JSON), re-checked on every
     # rewritten request; NULL for rules set before: their setter is taken to be the
     # sandbox's creator key (or, with none, the tenant), as `service.rewrites` says

@@ -14,6 +14,7 @@ from cella.models.buckets import BucketMount, BucketState
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
+from cella.models.volumes import VolumeMount
 
 
 def epoch(iso: str) -> float:
@@ -47,6 +48,13 @@ class SandboxRecord:
     exec_defaults: ExecDefaults = field(default_factory=ExecDefaults)
     stopped_at: str | None = None
     stop_keeps_memory: bool = False  # a stop pauses the VM (processes and memory kept)
+    # `wall`: the lifetime counts from creation; `running`: time paused or stopped does not
+    # count (`held_seconds` so far, and the current hold since `held_since`)
+    ttl_clock: str = "wall"
+    held_seconds: float = 0.0
+    held_since: str | None = None
+    auto_resume: bool = False  # traffic to its ports (and E2B's envd) resumes it
+    wake_ttl_seconds: int | None = None  # what a wake grants when its lifetime has run out
     # access delegation: mode, permissions, the creator's key id, the sandbox's token key
     delegation: dict[str, Any] | None = None
     labels: dict[str, str] = field(default_factory=dict)
@@ -62,6 +70,7 @@ class SandboxRecord:
     secrets: dict[str, SecretRef] = field(default_factory=dict)
     mounts: list[GitMount] = field(default_factory=list)
     bucket_mounts: list[BucketMount] = field(default_factory=list)
+    volume_mounts: list[VolumeMount] = field(default_factory=list)
     mount_states: dict[str, BucketState] = field(default_factory=dict)  # bucket mount id ->
     accel: str | None = None
     accel_reason: str | None = None
@@ -89,7 +98,23 @@ class SandboxRecord:
         return self.state in LIVE_STATES
 
     def age_seconds(self, now: float) -> float:
-        return now - epoch(self.created_at)
+        """Its age as its lifetime (`ttl_seconds`) counts it: from creation, less the time
+        it was paused or stopped when its `ttl_clock` is `running`."""
+        age = now - epoch(self.created_at)
+        if self.ttl_clock == "running":
+            age -= self.held(now)
+        return max(0.0, age)
+
+    def held(self, now: float) -> float:
+        """Seconds it has spent paused or stopped (recorded since `ttl_clock` existed)."""
+        current = now - epoch(self.held_since) if self.held_since else 0.0
+        return self.held_seconds + max(0.0, current)
+
+    def ends_at(self, now: float) -> float | None:
+        """When its lifetime runs out, as things stand (None: it has none)."""
+        if not self.ttl_seconds:
+            return None
+        return now + self.ttl_seconds - self.age_seconds(now)
 
     def idle_seconds(self, now: float) -> float:
         return now - epoch(self.last_active_at or self.created_at)
@@ -156,6 +181,37 @@ class RegistryRecord:
 
 
 @dataclass(slots=True)
+class NamedTemplateRecord:
+    """A tenant's template built from steps (E2B's `Template`): its id and name; each of
+    its builds makes a cella template of the tenant's alone."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class TemplateBuildRecord:
+    """One build of a named template: its steps (`spec`, JSON; never a registry password),
+    its state (`waiting`, `building`, `ready`, `error`), the cella template it made, the
+    step that failed, and its log (JSON lines of timestamp, level, message)."""
+
+    id: str
+    template_id: str
+    tenant: str
+    state: str = "waiting"
+    spec: str = "{}"
+    image: str | None = None
+    error: str | None = None
+    step: str | None = None
+    logs: str = "[]"
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
 class KeyRecord:
     id: str
     tenant: str
@@ -202,3 +258,13 @@ class EvalRunRecord:
     created_at: str
     name: str | None = None
     finished_at: str | None = None
+
+
+@dataclass(slots=True)
+class VolumeRecord:
+    """A tenant's volume: its files live on the host, under the daemon's data directory."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: str = ""

@@ -18,7 +18,7 @@ from typing import Any
 from cella import errors
 from cella._proc import Progress, quiet
 from cella.images.boot import BootImage, ensure_boot
-from cella.images.templates import builtin_templates, find_template
+from cella.images.templates import builtin_templates, find_template, start_of
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
 from cella.runtime.contract import VM, AccelChoice
@@ -242,6 +242,7 @@ class QemuDriver:
             boot_timeout,
             extra_ca=self.extra_ca,
             warm=spec.warm if (spec := builtin_templates().get(template)) else [],
+            start=start_of(self.paths, template),
             jail=self.jail,
         )
 
@@ -456,6 +457,13 @@ class QemuDriver:
         parts += [meta["accel"], str(vcpus), str(memory_mib)]
         if self.extra_ca:  # a changed CA set means new warm snapshots
             parts.append(hashlib.sha256(self.extra_ca).hexdigest())
+        if started := start_of(self.paths, template):  # and so does a new start command
+            start, config = started
+            parts.append(
+                hashlib.sha256(
+                    f"{start.model_dump_json()}{config.model_dump_json()}".encode()
+                ).hexdigest()
+            )
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def cpu_seconds(self, vm: VM) -> float | None:

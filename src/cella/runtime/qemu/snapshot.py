@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
+from cella.guest.start import start as start_command
 from cella.guest.trust import trust
+from cella.models import ImageConfig, StartCommand
 from cella.runtime.qemu import ramdiff
 from cella.runtime.qemu.args import VMConfig
 from cella.runtime.qemu.jail import Jail
@@ -64,13 +66,15 @@ async def snapshot_fresh_boot(
     *,
     extra_ca: bytes = b"",
     warm: list[str] | None = None,
+    start: tuple[StartCommand, ImageConfig] | None = None,
     jail: Jail | None = None,
 ) -> dict[str, Any]:
     """A template's warm snapshot: boot with RAM in a shared file, warm it, save devices.
 
     `config_for(directory, ram_file, shared)` builds the VM config for this host; the guest
     trusts `extra_ca` (the operator's CAs) from then on, and the template's `warm` commands
-    have run (what they start runs on in every restored sandbox).
+    have run (what they start runs on in every restored sandbox), and so has its `start`
+    command, until its ready command succeeded.
     """
     tmp = _tmp_dir(dest)
     vm: QemuVM | None = None
@@ -86,6 +90,8 @@ async def snapshot_fresh_boot(
             if done.exit_code != 0:
                 tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
                 raise errors.BuildFailed(f"warm-up {command!r} exited {done.exit_code}: {tail}")
+        if start is not None:
+            await start_command(vm.agent, *start)
         # warm the page cache and TCG with what sandboxes run first; restores inherit it
         # (best effort: an image may have no shell or no python)
         with contextlib.suppress(errors.CellaError):

@@ -31,6 +31,7 @@ from cella.models import (
     GcpToken,
     GitMount,
     HeaderRule,
+    IdentityToken,
     KeyRotation,
     KeyUseInfo,
     LineageNode,
@@ -47,14 +48,20 @@ from cella.models import (
     SandboxUsage,
     Secret,
     SigningKeys,
+    StartCommand,
     Template,
     TemplateList,
+    UpstreamProxy,
+    VolumeEntry,
+    VolumeList,
+    VolumeMount,
     Webhook,
     WebhookCreated,
     WebhookDelivery,
 )
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
+from cella.models import Volume as VolumeInfo
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
@@ -135,6 +142,8 @@ class Client:
         ttl_seconds: int | None = None,
         idle_timeout_seconds: int | None = None,
         ttl_action: str | None = None,
+        ttl_clock: str | None = None,
+        auto_resume: bool | None = None,
         idle_action: str | None = None,
         max_pids: int | None = None,
         labels: dict[str, str] | None = None,
@@ -146,6 +155,9 @@ class Client:
         gcp: builtins.list[GcpToken] | None = None,
         egress_env: dict[str, str] | None = None,
         rewrites: builtins.list[RewriteRule] | None = None,
+        identity_tokens: dict[str, IdentityToken] | None = None,
+        upstream_proxy: UpstreamProxy | None = None,
+        port_host: str | None = None,
         name: str | None = None,
         snapshot: str | None = None,
         exec_defaults: ExecDefaults | None = None,
@@ -156,6 +168,7 @@ class Client:
         access_delegation: dict[str, Any] | None = None,
         mounts: builtins.list[GitMount] | None = None,
         bucket_mounts: builtins.list[BucketMount] | None = None,
+        volume_mounts: builtins.list[VolumeMount] | None = None,
         visibility: str | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
@@ -182,13 +195,30 @@ class Client:
         `refresh_interval_seconds` while it runs. `bucket_mounts` are S3 and GCS buckets
         mounted in the guest (rclone) before it is returned, their requests authenticated by
         the egress proxy with the stored secrets their `auth` names (their hosts are allowed);
-        each one's state is in `info.mount_states`. `visibility`: `private` (its creator, the
+        each one's state is in `info.mount_states`. `volume_mounts` mount the tenant's volumes
+        (`create_volume`) at their paths, shared with every other sandbox mounting them
+        (read-only ones refuse writes). `visibility`: `private` (its creator, the
         tenant's owners and whom it is shared with: `share`) or `tenant` (every key of the
         tenant may exec in it too); by default `tenant` for an owner's key, `private` for a
-        member's.
+        member's. `ttl_clock="running"` leaves the time it is paused or stopped out of
+        `ttl_seconds`; `auto_resume` lets traffic to its ports wake it. `identity_tokens`
+        are workload identity JWTs that header rules put into requests (`{identity:NAME}`),
+        minted by the egress proxy; `upstream_proxy` sends its allowed traffic through a
+        proxy of yours; `port_host` is the Host header its port servers see.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
-        network = network_body(*rules, rewrites=rewrites) if any(rules) or rewrites else None
+        wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
+        network = (
+            network_body(
+                *rules,
+                rewrites=rewrites,
+                identity_tokens=identity_tokens,
+                upstream_proxy=upstream_proxy,
+                port_host=port_host,
+            )
+            if wanted
+            else None
+        )
         body = create_body(
             name=name,
             snapshot=snapshot,
@@ -206,6 +236,8 @@ class Client:
             ttl_seconds=ttl_seconds,
             idle_timeout_seconds=idle_timeout_seconds,
             ttl_action=ttl_action,
+            ttl_clock=ttl_clock,
+            auto_resume=auto_resume,
             idle_action=idle_action,
             max_pids=max_pids,
             labels=labels,
@@ -215,6 +247,7 @@ class Client:
             bucket_mounts=[m.model_dump(exclude_none=True) for m in bucket_mounts]
             if bucket_mounts
             else None,
+            volume_mounts=[m.model_dump() for m in volume_mounts] if volume_mounts else None,
         )
         response = self.request("POST", "/v1/sandboxes", json=body)
         return Sandbox(self, SandboxInfo.model_validate(response.json()))
@@ -323,6 +356,25 @@ class Client:
         return int(KeyRotation.model_validate(response.json()).resealed)
 
     # -- image registries ----------------------------------------------------------------
+
+    def create_volume(self, name: str) -> Volume:
+        """A new, empty volume of the tenant (names are unique in it)."""
+        response = self.request("POST", "/v1/volumes", json={"name": name})
+        return Volume(self, VolumeInfo.model_validate(response.json()))
+
+    def volumes(self) -> VolumeList:
+        """The tenant's volumes, with its quota and the bytes they hold."""
+        response = self.request("GET", "/v1/volumes")
+        return VolumeList.model_validate(response.json())
+
+    def volume(self, key: str) -> Volume:
+        """A volume by id or name."""
+        response = self.request("GET", f"/v1/volumes/{key}")
+        return Volume(self, VolumeInfo.model_validate(response.json()))
+
+    def delete_volume(self, key: str, *, force: bool = False) -> None:
+        """Deletes a volume and its files; one a sandbox mounts only with `force`."""
+        self.request("DELETE", f"/v1/volumes/{key}", params={"force": force})
 
     def create_registry(
         self, name: str, url: str, *, username: str | None = None, password: str | None = None
@@ -469,13 +521,24 @@ class Client:
         *,
         disk_mib: int | None = None,
         registry_secret: str | None = None,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> Template:
         """A template from an OCI/Docker image (`registry/repo:tag`, `...@sha256:...`, or a
         `docker save` / OCI archive or layout on the daemon's host); admin only. Progress
-        lines go to `on_progress`; a rebuild of the same digest is a cache hit."""
+        lines go to `on_progress`; a rebuild of the same digest is a cache hit. With
+        `start_cmd`, every sandbox of it has that command running (started before the
+        template's warm snapshot, once `ready_cmd` exits 0)."""
+        start = None
+        if start_cmd or ready_cmd:
+            start = StartCommand(command=start_cmd, ready=ready_cmd).model_dump()
         body = create_body(
-            name=name, image=image, disk_mib=disk_mib, registry_secret=registry_secret
+            name=name,
+            image=image,
+            disk_mib=disk_mib,
+            registry_secret=registry_secret,
+            start=start,
         )
         return self._build("/v1/templates", on_progress, json=body)
 
@@ -487,14 +550,18 @@ class Client:
         dockerfile: str = "Dockerfile",
         allow: builtins.list[str] | None = None,
         disk_mib: int | None = None,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> Template:
         """A template from a Dockerfile in the `context` directory, built by buildah inside
-        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM)."""
+        a builder sandbox that may reach only `allow` (e.g. the registry of its FROM); its
+        sandboxes have `start_cmd` running, as `build_template`'s."""
         params: builtins.list[tuple[str, str | int | float | bool | None]] = [
             ("dockerfile", dockerfile)
         ]
         params += [("allow", a) for a in allow or []]
+        params += [(k, v) for k, v in (("start_cmd", start_cmd), ("ready_cmd", ready_cmd)) if v]
         if disk_mib is not None:
             params.append(("disk_mib", disk_mib))
         return self._build(
@@ -771,12 +838,27 @@ class Sandbox:
         egress_env: dict[str, str] | None = None,
         callbacks: builtins.list[CallbackRule] | None = None,
         rewrites: builtins.list[RewriteRule] | None = None,
+        identity_tokens: dict[str, IdentityToken] | None = None,
+        upstream_proxy: UpstreamProxy | None = None,
+        port_host: str | None = None,
     ) -> Sandbox:
         """Replaces the egress rules (those of `create`); a running sandbox's next connection
         follows them, and its next command the new `egress_env`. `callbacks` ask an outside
         URL about requests to their hosts (`CallbackRule`); `rewrites` send requests to a
         host name to a port of another of the tenant's sandboxes (`RewriteRule`)."""
-        body = network_body(allow, deny, headers, aws, gcp, egress_env, callbacks, rewrites)
+        body = network_body(
+            allow,
+            deny,
+            headers,
+            aws,
+            gcp,
+            egress_env,
+            callbacks,
+            rewrites,
+            identity_tokens=identity_tokens,
+            upstream_proxy=upstream_proxy,
+            port_host=port_host,
+        )
         response = self.client.request("PUT", f"{self._path}/network", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self
@@ -988,3 +1070,74 @@ class Files:
         """The directory `path` as an uncompressed tar archive."""
         response = self._request("GET", "/archive", params={"path": path})
         return response.content
+
+
+class Volume:
+    """A volume's files, read and written without a sandbox."""
+
+    def __init__(self, client: Client, info: VolumeInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def __repr__(self) -> str:
+        return f"<Volume {self.info.id} {self.info.name}>"
+
+    def _request(self, method: str, op: str, **kwargs: Any) -> httpx2.Response:
+        return self.client.request(method, f"/v1/volumes/{self.info.id}/{op}", **kwargs)
+
+    def refresh(self) -> Volume:
+        response = self.client.request("GET", f"/v1/volumes/{self.info.id}")
+        self.info = VolumeInfo.model_validate(response.json())
+        return self
+
+    def write(
+        self,
+        path: str,
+        data: bytes | str | Iterable[bytes],
+        *,
+        parents: bool = False,
+        mode: int | None = None,
+    ) -> VolumeEntry:
+        """Writes a file whole (replaced at once for every reader), within the tenant's
+        volume quota; `data` may be an iterator of chunks (streamed)."""
+        content = data.encode() if isinstance(data, str) else data
+        params: dict[str, Any] = {"path": path, "parents": parents}
+        if mode is not None:
+            params["mode"] = mode
+        response = self._request("PUT", "content", params=params, content=content)
+        return VolumeEntry.model_validate(response.json())
+
+    def read(self, path: str) -> bytes:
+        response = self._request("GET", "content", params={"path": path})
+        return response.content
+
+    def read_text(self, path: str) -> str:
+        return (self.read(path)).decode()
+
+    def list(self, path: str = "/", *, depth: int = 1) -> builtins.list[VolumeEntry]:
+        response = self._request("GET", "list", params={"path": path, "depth": depth})
+        return [VolumeEntry.model_validate(e) for e in response.json()["entries"]]
+
+    def stat(self, path: str) -> VolumeEntry:
+        response = self._request("GET", "stat", params={"path": path})
+        return VolumeEntry.model_validate(response.json())
+
+    def mkdir(self, path: str, *, parents: bool = False) -> VolumeEntry:
+        params = {"path": path, "parents": parents}
+        response = self._request("POST", "mkdir", params=params)
+        return VolumeEntry.model_validate(response.json())
+
+    def remove(self, path: str) -> None:
+        """Removes a file, or a directory with what it holds."""
+        self._request("DELETE", "content", params={"path": path})
+
+    def delete(self, *, force: bool = False) -> None:
+        self.client.delete_volume(self.info.id, force=force)

@@ -153,6 +153,7 @@ async def service(
         )
         return redirect
     holder = Principal.service(token.tenant)  # the token is the holder's right to the port
+    await svc.waking.on_traffic(sandbox_id)  # one made with auto_resume wakes for it
     reply, sent = await _forward(request, svc, holder, sandbox_id, port, path)
     prefix = f"/v1/services/{sandbox_id}/{port}"
     return guest_reply(reply, lambda c: cookie_under(c, prefix, sent), sandboxed=True)
@@ -169,6 +170,7 @@ async def by_host(
     """`{port}-{sandbox_id}.{domain}` (see `cella.server.hosts`): its own origin. Asked for
     by this path on the daemon's host instead, it is served as a service URL is."""
     caller = _host_caller(svc, request, sandbox_id, port)
+    await svc.waking.on_traffic(sandbox_id)
     reply, sent = await _forward(request, svc, caller, sandbox_id, port, path)
     if host := request.scope.get(ROUTED_HOST):
         return guest_reply(reply, lambda c: cookie_for_host(c, host), sandboxed=False)
@@ -344,7 +346,9 @@ async def _relay(
     svc = daemon(ws)
 
     async def guest_port() -> GuestStream:
-        return await svc.ports.open(caller(svc), sandbox_id, port)
+        who = caller(svc)
+        await svc.waking.on_traffic(sandbox_id)
+        return await svc.ports.open(who, sandbox_id, port)
 
     # accepted by the relay once the guest's server has accepted
     stream = await opened(ws, guest_port, accept=False)

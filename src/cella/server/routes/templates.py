@@ -12,9 +12,10 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from cella import errors
-from cella.models import BuildEvent, Template, TemplateBuild, TemplateList
+from cella.models import BuildEvent, StartCommand, Template, TemplateBuild, TemplateList
 from cella.server.deps import Auth, DaemonDep, jsonl
 from cella.service.background import Background
+from cella.service.dockerfiles import DockerfileBuild
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
@@ -55,25 +56,43 @@ async def build_dockerfile(
     dockerfile: str = "Dockerfile",
     allow: Annotated[list[str] | None, Query(description="hosts the build may reach")] = None,
     disk_mib: Annotated[int | None, Query(ge=512, le=1 << 20)] = None,
+    start_cmd: Annotated[
+        str | None, Query(max_length=16384, description="running in its sandboxes")
+    ] = None,
+    ready_cmd: Annotated[
+        str | None, Query(max_length=16384, description="polled until it exits 0")
+    ] = None,
 ) -> StreamingResponse:
     """Builds a template from a Dockerfile; the body is the build context as a tar archive.
-    The build runs in a builder sandbox that reaches only `allow`."""
+    The build runs in a builder sandbox that reaches only `allow`. With `start_cmd`, every
+    sandbox of the template has that command running (started before the warm snapshot,
+    once `ready_cmd` exits 0)."""
     require_admin(who, "build templates")
+    start = StartCommand(command=start_cmd, ready=ready_cmd) if start_cmd or ready_cmd else None
     # read whole before the response starts: once it streams, Starlette's disconnect
     # listener takes the request's remaining messages
     spool = await _spool(request, svc.files.max_upload_bytes)
     return _stream(
         svc.background,
-        lambda progress: svc.templates.build_dockerfile(
+        lambda progress: svc.dockerfiles.build(
             who.tenant,
             name,
             _chunks(spool),
             progress,
-            dockerfile=dockerfile,
-            allow=allow,
-            disk_mib=disk_mib,
+            DockerfileBuild(dockerfile, allow or [], disk_mib, start=start),
         ),
     )
+
+
+@router.put("/uploads/{template_id}/{files_hash}", status_code=200)
+async def upload_files(
+    template_id: str, files_hash: str, token: str, request: Request, svc: DaemonDep
+) -> Response:
+    """Where a signed upload link (E2B's template file uploads) sends the files of one copy
+    step, a tar archive: no key, the link's token names the tenant, template and hash, for
+    an hour."""
+    await svc.template_builds.receive(token, template_id, files_hash, request.stream())
+    return Response(status_code=200)
 
 
 @router.delete("/{name}", status_code=204)

@@ -4,7 +4,7 @@
 
 from fastapi import FastAPI
 
-from cella.server.compat.e2b import control, envd, observe, secrets, unserved
+from cella.server.compat.e2b import control, envd, observe, secrets, templates, unserved, volumes
 from cella.server.compat.e2b.shapes import ERROR_SHAPE
 from cella.server.error_shapes import ErrorShape, add_error_shape
 from cella.server.hosts import add_own_ports
@@ -19,6 +19,8 @@ OWN_PORTS = {envd.ENVD_PORT: "e2b-sandbox-id", INTERPRETER_PORT: "e2b-sandbox-id
 
 def install(app: FastAPI) -> None:
     app.include_router(secrets.router)
+    app.include_router(volumes.router)
+    app.include_router(templates.router)  # before unserved: what it serves of /templates
     app.include_router(unserved.router)  # before control: its static paths before control's ids
     app.include_router(observe.router)  # before control too: /sandboxes/metrics is no id
     app.include_router(control.router)

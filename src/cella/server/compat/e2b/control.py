@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import time
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
@@ -17,7 +18,16 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from cella import errors
-from cella.models import ExecDefaults, HeaderRule, NetworkPolicy, SandboxCreate, SandboxUpdate
+from cella.models import (
+    ExecDefaults,
+    HeaderRule,
+    IdentityToken,
+    NetworkPolicy,
+    SandboxCreate,
+    SandboxUpdate,
+    SecretPut,
+    UpstreamProxy,
+)
 from cella.models.sandbox import MAX_LIFETIME_SECONDS
 from cella.policy.access import Permission
 from cella.server.compat.e2b.shapes import (
@@ -40,7 +50,8 @@ MaybeBody = Annotated[dict[str, Any] | None, Body()]
 DEFAULT_TIMEOUT = 300  # E2B's API default lifetime, in seconds
 REFRESH_MIN, REFRESH_MAX = 15, 3600  # a refresh's duration: E2B's floor, its spec's ceiling
 TEMPLATES = {BASE: "default", "code-interpreter-v1": "code-interpreter"}  # E2B's names
-UNSUPPORTED = ("mcp", "iam", "volumeMounts", "autoResume")
+UNSUPPORTED = ("mcp",)
+MAX_FORKS = 100  # E2B's spec (its SDK sends at most 20)
 
 
 def not_supported(what: str) -> errors.CellaError:
@@ -107,7 +118,13 @@ async def get(sandbox_id: str, svc: DaemonDep, who: Caller) -> Json:
     row = sandbox(svc, who, sandbox_id)
     # the envd tokens open its commands and files: only to a key that may exec in it
     drives = svc.registry.permission(who, row) in (Permission.exec, Permission.manage)
-    return detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    detail = detail_json(row, access(svc, row) if drives else None, disk_of(svc, row))
+    if row.volume_mounts:  # by name, as they were asked for
+        names = svc.volumes.names(who)
+        detail["volumeMounts"] = [
+            {"name": names.get(m.volume, m.volume), "path": m.path} for m in row.volume_mounts
+        ]
+    return detail
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -143,7 +160,8 @@ async def update_network(sandbox_id: str, svc: DaemonDep, who: Caller, body: Jso
     """Replaces the sandbox's egress rules (what is omitted is cleared, as E2B's API does);
     a running sandbox has them for its next connection."""
     row = sandbox(svc, who, sandbox_id)
-    await svc.egress.set_network(who, row.id, network_of(body, row.network.public_ports))
+    upstream = egress_proxy_of(svc, who, body)
+    await svc.egress.set_network(who, row.id, network_of(body, row.network, upstream))
     return Response(status_code=204)
 
 
@@ -170,6 +188,8 @@ async def connect(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody 
     manages = svc.registry.permission(who, row) == Permission.manage
     status = 200
     if state_of(row) == "paused":  # resumed with a fresh lifetime, as E2B does
+        if body.get("memory") is False and row.state != "stopped":  # a reboot from its disk
+            await svc.lifecycle.stop(who, row.id, memory=False)
         row = await svc.lifecycle.resume(who, row.id)
         if manages:
             row = await svc.lifecycle.update(who, row.id, ttl_seconds=lifetime(row, body))
@@ -185,8 +205,8 @@ async def fork(sandbox_id: str, svc: DaemonDep, who: Caller, body: MaybeBody = N
     body = body or {}
     sandbox(svc, who, sandbox_id)
     count = int_param(body.get("count"), 1, "count")
-    if not 1 <= count <= 20:
-        raise errors.InvalidArgument("count must be 1-20")
+    if not 1 <= count <= MAX_FORKS:
+        raise errors.InvalidArgument(f"count must be 1-{MAX_FORKS}, got {count}")
     rows = await svc.forks.fork(who, sandbox_id, count)
     if body.get("timeout") is not None:
         rows = [await svc.lifecycle.update(who, r.id, ttl_seconds=lifetime(r, body)) for r in rows]
@@ -225,7 +245,10 @@ async def list_snapshots(request: Request, svc: DaemonDep, who: Caller) -> Respo
 
 @router.delete("/templates/{ref:path}", status_code=204)
 async def delete_snapshot(ref: str, svc: DaemonDep, who: Caller) -> Response:
-    """E2B deletes snapshots as templates: by id or name."""
+    """A template built from steps (by id or name), or a snapshot: E2B deletes snapshots
+    as templates, by id or name."""
+    if await svc.template_builds.delete(who.tenant, unquote(ref)):
+        return Response(status_code=204)
     snap = svc.snapshots.resolve(who.tenant, unquote(ref))
     await svc.snapshots.delete(who.tenant, snap.id)
     return Response(status_code=204)
@@ -245,15 +268,23 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         raise errors.InvalidArgument("metadata and envVars must be objects of strings")
     spec: Json = {
         "ttl_seconds": timeout,
-        "ttl_action": "pause" if body.get("autoPause") else "delete",
+        "ttl_clock": "running",  # paused time is not spent: E2B's timeout is running time
+        **lifecycle_of(body),
         "labels": {str(k): str(v) for k, v in metadata.items()},
         "exec_defaults": ExecDefaults(env={str(k): str(v) for k, v in env.items()}),
-        "network": network_of(body),
+        "network": network_of(body, upstream=egress_proxy_of(svc, who, body.get("network"))),
+        "volume_mounts": volume_mounts(body.get("volumeMounts")),
     }
     template = str(body.get("templateID") or BASE)
-    with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
-        spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
-    if "snapshot" not in spec:
+    built = svc.template_builds.resolve(who.tenant, template)  # one built with Template
+    if built is not None:
+        spec["template"] = built.template
+        spec |= {"vcpus": built.vcpus} if built.vcpus else {}
+        spec |= {"memory_mib": built.memory_mib} if built.memory_mib else {}
+    else:
+        with contextlib.suppress(errors.NotFound):  # a snapshot stands in for a template
+            spec["snapshot"] = svc.snapshots.resolve(who.tenant, template).id
+    if "snapshot" not in spec and "template" not in spec:
         spec["template"] = TEMPLATES.get(template, template)
     try:
         return SandboxCreate.model_validate(spec)
@@ -262,15 +293,55 @@ def create_spec(svc: Daemon, who: Principal, body: Json) -> SandboxCreate:
         raise errors.InvalidArgument(describe(problems()) if problems else str(exc)) from None
 
 
-def network_of(body: Json, public_ports: bool | None = None) -> NetworkPolicy:
-    """`allow_internet_access`, `network.allowOut`/`denyOut` as egress rules and
-    `network.rules` as header rules. Without them, cella's default holds: nothing is
-    reachable until allowed. (An update's body is the `network` object itself, with
-    `allow_internet_access` in it; `public_ports` is then the sandbox's, kept.)"""
-    net = (body.get("network") or {}) if public_ports is None else body
+def volume_mounts(given: Any) -> list[Json]:
+    """`volumeMounts` (`[{name, path}]`) as cella's volume mounts (read-write, as E2B's)."""
+    if given is None:
+        return []
+    if not isinstance(given, list) or not all(isinstance(m, dict) for m in given):
+        raise errors.InvalidArgument("volumeMounts must be a list of {name, path}")
+    for mount in given:
+        if set(mount) - {"name", "path"} or not mount.get("name") or not mount.get("path"):
+            raise errors.InvalidArgument("each of volumeMounts is {name, path}")
+    return [{"volume": str(m["name"]), "path": str(m["path"])} for m in given]
+
+
+def lifecycle_of(body: Json) -> Json:
+    """`autoPause` (the timeout pauses instead of killing), `autoPauseMemory` (false: the
+    pause keeps the disk alone, a stop) and `autoResume` (traffic to the paused sandbox's
+    envd or ports resumes it), as E2B's API holds them together."""
+    pause = body.get("autoPause") or False
+    memory = body.get("autoPauseMemory", True)
+    resume = body.get("autoResume") or {}
+    if not isinstance(resume, dict) or not isinstance(resume.get("enabled", False), bool):
+        raise errors.InvalidArgument('autoResume must be {"enabled": true|false}')
+    if not isinstance(pause, bool) or not isinstance(memory, bool):
+        raise errors.InvalidArgument("autoPause and autoPauseMemory must be booleans")
+    wake = resume.get("enabled", False)
+    if wake and not pause:
+        raise errors.InvalidArgument("autoResume needs autoPause: only a paused sandbox wakes")
+    if wake and not memory:
+        raise errors.InvalidArgument(
+            "autoResume cannot be combined with autoPauseMemory false: a filesystem-only "
+            "pause is resumed explicitly (connect)"
+        )
+    action = ("pause" if memory else "stop") if pause else "delete"
+    return {"ttl_action": action, "auto_resume": wake}
+
+
+def network_of(
+    body: Json, kept: NetworkPolicy | None = None, upstream: UpstreamProxy | None = None
+) -> NetworkPolicy:
+    """`allow_internet_access`, `network.allowOut`/`denyOut` as egress rules,
+    `network.rules` as header rules (`${e2b.identity.tokens.NAME}` in a value: the `iam`
+    token NAME, minted by the egress proxy), `maskRequestHost` as the Host its port
+    servers see. Without them, cella's default holds: nothing is reachable until allowed.
+    `upstream` is its `egressProxy` (`egress_proxy_of`). (An update's body is the `network`
+    object itself, with `allow_internet_access` in it; what it cannot carry, public ports,
+    the masked host and the `iam` tokens, is `kept`.)"""
+    net = (body.get("network") or {}) if kept is None else body
     if not isinstance(net, dict):
         raise errors.InvalidArgument("network must be an object")
-    for unsupported in ("egressProxy", "dnsServers", "maskRequestHost", "httpsPorts"):
+    for unsupported in ("dnsServers", "httpsPorts"):
         if net.get(unsupported):
             raise not_supported(f"network.{unsupported}")
     allow = [str(r) for r in net.get("allowOut") or []]
@@ -280,23 +351,82 @@ def network_of(body: Json, public_ports: bool | None = None) -> NetworkPolicy:
     if body.get("allow_internet_access") is False:
         allow = [r for r in allow if r != "*"]
     deny = ["*" if r == "0.0.0.0/0" else r for r in deny]  # E2B's "everything else"
+    mask = net.get("maskRequestHost")
+    if mask is not None and not isinstance(mask, str):
+        raise errors.InvalidArgument("network.maskRequestHost must be a string")
+    tokens = identity_tokens(body.get("iam")) if kept is None else kept.identity_tokens
     try:
         return NetworkPolicy(
             allow=allow,
             deny=[r for r in deny if r not in allow or r == "*"],
             headers=header_rules(net.get("rules") or {}),
             public_ports=(  # E2B's default: public
-                net.get("allowPublicTraffic") is not False if public_ports is None else public_ports
+                net.get("allowPublicTraffic") is not False if kept is None else kept.public_ports
             ),
+            identity_tokens=tokens,
+            port_host=(mask or None) if kept is None else kept.port_host,
+            upstream_proxy=upstream,
         )
     except ValidationError as exc:
         raise errors.InvalidArgument(describe(exc.errors())) from None
 
 
+def egress_proxy_of(svc: Daemon, who: Principal, net: Any) -> UpstreamProxy | None:
+    """`network.egressProxy` (`{address: "host:port", username, password}`): a SOCKS5 proxy
+    of the tenant's own, its password kept as a tenant secret (bound to no host, named by
+    its digest), never in the sandbox's network policy."""
+    proxy = net.get("egressProxy") if isinstance(net, dict) else None
+    if proxy is None:
+        return None
+    if not isinstance(proxy, dict) or not isinstance(proxy.get("address"), str):
+        raise errors.InvalidArgument("network.egressProxy needs an address (host:port)")
+    if proxy.get("tls"):
+        raise not_supported("network.egressProxy.tls (TLS to the proxy)")
+    username, password = proxy.get("username"), proxy.get("password")
+    if password is not None and username is None:
+        raise errors.InvalidArgument("network.egressProxy: a password needs a username")
+    secret = None
+    if password is not None:
+        digest = hashlib.sha256(f"{proxy['address']}\0{username}\0{password}".encode())
+        secret = f"e2b-egress-proxy-{digest.hexdigest()[:24]}"
+        try:
+            svc.egress.put_secret(who.tenant, secret, SecretPut(value=str(password)))
+        except ValidationError as exc:
+            raise errors.InvalidArgument(describe(exc.errors())) from None
+    try:
+        return UpstreamProxy(
+            url=f"socks5://{proxy['address']}", username=username, password_secret=secret
+        )
+    except ValidationError as exc:
+        raise errors.InvalidArgument(describe(exc.errors())) from None
+
+
+def identity_tokens(iam: Any) -> dict[str, IdentityToken]:
+    """`iam.tokens` (`{name: {audience, tokenType: "JWT-SVID"}}`): workload identity
+    tokens, JWTs signed with the daemon's key (`/.well-known/jwks.json`)."""
+    if iam is None:
+        return {}
+    tokens = iam.get("tokens") if isinstance(iam, dict) else None
+    if not isinstance(tokens, dict | None):
+        raise errors.InvalidArgument("iam.tokens must be an object of name: token")
+    out = {}
+    for name, token in (tokens or {}).items():
+        if not isinstance(token, dict) or not isinstance(token.get("audience"), str):
+            raise errors.InvalidArgument(f"iam.tokens[{name!r}] needs an audience")
+        if token.get("tokenType") != "JWT-SVID":
+            raise errors.InvalidArgument(
+                f"iam.tokens[{name!r}]: tokenType {token.get('tokenType')!r} is not served "
+                "(JWT-SVID is)"
+            )
+        out[str(name)] = IdentityToken(audience=token["audience"])
+    return out
+
+
 def header_rules(rules: Any) -> list[HeaderRule]:
     """`network.rules` (`{host: [{transform: {headers: {name: value}}}]}`) as cella's header
     rules: the egress proxy sets each header on requests to the host, a secret named in its
-    value (`${e2b.secrets.NAME}`) put in as the request leaves, never in the sandbox."""
+    value (`${e2b.secrets.NAME}`) put in as the request leaves, never in the sandbox, and a
+    workload token (`${e2b.identity.tokens.NAME}`) minted for the request."""
     if not isinstance(rules, dict):
         raise errors.InvalidArgument("network.rules must be an object of host: [rule]")
     out = []
@@ -313,8 +443,6 @@ def header_rules(rules: Any) -> list[HeaderRule]:
             if not isinstance(headers, dict):
                 raise errors.InvalidArgument(f"network.rules[{host!r}]: headers is an object")
             for name, value in headers.items():
-                if "${e2b.identity." in str(value):
-                    raise not_supported("workload identity tokens in network.rules (iam)")
                 out.append(HeaderRule(hosts=[host], name=name, value=as_cella_refs(str(value))))
     return out
 

@@ -42,7 +42,7 @@ router.include_router(interpreter.router)
 
 @router.get("/health", status_code=204)
 async def health(request: Request) -> Response:
-    target(request)
+    await target(request)
     return Response(status_code=204)
 
 

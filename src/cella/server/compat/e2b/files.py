@@ -20,7 +20,7 @@ router = APIRouter(include_in_schema=False)
 
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
-    where = target(request, username)
+    where = await target(request, username)
     chunks = await where.svc.files.read(where.who, where.sandbox_id, where.path(path))
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
@@ -29,7 +29,7 @@ async def read_file(request: Request, path: str, username: str | None = None) ->
 async def write_files(
     request: Request, path: str | None = None, username: str | None = None
 ) -> list[dict[str, str]]:
-    where = target(request, username)
+    where = await target(request, username)
     kind = request.headers.get("content-type", "")
     written = []
     if kind.startswith("multipart/form-data"):

@@ -29,7 +29,7 @@ router = APIRouter(include_in_schema=False)
 @router.post("/filesystem.Filesystem/WatchDir")
 async def watch_dir(request: Request) -> Response:
     """The async SDK's watch: a stream of events."""
-    where = target(request)
+    where = await target(request)
     body = await connect.read_first(request)
     watcher = await new_watcher(where, body)
     every = connect.keepalive_interval(request)
@@ -38,7 +38,7 @@ async def watch_dir(request: Request) -> Response:
 
 @router.post("/filesystem.Filesystem/{method}")
 async def filesystem(method: str, request: Request) -> Response:
-    where = target(request)
+    where = await target(request)
     handler = connect.method_of(FILESYSTEM, "filesystem.Filesystem", method)
     body = await connect.read_unary(request)
     return connect.unary(await handler(where, body))

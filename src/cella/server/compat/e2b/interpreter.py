@@ -24,8 +24,8 @@ router = APIRouter(include_in_schema=False)
 @router.api_route("/contexts/{rest:path}", methods=["POST", "DELETE"])
 async def interpreter(request: Request) -> Response:
     svc: Daemon = daemon(request)
-    row = running(svc, request)
     path = guest_path(request.url.path)
+    row = await running(svc, request, lambda sid: check_interpreter(svc, sid, path, request))
     check_interpreter(svc, row.id, path, request)
     target = path + (f"?{request.url.query}" if request.url.query else "")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]

@@ -28,7 +28,7 @@ router = APIRouter(include_in_schema=False)
 
 @router.post("/process.Process/{method}")
 async def process(method: str, request: Request) -> Response:
-    where = target(request)
+    where = await target(request)
     return await connect.method_of(PROCESS, "process.Process", method)(where, request)
 
 

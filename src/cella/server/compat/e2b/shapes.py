@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,7 +25,7 @@ FOREVER = timedelta(days=3650)
 # E2B's control-plane paths; under /v2/sandboxes only the bare collection and `<id>/connect`
 # (the rest of that prefix is LangSmith's)
 _PATHS = re.compile(
-    r"^/(sandboxes|snapshots|templates|volumes|secrets|default-templates|events)(/.*)?$"
+    r"^/(sandboxes|snapshots|templates|volumes|volumecontent|secrets|default-templates|events)(/.*)?$"
     r"|^/v[23]/templates(/.*)?$"
     r"|^/v2/sandboxes/?$"
     r"|^/v2/sandboxes/(?!boxes/|snapshots|dataplane/)[^/]+/(connect|logs)$"
@@ -35,10 +36,14 @@ S = SandboxState
 SECRET_REFERENCE = re.compile(r"\$\{e2b\.secrets\.([A-Za-z0-9_-]{1,128})\}")
 
 
+IDENTITY_REFERENCE = re.compile(r"\$\{e2b\.identity\.tokens\.([^{}\x00-\x1f\x7f-\x9f]+)\}")
+
+
 def as_cella_refs(value: str) -> str:
     """A header value's `${e2b.secrets.NAME}` as cella's `{secret:name}` (E2B's secret
-    names are lower-cased)."""
-    return SECRET_REFERENCE.sub(lambda m: "{secret:" + m.group(1).lower() + "}", value)
+    names are lower-cased) and `${e2b.identity.tokens.NAME}` as `{identity:NAME}`."""
+    value = SECRET_REFERENCE.sub(lambda m: "{secret:" + m.group(1).lower() + "}", value)
+    return IDENTITY_REFERENCE.sub(lambda m: "{identity:" + m.group(1) + "}", value)
 
 
 def owns(path: str) -> bool:
@@ -108,7 +113,8 @@ def state_of(row: SandboxRecord) -> str:
 def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dict[str, Any]:
     """E2B's `SandboxDetail` (get) and, without access, `ListedSandbox` (list)."""
     started = datetime.fromtimestamp(epoch(row.created_at), UTC)
-    ends = started + (timedelta(seconds=row.ttl_seconds) if row.ttl_seconds else FOREVER)
+    end = row.ends_at(time.time())  # later by each pause, for a `running` lifetime clock
+    ends = datetime.fromtimestamp(end, UTC) if end is not None else started + FOREVER
     allow = row.network.allow
     return {
         "templateID": template_id(row),
@@ -119,7 +125,7 @@ def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dic
         "endAt": iso(ends),
         "envdVersion": ENVD_VERSION,
         **({"envdAccessToken": access.token, "domain": access.domain} if access else {}),
-        "network": {"allowPublicTraffic": row.network.public_ports},
+        "network": network_json(row),
         "cpuCount": row.vcpus,
         "memoryMB": row.memory_mib,
         "diskSizeMB": row.disk_mib or disk_mib,
@@ -127,7 +133,21 @@ def detail_json(row: SandboxRecord, access: Access | None, disk_mib: int) -> dic
         "state": state_of(row),
         "allowInternetAccess": "*" in allow,
         "lifecycle": {
-            "autoResume": False,
+            "autoResume": row.auto_resume,
             "onTimeout": "pause" if row.ttl_action in ("pause", "stop") else "kill",
         },
     }
+
+
+def network_json(row: SandboxRecord) -> dict[str, Any]:
+    """What E2B's sandbox info says of its network (never the egress proxy's password)."""
+    net = row.network
+    out: dict[str, Any] = {"allowPublicTraffic": net.public_ports}
+    if net.port_host is not None:
+        out["maskRequestHost"] = net.port_host
+    if net.upstream_proxy is not None and net.upstream_proxy.scheme == "socks5":
+        proxy = {"address": net.upstream_proxy.url.partition("://")[2]}
+        if net.upstream_proxy.username is not None:
+            proxy["username"] = net.upstream_proxy.username
+        out["egressProxy"] = proxy
+    return out

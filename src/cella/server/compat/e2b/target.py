@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,23 +41,30 @@ class Target:
         return posixpath.normpath(posixpath.join(self.home, given))
 
 
-def running(svc: Daemon, request: Request) -> SandboxRecord:
+async def running(
+    svc: Daemon, request: Request, prove: Callable[[str], None] | None = None
+) -> SandboxRecord:
     """The sandbox the `E2b-Sandbox-Id` header names, running (else "not found", which the
-    SDK reads as a sandbox that is not running)."""
+    SDK reads as a sandbox that is not running). One made with `auto_resume` that sleeps is
+    woken for a caller that `prove`s its right to it, and the request waits meanwhile."""
     sandbox_id = request.headers.get("e2b-sandbox-id", "")
     try:
-        row = svc.registry.row(sandbox_id)
+        row: SandboxRecord | None = svc.registry.row(sandbox_id)
     except errors.NotFound:
         row = None
+    if row is not None and row.state != SandboxState.running and row.auto_resume:
+        (prove or (lambda _: None))(row.id)
+        row = await svc.waking.on_traffic(row.id)
     if row is None or row.state != SandboxState.running:
         raise errors.AgentUnavailable(f"The sandbox {sandbox_id} was not found")
     return row
 
 
-def target(request: Request, username: str | None = None) -> Target:
+async def target(request: Request, username: str | None = None) -> Target:
     svc: Daemon = daemon(request)
-    row = running(svc, request)
-    svc.ports.check_access(row.id, request.headers.get("x-access-token", ""))
+    token = request.headers.get("x-access-token", "")
+    row = await running(svc, request, lambda sandbox_id: svc.ports.check_access(sandbox_id, token))
+    svc.ports.check_access(row.id, token)
     holder = Principal.service(row.tenant)
     return Target(svc, holder, row.id, username or basic_user(request) or DEFAULT_USER)
 
