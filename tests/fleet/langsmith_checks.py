@@ -390,7 +390,8 @@ def shell(client: httpx2.Client, sandbox_id: str, command: str) -> str:
 def test_a_rewrite_reaches_a_sandbox_on_another_node(fleet: Fleet) -> None:
     """A rewrite rule's target runs on another node than the caller: the gateway settles
     it, and checks on every request that the rule's setter may still exec in it (a share
-    taken back refuses the next request); a closed port is a 502."""
+    taken back refuses the next request, in the caller and in a fork of it that inherited
+    the rule); a closed port is a 502."""
     keys = {
         who: fleet.admin.post(
             "/v1/keys", json={"tenant": "acme", "principal": who, "roles": ["member"]}
@@ -407,6 +408,7 @@ def test_a_rewrite_reaches_a_sandbox_on_another_node(fleet: Fleet) -> None:
                         headers={NODE_HINT: elsewhere})  # fmt: skip
         assert made.status_code == 201, made.text
         caller = made.json()["id"]
+        fork = None
         try:
             assert fleet.node_of(caller) == elsewhere
             shell(alice, target, SERVE.format(node=there))
@@ -427,15 +429,24 @@ def test_a_rewrite_reaches_a_sandbox_on_another_node(fleet: Fleet) -> None:
             assert [r["to"]["sandbox"] for r in kept] == [target, target]  # settled to its id
             got = shell(bob, caller, FETCH.format(host="svc.internal"))
             assert got == f"200 served-on-{there}\n", got
+            # a fork made through the gateway inherits the rules, bob as their setter
+            forked = bob.post(f"/v1/sandboxes/{caller}/fork", json={"count": 1})
+            assert forked.status_code == 201, forked.text
+            fork = forked.json()["sandboxes"][0]["id"]
+            got = shell(bob, fork, FETCH.format(host="svc.internal"))
+            assert got == f"200 served-on-{there}\n", got
             closed = shell(bob, caller, "curl -s -o /dev/null -w '%{http_code}' "
                            "http://closed.internal/")  # fmt: skip
             assert closed == "502", closed
             # the share taken back: the next request is refused, the rule unchanged
             alice.put(f"/v1/sandboxes/{target}/access", json={"shares": {}})
-            gone = shell(bob, caller, FETCH.format(host="svc.internal"))
-            assert gone.startswith("403") and "no longer exec" in gone, gone
-            assert "served-on" not in gone
+            for box in (caller, fork):
+                gone = shell(bob, box, FETCH.format(host="svc.internal"))
+                assert gone.startswith("403") and "no longer exec" in gone, gone
+                assert "served-on" not in gone
         finally:
+            if fork is not None:
+                bob.delete(f"/v1/sandboxes/{fork}")
             bob.delete(f"/v1/sandboxes/{caller}")
             alice.delete(f"/v1/sandboxes/{target}")
 

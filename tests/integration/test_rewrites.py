@@ -325,6 +325,54 @@ def test_the_cli_sets_a_rewrite(daemon: Daemon, caller: Sandbox, server: Sandbox
     assert caller.refresh().info.network.rewrites[0].credentials == "redact"
 
 
+def test_a_rule_holds_only_while_its_setter_may_exec_in_the_target(
+    admin: Client, daemon: Daemon, caller: Sandbox, server: Sandbox
+) -> None:
+    """Checked on every request, not only when set: a member's rule works while the
+    target is shared with her and is a 403 once the share is taken back; the tenant
+    owner's own rule keeps working (the control). A fork's inherited rules keep their
+    setter: once her key is revoked, her rule is refused in the caller and in its fork."""
+    alice = admin.create_key("admin", principal="alice", roles=["member"])
+    caller.share({"alice": "manage"})
+    server.share({"alice": "exec"}, visibility="private")
+
+    def set_by_alice() -> None:
+        with daemon.client(alice["key"]) as client:
+            client.get(caller.id).set_network(rewrites=[rule(server.id)])
+
+    fork = None
+    try:
+        set_by_alice()
+        assert reach(caller, server, f"http://{HOST}/shared")["path"] == "/shared"
+        server.share({})  # taken back: her rule's next request is refused
+        for url in (f"http://{HOST}/unshared", f"https://{HOST}/unshared"):
+            status, body = fetch(caller, url)
+            assert status == 403 and "may no longer exec in sandbox" in body, body
+        assert seen(server)["path"] != "/unshared"
+        # the control: the owner's own rule to the same private sandbox keeps working
+        caller.set_network(rewrites=[rule(server.id)])
+        assert reach(caller, server, f"http://{HOST}/owner")["path"] == "/owner"
+        # shared again, her rule works again, in the caller and in a fork of it
+        server.share({"alice": "exec"})
+        set_by_alice()
+        assert reach(caller, server, f"http://{HOST}/again")["path"] == "/again"
+        [fork] = caller.fork()
+        assert fork.info.network.rewrites == caller.refresh().info.network.rewrites
+        assert reach(fork, server, f"http://{HOST}/forked")["path"] == "/forked"
+        admin.revoke_key(alice["id"])  # her key gone: her rule with it, wherever it went
+        for box in (caller, fork):
+            status, body = fetch(box, f"http://{HOST}/revoked")
+            assert status == 403 and "the key that set the rule is revoked" in body, body
+        assert seen(server)["path"] != "/revoked"
+    finally:
+        if fork is not None:
+            fork.delete()
+        server.share({}, visibility="tenant")
+        caller.share({})
+    caller.set_network(rewrites=[rule(server.id)])  # the owner's again: it goes through
+    assert reach(caller, server, f"http://{HOST}/restored")["path"] == "/restored"
+
+
 def test_a_stopped_or_deleted_target_is_a_clear_503(caller: Sandbox, server: Sandbox) -> None:
     """Last: the server's sandbox stops, then goes. The caller's request is answered at
     once, each time."""

@@ -101,9 +101,20 @@ def test_the_gateway_checks_a_nodes_request_against_the_rule_and_its_setter(
     with pytest.raises(errors.SandboxUnavailable, match="no longer exists"):
         rewrites.check("sb-a", "svc.internal", mint("sb-a", node_key))
     placements.put("n2", {"id": "sb-b", "tenant": "acme", "state": "running"})
+    # a fork (on n1, another on n2) inherits the rule with its setter; a sandbox that is no
+    # fork of it has none
+    placements.put("n1", {"id": "sb-c", "tenant": "acme", "state": "running"})
+    placements.put("n2", {"id": "sb-d", "tenant": "acme", "state": "running"})
+    rewrites.inherit("sb-c", "sb-a")
+    rewrites.inherit("sb-d", "sb-d-parent-without-rules")
+    kept, node = rewrites.check("sb-c", "svc.internal", mint("sb-c", node_key))
+    assert (kept.target, kept.port, kept.setter, node.name) == ("sb-b", 8000, bob, "n2")
+    with pytest.raises(errors.NotFound, match="no rewrite"):
+        rewrites.check("sb-d", "svc.internal", mint("sb-d", other))
     keys.revoke(Principal("admin", True), key_id)
-    with pytest.raises(errors.PermissionDenied, match="revoked"):
-        rewrites.check("sb-a", "svc.internal", mint("sb-a", node_key))
+    for box in ("sb-a", "sb-c"):  # revoked: refused in the sandbox and in its fork
+        with pytest.raises(errors.PermissionDenied, match="revoked"):
+            rewrites.check(box, "svc.internal", mint(box, node_key))
     # rules set anew replace the old ones
     rewrites.record("sb-a", bob, {"rewrites": []})
     with pytest.raises(errors.NotFound):
@@ -167,5 +178,5 @@ async def test_a_node_takes_its_link_and_deliveries_from_its_gateway_alone(
                     got = await http.get(door, headers=headers)
                     assert got.status_code == 403 and "fleet gateway" in got.text, got.text
             # a restarted daemon keeps its link
-            assert Rewrites(app.daemon.registry, app.daemon.ports, tls=False,
+            assert Rewrites(app.daemon.registry, app.daemon.ports, app.daemon.keys, tls=False,
                             link_file=kept).link == FleetLink.of(link)  # fmt: skip

@@ -142,7 +142,11 @@ class Launcher:
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
             path = f"/v1/snapshots/{snapshot_id}/fork"
             answer = await node.json("POST", path, who, json={"count": n})
-            return list(answer["sandboxes"])
+            made = list(answer["sandboxes"])
+            for body in made:  # the parent's rewrite rules, known here as its node knows them
+                if body.get("parent_id"):
+                    self.rewrites.inherit(body["id"], body["parent_id"])
+            return made
 
         return await self.launch(who, count, ref, make, holders=holders, prefer=prefer)
 

@@ -3,12 +3,14 @@
 When a rule is set through the gateway (a create, a fork, `PUT .../network`, a LangSmith
 box's rewrite rules), the gateway settles its target among the caller's sandboxes of the
 whole fleet (an id, as on one daemon; refused if the caller may not exec in it) and keeps
-the rule with who set it. Each node is linked to the gateway when it joins (`link`: the
-gateway's API, its pinned certificate, a key of the node's own); a node's proxy sends every
-rewritten request to its daemon, which sends it here with a token minted with that key.
-`check` finds the rule as it was set and its setter as they are now (a revoked key is
-refused); the target's node gets the request as the setter (`/v1/fleet/rewrites/...`),
-and refuses it if the setter may no longer exec in the target (a share taken back)."""
+the rule with who set it; a fork made through the gateway inherits its parent's rules here
+as on its node, each with its setter (`inherit`). Each node is linked to the gateway when
+it joins (`link`: the gateway's API, its pinned certificate, a key of the node's own); a
+node's proxy sends every rewritten request to its daemon, which sends it here with a token
+minted with that key. `check` finds the rule as it was set and its setter as they are now
+(a revoked key is refused); the target's node gets the request as the setter
+(`/v1/fleet/rewrites/...`), and refuses it if the setter may no longer exec in the target
+(a share taken back)."""
 
 from __future__ import annotations
 
@@ -115,6 +117,16 @@ class FleetRewrites:
                     (sandbox_id, str(r["host"]).lower(), r["to"]["sandbox"], r["to"]["port"],
                      setter),
                 )  # fmt: skip
+
+    def inherit(self, sandbox_id: str, parent_id: str) -> None:
+        """A fork's rules: its parent's as they were kept here, each with its setter."""
+        with self._lock:
+            self._db.execute("DELETE FROM rewrites WHERE sandbox_id = ?", (sandbox_id,))
+            self._db.execute(
+                "INSERT INTO rewrites SELECT ?, host, target, port, setter FROM rewrites "
+                "WHERE sandbox_id = ?",
+                (sandbox_id, parent_id),
+            )
 
     def check(self, sandbox_id: str, host: str, token: str) -> tuple[Kept, Node]:
         """The rule a node's request is for, its setter as they are now, and the node of

@@ -94,6 +94,7 @@ class Daemon:
         self.rewrites = Rewrites(
             self.registry,
             self.ports,
+            self.keys,
             tls=not clear,
             link_file=settings.data_dir / "fleet-link.json",
         )

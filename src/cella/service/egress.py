@@ -31,7 +31,7 @@ from cella.runtime.contract import VM
 from cella.service import proxy_credentials as credentials
 from cella.service.delegation import pinned_of, proxy_access, upstream_of
 from cella.service.registry import Registry
-from cella.service.rewrites import Rewrites
+from cella.service.rewrites import Rewrites, setter_of
 from cella.store import SandboxRecord, SecretRecord, SecretRef
 
 log = logging.getLogger("cella.egress")
@@ -379,7 +379,7 @@ class SandboxEgress:
         for its next connection."""
         self.registry.get(who, sandbox_id, Permission.manage)
         policy = self.check_policy(who, policy)
-        self.registry.update(sandbox_id, network=policy)
+        self.registry.update(sandbox_id, network=policy, rewrite_setter=setter_of(who, policy))
         row = self.registry.get(who, sandbox_id)
         vm = self.registry.vm(sandbox_id)
         if vm is not None:

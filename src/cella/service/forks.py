@@ -22,6 +22,7 @@ from cella.service.admission import Admission
 from cella.service.egress import rules_of
 from cella.service.lifecycle import Lifecycle, new_record
 from cella.service.registry import Registry
+from cella.service.rewrites import kept_setter
 from cella.service.snapshots import Snapshots
 from cella.service.warm import new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
@@ -92,8 +93,12 @@ class Forks:
             with contextlib.suppress(errors.SnapshotCorrupt):
                 await self.snapshots.flat(snap_row.id)  # if it cannot be, the layer restores
         snap.verify()  # refuse a corrupted snapshot before creating anything
+        inherited = None
         if spec is None:  # the same placeholders: the parent's env is copied with its memory
             spec, secrets = self.snapshots.source_of(snap_row)
+            parent = self.registry.store.get_sandbox(snap_row.sandbox_id)
+            if parent is not None:  # its rewrite rules keep their setter
+                inherited = kept_setter(parent)
         else:
             secrets = self.lifecycle.egress.bind_secrets(tenant, spec.secrets)
             settled = self.lifecycle.egress.check_policy(who, spec.network)
@@ -111,6 +116,7 @@ class Forks:
                         spec,
                         secrets,
                         "fork",
+                        inherited_setter=inherited,
                         parent_id=snap_row.sandbox_id,
                         snapshot_id=snap_row.id,
                         base_snapshot_id=snap_row.id,

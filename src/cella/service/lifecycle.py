@@ -24,6 +24,7 @@ from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress, rules_of
 from cella.service.registry import Registry, iso
+from cella.service.rewrites import setter_of
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SecretRef
@@ -46,10 +47,13 @@ def new_record(
     spec: SandboxCreate,
     secrets: dict[str, SecretRef],
     created_from: str,
+    inherited_setter: dict[str, Any] | None = None,
     **lineage: Any,
 ) -> SandboxRecord:
     """The row of a sandbox about to be made (`creating`): by create or by fork, by `who`
-    (its creator, whose it is: `cella.policy.access`)."""
+    (its creator, whose it is: `cella.policy.access`). Its rewrite rules are `who`'s,
+    unless they are a fork's inherited ones: `inherited_setter` set them."""
+    setter = inherited_setter if spec.network.rewrites else None
     return SandboxRecord(
         id=sandbox_id,
         tenant=who.tenant,
@@ -75,6 +79,7 @@ def new_record(
         exec_defaults=spec.exec_defaults,
         labels=dict(spec.labels),
         network=spec.network,
+        rewrite_setter=setter or setter_of(who, spec.network),
         secrets=secrets,
         mounts=list(spec.mounts),
         bucket_mounts=list(spec.bucket_mounts),

@@ -9,6 +9,13 @@ checks the token and the sandbox's rules as they are now, and hands the request 
 other sandbox's port as service URLs do (`Ports.http`). A target that is not running is a
 503, a port nothing listens on a 502: never a wait.
 
+Who set a sandbox's rules is kept with them (`rewrite_setter`: a create's or `PUT
+.../network`'s caller; a fork's inherited rules keep the parent's setter), and every
+request re-checks it: the setter's key must still exist (a revoked key is a 403) and may
+still exec in the target (a share taken back is a 403). Rules kept before setters were
+(`rewrite_setter` NULL) count as set by the sandbox's creator key, or by the tenant when
+it has none (a sandbox made before keys had principals, or by an admin acting for it).
+
 A node of a fleet has a `FleetLink` (its gateway's API, the pinned certificate, the key
 this node's tokens for the gateway are minted with; the gateway sends it when the node
 joins). There the gateway decides: a rule may name a sandbox on another node (the gateway
@@ -31,17 +38,39 @@ import httpx2
 
 from cella import errors
 from cella.models import NetworkPolicy, RewriteRule, SandboxPort, SandboxState
+from cella.policy import access
 from cella.policy.access import Permission, Principal
 from cella.policy.delegation import mint
 from cella.policy.rewrites import HOST_HEADER, PREFIX, TOKEN_HEADER
 from cella.service.delegation import PEM
-from cella.service.keys import require_admin
+from cella.service.keys import Keys, require_admin
 from cella.service.ports import HOP_BY_HOP, HttpResponse, Ports
 from cella.service.registry import Registry
 from cella.store import SandboxRecord
 
 Request = tuple[str, str, list[tuple[str, str]]]  # method, target, headers
 LINK_TIMEOUT = httpx2.Timeout(30.0, read=600.0)
+
+
+def setter_of(who: Principal, network: NetworkPolicy) -> dict[str, Any] | None:
+    """What is kept of who set a policy's rewrite rules (None: it has none)."""
+    if not network.rewrites:
+        return None
+    return {
+        "tenant": who.tenant,
+        "key_id": who.key_id,
+        "name": who.name,
+        "roles": sorted(who.roles),
+        "read_only": who.read_only,
+    }
+
+
+def kept_setter(row: SandboxRecord) -> dict[str, Any]:
+    """Who set a sandbox's rewrite rules as kept; for rules kept before setters were, its
+    creator's key (or, with none, the tenant)."""
+    if row.rewrite_setter is not None:
+        return row.rewrite_setter
+    return {"tenant": row.tenant, "key_id": row.creator_key}
 
 
 @dataclass(frozen=True)
@@ -82,10 +111,17 @@ class FleetLink:
 
 class Rewrites:
     def __init__(
-        self, registry: Registry, ports: Ports, *, tls: bool, link_file: Path | None = None
+        self,
+        registry: Registry,
+        ports: Ports,
+        keys: Keys,
+        *,
+        tls: bool,
+        link_file: Path | None = None,
     ) -> None:
         self.registry = registry
         self.ports = ports
+        self.keys = keys
         self.tls = tls  # the proxy reaches the daemon over plain HTTP only
         self.link_file = link_file
         self.link: FleetLink | None = None
@@ -179,8 +215,36 @@ class Rewrites:
             raise errors.SandboxUnavailable(
                 f"{host}: sandbox {rule.to.sandbox} no longer exists (rewrite rule)"
             )
+        setter = self.setter(row, host)
+        try:
+            self.registry.get(setter, target.id, Permission.exec)
+        except (errors.NotFound, errors.PermissionDenied):
+            raise errors.PermissionDenied(
+                f"{host}: the rewrite rule's setter may no longer exec in sandbox {target.id}"
+            ) from None
         return await self._to_port(row.tenant, target.id, rule.to.port, host, request, body,
                                    shown_host)  # fmt: skip
+
+    def setter(self, row: SandboxRecord, host: str) -> Principal:
+        """Who set the sandbox's rules, as their key says now (an admin acting for the
+        tenant, or the tenant: as it acted); refused once the key is revoked."""
+        saved = kept_setter(row)
+        key_id = saved.get("key_id")
+        if key_id is None:
+            roles = saved.get("roles")
+            return Principal(
+                row.tenant,
+                admin=False,
+                read_only=bool(saved.get("read_only")),
+                name=str(saved.get("name") or ""),
+                roles=access.TENANT_WIDE
+                if roles is None
+                else frozenset(access.Role(r) for r in roles),
+            )
+        now = self.keys.by_id(str(key_id))
+        if now is None or now.tenant != row.tenant:
+            raise errors.PermissionDenied(f"rewrite {host}: the key that set the rule is revoked")
+        return now
 
     async def deliver(
         self,

@@ -727,8 +727,9 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
                 "mount_states", "shares", "volume_mounts"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
-    if out.get("delegation") is not None:
-        out["delegation"] = json.dumps(out["delegation"])
+    for key in ("delegation", "rewrite_setter"):
+        if out.get(key) is not None:
+            out[key] = json.dumps(out[key])
     return out
 
 
@@ -748,6 +749,8 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
     out["auto_resume"] = bool(out["auto_resume"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None
+    setter = out["rewrite_setter"]
+    out["rewrite_setter"] = json.loads(setter) if setter else None
     return SandboxRecord(**out)
 
 

@@ -285,4 +285,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN wake_ttl_seconds INTEGER;
     """,
+    # who set a sandbox's rewrite rules (their setter's principal, JSON), re-checked on every
+    # rewritten request; NULL for rules set before: their setter is taken to be the
+    # sandbox's creator key (or, with none, the tenant), as `service.rewrites` says
+    """
+    ALTER TABLE sandboxes ADD COLUMN rewrite_setter TEXT;
+    """,
 ]

@@ -65,6 +65,8 @@ class SandboxRecord:
     visibility: str = "tenant"
     shares: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # who set its rewrite rules (`service.rewrites.setter_of`), None: set before it was kept
+    rewrite_setter: dict[str, Any] | None = None
     secrets: dict[str, SecretRef] = field(default_factory=dict)
     mounts: list[GitMount] = field(default_factory=list)
     bucket_mounts: list[BucketMount] = field(default_factory=list)
