@@ -326,7 +326,9 @@ def test_an_image_snapshot_boots_on_a_node_of_another_host(
         )  # fmt: skip
         assert moved.status_code == 201, moved.text
         with sdk(there, there.admin_key) as far:
-            assert far.get_snapshot(snap.id).status == "ready"
+            far_snap = far.get_snapshot(snap.id)
+            assert far_snap.status == "ready"
+            assert far_snap.fs_capacity_bytes == snap.fs_capacity_bytes > 0  # its disk's size
             with far.sandbox(snapshot="anywhere", timeout=300) as sb:
                 r = sb.run("echo $(id -u) $(pwd) $FOO; cat hello.txt", shell="/bin/sh")
                 assert r.exit_code == 0, r.stderr

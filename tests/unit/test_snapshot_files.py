@@ -102,7 +102,7 @@ def test_a_disk_made_to_stand_alone_keeps_every_block_without_its_backing(
     assert snap.disk_backing() == str(base.resolve())
 
     manifest = snap.stand_alone()
-    assert snap.disk_backing() is None
+    assert snap.disk_backing() is None and snap.disk_mib() == 8
     assert manifest["sha256"]["disk.qcow2"] != before["sha256"]["disk.qcow2"]
     assert manifest["bytes"]["disk.qcow2"] == snap.disk.stat().st_size
     assert snap.verify() == manifest

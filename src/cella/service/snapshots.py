@@ -202,6 +202,10 @@ class Snapshots:
             return snap.memory_bytes()
         return None
 
+    def disk_mib(self, snapshot_id: str) -> int:
+        """The size of the snapshot's disk in MiB (`NotFound` when its files are not here)."""
+        return self.directory(snapshot_id).disk_mib()
+
     def _needs(self, row: SandboxRecord) -> int:
         """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""
         return row.memory_mib * (1 << 20) + self.registry.disk_bytes(row.id)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
-from cella.storage.overlay import backing_file, flatten_image, rebase_unsafe
+from cella.storage.overlay import backing_file, flatten_image, image_info, rebase_unsafe
 
 FILES = ("ram", "state", "disk.qcow2")
 DISK_FILES = ("disk.qcow2",)  # a snapshot without memory
@@ -143,6 +143,10 @@ class SnapshotDir:
     def disk_backing(self) -> str | None:
         """The file the frozen disk sits on (a template's base, another snapshot's disk)."""
         return backing_file(self.disk)
+
+    def disk_mib(self) -> int:
+        """The frozen disk's size in MiB (what the guest sees)."""
+        return int(str(image_info(self.disk)["virtual-size"])) >> 20
 
     def rebase_disk(self, base: Path) -> None:
         """Points the frozen disk at `base`, this node's copy of the file it sat on (the same
