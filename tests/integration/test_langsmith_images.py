@@ -306,6 +306,7 @@ def test_an_image_snapshot_boots_on_a_node_of_another_host(
         there = module_daemon_factory(
             "other-host",
             wrap=["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "-"],
+            timeout=300,  # it compiles its own agent and jailer first
             pool_size="0",
         )
         assert there.proc is not None
