@@ -33,6 +33,7 @@ from langsmith.sandbox import (
 from langsmith.sandbox._client import _make_dockerfile_build_command
 
 from cella import Client
+from cella.images.templates import builtin_templates, template_image
 from cella.paths import Paths
 from cella.storage.overlay import backing_file
 from tests.daemon import Daemon, DaemonFactory
@@ -284,8 +285,10 @@ def test_an_image_snapshot_boots_on_a_node_of_another_host(
     Another host, on one machine: a second daemon in a mount namespace of its own, where the
     image cache every daemon of this machine shares (kernel, template bases, warm snapshots)
     is a fresh directory holding only what such a host has of its own: the same guest kernel
-    (copied), the egress proxy's environment (bound in: it holds no image) and the host's
-    accelerator answer. It has none of the first daemon's templates, image bases or warm
+    (copied), the egress proxy's environment (bound in: it holds no image), the host's
+    accelerator answer and the built-in default template's base (bound in read-only: such a
+    host builds its own with `cella setup`), of which it makes its own warm snapshot when
+    it starts. It has none of the first daemon's image templates, image bases or warm
     snapshots (checked through its own root below). The snapshot moves as a fleet ships one:
     the node pulls its files from the first over HTTP (`POST /v1/snapshots/import`), each
     checked against the manifest. Before the disk stood alone, this import answered 503
@@ -302,7 +305,14 @@ def test_an_image_snapshot_boots_on_a_node_of_another_host(
         (own / "egress").mkdir()
         for probe in images.glob("accel-*.json"):
             shutil.copy(probe, own / probe.name)
-        mounts = f"mount --bind {images}/egress {own}/egress && mount --rbind {own} {images}"
+        default = template_image(Paths.default(), builtin_templates()["default"])
+        (own / "templates").mkdir()
+        (own / "templates" / default.name).touch()
+        mounts = (
+            f"mount --bind {images}/egress {own}/egress && "
+            f"mount --bind -o ro {default} {own}/templates/{default.name} && "
+            f"mount --rbind {own} {images}"
+        )
         there = module_daemon_factory(
             "other-host",
             wrap=["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "-"],
@@ -312,7 +322,7 @@ def test_an_image_snapshot_boots_on_a_node_of_another_host(
         assert there.proc is not None
         seen = Path(f"/proc/{there.proc.pid}/root") / str(images).lstrip("/")
         assert (seen / "kernel" / "vmlinux").exists()
-        assert not list((seen / "templates").glob("*"))  # no template base at all
+        assert [t.name for t in (seen / "templates").iterdir()] == [default.name]  # no image's
         assert not list(seen.glob(f"snapshots/{template}-*"))
         assert list(images.glob(f"snapshots/{template}-*"))  # the first one's view: there
         with there.client() as cella_there:
