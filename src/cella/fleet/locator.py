@@ -46,7 +46,7 @@ class Locator:
             if len(picked) > 1:
                 ids = ", ".join(named[i].sandbox_id for i in picked)
                 raise errors.Conflict(
-                    f"{len(picked)} sandboxes named {name!r} are shared with this key ({ids}): "
+                    f"this key may see {len(picked)} sandboxes named {name!r} ({ids}): "
                     "address one by its id"
                 )
             if picked:

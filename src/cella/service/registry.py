@@ -132,7 +132,7 @@ class Registry:
         if len(picked) > 1:
             ids = ", ".join(rows[i].id for i in picked)
             raise errors.Conflict(
-                f"{len(picked)} sandboxes named {name!r} are shared with this key ({ids}): "
+                f"this key may see {len(picked)} sandboxes named {name!r} ({ids}): "
                 "address one by its id"
             )
         try:
