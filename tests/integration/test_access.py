@@ -6,6 +6,7 @@ along. (The rule itself, and every service room asking it: tests/unit/test_acces
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -179,6 +180,52 @@ async def test_the_async_langsmith_sdk_follows_the_same_rule(
             await bob.get_sandbox(NAME)
     async with AsyncSandboxClient(api_endpoint=api, api_key=keys["alice"]["key"]) as alice:
         assert (await alice.get_sandbox(NAME)).name == NAME  # the control
+
+
+def test_a_name_held_by_a_private_sandbox_reveals_nothing(
+    daemon: Daemon, box: Sandbox, keys: dict[str, dict[str, Any]], clients: dict[str, Client]
+) -> None:
+    """Names are unique among one creator's sandboxes and among those the tenant sees; a
+    lookup by name means the caller's own first, then the tenant's. So bob names his
+    sandbox as alice's private one is named, and nothing tells him hers exists; each of them
+    gets their own by that name. The refusals, each with its control: bob's own name is
+    taken for him; alice cannot make hers the tenant's while bob's of that name is (which
+    she sees); the tenant's owner, who sees both and owns neither, is told to use an id."""
+    api = f"{daemon.url}/api/v2/sandboxes"
+    with ls(daemon, keys["bob"]["key"]) as bob, ls(daemon, keys["alice"]["key"]) as alice:
+        made = bob.create_sandbox(name=NAME)  # not "name taken": hers is not his to know
+        try:
+            with pytest.raises(SandboxClientError, match="in use"):
+                bob.create_sandbox(name=NAME)  # his own holds it
+            assert bob.get_sandbox(NAME).run("cat /tmp/note || echo none").stdout == "none\n"
+            assert alice.get_sandbox(NAME).read("/tmp/note") == b"alice's"
+            box.share({"bob": "view"})  # he sees both now: his own is the one he means
+            try:
+                assert bob.get_sandbox(NAME).run("echo own").stdout == "own\n"
+            finally:
+                box.share({})
+            with ls(daemon, keys["ops"]["key"]) as ops:
+                with pytest.raises(SandboxClientError, match="address one by its id"):
+                    ops.get_sandbox(NAME)  # an owner sees both, made neither
+                [his] = [s for s in clients["bob"].list() if s.info.name == NAME]
+                his.share(visibility="tenant")
+                assert ops.get_sandbox(NAME).run("hostname").stdout.strip() == his.id
+                with pytest.raises(errors.AlreadyExists, match="in use"):
+                    box.share(visibility="tenant")  # his is the tenant's: she sees it
+                assert box.access().visibility == "private"
+                his.share(visibility="private")
+                box.share(visibility="tenant")  # the control: free again
+                box.share(visibility="private")
+            assert made.name == NAME
+        finally:
+            bob.delete_sandbox(NAME)
+    assert NAME in {s.info.name for s in clients["alice"].list()}  # hers, untouched
+
+    async def alices() -> bytes:
+        async with AsyncSandboxClient(api_endpoint=api, api_key=keys["alice"]["key"]) as a:
+            return await (await a.get_sandbox(NAME)).read("/tmp/note")
+
+    assert asyncio.run(alices()) == b"alice's"
 
 
 def test_the_consoles_list_follows_the_key(

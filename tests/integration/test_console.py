@@ -454,6 +454,53 @@ def test_sandbox_overview(page: Any, box: Sandbox, shots: Path) -> None:
     assert json.dumps(page.evaluate("typeof window.Terminal")) == '"function"'
 
 
+def test_the_access_form_shares_and_unshares(
+    page: Any, browser: Any, daemon: Daemon, admin: Client, box: Sandbox, shots: Path
+) -> None:
+    """A key that manages the sandbox shares it from its overview: a principal added with a
+    permission, the visibility chosen, saved; later unshared. A principal the API refuses
+    changes nothing and says why. The key it is shared with sees who may use it, and no
+    form (the control: the form is there for the key that manages it)."""
+    before = box.access()
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}")
+    page.reload()  # drawn afresh, whatever the page showed before
+    page.wait_for_selector("#access tbody td:has-text('shared with no one')")
+    page.fill("#share-principal", "console-viewer")
+    page.select_option("#share-level", "view")
+    page.click("#access button:has-text('Add')")
+    page.select_option("#visibility", "private")
+    page.click("#access button[type=submit]")
+    eventually(lambda: box.access().shares == {"console-viewer": "view"}, "the share saved")
+    assert box.access().visibility == "private"
+    page.wait_for_selector("table.kv td:has-text('console-viewer (view)')")  # drawn again
+    screenshot(page, shots, "access")
+
+    page.fill("#share-principal", "no spaces allowed")
+    page.click("#access button[type=submit]")
+    page.wait_for_selector("#toast.show.bad")
+    assert box.access().shares == {"console-viewer": "view"}  # nothing changed
+
+    viewer = admin.create_key("alpha", principal="console-viewer", roles=["member"])["key"]
+    theirs = logged_in(browser, daemon, viewer)
+    try:
+        theirs.goto(theirs.url.split("#")[0] + f"#/sandboxes/{box.id}")
+        theirs.wait_for_selector("table.kv td:has-text(' of ')")
+        assert "console-viewer (view)" in theirs.inner_text("table.kv")
+        assert theirs.locator("#access").count() == 0 and page.locator("#access").count() == 1
+    finally:
+        theirs.context.close()
+
+    page.reload()  # what is saved, not what the refused form held
+    page.wait_for_selector("#access tr[data-principal='console-viewer']")
+    assert page.locator("#access tr[data-principal='no spaces allowed']").count() == 0
+    page.click("#access button[aria-label='Unshare console-viewer']")
+    page.select_option("#visibility", before.visibility)
+    page.click("#access button[type=submit]")
+    eventually(lambda: box.access().shares == {}, "the share taken back")
+    assert box.access().visibility == before.visibility
+    page.wait_for_selector("#access tbody td:has-text('shared with no one')")
+
+
 def test_eval_runs_api_refuses_bad_input(
     daemon: Daemon, keys: dict[str, str], alpha: Client, box: Sandbox
 ) -> None:

@@ -2,7 +2,8 @@
 (credentials kept per tenant, never returned), `create_snapshot` from a TLS registry on
 loopback with and without credentials (an htpasswd-protected one for the registry), an
 image built in a sandbox's own Docker taken out by `capture_snapshot(docker_image=...)`,
-and `create_snapshot_from_dockerfile` told plainly what it lacks."""
+and `create_snapshot_from_dockerfile` told plainly what it lacks; a snapshot built from an image
+boots on a node of another host, which has never seen the image."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextlib
 import ipaddress
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,6 +33,9 @@ from langsmith.sandbox import (
 from langsmith.sandbox._client import _make_dockerfile_build_command
 
 from cella import Client
+from cella.images.templates import builtin_templates, template_image
+from cella.paths import Paths
+from cella.storage.overlay import backing_file
 from tests.daemon import Daemon, DaemonFactory
 from tests.netservers import TestCA, free_loopback_block
 from tests.oci_images import Registry, busybox_image
@@ -264,6 +269,85 @@ def test_a_tenants_pull_stays_inside_the_boundary(
     assert "detail" not in said  # nothing of the daemon's own answer comes back
     assert not [s for s in client.list_snapshots() if s.name in ("outside", "by-name")
                 and s.status == "ready"]  # fmt: skip
+
+
+def test_an_image_snapshot_boots_on_a_node_of_another_host(
+    client: SandboxClient,
+    admin: Client,
+    daemon: Daemon,
+    registries: Registries,
+    module_daemon_factory: DaemonFactory,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A snapshot built from an image holds its whole disk: a node that has only the
+    snapshot's files and the kernel boots it, with the image's files, USER, WORKDIR and ENV.
+
+    Another host, on one machine: a second daemon in a mount namespace of its own, where the
+    image cache every daemon of this machine shares (kernel, template bases, warm snapshots)
+    is a fresh directory holding only what such a host has of its own: the same guest kernel
+    (copied), the egress proxy's environment (bound in: it holds no image), the host's
+    accelerator answer and the built-in default template's base (bound in read-only: such a
+    host builds its own with `cella setup`), of which it makes its own warm snapshot when
+    it starts. It has none of the first daemon's image templates, image bases or warm
+    snapshots (checked through its own root below). The snapshot moves as a fleet ships one:
+    the node pulls its files from the first over HTTP (`POST /v1/snapshots/import`), each
+    checked against the manifest. Before the disk stood alone, this import answered 503
+    `image_missing` (the disk sat on the image's warm snapshot in the first one's cache)."""
+    snap = client.create_snapshot("anywhere", registries.busybox, 1 << 30, timeout=WAIT)
+    try:
+        disk = daemon.data_dir / "snapshots" / snap.id / "disk.qcow2"
+        assert backing_file(disk) is None  # nothing of this node's image cache under it
+        template = admin.get_snapshot(snap.id).info.template
+
+        images = Paths.default().images
+        own = tmp_path_factory.mktemp("other-host") / "images"
+        shutil.copytree(images / "kernel", own / "kernel")
+        (own / "egress").mkdir()
+        for probe in images.glob("accel-*.json"):
+            shutil.copy(probe, own / probe.name)
+        default = template_image(Paths.default(), builtin_templates()["default"])
+        (own / "templates").mkdir()
+        (own / "templates" / default.name).touch()
+        mounts = (
+            f"mount --bind {images}/egress {own}/egress && "
+            f"mount --bind -o ro {default} {own}/templates/{default.name} && "
+            f"mount --rbind {own} {images}"
+        )
+        there = module_daemon_factory(
+            "other-host",
+            wrap=["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "-"],
+            timeout=300,  # it compiles its own agent and jailer first
+            pool_size="0",
+        )
+        assert there.proc is not None
+        seen = Path(f"/proc/{there.proc.pid}/root") / str(images).lstrip("/")
+        assert (seen / "kernel" / "vmlinux").exists()
+        assert [t.name for t in (seen / "templates").iterdir()] == [default.name]  # no image's
+        assert not list(seen.glob(f"snapshots/{template}-*"))
+        assert list(images.glob(f"snapshots/{template}-*"))  # the first one's view: there
+        with there.client() as cella_there:
+            assert template not in [t.name for t in cella_there.templates()]
+
+        moved = httpx.post(
+            f"{there.url}/v1/snapshots/import",
+            headers={"authorization": f"Bearer {there.admin_key}"},
+            json={"source_url": daemon.url, "source_key": daemon.admin_key,
+                  "snapshot_id": snap.id},
+            timeout=300,
+        )  # fmt: skip
+        assert moved.status_code == 201, moved.text
+        with sdk(there, there.admin_key) as far:
+            far_snap = far.get_snapshot(snap.id)
+            assert far_snap.status == "ready"
+            assert far_snap.fs_capacity_bytes == snap.fs_capacity_bytes > 0  # its disk's size
+            with far.sandbox(snapshot="anywhere", timeout=300) as sb:
+                r = sb.run("echo $(id -u) $(pwd) $FOO; cat hello.txt", shell="/bin/sh")
+                assert r.exit_code == 0, r.stderr
+                assert r.stdout.split("\n")[0] == "1000 /app bar"
+                assert "from the upper layer" in r.stdout  # the image's file, baked in
+            far.delete_snapshot(snap.id)
+    finally:
+        client.delete_snapshot(snap.id)
 
 
 def _loopback_name() -> str:

@@ -20,6 +20,8 @@ from cella.policy.access import (
     Principal,
     Role,
     default_visibility,
+    meant,
+    names_clash,
     permission,
     roles_of,
 )
@@ -83,6 +85,29 @@ def test_roles_and_the_default_visibility() -> None:
         roles_of([Role.owner, Role.member], read_only=False)
     assert default_visibility(CAROL) == "tenant" and default_visibility(ALICE) == "private"
     assert Principal.service("t").wide  # the service itself (its reaper, a download link)
+
+
+def test_a_name_clashes_with_the_creators_own_and_the_tenants_only() -> None:
+    assert names_clash("bob", Access("t", "bob", "private"))  # his own
+    assert names_clash("bob", Access("t", "alice", "tenant"))  # one he sees as the tenant's
+    assert not names_clash("bob", Access("t", "alice", "private"))  # hers: not his to know
+    assert not names_clash("bob", Access("t", "alice", "private", {"bob": Permission.view}))
+    assert names_clash(None, Access("t", None, "private"))  # the service's, as the same
+
+
+def test_a_name_means_the_callers_own_then_the_tenants_then_the_only_other() -> None:
+    hers = Access("t", "alice", "private")
+    his = Access("t", "bob", "private")
+    shared = Access("t", "alice", "private", {"bob": Permission.view})
+    everyone = Access("t", "dave", "tenant")
+    assert meant(BOB, [hers, his]) == [1]
+    assert meant(ALICE, [hers, his]) == [0]
+    assert meant(BOB, [hers]) == []  # not his to see: no sandbox of that name
+    assert meant(BOB, [shared, everyone]) == [1]  # the tenant's before one shared with him
+    assert meant(BOB, [shared, everyone, his]) == [2]
+    assert meant(BOB, [shared]) == [0]
+    assert meant(CAROL, [hers, his]) == [0, 1]  # an owner sees both, made neither: ambiguous
+    assert meant(CAROL, [hers, his, everyone]) == [2]
 
 
 # -- the rooms, in process ---------------------------------------------------------------
@@ -156,6 +181,34 @@ async def test_every_room_asks_the_rule(daemon: Daemon) -> None:
     with pytest.raises(errors.NotFound):
         daemon.registry.get(bob, row.id)
     assert daemon.sharing.get(alice, row.id).permission == "manage"  # its creator still
+
+
+async def test_names_reveal_no_private_sandbox(daemon: Daemon) -> None:
+    alice = keyed(daemon, "alice", [Role.member])
+    bob = keyed(daemon, "bob", [Role.member])
+    carol = keyed(daemon, "carol", [Role.owner])
+    hers = await daemon.create(alice, SandboxCreate(name="box"))
+    his = await daemon.create(bob, SandboxCreate(name="box"))  # hers is not his to know
+    assert daemon.registry.named(alice, "box").id == hers.id
+    assert daemon.registry.named(bob, "box").id == his.id
+    with pytest.raises(errors.AlreadyExists, match="in use"):
+        await daemon.create(bob, SandboxCreate(name="box"))  # his own holds it
+    with pytest.raises(errors.Conflict, match="address one by its id"):
+        daemon.registry.named(carol, "box")  # sees both, made neither
+    other = await daemon.create(bob, SandboxCreate(name="other"))
+    with pytest.raises(errors.AlreadyExists):  # renamed onto his own name: refused
+        await daemon.lifecycle.update(bob, other.id, name="box")
+    await daemon.sharing.set(bob, his.id, SandboxAccess(visibility="tenant"))
+    assert daemon.registry.named(carol, "box").id == his.id  # the tenant's
+    assert daemon.registry.named(alice, "box").id == hers.id  # her own first
+    with pytest.raises(errors.AlreadyExists):  # his is the tenant's, which she sees
+        await daemon.sharing.set(alice, hers.id, SandboxAccess(visibility="tenant"))
+    with pytest.raises(errors.AlreadyExists):
+        await daemon.create(carol, SandboxCreate(name="box"))
+    await daemon.sharing.set(bob, his.id, SandboxAccess(visibility="private"))
+    await daemon.sharing.set(alice, hers.id, SandboxAccess(visibility="tenant"))  # control
+    made = await daemon.create(carol, SandboxCreate(name="free"))  # control of the refusal
+    assert daemon.registry.named(bob, "free").id == made.id  # an owner's: the tenant's
 
 
 # -- a fleet gateway relaying its caller -----------------------------------------------

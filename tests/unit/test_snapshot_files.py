@@ -1,10 +1,11 @@
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from cella import errors
-from cella.storage import snapshots
+from cella.storage import overlay, snapshots
 from cella.storage.snapshots import SnapshotDir
 
 
@@ -71,3 +72,53 @@ def test_the_extent_map_does_not_count(tmp_path: Path) -> None:
         f.write(bytes(1 << 20))  # explicit zeros inside the hole
     snapshots._verified.clear()
     assert snap.verify()["vcpus"] == 1
+
+
+def _qemu_io(image: Path, command: str) -> str:
+    done = subprocess.run(
+        ["qemu-io", "-f", "qcow2", "-c", command, str(image)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout + done.stderr
+
+
+def test_a_disk_made_to_stand_alone_keeps_every_block_without_its_backing(
+    tmp_path: Path,
+) -> None:
+    """What a snapshot built from an image does before it is ready: the blocks of the files
+    under its disk (the template's base, the warm snapshot's disk) are written into it, so a
+    node without those files reads the same disk. The control: before, the disk needs its
+    base (gone, it cannot be read)."""
+    base = tmp_path / "base.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "8M"], check=True)
+    assert "wrote" in _qemu_io(base, "write -P 0xab 0 64k")
+    snap = SnapshotDir(tmp_path / "s")
+    snap.path.mkdir()
+    overlay.create_overlay(base, snap.disk)
+    assert "wrote" in _qemu_io(snap.disk, "write -P 0xcd 1M 64k")
+    before = snap.seal({"memory": False})
+    assert snap.disk_backing() == str(base.resolve())
+
+    manifest = snap.stand_alone()
+    assert snap.disk_backing() is None and snap.disk_mib() == 8
+    assert manifest["sha256"]["disk.qcow2"] != before["sha256"]["disk.qcow2"]
+    assert manifest["bytes"]["disk.qcow2"] == snap.disk.stat().st_size
+    assert snap.verify() == manifest
+    assert snap.disk.stat().st_mode & 0o777 == 0o400
+    assert sorted(p.name for p in snap.path.iterdir()) == ["disk.qcow2", "manifest.json"]
+    base.unlink()
+    assert "Pattern verification failed" not in _qemu_io(snap.disk, "read -P 0xab 0 64k")
+    assert "read 65536/65536" in _qemu_io(snap.disk, "read -P 0xab 0 64k")
+    assert "read 65536/65536" in _qemu_io(snap.disk, "read -P 0xcd 1M 64k")
+    assert "read 65536/65536" in _qemu_io(snap.disk, "read -P 0 2M 64k")
+    assert snap.stand_alone() == manifest  # nothing under it: nothing to do
+
+    # the control: an overlay on a base that is gone cannot be read at all
+    gone = tmp_path / "gone.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(gone), "8M"], check=True)
+    other = tmp_path / "other.qcow2"
+    overlay.create_overlay(gone, other)
+    gone.unlink()
+    assert "read 65536/65536" not in _qemu_io(other, "read -P 0 0 64k")

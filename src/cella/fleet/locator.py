@@ -34,11 +34,23 @@ class Locator:
         return found
 
     async def placement_named(self, who: Principal, name: str) -> Placement:
-        """The tenant's sandbox called `name` (the LangSmith API addresses boxes by name)."""
+        """The sandbox `who` means by `name` (the LangSmith API addresses boxes by name),
+        as a node would pick it (`access.meant`)."""
         for attempt in range(2):
-            for found in self.placements.of_tenant(who.tenant):
-                if found.body.get("name") == name and found.body.get("state") != "deleted":
-                    return found
+            named = [
+                found
+                for found in self.placements.of_tenant(who.tenant)
+                if found.body.get("name") == name and found.body.get("state") != "deleted"
+            ]
+            picked = access.meant(who, [access_shown(who.tenant, f.body) for f in named])
+            if len(picked) > 1:
+                ids = ", ".join(named[i].sandbox_id for i in picked)
+                raise errors.Conflict(
+                    f"this key may see {len(picked)} sandboxes named {name!r} ({ids}): "
+                    "address one by its id"
+                )
+            if picked:
+                return named[picked[0]]
             if attempt == 0:  # not seen yet: ask the nodes
                 await self.list_sandboxes(who, [])
         raise errors.NotFound(f"no sandbox named {name!r}")
@@ -91,10 +103,12 @@ class Locator:
 
 def visible(who: Principal, shown: dict[str, Any]) -> bool:
     """Whether `who` may see a sandbox as a node showed it (`cella.policy.access`)."""
+    return access.permission(who, access_shown(who.tenant, shown)) is not None
+
+
+def access_shown(tenant: str, shown: dict[str, Any]) -> access.Access:
+    """A sandbox of `tenant` as a node showed it, as the access rule sees it."""
     levels = access.Permission.__members__
     shares = {p: levels[v] for p, v in (shown.get("shares") or {}).items() if v in levels}
     private = shown.get("visibility") == "private"
-    box = access.Access(
-        who.tenant, shown.get("creator"), "private" if private else "tenant", shares
-    )
-    return access.permission(who, box) is not None
+    return access.Access(tenant, shown.get("creator"), "private" if private else "tenant", shares)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -46,24 +47,29 @@ def ensure_agent(paths: Paths, progress: Progress = quiet) -> Path:
     return compile_static(paths, "agent", _agent_source(), progress)
 
 
+# How `compile_static` builds, in its cache key: a change that changes the bytes it makes
+# compiles every program again once. 2: the source is always `NAME.c` (gcc writes the file
+# name into the binary; one with the process id in it made each host's agent, and so its
+# initramfs, which a memory snapshot names, a file of its own).
+RECIPE = b"2"
+
+
 def compile_static(paths: Paths, name: str, src: bytes, progress: Progress = quiet) -> Path:
-    """A static binary of the C program `src`, cached by its content hash."""
-    out = paths.images / f"{name}-{_digest(src)}"
+    """A static binary of the C program `src`, cached by its content hash. The same source
+    and compiler make the same bytes on every host."""
+    out = paths.images / f"{name}-{_digest(src, RECIPE)}"
     if out.exists():
         return out
     if shutil.which("gcc") is None:
         raise errors.ImageMissing(f"gcc is needed to build the {name}: run `cella setup`")
     paths.ensure()
     progress(f"compiling the {name}")
-    src_file = paths.build_tmp / f"{name}-{os.getpid()}.c"
-    tmp_out = paths.build_tmp / f"{name}-{os.getpid()}"
-    src_file.write_bytes(src)
-    try:
+    with tempfile.TemporaryDirectory(dir=paths.build_tmp, prefix=f"{name}-") as tmp:
+        src_file = Path(tmp) / f"{name}.c"
+        tmp_out = Path(tmp) / name
+        src_file.write_bytes(src)
         run(["gcc", "-static", "-O2", "-Wall", "-o", tmp_out, src_file])
         tmp_out.rename(out)
-    finally:
-        src_file.unlink(missing_ok=True)
-        tmp_out.unlink(missing_ok=True)
     return out
 
 

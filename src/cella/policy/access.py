@@ -15,12 +15,18 @@ exec in it) and shares: principal -> `view` (look: inspect, trace, read files), 
 resume, delete, change its network and who may use it). A creator manages its own.
 
 `permission` answers what a caller may do with one sandbox (None: it may not even know it
-exists); the rooms of the service ask it through `Registry.access`, one place."""
+exists); the rooms of the service ask it through `Registry.access`, one place.
+
+Names (the LangSmith API addresses sandboxes by name) are unique among one creator's
+sandboxes and among those the whole tenant sees (`names_clash`): a private sandbox of
+another principal never stands in the way of a name, or a refusal would tell that it
+exists. A caller who sees several sandboxes of one name means its own, else the one the
+tenant sees, else the only other it may see (`meant`)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -120,3 +126,27 @@ def roles_of(given: list[Role] | None, read_only: bool) -> frozenset[Role]:
 
 def valid_principal(name: str) -> bool:
     return re.fullmatch(PRINCIPAL, name) is not None
+
+
+def names_clash(creator: str | None, other: Access) -> bool:
+    """Whether a sandbox of `creator` (one being made or renamed, or made visible to the
+    tenant) may not have the name `other` has: `other` is the same creator's, or every key
+    of the tenant sees it. A private sandbox of someone else never clashes (whoever asks
+    may not know it exists)."""
+    return other.visibility == "tenant" or other.creator == creator
+
+
+def meant(who: Principal, named: Sequence[Access]) -> list[int]:
+    """Which of the sandboxes of one name (`named`) `who` means: the indices of the best
+    ones it may see. Its own first (at most one: `names_clash`), else the one the tenant
+    sees (at most one), else those it may see otherwise (shared with it, or every sandbox
+    for an owner): one is meant; several are ambiguous; none, no sandbox of that name."""
+    mine = who.principal or None
+    seen = [i for i, box in enumerate(named) if permission(who, box) is not None]
+    for rank in (
+        [i for i in seen if named[i].creator == mine],
+        [i for i in seen if named[i].visibility == "tenant"],
+    ):
+        if rank:
+            return rank
+    return seen

@@ -107,7 +107,7 @@ class Forks:
         shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
         spec = spec.model_copy(update=shape)
         async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
-            self.registry.check_name(tenant, spec.name)
+            self.registry.check_name(tenant, who.principal or None, spec.name)
             rows = [
                 self.registry.insert(
                     new_record(

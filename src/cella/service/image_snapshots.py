@@ -8,6 +8,12 @@ after the tenant has fetched the image with its own access), a sandbox boots fro
 image's USER, WORKDIR and ENV (under the caller's `run_config`), and that sandbox is
 snapshotted. The snapshot row exists from the first moment, `creating`, so a client polls it
 as it would any build; a failure leaves it `error` with the reason, and the template goes.
+
+The snapshot's disk stands alone: the image's blocks (the template's base and its warm
+snapshot's disk, which no other host has) are written into it before it is ready, so any
+node with the snapshot's files and the kernel boots it. Its forks share its disk as any
+fork does; what it does not share is the template base's blocks (the building node keeps
+both while the template lives, which is as long as the snapshot).
 """
 
 from __future__ import annotations
@@ -82,20 +88,9 @@ class ImageSnapshots:
                     tenant, image, credentials, Path(tmp), limits, progress,
                     labels={"cella.snapshot": name},
                 )  # fmt: skip
-                async with self.templates.lock(template):
-                    await asyncio.to_thread(
-                        oci.build_from_image,
-                        self.templates.paths,
-                        template,
-                        layout,
-                        threadsafe(progress),
-                        disk_mib=disk_mib,
-                        limits=limits,
-                        source=image,
-                        tenant=tenant,
-                    )
-                    await self.templates.warm_up(template, progress)
-            return self.templates.get(template, tenant)
+                await self._template_from(layout, template, tenant, image, limits, disk_mib,
+                                          progress)  # fmt: skip
+            return await self._warm(template, tenant, progress)
 
         return self._start(tenant, name, tag, defaults, build)
 
@@ -130,25 +125,14 @@ class ImageSnapshots:
                         return await self.templates.files.read(who, sandbox_id, path)
 
                     layout = await oci.copy_layout(read, f"{where}/layout", Path(tmp), limits)
-                    async with self.templates.lock(template):
-                        await asyncio.to_thread(
-                            oci.build_from_image,
-                            self.templates.paths,
-                            template,
-                            layout,
-                            threadsafe(progress),
-                            disk_mib=disk_mib,
-                            source=f"{docker_image} (Docker of sandbox {sandbox_id})",
-                            limits=limits,
-                            tenant=tenant,
-                        )
+                    source = f"{docker_image} (Docker of sandbox {sandbox_id})"
+                    await self._template_from(layout, template, tenant, source, limits,
+                                              disk_mib, progress)  # fmt: skip
             finally:
                 with contextlib.suppress(errors.CellaError):
                     await self.templates.run_step(who, sandbox_id, ["rm", "-rf", "--", where],
                                                   progress, "cleanup")  # fmt: skip
-            async with self.templates.lock(template):
-                await self.templates.warm_up(template, progress)
-            return self.templates.get(template, tenant)
+            return await self._warm(template, tenant, progress)
 
         return self._start(tenant, name, tag, defaults, build)
 
@@ -171,6 +155,37 @@ class ImageSnapshots:
         await self._forget(tenant, snap.template)
 
     # -- the build ----------------------------------------------------------------------
+
+    async def _template_from(
+        self,
+        layout: str,
+        template: str,
+        tenant: str,
+        source: str,
+        limits: oci.ImportLimits,
+        disk_mib: int | None,
+        progress: Progress,
+    ) -> None:
+        """The tenant's own template `template` from the OCI layout an image came out as
+        (pulled from a registry, or saved from a sandbox's Docker)."""
+        async with self.templates.lock(template):
+            await asyncio.to_thread(
+                oci.build_from_image,
+                self.templates.paths,
+                template,
+                layout,
+                threadsafe(progress),
+                disk_mib=disk_mib,
+                source=source,
+                limits=limits,
+                tenant=tenant,
+            )
+
+    async def _warm(self, template: str, tenant: str, progress: Progress) -> Template:
+        """The template's warm snapshot made (the builder sandbox restores from it)."""
+        async with self.templates.lock(template):
+            await self.templates.warm_up(template, progress)
+        return self.templates.get(template, tenant)
 
     def _start(
         self,
@@ -210,7 +225,9 @@ class ImageSnapshots:
             builder = Principal.service(tenant)  # the tenant's, as the snapshot is
             box = await self.lifecycle.create(builder, spec)
             try:
-                await self.snapshots.snapshot(builder, box.id, record.name, tag, into=record)
+                await self.snapshots.snapshot(
+                    builder, box.id, record.name, tag, into=record, standalone=True
+                )
             finally:
                 with contextlib.suppress(errors.CellaError):
                     await self.lifecycle.delete(builder, box.id)

@@ -157,7 +157,7 @@ class Lifecycle:
         req = req.model_copy(update={"network": self.egress.check_policy(who, req.network)})
         self.egress.check_policy(who, rules_of(req))  # and its bucket mounts' rules
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
-            self.registry.check_name(tenant, req.name)
+            self.registry.check_name(tenant, who.principal or None, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
             spare = self.pool.claim_spare(shape) if vm is None else None
             held = vm if vm is not None else spare[1] if spare is not None else None
@@ -352,7 +352,7 @@ class Lifecycle:
             row = self.registry.get(who, sandbox_id, MANAGE)
             fields: dict[str, object] = {}
             if name is not None and name != row.name:
-                self.registry.check_name(row.tenant, name)
+                self.registry.check_name(row.tenant, row.creator, name, exclude=row.id)
                 fields["name"] = name
             if not isinstance(ttl_seconds, Unset):
                 fields["ttl_seconds"] = ttl_seconds

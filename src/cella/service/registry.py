@@ -125,21 +125,36 @@ class Registry:
         return rows
 
     def named(self, who: Principal, name: str, need: Permission = Permission.view) -> SandboxRecord:
-        """The caller's sandbox called `name` (names are unique in a tenant among those
-        not deleted)."""
-        row = self.store.sandbox_named(who.tenant, name)
-        if row is None:
+        """The sandbox `who` means by `name` among those it may see (`access.meant`: its
+        own, else the tenant's, else the only other one); several it could mean equally
+        are a `Conflict` naming their ids (all of which it sees)."""
+        rows = self.store.sandboxes_named(who.tenant, name)
+        picked = access.meant(who, [access_of(r) for r in rows])
+        if not picked:
             raise errors.NotFound(f"no sandbox named {name!r}")
+        if len(picked) > 1:
+            ids = ", ".join(rows[i].id for i in picked)
+            raise errors.Conflict(
+                f"this key may see {len(picked)} sandboxes named {name!r} ({ids}): "
+                "address one by its id"
+            )
         try:
-            return self.get(who, row.id, need)
+            return self.get(who, rows[picked[0]].id, need)
         except errors.NotFound:
             raise errors.NotFound(f"no sandbox named {name!r}") from None
 
-    def check_name(self, tenant: str, name: str | None) -> None:
-        """Refuses a name another of the tenant's sandboxes has (call under a lock); the
-        one holding it is named only to a caller who may see it anyway: none here."""
-        if name is not None and self.store.sandbox_named(tenant, name) is not None:
-            raise errors.AlreadyExists(f"sandbox name {name!r} is in use in this tenant")
+    def check_name(
+        self, tenant: str, creator: str | None, name: str | None, exclude: str | None = None
+    ) -> None:
+        """Refuses `name` for a sandbox of `creator` (being made, renamed, or made visible
+        to the tenant; call under a lock) when the creator has a sandbox of that name or
+        the tenant sees one (`access.names_clash`): sandboxes the caller sees anyway. A
+        private sandbox of someone else is never the reason, nor named."""
+        if name is None:
+            return
+        for row in self.store.sandboxes_named(tenant, name):
+            if row.id != exclude and access.names_clash(creator, access_of(row)):
+                raise errors.AlreadyExists(f"sandbox name {name!r} is in use")
 
     def live_rows(self) -> list[SandboxRecord]:
         return self.store.list_sandboxes(None, [s.value for s in LIVE_STATES])

@@ -24,7 +24,9 @@ class Sharing:
         until it ends. A manager who shares it away from itself is answered with no
         permission: it no longer sees the sandbox."""
         async with self.registry.lock(sandbox_id):
-            self.registry.get(who, sandbox_id, Permission.manage)
+            row = self.registry.get(who, sandbox_id, Permission.manage)
+            if to.visibility == "tenant" and row.visibility != "tenant":  # its name: the tenant's
+                self.registry.check_name(row.tenant, row.creator, row.name, exclude=row.id)
             self.registry.update(sandbox_id, visibility=to.visibility, shares=dict(to.shares))
             self.registry.events.emit(sandbox_id, "access_changed", to.model_dump())
             row = self.registry.row(sandbox_id)

@@ -122,12 +122,14 @@ class Snapshots:
         into: SnapshotRecord | None = None,
         *,
         memory: bool = True,
+        standalone: bool = False,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
         points at it once it is ready; with `into`, the snapshot is that row (made by
-        `begin`). Whoever may exec in the sandbox may copy it; the snapshot is its
-        tenant's, as every snapshot is."""
+        `begin`); `standalone`: its disk is made one file of its own before it is ready
+        (nothing of this node's images under it). Whoever may exec in the sandbox may copy
+        it; the snapshot is its tenant's, as every snapshot is."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(who, sandbox_id)
             tenant = row.tenant
@@ -159,6 +161,8 @@ class Snapshots:
                 manifest, paused = await self.driver.snapshot_vm(
                     vm, dest, memory=memory, template=row.template, sandbox_id=sandbox_id
                 )
+                if standalone:
+                    manifest = await asyncio.to_thread(dest.stand_alone)
             except BaseException as exc:
                 if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
                     exc = errors.NoSpace(f"the data directory ran out of space: {exc}")
@@ -197,6 +201,10 @@ class Snapshots:
         with contextlib.suppress(errors.SnapshotCorrupt):
             return snap.memory_bytes()
         return None
+
+    def disk_mib(self, snapshot_id: str) -> int:
+        """The size of the snapshot's disk in MiB (`NotFound` when its files are not here)."""
+        return self.directory(snapshot_id).disk_mib()
 
     def _needs(self, row: SandboxRecord) -> int:
         """Bytes a snapshot of this sandbox may take at most: all of its RAM, its overlay."""

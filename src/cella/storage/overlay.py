@@ -46,6 +46,20 @@ def rebase_unsafe(overlay: Path, base: Path) -> None:
         raise errors.CellaError(f"qemu-img rebase failed: {proc.stderr.strip()}")
 
 
+def flatten_image(image: Path, dest: Path) -> None:
+    """`image` and every file under it in its backing chain written as one new qcow2
+    (`dest`) with no backing file; unallocated and zero clusters stay unwritten."""
+    proc = subprocess.run(
+        ["qemu-img", "convert", "-U", "-O", "qcow2", str(image), str(dest)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        dest.unlink(missing_ok=True)
+        raise errors.CellaError(f"qemu-img convert failed: {proc.stderr.strip()}")
+
+
 def overlay_bytes(directory: Path) -> int:
     """Host disk the overlays in `directory` take (allocated blocks, not their size)."""
     return sum(p.stat().st_blocks * 512 for p in directory.glob("*.qcow2"))

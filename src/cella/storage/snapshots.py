@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cella import errors
-from cella.storage.overlay import backing_file, rebase_unsafe
+from cella.storage.overlay import backing_file, flatten_image, image_info, rebase_unsafe
 
 FILES = ("ram", "state", "disk.qcow2")
 DISK_FILES = ("disk.qcow2",)  # a snapshot without memory
@@ -144,18 +144,40 @@ class SnapshotDir:
         """The file the frozen disk sits on (a template's base, another snapshot's disk)."""
         return backing_file(self.disk)
 
+    def disk_mib(self) -> int:
+        """The frozen disk's size in MiB (what the guest sees)."""
+        return int(str(image_info(self.disk)["virtual-size"])) >> 20
+
     def rebase_disk(self, base: Path) -> None:
         """Points the frozen disk at `base`, this node's copy of the file it sat on (the same
         content elsewhere), and records the disk's checksum again."""
         rebase_unsafe(self.disk, base)
         self.reseal(self.disk.name)
 
-    def reseal(self, name: str) -> None:
-        """Records a file's checksum again after a local, checked change (a disk rebased
-        onto this node's copy of its backing file)."""
+    def stand_alone(self) -> dict[str, Any]:
+        """Makes the frozen disk one file of its own: what it sat on (a template's base, a
+        warm snapshot's disk: files of this node's image cache) written into it, so a node
+        that has only the snapshot's files boots it. Returns the manifest, resealed."""
+        if self.disk_backing() is None:
+            return self.manifest()
+        flat = self.path / f"{self.disk.name}.flat"
+        try:
+            flatten_image(self.disk, flat)
+            flat.chmod(0o400)
+            flat.replace(self.disk)
+        finally:
+            flat.unlink(missing_ok=True)
+        return self.reseal(self.disk.name)
+
+    def reseal(self, name: str) -> dict[str, Any]:
+        """Records a file's checksum (and size) again after a local, checked change (a disk
+        rebased onto this node's copy of its backing file, or made to stand alone)."""
         manifest = self.manifest()
         manifest["sha256"][name] = sha256_of(self.path / name)
+        if name not in SHARED:
+            manifest["bytes"][name] = (self.path / name).stat().st_size
         self._write_manifest(manifest)
+        return manifest
 
     def verify(self) -> dict[str, Any]:
         """Raises SnapshotCorrupt unless every file matches its checksum."""

@@ -277,13 +277,15 @@ class Store(Observations):
         row = self._get("sandboxes", sandbox_id)
         return _sandbox(row) if row else None
 
-    def sandbox_named(self, tenant: str, name: str) -> SandboxRecord | None:
-        """The tenant's sandbox called `name` that is not deleted."""
-        row = self._exec(
-            "SELECT * FROM sandboxes WHERE tenant = ? AND name = ? AND state != 'deleted'",
+    def sandboxes_named(self, tenant: str, name: str) -> list[SandboxRecord]:
+        """The tenant's sandboxes called `name` that are not deleted, oldest first (names
+        are unique per creator and among those the tenant sees: `cella.policy.access`)."""
+        rows = self._exec(
+            "SELECT * FROM sandboxes WHERE tenant = ? AND name = ? AND state != 'deleted' "
+            "ORDER BY created_at, rowid",
             (tenant, name),
-        ).fetchone()
-        return _sandbox(row) if row else None
+        ).fetchall()
+        return [_sandbox(r) for r in rows]
 
     def list_sandboxes(
         self, tenant: str | None = None, states: Iterable[str] | None = None

@@ -56,7 +56,8 @@ def router(prefix: str) -> APIRouter:
             raise errors.NotFound(f"Sandbox '{name}' not found") from None
 
     def shown(svc: Daemon, request: Request, row: SandboxRecord) -> Json:
-        return sandbox_json(row, str(request.base_url), fs_mib(svc, row.template))
+        size = fs_mib(svc, row.template, row.base_snapshot_id)
+        return sandbox_json(row, str(request.base_url), size)
 
     # -- boxes --------------------------------------------------------------------------
 
@@ -391,7 +392,7 @@ def snapshot_view(svc: Daemon, tenant: str, snap: SnapshotRecord) -> Json:
     return snapshot_json(
         snap,
         svc.snapshots.tags_of(tenant, snap.id),
-        fs_mib(svc, snap.template),
+        fs_mib(svc, snap.template, snap.id),
         svc.snapshots.memory_bytes(snap.id) if snap.memory else None,
     )
 
@@ -412,7 +413,12 @@ def image_tag(image: str) -> str:
     return last.partition(":")[2] or "latest"
 
 
-def fs_mib(svc: Daemon, template: str) -> int:
+def fs_mib(svc: Daemon, template: str, snapshot_id: str | None = None) -> int:
+    """The file system's size: its template's, else (a node that never had the template
+    of a snapshot built from an image) that snapshot's disk's."""
     with contextlib.suppress(errors.CellaError):
         return svc.templates.disk_mib(template)
+    if snapshot_id:
+        with contextlib.suppress(errors.CellaError):
+            return svc.snapshots.disk_mib(snapshot_id)
     return 0

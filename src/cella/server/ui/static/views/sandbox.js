@@ -1,5 +1,5 @@
-// One sandbox: overview (limits, usage, labels, network, ports), terminal, files, trace
-// and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
+// One sandbox: overview (limits, usage, labels, network, ports, who may use it), terminal,
+// files, trace and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
 import { api } from "../api.js";
 import { badge, h, mib, toast } from "../dom.js";
 import { actionButtons, may } from "./actions.js";
@@ -67,7 +67,8 @@ async function overview(body, sb) {
         row("accelerator", `${sb.accel || ""} ${sb.accel_reason ? `(${sb.accel_reason})` : ""}`),
         sb.error ? row("error", h("span", { class: "error" }, sb.error)) : null)),
       h("table", { class: "kv" }, h("caption", {}, "Usage"), usage)),
-    may(sb, "exec") ? ports(sb) : null);
+    may(sb, "exec") ? ports(sb) : null,
+    may(sb, "manage") ? sharing(sb) : null);
   async function refresh() {
     try {
       const u = await api("GET", `/v1/sandboxes/${sb.id}/usage`, { tenant: sb.tenant });
@@ -111,3 +112,65 @@ function ports(sb) {
   return form;
 }
 
+
+// Who may use the sandbox besides its creator and the tenant's owners (a key that manages
+// it): its visibility and its shares, principal -> view, exec or manage, edited here and
+// saved as a whole (PUT .../access); the page is drawn again from the answer.
+const LEVEL_NAMES = ["view", "exec", "manage"];
+
+function levelSelect(attrs, chosen) {
+  return h("select", attrs, LEVEL_NAMES.map((l) => h("option", { value: l, selected: l === chosen }, l)));
+}
+
+function sharing(sb) {
+  const shares = { ...(sb.shares || {}) };
+  const visibility = h("select", { id: "visibility" }, ["private", "tenant"].map((v) =>
+    h("option", { value: v, selected: (sb.visibility || "tenant") === v }, v)));
+  const list = h("tbody");
+  const principal = h("input", { id: "share-principal", autocomplete: "off", placeholder: "principal", "aria-label": "Principal to share with" });
+  const level = levelSelect({ id: "share-level", "aria-label": "Permission to give" }, "view");
+  function draw() {
+    list.replaceChildren(...Object.entries(shares).map(([who, l]) =>
+      h("tr", { dataset: { principal: who } },
+        h("td", { class: "mono" }, who),
+        h("td", {}, levelSelect({ "aria-label": `Permission of ${who}`, onchange: (ev) => { shares[who] = ev.target.value; } }, l)),
+        h("td", {}, h("button", { type: "button", class: "small", "aria-label": `Unshare ${who}`,
+          onclick: () => { delete shares[who]; draw(); } }, "unshare")))));
+    if (!list.rows.length) list.append(h("tr", {}, h("td", { colspan: 3, class: "muted" }, "shared with no one")));
+  }
+  draw();
+  const add = h("button", { type: "button", class: "small", onclick: () => {
+    const name = principal.value.trim();
+    if (!name) return;
+    shares[name] = level.value;
+    principal.value = "";
+    draw();
+  } }, "Add");
+  const form = h("form", { id: "access", "aria-label": "Access" },
+    h("h2", {}, "Access"),
+    h("div", { class: "bar" }, h("label", { for: "visibility" }, "Visible to"), visibility,
+      h("span", { class: "muted" }, "private: its creator, the tenant's owners and whom it is shared with; tenant: every key of the tenant may exec in it")),
+    h("table", {}, h("caption", {}, "Shared with"),
+      h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "principal"), h("th", { scope: "col" }, "may"), h("th", { scope: "col" }, ""))),
+      list),
+    h("div", { class: "bar" }, h("label", { for: "share-principal" }, "Share with"), principal, level, add,
+      h("button", { type: "submit" }, "Save access")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const pending = principal.value.trim();
+    if (pending) { // typed but not added: meant all the same
+      shares[pending] = level.value;
+      principal.value = "";
+      draw();
+    }
+    try {
+      const r = await api("PUT", `/v1/sandboxes/${sb.id}/access`,
+        { tenant: sb.tenant, json: { visibility: visibility.value, shares } });
+      toast(r.permission ? `access saved: ${sb.id}` : `access saved: this key no longer sees ${sb.id}`);
+      window.dispatchEvent(new HashChangeEvent("hashchange"));
+    } catch (e) {
+      toast(e.message, true);
+    }
+  });
+  return form;
+}
