@@ -32,10 +32,17 @@ def sdk_python(name: str, requirements: list[str]) -> Path:
     return where / "bin" / "python"
 
 
+# Once a script has run to its end, it leaves without the interpreter's teardown: the e2b
+# SDK's native HTTP transport now and then aborts there (SIGABRT, no message) after its
+# sandboxes are gone, which says nothing about what the script checked. A script that
+# fails before its end still fails with its own status and traceback.
+LEAVE = "\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_sys.stderr.flush()\n_os._exit(0)\n"
+
+
 def run_script(python: Path, script: str, env: dict[str, str], timeout: float = 300) -> Any:
     """Runs `script`; its last line of output is JSON, returned parsed."""
     done = subprocess.run(
-        [str(python), "-c", script],
+        [str(python), "-c", script + LEAVE],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

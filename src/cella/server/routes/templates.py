@@ -10,6 +10,7 @@ from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from cella import errors
 from cella.models import BuildEvent, StartCommand, Template, TemplateBuild, TemplateList
@@ -68,7 +69,10 @@ async def build_dockerfile(
     sandbox of the template has that command running (started before the warm snapshot,
     once `ready_cmd` exits 0)."""
     require_admin(who, "build templates")
-    start = StartCommand(command=start_cmd, ready=ready_cmd) if start_cmd or ready_cmd else None
+    try:
+        start = StartCommand(command=start_cmd, ready=ready_cmd) if start_cmd or ready_cmd else None
+    except ValidationError as exc:  # query parameters: a 400 naming them, as a body's would be
+        raise errors.InvalidArgument(f"start_cmd/ready_cmd: {exc.errors()[0]['msg']}") from None
     # read whole before the response starts: once it streams, Starlette's disconnect
     # listener takes the request's remaining messages
     spool = await _spool(request, svc.files.max_upload_bytes)
