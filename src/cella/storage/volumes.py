@@ -232,7 +232,8 @@ class VolumeFiles:
         where, clean = self._path(volume_id, path)
         if not where.exists():
             raise errors.NotFound(f"{clean}: no such file or directory")
-        os.chmod(where, mode & 0o7777, follow_symlinks=False)
+        # permission bits only: the host never keeps a set-id file whose bytes a tenant chose
+        os.chmod(where, mode & 0o777, follow_symlinks=False)
         return _entry(clean, where.lstat())
 
 
