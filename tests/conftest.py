@@ -8,12 +8,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from cella.paths import Paths
 from cella.runtime.qemu.driver import QemuDriver
 from cella.runtime.qemu.vm import QemuVM
 from tests.daemon import DaemonFactory, SandboxFactory
 from tests.vms import VMFactory
+
+# the machines running the suite are shared: generating examples may be slow, which says
+# nothing about the code under test (deadlines off for the same reason)
+settings.register_profile("shared", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("shared")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from cella.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, Sandbox
 
 __all__ = ["AsyncClient", "AsyncSandbox", "Client", "ExecResult", "Sandbox", "errors"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # also in pyproject.toml; CHANGELOG.md says what each one brought
 
 
 def __getattr__(name: str) -> Any:

@@ -220,6 +220,11 @@ class DaemonSettings(BaseSettings):
     )
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="`json`: one JSON object per log line, with the request's id and the "
+        "sandbox it names (for a log pipeline)",
+    )
     otlp_endpoint: str | None = Field(
         default=None,
         description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every "

@@ -183,6 +183,13 @@ def test_creates_spread_over_the_nodes_by_free_capacity(
     status = fleet.admin.get("/v1/fleet").json()
     for node in status["nodes"]:
         assert node["capacity"]["memory_mib_committed"] == 256, node
+    # the gateway's /metrics: every node's creates, each labelled with its node
+    metrics = fleet.admin.get("/metrics").text
+    for name in NODES:
+        assert f'cella_fleet_node_up{{node="{name}"}} 1.0' in metrics
+        line = f'cella_creates_total{{node="{name}",origin='
+        assert any(x.startswith(line) and 'tenant="acme"' in x for x in metrics.splitlines())
+    assert tenant.get("/metrics").status_code == 403  # a tenant's key: not the fleet's counts
     delete_all(tenant)
 
 

@@ -36,8 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "sdk": PURE,
     "eval": PURE | {"sdk"},
     "integrations": PURE | {"sdk"},
-    "server": PURE | {"paths", "store", "guest", "service"},
-    "fleet": PURE | {"paths", "store", "network", "service", "server", "sdk", "eval"},
+    "server": PURE | {"paths", "store", "guest", "service", "telemetry"},
+    "fleet": PURE | {"paths", "store", "network", "service", "server", "sdk", "eval", "telemetry"},
     "cli": {"*"},  # the entry points: they put the rest together
     "cella": {"sdk", "errors", "models", "config"},  # the package's own __init__
 }

@@ -20,6 +20,26 @@ app = typer.Typer(
 )
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from cella import __version__
+
+        typer.echo(f"cella {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """cella: microVM sandboxes for AI coding agents."""
+
+
 AccelOpt = Annotated[str, typer.Option(help="Accelerator: auto, kvm or tcg.")]
 
 
@@ -28,6 +48,16 @@ def setup(
     json_: JsonOpt = False,
     template: Annotated[list[str] | None, typer.Option(help="Templates to build.")] = None,
     accel: AccelOpt = "auto",
+    service: Annotated[
+        bool,
+        typer.Option(
+            "--service",
+            help="Also install and enable the daemon as a systemd service (cella.service).",
+        ),
+    ] = False,
+    listen: Annotated[str, typer.Option(help="With --service: HOST:PORT it listens on.")] = (
+        "127.0.0.1:8420"
+    ),
 ) -> None:
     """Install host packages and the egress proxy, fetch the guest kernel, build the agent,
     initramfs and templates.
@@ -67,6 +97,11 @@ def setup(
         "accel_reason": choice.reason,
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if service:
+        from cella.cli.service_unit import install
+
+        show("installing the systemd service")
+        result["service"] = str(install(paths.root, listen))
     if json_:
         emit_json(result)
     else:

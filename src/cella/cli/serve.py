@@ -16,6 +16,9 @@ def serve(
     data_dir: Annotated[Path | None, typer.Option(help="State, images and VMs.")] = None,
     accel: Annotated[str | None, typer.Option(help="auto, kvm or tcg.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning...")] = None,
+    log_format: Annotated[
+        str | None, typer.Option(help="text, or json: one JSON object per line.")
+    ] = None,
     ray: Annotated[
         str | None,
         typer.Option(
@@ -53,6 +56,7 @@ def serve(
         "data_dir": data_dir,
         "accel": accel,
         "log_level": log_level,
+        "log_format": log_format,
         "tls_cert": tls_cert,
         "tls_key": tls_key,
         "allow_insecure_listen": allow_insecure_listen or None,
@@ -88,6 +92,7 @@ def serve(
             host=host,
             port=port,
             log_level=settings.log_level,
+            log_config=_log_config(settings),
             timeout_graceful_shutdown=5,
             ssl_certfile=settings.tls_cert,
             ssl_keyfile=settings.tls_key,
@@ -116,6 +121,7 @@ async def _serve(main: Any, app: Any, settings: Any) -> None:
             host="127.0.0.1",
             port=settings.proxy_api_port,
             log_level=settings.log_level,
+            log_config=_log_config(settings),
             lifespan="off",  # the daemon is started and stopped by the API's server
         )
     )
@@ -125,6 +131,17 @@ async def _serve(main: Any, app: Any, settings: Any) -> None:
     finally:
         clear.should_exit = True
         await task
+
+
+def _log_config(settings: Any) -> Any:
+    """uvicorn's own logging set-up (text), or JSON lines for every logger."""
+    import uvicorn.config
+
+    if settings.log_format == "json":
+        from cella.telemetry.logs import json_log_config
+
+        return json_log_config(settings.log_level)
+    return uvicorn.config.LOGGING_CONFIG
 
 
 def _free_loopback_port() -> int:

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
-from cella import errors
+from cella import __version__, errors
 from cella.config import DaemonSettings
 from cella.fleet import langsmith
 from cella.fleet.gateway import Gateway
@@ -69,6 +69,7 @@ def router(gateway: Gateway) -> APIRouter:
         up = gateway.membership.healthy()
         return {
             "ok": bool(up),
+            "version": __version__,
             "fleet": True,
             "nodes": len(gateway.membership.nodes),
             "nodes_up": len(up),

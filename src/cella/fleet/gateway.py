@@ -14,8 +14,12 @@ sessions, registries and eval runs (what the routes it shares with a node daemon
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from pathlib import Path
+
+import httpx2
 
 from cella.config import DaemonSettings
 from cella.fleet.delegation import Delegations
@@ -35,12 +39,16 @@ from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
 from cella.store.sealing import seal_store
+from cella.telemetry.prometheus import Exposition, merge
+
+log = logging.getLogger("cella.gateway")
 
 
 class Gateway:
     def __init__(self, settings: DaemonSettings, address: str, node_root: Path | None) -> None:
         os.umask(0o077)
         self.settings = settings
+        self.prometheus = Exposition()  # the gateway's own requests; nodes count the rest
         root = settings.data_dir
         root.mkdir(parents=True, exist_ok=True)
         self.store = Store(root / "gateway.db")
@@ -94,6 +102,32 @@ class Gateway:
         link = self.rewrites.link(node.name)  # its rewrites are decided here
         if link is not None:
             await node.json("PUT", "/v1/fleet/link", json=link)
+
+    async def metrics_text(self) -> str:
+        """The gateway's metrics and every healthy node's, each sample labelled with its
+        node; a node that does not answer is left out (and `cella_fleet_node_up` says so)."""
+
+        async def of(node: Node) -> str | None:
+            try:
+                answer = await node.call("GET", "/metrics")
+            except (httpx2.HTTPError, OSError) as exc:
+                log.warning("metrics of node %s: %s", node.name, exc)
+                return None
+            return answer.text if answer.is_success else None
+
+        nodes = self.membership.healthy()
+        texts = await asyncio.gather(*(of(n) for n in nodes))
+        up = "".join(
+            f'cella_fleet_node_up{{node="{n.name}"}} {int(t is not None)}\n'
+            for n, t in zip(nodes, texts, strict=True)
+        )
+        own = (
+            self.prometheus.text()
+            + "# HELP cella_fleet_node_up Whether the node's metrics answered.\n"
+            + "# TYPE cella_fleet_node_up gauge\n"
+            + up
+        )
+        return merge({"": own, **{n.name: t for n, t in zip(nodes, texts, strict=True) if t}})
 
     async def snapshot_id(self, who: Principal, ref: str) -> str:
         """The id of the caller's snapshot `ref`, wherever in the fleet it is."""

@@ -20,6 +20,8 @@ from cella.server.error_shapes import install_error_handlers
 from cella.server.forwarded import ForwardedProto
 from cella.server.front import Served, serve
 from cella.server.hosts import HostRouting
+from cella.server.request_ids import RequestIds
+from cella.server.request_metrics import RequestMetrics
 from cella.server.routes import (
     downloads,
     egress,
@@ -27,6 +29,7 @@ from cella.server.routes import (
     files,
     host,
     keys,
+    metrics,
     ports,
     registries,
     rewrites,
@@ -91,12 +94,15 @@ def build_app(
     app = FastAPI(title=title, version="1", description=description, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    app.include_router(metrics.router)
     for door in doors:
         door(app)
     ui.install(app)
     for cls, args, kwargs in inner:
         app.add_middleware(cls, *args, **kwargs)
     app.add_middleware(AuditKeyUse, keep=settings.audit_keep)
+    app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestIds)
     app.add_middleware(ForwardedProto)  # outermost: behind a proxy that terminates TLS
     return app
 

@@ -63,6 +63,7 @@ def shape_of(request: Request) -> ErrorShape | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.CellaError)
     async def cella_error(request: Request, exc: errors.CellaError) -> Response:
+        request.scope["cella.error_code"] = exc.code  # counted by the request metrics
         if shape := shape_of(request):
             return shape.render(request, exc)
         return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
@@ -76,6 +77,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if (shape := shape_of(request)) and shape.http:
             return shape.http(exc)
         code = HTTP_CODES.get(exc.status_code, "http_error")
+        request.scope["cella.error_code"] = code
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
 
     @app.exception_handler(Exception)

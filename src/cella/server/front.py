@@ -10,11 +10,13 @@ from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
+from starlette.types import Scope
 
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
+from cella.telemetry.prometheus import Exposition
 
 
 class Front(Protocol):
@@ -37,6 +39,15 @@ class Front(Protocol):
         """The id of the caller's snapshot `ref` (an id, name or name:tag)."""
         ...
 
+    @property
+    def prometheus(self) -> Exposition:
+        """What this process counts for /metrics."""
+        ...
+
+    async def metrics_text(self) -> str:
+        """/metrics in Prometheus' text format (a gateway's with its nodes')."""
+        ...
+
 
 class Served(Front, Protocol):
     """A front with a life of its own: started before its app takes requests, shut down
@@ -50,6 +61,13 @@ class Served(Front, Protocol):
 def serve(app: Starlette, front: Front) -> None:
     """`front` answers the app's requests from now on."""
     app.state.daemon = front
+
+
+def front_of_scope(scope: Scope) -> Front | None:
+    """The front serving the app of this request, once it has started."""
+    app = scope.get("app")
+    state = getattr(app, "state", None)
+    return getattr(state, "daemon", None)
 
 
 def front_of(conn: HTTPConnection) -> Front:

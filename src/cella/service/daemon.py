@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Any
 
-from cella import errors
+from cella import __version__, errors
 from cella.config import DAEMON_FILE, DaemonSettings
 from cella.models import ExecRequest, SandboxCreate
 from cella.paths import Paths, owner_only
@@ -68,6 +68,7 @@ from cella.service.webhooks import Webhooks
 from cella.store import SandboxRecord, Store, sealing
 from cella.store.sealing import KeyFile, seal_store
 from cella.telemetry.events import EventLog
+from cella.telemetry.prometheus import Exposition, Gauges
 
 log = logging.getLogger("cella.daemon")
 
@@ -82,6 +83,8 @@ class Daemon:
         self.keys = Keys(store)
         self.sessions = Sessions(self.keys, driver.paths.root / "session.key")
         self.events = EventLog(store)
+        self.prometheus = Exposition()  # /metrics, fed by the events and the API
+        self.events.sinks.append(self.prometheus.observe)
         self._spans: Any = None
         if settings.otlp_endpoint:
             from cella.telemetry.otel import SpanSink, otlp_http
@@ -156,6 +159,38 @@ class Daemon:
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
         )
 
+        self.prometheus.gauges(self._gauges)
+
+    def _gauges(self) -> Gauges:
+        capacity = self.admission.capacity()
+        return {
+            "cella_sandboxes": (
+                "Sandboxes by state (deleted ones not counted).",
+                "state",
+                {k: v for k, v in self.store.count_sandboxes_by_state().items() if k != "deleted"},
+            ),
+            "cella_pool_ready": ("Warm VMs ready, by shape.", "shape", self.pool.status()),
+            "cella_pool_spares": ("Spare QEMUs started, by shape.", "shape", self.pool.spares()),
+            "cella_host_vcpus": (
+                "The host's vCPU commitment: its limit, committed, free.",
+                "kind",
+                {
+                    "limit": capacity.vcpus,
+                    "committed": capacity.vcpus_committed,
+                    "free": capacity.vcpus_free,
+                },
+            ),
+            "cella_host_memory_mib": (
+                "The host's memory commitment (MiB): its limit, committed, free.",
+                "kind",
+                {
+                    "limit": capacity.memory_mib,
+                    "committed": capacity.memory_mib_committed,
+                    "free": capacity.memory_mib_free,
+                },
+            ),
+        }
+
     @classmethod
     def open(cls, settings: DaemonSettings) -> Daemon:
         """The daemon of a data directory: its store, its local admin key and the driver of
@@ -186,6 +221,9 @@ class Daemon:
     def _tenant_of(self, sandbox_id: str) -> str | None:
         row = self.store.get_sandbox(sandbox_id)
         return row.tenant if row else None
+
+    async def metrics_text(self) -> str:
+        return self.prometheus.text()
 
     async def snapshot_id(self, who: Principal, ref: str) -> str:
         """The id of the caller's snapshot `ref` (an id, name or name:tag)."""
@@ -311,6 +349,7 @@ class Daemon:
         accel = self.driver.accel
         return {
             "ok": True,
+            "version": __version__,
             "accel": accel.accel,
             "accel_reason": accel.reason,
             "pool": self.pool.status(),

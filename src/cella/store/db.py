@@ -293,6 +293,10 @@ class Store(Observations):
         """Sandboxes, oldest first; `states=None` means all (the deleted ones too)."""
         return [_sandbox(r) for r in self._list("sandboxes", tenant, states)]
 
+    def count_sandboxes_by_state(self) -> dict[str, int]:
+        rows = self._exec("SELECT state, COUNT(*) FROM sandboxes GROUP BY state", ()).fetchall()
+        return {str(state): int(n) for state, n in rows}
+
     def insert_snapshot(self, record: SnapshotRecord) -> SnapshotRecord:
         record.created_at = record.updated_at = now()
         self._insert("snapshots", dataclasses.asdict(record))

@@ -76,6 +76,7 @@ class EventLog:
             "type": type_,
             "at": now(),
             "data": clean,
+            "tenant": self._placeholders[sandbox_id][0],  # for the sinks' labels
         }
         for sink in self.sinks:
             try:
