@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from collections.abc import Callable
+from functools import partial
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.table import Table
@@ -19,6 +21,7 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 
+T = TypeVar("T")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
@@ -58,6 +61,12 @@ def setup(
     listen: Annotated[str, typer.Option(help="With --service: HOST:PORT it listens on.")] = (
         "127.0.0.1:8420"
     ),
+    packages_only: Annotated[
+        bool,
+        typer.Option(
+            "--packages-only", help="Only install the host packages (minutes before the rest)."
+        ),
+    ] = False,
 ) -> None:
     """Install host packages and the egress proxy, fetch the guest kernel, build the agent,
     initramfs and templates.
@@ -75,19 +84,37 @@ def setup(
     paths = Paths.default()
     paths.ensure()
     started = time.perf_counter()
-    installed = ensure_host_packages(show)
-    kernel = ensure_kernel(paths, show)
-    boot = ensure_boot(paths, show)
-    ensure_proxy(paths, show)
+    steps: dict[str, float] = {}  # each step's wall time, shown as it ends
+
+    def step(name: str, work: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        done = work()
+        steps[name] = round(time.perf_counter() - t0, 1)
+        show(f"{name}: {steps[name]} s")
+        return done
+
+    installed = step("host packages", lambda: ensure_host_packages(show))
+    if packages_only:
+        if json_:
+            emit_json({"installed_packages": installed, "steps": steps})
+        return
+    kernel = step("guest kernel", lambda: ensure_kernel(paths, show))
+    boot = step("agent and initramfs", lambda: ensure_boot(paths, show))
+    step("egress proxy", lambda: ensure_proxy(paths, show))
     specs = builtin_templates()
     images = {}
     for name in template or ["default"]:
         if name not in specs:
             raise typer.BadParameter(f"unknown template {name!r}; known: {', '.join(specs)}")
-        images[name] = str(build_template(paths, specs[name], show))
+        images[name] = str(
+            step(f"template {name}", partial(build_template, paths, specs[name], show))
+        )
     show("probing the accelerator")
-    choice = asyncio.run(choose_accel(boot, _accel_mode(accel), paths.images))
-    result = {
+    choice = step(
+        "accelerator probe",
+        lambda: asyncio.run(choose_accel(boot, _accel_mode(accel), paths.images)),
+    )
+    result: dict[str, Any] = {
         "data_dir": str(paths.root),
         "installed_packages": installed,
         "kernel": kernel.version,
@@ -95,6 +122,7 @@ def setup(
         "templates": images,
         "accel": choice.accel,
         "accel_reason": choice.reason,
+        "steps": steps,
         "seconds": round(time.perf_counter() - started, 1),
     }
     if service:
