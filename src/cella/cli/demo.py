@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -97,6 +98,15 @@ FIXES = {
 }
 
 
+def since_run_started() -> float | None:
+    """Seconds since `scripts/run` started (it sets CELLA_RUN_STARTED), set-up included."""
+    started = os.environ.get("CELLA_RUN_STARTED")
+    try:
+        return round(time.time() - float(started), 1) if started else None
+    except ValueError:
+        return None
+
+
 def run_demo(template: str, progress: Callable[[str], None]) -> dict[str, Any]:
     """The core agent workflow, scripted: a buggy project, failing tests, a snapshot, three
     forks that each try a fix, their tests in parallel, and the branch that passes."""
@@ -113,6 +123,9 @@ def run_demo(template: str, progress: Callable[[str], None]) -> dict[str, Any]:
     with local_daemon(progress), Client() as client:
         sb = step("create a sandbox", lambda: client.create(template, labels={"demo": "yes"}),
                   lambda s: s.id)  # fmt: skip
+        first_sandbox = since_run_started()
+        if first_sandbox is not None:
+            progress(f"the first sandbox runs {first_sandbox} s after the command started")
         try:
             for path, text in PROJECT.items():
                 step(f"write {path.rsplit('/', 1)[1]}",
@@ -157,6 +170,7 @@ def run_demo(template: str, progress: Callable[[str], None]) -> dict[str, Any]:
             sb.delete()
     return {
         "sandbox": sb.id,
+        "first_sandbox_seconds": first_sandbox,
         "accel": accel,
         "accel_reason": reason,
         "tests_before": first.exit_code,
