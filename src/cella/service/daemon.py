@@ -40,6 +40,7 @@ from cella.service.files import Files
 from cella.service.forks import Forks
 from cella.service.image_registries import ImageRegistries
 from cella.service.image_snapshots import ImageSnapshots
+from cella.service.kernels import Kernels
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
@@ -105,6 +106,7 @@ class Daemon:
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
+        self.kernels = Kernels(driver, self.warm)
         self.admission = Admission(settings, self.registry, self.pool.committed)
         self.lifecycle = Lifecycle(
             settings, self.registry, self.admission, self.egress, self.warm, self.pool
@@ -247,6 +249,7 @@ class Daemon:
         await self.warm.ensure(shape)
         self.pool.watch(shape)
         self.reaper.start()
+        self.kernels.start()
         self.processes.start_sweeper()
         self.metrics.start()
         self.webhooks.deliveries.start()
@@ -257,6 +260,7 @@ class Daemon:
         yet) are destroyed; work started in the background is cancelled."""
         await self.background.close()
         await self.reaper.close()
+        await self.kernels.close()
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()
@@ -352,6 +356,7 @@ class Daemon:
             "version": __version__,
             "accel": accel.accel,
             "accel_reason": accel.reason,
+            "kernel": self.kernels.status(),
             "pool": self.pool.status(),
             "pool_size": self.pool.size,
             "spares": self.pool.spares(),

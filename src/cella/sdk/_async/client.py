@@ -477,6 +477,12 @@ class AsyncClient:
         response = await self.request("GET", "/v1/capacity")
         return Capacity.model_validate(response.json())
 
+    async def health(self) -> dict[str, Any]:
+        """The daemon's health: version, accelerator, the kernel new sandboxes boot and
+        whether a better one is coming (`kernel.upgrade`), the warm pool, the egress proxy."""
+        response = await self.request("GET", "/v1/health")
+        return dict(response.json())
+
     async def fleet(self) -> FleetStatus:
         """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
         response = await self.request("GET", "/v1/fleet")
