@@ -312,70 +312,94 @@ async def _diff_views(raw_a: Path, raw_b: Path, work: Path) -> tuple[list[Change
     paths_a, paths_b = await asyncio.gather(
         paths_of(raw_a, before, work), paths_of(raw_b, after, work)
     )
-    changes: list[tuple[str, str, int, Inode | None, Inode | None]] = []
+    # each path's inode before and after (a file replaced by a rename has a new one)
+    old: dict[str, tuple[int, Inode]] = {}
+    new: dict[str, tuple[int, Inode]] = {}
     for n, (ia, ib) in inodes.items():
-        pa, pb = set(paths_a.get(n, [])), set(paths_b.get(n, []))
-        for p in pb - pa:
-            changes.append((p, "added", n, None, ib))
-        for p in pa - pb:
-            changes.append((p, "removed", n, ia, None))
-        for p in pa & pb:
-            assert ia is not None and ib is not None
-            if ia.kind == "dir" and ib.kind == "dir" and ia.mode == ib.mode:
-                continue  # a directory's entries changed: its entries say how
-            changes.append((p, "modified", n, ia, ib))
-    changes.sort()
+        for p in paths_a.get(n, []):
+            assert ia is not None
+            old[p] = (n, ia)
+        for p in paths_b.get(n, []):
+            assert ib is not None
+            new[p] = (n, ib)
+    changes: list[_Pending] = []
+    for p in sorted(old.keys() | new.keys()):
+        (na, ia), (nb, ib) = old.get(p, (0, None)), new.get(p, (0, None))
+        if ia is None:
+            changes.append(_Pending(p, "added", 0, None, nb, ib))
+        elif ib is None:
+            changes.append(_Pending(p, "removed", na, ia, 0, None))
+        elif not (ia.kind == ib.kind == "dir" and ia.mode == ib.mode):
+            # (a directory whose entries changed: its entries say how)
+            changes.append(_Pending(p, "modified", na, ia, nb, ib))
     truncated = len(changes) > MAX_CHANGES
     changes = changes[:MAX_CHANGES]
     # the text to diff, within the bounds
-    want_a: list[int] = []
-    want_b: list[int] = []
+    want_a: set[int] = set()
+    want_b: set[int] = set()
     budget = MAX_TEXT_TOTAL
-    for _, _, n, ia, ib in changes:
-        sizes = [i.size for i in (ia, ib) if i is not None]
-        kinds = {i.kind for i in (ia, ib) if i is not None}
-        if kinds != {"file"} or max(sizes) > MAX_TEXT or sum(sizes) > budget:
+    for c in changes:
+        sizes = [i.size for i in (c.ia, c.ib) if i is not None]
+        if c.kinds != {"file"} or max(sizes) > MAX_TEXT or sum(sizes) > budget:
             continue
         budget -= sum(sizes)
-        if ia is not None:
-            want_a.append(n)
-        if ib is not None:
-            want_b.append(n)
+        if c.ia is not None:
+            want_a.add(c.na)
+        if c.ib is not None:
+            want_b.add(c.nb)
     (work / "da").mkdir(exist_ok=True)
     (work / "db").mkdir(exist_ok=True)
     await asyncio.gather(
-        dump(raw_a, sorted(set(want_a)), work / "da", work),
-        dump(raw_b, sorted(set(want_b)), work / "db", work),
+        dump(raw_a, sorted(want_a), work / "da", work),
+        dump(raw_b, sorted(want_b), work / "db", work),
     )
     out = []
-    for path, change, n, ia, ib in changes:
+    for c in changes:
         diff, binary, too_large = None, False, False
-        kinds = {i.kind for i in (ia, ib) if i is not None}
-        if kinds == {"file"}:
-            fa, fb = work / "da" / str(n), work / "db" / str(n)
-            have_a = ia is None or (n in want_a and fa.exists())
-            have_b = ib is None or (n in want_b and fb.exists())
+        if c.kinds == {"file"}:
+            fa, fb = work / "da" / str(c.na), work / "db" / str(c.nb)
+            have_a = c.ia is None or (c.na in want_a and fa.exists())
+            have_b = c.ib is None or (c.nb in want_b and fb.exists())
             if have_a and have_b:
-                old = "" if ia is None else _text(fa.read_bytes()[: ia.size])
-                new = "" if ib is None else _text(fb.read_bytes()[: ib.size])
-                if old is None or new is None:
+                before_bytes = b"" if c.ia is None else fa.read_bytes()[: c.ia.size]
+                after_bytes = b"" if c.ib is None else fb.read_bytes()[: c.ib.size]
+                if before_bytes == after_bytes and c.ia and c.ib and c.ia.mode == c.ib.mode:
+                    continue  # rewritten as it was
+                old_text, new_text = _text(before_bytes), _text(after_bytes)
+                if old_text is None or new_text is None:
                     binary = True
-                else:
-                    diff = unified(old, new, path, added=ia is None, removed=ib is None)
+                elif old_text != new_text or c.ia is None or c.ib is None:
+                    diff = unified(
+                        old_text, new_text, c.path, added=c.ia is None, removed=c.ib is None
+                    )
             else:
                 too_large = True
         out.append(
             Change(
-                path=path,
-                change=change,
-                kind=(ib or ia).kind,  # type: ignore[union-attr]
-                size=ib.size if ib else None,
-                old_size=ia.size if ia else None,
-                mode=ib.mode & 0o7777 if ib else None,
-                old_mode=ia.mode & 0o7777 if ia else None,
+                path=c.path,
+                change=c.change,
+                kind=(c.ib or c.ia).kind,  # type: ignore[union-attr]
+                size=c.ib.size if c.ib else None,
+                old_size=c.ia.size if c.ia else None,
+                mode=c.ib.mode & 0o7777 if c.ib else None,
+                old_mode=c.ia.mode & 0o7777 if c.ia else None,
                 diff=diff,
                 binary=binary,
                 too_large=too_large,
             )
         )
     return out, truncated
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    path: str
+    change: str
+    na: int
+    ia: Inode | None
+    nb: int
+    ib: Inode | None
+
+    @property
+    def kinds(self) -> set[str]:
+        return {i.kind for i in (self.ia, self.ib) if i is not None}
