@@ -226,3 +226,9 @@ def test_checkpoint_each_exec(admin: Client) -> None:
         # file calls are not commands of the caller's: no checkpoint for them
         sb.files.write("/root/three.txt", "3\n")
         assert len(sb.checkpoints()) == 2
+        mine = {c.id for c in sb.checkpoints()}
+    # a deleted sandbox's checkpoints go with it
+    deadline = time.monotonic() + 60
+    while mine & {s.id for s in admin.snapshots()}:
+        assert time.monotonic() < deadline, "the checkpoints outlived their sandbox"
+        time.sleep(0.2)

@@ -9,7 +9,8 @@ A rewind kills the sandbox's VM and restores the checkpoint into the same sandbo
 id, files and memory as they were); the sandbox then sits on that checkpoint, and every
 checkpoint, later ones too, is kept. A sandbox made with `checkpoint_each_exec` gets one
 after each command (`after_exec`, called by `service.exec`). A deleted sandbox's
-checkpoints stay, as its other snapshots do, until they are deleted.
+checkpoints go with it (in the background), but for one another sandbox or snapshot is
+built on (a fork of it), which stays an ordinary snapshot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cella import errors
 from cella.models import SandboxState, SnapshotState
 from cella.models.checkpoints import NOW
 from cella.policy.access import Permission, Principal
+from cella.service.background import Background
 from cella.service.lifecycle import MANAGE, Lifecycle
 from cella.service.registry import Registry
 from cella.service.snapshots import Snapshots
@@ -33,8 +35,15 @@ from cella.store import SandboxRecord, SnapshotRecord
 
 
 class Checkpoints:
-    def __init__(self, registry: Registry, lifecycle: Lifecycle, snapshots: Snapshots) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        lifecycle: Lifecycle,
+        snapshots: Snapshots,
+        background: Background,
+    ) -> None:
         self.registry = registry
+        self.background = background
         self.store = registry.store
         self.driver = registry.driver
         self.events = registry.events
@@ -139,6 +148,20 @@ class Checkpoints:
                 },
             )
         return self.registry.get(who, sandbox_id)
+
+    def forget(self, sandbox_id: str) -> None:
+        """A deleted sandbox's checkpoints are deleted after it."""
+        self._locks.pop(sandbox_id, None)
+        row = self.store.get_sandbox(sandbox_id)
+        if row is not None:
+            self.background.start(self._drop(row), name=f"drop-checkpoints-{sandbox_id}")
+
+    async def _drop(self, row: SandboxRecord) -> None:
+        for snap in sorted(self._of(row), key=lambda s: s.created_at, reverse=True):
+            try:  # newest first: a later one may sit on an earlier one
+                await self.snapshots.delete(row.tenant, snap.id)
+            except errors.InUse:  # a fork sits on it: it stays, as a snapshot
+                continue
 
     async def diff(
         self, who: Principal, sandbox_id: str, a: str, b: str = NOW

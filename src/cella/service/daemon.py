@@ -113,7 +113,10 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
-        self.checkpoints = Checkpoints(self.registry, self.lifecycle, self.snapshots)
+        self.checkpoints = Checkpoints(
+            self.registry, self.lifecycle, self.snapshots, self.background
+        )
+        self.registry.forget_hooks.append(self.checkpoints.forget)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
         self.exec.after_command = self.checkpoints.after_exec
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
