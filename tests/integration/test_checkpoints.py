@@ -5,7 +5,9 @@ kept, and unknown checkpoints refused."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from cella import Client, Sandbox, errors
 from cella.models.checkpoints import CheckpointDiff
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 
@@ -212,6 +215,32 @@ def test_unknown_checkpoints_are_refused(sb: Sandbox) -> None:
     with pytest.raises(errors.AlreadyExists):
         sb.checkpoint(known)
     assert sb.exec("echo still here").stdout == b"still here\n"
+
+
+def test_the_cli(sb: Sandbox, daemon: Daemon) -> None:
+    def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "cella.cli", "sandbox", *args],
+            env=daemon.env(None),
+            capture_output=True,
+            text=True,
+        )
+        assert (done.returncode == 0) == ok, done.stderr
+        return done
+
+    made = json.loads(cli("checkpoint", sb.id, "cli-cp", "--json").stdout)
+    assert made["name"] == "cli-cp" and made["sandbox_id"] == sb.id
+    assert "cli-cp" in [c["name"] for c in json.loads(cli("checkpoints", sb.id, "--json").stdout)]
+    sb.files.write(f"{WORK}/cli.txt", "from the cli\n")
+    listed = json.loads(cli("diff", sb.id, "cli-cp", "--path", WORK, "--json").stdout)
+    assert [(c["path"], c["change"]) for c in listed["changes"]] == [(f"{WORK}/cli.txt", "added")]
+    patch = cli("diff", sb.id, "cli-cp", "--path", WORK, "--patch").stdout
+    assert patch.startswith("diff --git a/cli.txt b/cli.txt\nnew file mode 100644\n")
+    assert f"{WORK}/cli.txt" in cli("diff", sb.id, "cli-cp").stdout
+    assert json.loads(cli("rewind", sb.id, "cli-cp", "--json").stdout)["id"] == sb.id
+    assert not sb.files.exists(f"{WORK}/cli.txt")
+    refused = cli("rewind", sb.id, "no-such-checkpoint", ok=False)
+    assert "no-such-checkpoint" in refused.stderr
 
 
 def test_checkpoint_each_exec(admin: Client) -> None:

@@ -99,11 +99,17 @@ class Checkpoints:
 
     async def after_exec(self, who: Principal, row: SandboxRecord, command: object) -> None:
         """The checkpoint a `checkpoint_each_exec` sandbox takes after a command (named
-        `exec-<n>`: the sandbox's n-th)."""
+        `exec-<n>`: the sandbox's n-th); one that fails is an event, the command's result
+        stands."""
         if not row.checkpoint_each_exec:
             return
         n = sum(1 for s in self._of(row) if (s.checkpoint or "").startswith("exec-")) + 1
-        await self.checkpoint(who, row.id, f"exec-{n}", command=command)
+        try:
+            await self.checkpoint(who, row.id, f"exec-{n}", command=command)
+        except errors.CellaError as exc:  # the command ran all the same: said, not raised
+            self.events.emit(
+                row.id, "checkpoint_failed", {"name": f"exec-{n}", "error": exc.message}
+            )
 
     async def rewind(self, who: Principal, sandbox_id: str, ref: str) -> SandboxRecord:
         """The sandbox as it was at the checkpoint: its VM is replaced by one restored from
