@@ -15,7 +15,8 @@ function changeList(diff) {
     const item = h("li", { class: c.change, dataset: { path: c.path, change: c.change } },
       h("span", { class: "mono" }, `${SIGN[c.change]} ${c.path}`),
       h("span", { class: "muted" }, ` ${c.kind} ${bytes(size)}${note}`));
-    if (c.diff) item.append(h("details", {}, h("summary", {}, "diff"), h("pre", { class: "mono" }, c.diff)));
+    // a short list shows its diffs open
+    if (c.diff) item.append(h("details", { open: diff.changes.length <= 5 }, h("summary", {}, "diff"), h("pre", { class: "mono" }, c.diff)));
     return item;
   }));
 }
@@ -40,8 +41,8 @@ export async function render(body, sb) {
     out.replaceChildren(h("p", { class: "muted" }, `comparing ${a} with ${b}…`));
     try {
       const diff = await api("GET", `/v1/sandboxes/${sb.id}/diff?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`, { tenant });
-      out.replaceChildren(h("h2", {}, `${a} → ${b}`), changeList(diff),
-        diff.truncated ? h("p", { class: "muted" }, "More paths changed than are listed.") : null);
+      out.replaceChildren(h("h2", {}, `${a} → ${b}`), changeList(diff));
+      if (diff.truncated) out.append(h("p", { class: "muted" }, "More paths changed than are listed."));
     } catch (e) { out.replaceChildren(); toast(e.message, true); }
   }
 
