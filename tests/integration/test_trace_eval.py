@@ -154,7 +154,10 @@ def test_eval_runs_isolated_tasks_with_known_scores(
         "/workspace/mark-2": "added",
         "/workspace/answer": "added",
     }
-    assert not {c.path for c in no_fix.changes if c.path.startswith("/workspace/")}
+    # the check imported calc.py (its bytecode is a change); calc.py itself is as it was
+    touched = {c.path for c in no_fix.changes if c.path.startswith("/workspace/")}
+    assert "/workspace/calc.py" not in touched
+    assert all(p.startswith("/workspace/__pycache__") for p in touched), touched
 
     for task, result in zip(TASKS, results, strict=True):
         events = [json.loads(line) for line in Path(str(result.trace)).read_text().splitlines()]
