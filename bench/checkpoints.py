@@ -48,7 +48,7 @@ def main() -> None:
                     assert sb.files.exists(f"/root/dirty-{size}-{n}")
                 rows[f"checkpoint, {size} MiB dirtied"] = summary_ms(took)
                 rows[f"  of which paused, {size} MiB"] = summary_ms(paused)
-                rows[f"diff checkpoint → now, {size} MiB"] = summary_ms(diffs)
+                rows[f"diff to now, {size} MiB"] = summary_ms(diffs)
                 rows[f"rewind, {size} MiB dirtied"] = summary_ms(rewinds)
     finally:
         d.stop()
