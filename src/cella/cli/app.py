@@ -255,8 +255,8 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
     )
 
 
-from cella.cli import eval as eval_cli  # noqa: E402
 from cella.cli import (  # noqa: E402
+    checkpoints,  # noqa: F401  (commands of `cella sandbox`)
     files,
     fleet,
     keys,
@@ -268,6 +268,7 @@ from cella.cli import (  # noqa: E402
     volume,
     webhook,
 )
+from cella.cli import eval as eval_cli  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 

@@ -31,6 +31,7 @@ from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
+from cella.service.checkpoints import Checkpoints
 from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
@@ -114,7 +115,12 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
+        self.checkpoints = Checkpoints(
+            self.registry, self.lifecycle, self.snapshots, self.background
+        )
+        self.registry.forget_hooks.append(self.checkpoints.forget)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
+        self.exec.after_command = self.checkpoints.after_exec
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
