@@ -1,4 +1,4 @@
-"""Templates: root file systems declared as data, built with debootstrap, cached by hash.
+"""Templates: root file systems declared as data, built with mmdebstrap, cached by hash.
 
 A template becomes a read-only qcow2 base image; every sandbox writes to its own overlay on
 top of it. The image name carries the hash of the spec, so an unchanged template is never
@@ -28,8 +28,9 @@ from cella.config import DaemonSettings
 from cella.models import ImageConfig, StartCommand
 from cella.paths import Paths
 
-# Bump when the build steps change in a way that changes the resulting image.
-BUILDER_VERSION = 1
+# Bump when the build steps change in a way that changes the resulting image
+# (2: mmdebstrap, whose root has no apt lists left, instead of debootstrap).
+BUILDER_VERSION = 2
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -40,7 +41,7 @@ class TemplateSpec(BaseModel):
     suite: str = "bookworm"
     apt_packages: list[str] = Field(default_factory=list)
     # installed with apt-get into the finished root: packages whose maintainer scripts need a
-    # configured system, which debootstrap's own install does not give them
+    # configured system, which the bootstrap's own install does not give them
     apt_install: list[str] = Field(default_factory=list)
     pip_packages: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # absolute guest path -> content
@@ -180,10 +181,10 @@ def build_template(
     try:
         mirror = debian_mirror(spec.suite)
         packages = ["ca-certificates", *spec.apt_packages]
-        progress(f"debootstrap {spec.suite} ({len(packages)} extra packages)")
+        progress(f"mmdebstrap {spec.suite} ({len(packages)} extra packages)")
         run(
             [
-                "debootstrap",
+                "mmdebstrap",  # a few times faster than debootstrap: what a first start waits for
                 "--variant=minbase",
                 f"--include={','.join(packages)}",
                 spec.suite,
