@@ -7,9 +7,12 @@ the same screen; a sandbox without a desktop is refused by name."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -19,9 +22,13 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from playwright.sync_api import sync_playwright
 
-from cella import Client, errors
+from cella import AsyncClient, Client, Sandbox, errors
+from cella.images.templates import build_template, builtin_templates
+from cella.paths import Paths
 from tests.daemon import Daemon
+from tests.integration.test_console import CHROMIUM, logged_in
 from tests.netservers import Recorder, Servers, free_loopback_block
 from tests.sdk_env import run_script, sdk_python
 
@@ -80,6 +87,12 @@ def page() -> Iterator[Page]:
     servers.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def desktop_template() -> None:
+    """The template, built unless it is (scripts/test's set-up builds it beforehand)."""
+    build_template(Paths.default(), builtin_templates()["desktop"])
+
+
 @pytest.fixture(scope="module")
 def daemon_settings(page: Page) -> dict[str, str]:
     return {"pool_size": "0", "egress_hosts": json.dumps({HOST: page.addr})}
@@ -107,38 +120,37 @@ def share_of(png: bytes, colour: tuple[int, int, int]) -> float:
     return sum(1 for p in pixels if p == colour) / len(pixels)
 
 
-def test_e2b_desktop_sees_and_types_into_a_served_page(
-    python: Path, daemon: Daemon, admin: Client, page: Page
-) -> None:
-    got = desktop(
+@pytest.fixture(scope="module")
+def driven(python: Path, daemon: Daemon, admin: Client) -> Iterator[dict[str, Any]]:
+    """One desktop sandbox, driven by e2b-desktop (then left running for the other checks):
+    screenshots before and after its browser opens the served page, text typed into the
+    page, and the stream started."""
+    got: dict[str, Any] = desktop(
         python,
         daemon,
         f"""
         import os, urllib.request
         out = {{}}
-        sb = Sandbox.create(timeout=900)
+        sb = Sandbox.create(timeout=900, network={{"allow_out": ["{HOST}"]}})
         out["id"] = sb.sandbox_id
         out["size"] = list(sb.get_screen_size())
         out["before"] = base64.b64encode(sb.screenshot()).decode()
         sb.open("http://{HOST}/")
-        shot = b""
+        title = ""
         for _ in range(120):  # the browser's first start is slow under emulation
             time.sleep(2)
-            shot = bytes(sb.screenshot())
             title = sb.commands.run("xdotool getactivewindow getwindowname || true").stdout
             if "cella desktop test" in title:
-                time.sleep(3)  # painted, not only titled
-                shot = bytes(sb.screenshot())
                 break
+        time.sleep(3)  # painted, not only titled
         out["title"] = title
-        out["page"] = base64.b64encode(shot).decode()
+        out["page"] = base64.b64encode(sb.screenshot()).decode()
         geo = dict(line.split("=", 1) for line in sb.commands.run(
             "xdotool getactivewindow getwindowgeometry --shell").stdout.split())
         x, y, w, h = (int(geo[k]) for k in ("X", "Y", "WIDTH", "HEIGHT"))
-        sb.left_click(x + w // 2, y + h // 2 + 40)  # the page's big text field (below the toolbar)
+        sb.left_click(x + w // 2, y + h // 2 + 40)  # the page's big text field
         sb.write("hello desktop")
         sb.press("enter")
-        out["typed"] = base64.b64encode(bytes(sb.screenshot())).decode()
         sb.stream.start()
         url = sb.stream.get_url()
         host = url.split("://", 1)[1].split("/", 1)[0]
@@ -149,35 +161,102 @@ def test_e2b_desktop_sees_and_types_into_a_served_page(
         print(json.dumps(out))
         """,
     )
-    try:
-        assert got["size"] == [1024, 768]
-        assert share_of(base64.b64decode(got["before"]), COLOUR) < 0.01  # not there yet
-        shown = base64.b64decode(got["page"])
-        assert "cella desktop test" in got["title"], got["title"]
-        assert share_of(shown, COLOUR) > 0.3  # the served page fills the browser
-        for _ in range(60):  # the form reached this server with what was typed
-            if {"path": "/typed?q=hello+desktop"} in page.seen.requests:
-                break
-            time.sleep(1)
-        assert {"path": "/typed?q=hello+desktop"} in page.seen.requests, page.seen.requests
-        url, status, novnc = got["stream"]
-        assert url.startswith(f"https://6080-{got['id']}") and "/vnc.html?" in url
-        assert status == 200 and novnc  # noVNC's page, through the sandbox's port 6080
-
-        # cella's own SDK: a PNG of the same screen, at its size
-        png = admin.get(got["id"]).screenshot()
-        assert png.startswith(b"\x89PNG\r\n\x1a\n")
-        assert Image.open(io.BytesIO(png)).size == (1024, 768)
-    finally:
-        admin.get(got["id"]).delete()
+    yield got
+    admin.get(got["id"]).delete()
 
 
-def test_a_sandbox_without_a_desktop_has_no_screenshot(admin: Client) -> None:
-    """The control: the same call on a `default` sandbox is refused, naming why."""
+def test_e2b_desktop_shows_the_served_page(driven: dict[str, Any]) -> None:
+    assert driven["size"] == [1024, 768]
+    assert share_of(base64.b64decode(driven["before"]), COLOUR) < 0.01  # not there before
+    assert "cella desktop test" in driven["title"], driven["title"]
+    assert share_of(base64.b64decode(driven["page"]), COLOUR) > 0.3  # the page fills the browser
+
+
+def test_e2b_desktop_types_into_the_page(driven: dict[str, Any], page: Page) -> None:
+    typed = {"path": "/typed?q=hello+desktop"}  # the page's form, sent with what was typed
+    for _ in range(60):
+        if typed in page.seen.requests:
+            break
+        time.sleep(1)
+    assert typed in page.seen.requests, page.seen.requests
+    assert {"path": "/"} in page.seen.requests  # the control: the page itself, before
+
+
+def test_e2b_desktop_streams_through_port_6080(driven: dict[str, Any]) -> None:
+    url, status, novnc = driven["stream"]
+    assert url.startswith(f"https://6080-{driven['id']}") and "/vnc.html?" in url
+    assert status == 200 and novnc  # noVNC's page, through the sandbox's service host
+
+
+def test_cella_screenshot_of_the_same_screen(
+    driven: dict[str, Any], admin: Client, daemon: Daemon, tmp_path: Path
+) -> None:
+    png = admin.get(driven["id"]).screenshot()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert Image.open(io.BytesIO(png)).size == (1024, 768)
+    assert share_of(png, COLOUR) > 0.3  # the page still shown
+
+    async def from_async() -> bytes:
+        async with AsyncClient(daemon.url, api_key=daemon.admin_key) as client:
+            return await (await client.get(driven["id"])).screenshot()
+
+    assert Image.open(io.BytesIO(asyncio.run(from_async()))).size == (1024, 768)
+    saved = tmp_path / "screen.png"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cella.cli",
+            "sandbox",
+            "screenshot",
+            driven["id"],
+            "-o",
+            str(saved),
+        ],
+        env=daemon.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Image.open(saved).size == (1024, 768)
+
+
+@pytest.fixture(scope="module")
+def plain(admin: Client) -> Iterator[Sandbox]:
+    """A sandbox of the `default` template: no desktop."""
     sb = admin.create(template="default")
-    try:
-        assert sb.exec("echo up").stdout == b"up\n"  # the sandbox itself answers
-        with pytest.raises(errors.InvalidState, match="has no desktop"):
-            sb.screenshot()
-    finally:
-        sb.delete()
+    yield sb
+    sb.delete()
+
+
+def test_a_sandbox_without_a_desktop_has_no_screenshot(plain: Sandbox) -> None:
+    """The control: the same call on a `default` sandbox is refused, naming why."""
+    assert plain.exec("echo up").stdout == b"up\n"  # the sandbox itself answers
+    with pytest.raises(errors.InvalidState, match="has no desktop"):
+        plain.screenshot()
+
+
+def test_the_console_shows_the_screen(
+    driven: dict[str, Any], plain: Sandbox, daemon: Daemon
+) -> None:
+    """The sandbox's page has a `screen` tab showing the screenshot (a desktop's only)."""
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed (scripts/test installs Debian's package)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = logged_in(browser, daemon, daemon.admin_key)
+            base = page.url.split("#")[0]
+            page.goto(f"{base}#/sandboxes/{plain.id}")
+            page.wait_for_selector("nav.tabs a:has-text('overview')")
+            assert page.locator("nav.tabs a:has-text('screen')").count() == 0  # no desktop
+            page.goto(f"{base}#/sandboxes/{driven['id']}/screen")
+            page.wait_for_function(
+                "() => document.querySelector('#screen')?.naturalWidth === 1024", timeout=120_000
+            )
+            assert page.evaluate("() => document.querySelector('#screen').naturalHeight") == 768
+            assert page.evaluate("() => document.querySelector('#screen').src").startswith("blob:")
+        finally:
+            browser.close()
