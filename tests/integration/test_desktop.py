@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 from cella import AsyncClient, Client, Sandbox, errors
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]  # the first run makes 
 DESKTOP = ["e2b==2.63.0", "e2b-desktop==2.7.2"]
 HOST = "page.desktop.test"
 COLOUR = (18, 196, 139)  # the page's background: a green no desktop theme uses
+THANKS = (201, 43, 94)  # the background of the page the form leads to
 PAGE = f"""<!doctype html>
 <html><head><title>cella desktop test</title></head>
 <body style="margin:0; background: rgb{COLOUR}; height: 100vh">
@@ -43,6 +45,10 @@ PAGE = f"""<!doctype html>
 <input name="q" autofocus autocomplete="off" style="position: fixed; left: 10%; width: 80%;
   top: 35%; height: 30%; font-size: 40px; border: 0; background: rgb(250, 250, 250)">
 </form></body></html>
+""".encode()
+THANKS_PAGE = f"""<!doctype html>
+<html><head><title>thanks</title></head>
+<body style="margin:0; background: rgb{THANKS}; height: 100vh">thanks</body></html>
 """.encode()
 
 
@@ -59,7 +65,7 @@ class PageHandler:
 
             def do_GET(self) -> None:
                 self.recorder.add({"path": self.path})
-                body = PAGE if self.path == "/" else b"thanks"
+                body = PAGE if self.path == "/" else THANKS_PAGE
                 self.send_response(200)
                 self.send_header("Content-Type", "text/html; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -116,8 +122,8 @@ def desktop(python: Path, daemon: Daemon, script: str) -> Any:
 def share_of(png: bytes, colour: tuple[int, int, int]) -> float:
     """How much of the picture is exactly `colour`."""
     image = Image.open(io.BytesIO(png)).convert("RGB")
-    pixels = image.getdata()
-    return sum(1 for p in pixels if p == colour) / len(pixels)
+    counts = {c: n for n, c in image.getcolors(maxcolors=1 << 24) or []}
+    return counts.get(colour, 0) / (image.width * image.height)
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +197,15 @@ def test_e2b_desktop_streams_through_port_6080(driven: dict[str, Any]) -> None:
 def test_cella_screenshot_of_the_same_screen(
     driven: dict[str, Any], admin: Client, daemon: Daemon, tmp_path: Path
 ) -> None:
-    png = admin.get(driven["id"]).screenshot()
+    sb = admin.get(driven["id"])
+    for _ in range(30):  # the page the typed form led to, once the browser has painted it
+        png = sb.screenshot()
+        if share_of(png, THANKS) > 0.3:
+            break
+        time.sleep(1)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert Image.open(io.BytesIO(png)).size == (1024, 768)
-    assert share_of(png, COLOUR) > 0.3  # the page still shown
+    assert share_of(png, THANKS) > 0.3 and share_of(png, COLOUR) < 0.01  # what is on screen now
 
     async def from_async() -> bytes:
         async with AsyncClient(daemon.url, api_key=daemon.admin_key) as client:
@@ -253,9 +264,14 @@ def test_the_console_shows_the_screen(
             page.wait_for_selector("nav.tabs a:has-text('overview')")
             assert page.locator("nav.tabs a:has-text('screen')").count() == 0  # no desktop
             page.goto(f"{base}#/sandboxes/{driven['id']}/screen")
-            page.wait_for_function(
-                "() => document.querySelector('#screen')?.naturalWidth === 1024", timeout=120_000
-            )
+            page.wait_for_selector("#screen", state="attached")  # the tab is there
+            try:
+                page.wait_for_function(
+                    "() => document.querySelector('#screen').naturalWidth === 1024",
+                    timeout=120_000,
+                )
+            except PlaywrightTimeout:
+                raise AssertionError(page.inner_text("#tab")) from None
             assert page.evaluate("() => document.querySelector('#screen').naturalHeight") == 768
             assert page.evaluate("() => document.querySelector('#screen').src").startswith("blob:")
         finally:
