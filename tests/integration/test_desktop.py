@@ -29,7 +29,7 @@ from cella import AsyncClient, Client, Sandbox, errors
 from cella.images.templates import build_template, builtin_templates
 from cella.paths import Paths
 from tests.daemon import Daemon
-from tests.integration.test_console import CHROMIUM, logged_in
+from tests.integration.test_console import CHROMIUM, logged_in, screenshot
 from tests.netservers import Recorder, Servers, free_loopback_block
 from tests.sdk_env import run_script, sdk_python
 
@@ -250,7 +250,7 @@ def test_a_sandbox_without_a_desktop_has_no_screenshot(plain: Sandbox) -> None:
 
 
 def test_the_console_shows_the_screen(
-    driven: dict[str, Any], plain: Sandbox, daemon: Daemon
+    driven: dict[str, Any], plain: Sandbox, daemon: Daemon, tmp_path: Path
 ) -> None:
     """The sandbox's page has a `screen` tab showing the screenshot (a desktop's only)."""
     if CHROMIUM is None:
@@ -274,5 +274,21 @@ def test_the_console_shows_the_screen(
                 raise AssertionError(page.inner_text("#tab")) from None
             assert page.evaluate("() => document.querySelector('#screen').naturalHeight") == 768
             assert page.evaluate("() => document.querySelector('#screen').src").startswith("blob:")
+            screenshot(page, tmp_path, "screen")  # and under $CELLA_SCREENSHOTS, for docs/
         finally:
             browser.close()
+
+
+@pytest.mark.slow
+def test_after_a_fresh_boot_the_screenshot_starts_the_desktop_again(
+    driven: dict[str, Any], admin: Client
+) -> None:
+    """A stop ends every process (the display too); after the resume (a boot from the
+    disk) the screenshot finds no display, starts it (`start-desktop`) and takes the PNG."""
+    sb = admin.get(driven["id"])
+    sb.stop()
+    sb.resume()
+    assert sb.exec("pgrep -x Xvfb").exit_code != 0  # the control: no display after the boot
+    png = sb.screenshot()
+    assert Image.open(io.BytesIO(png)).size == (1024, 768)
+    assert sb.exec("pgrep -x xfce4-session").exit_code == 0  # the session runs again
