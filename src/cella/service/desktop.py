@@ -19,11 +19,14 @@ DISPLAY = ":0"
 MAX_PNG = 32 << 20  # a 4K screen of noise is ~25 MiB
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NO_SCROT, NO_DISPLAY = 64, 65  # exit codes of SHOT that mean "not a desktop"
+NOT_STARTED = 66  # the desktop's own start failed (its output in stderr)
 SHOT = f"""
 command -v scrot >/dev/null || exit {NO_SCROT}
 if ! xdpyinfo -display {DISPLAY} >/dev/null 2>&1; then
     command -v start-desktop >/dev/null || exit {NO_DISPLAY}
-    start-desktop >&2 || exit {NO_DISPLAY}
+    # /tmp is on the disk: a display's lock from before a stop would refuse the new one
+    pgrep -x Xvfb >/dev/null || rm -f /tmp/.X0-lock /tmp/.X11-unix/X0
+    start-desktop >&2 || exit {NOT_STARTED}
 fi
 f=$(mktemp -u /tmp/screen-XXXXXX.png) || exit 1
 scrot "$f" >&2 && cat "$f"
@@ -40,16 +43,19 @@ class Desktop:
     async def screenshot(self, who: Principal, sandbox_id: str) -> bytes:
         """A PNG of the sandbox's screen; InvalidState if it has no desktop."""
         req = ExecRequest(command=SHOT, user="root", env={"DISPLAY": DISPLAY}, timeout=120)
-        done = await self.exec.run(who, sandbox_id, req, keep=MAX_PNG)
+        # looking is not using: a console showing the screen keeps no sandbox from idling
+        done = await self.exec.run(who, sandbox_id, req, keep=MAX_PNG, activity=False)
         if done.exit_code in (NO_SCROT, NO_DISPLAY):
             what = "no screenshot tool (scrot)" if done.exit_code == NO_SCROT else "no X display"
             raise errors.InvalidState(
                 f"sandbox {sandbox_id} has no desktop ({what}): create it from the "
                 "`desktop` template"
             )
+        stderr = done.stderr.decode(errors="replace").strip()[-1000:]
+        if done.exit_code == NOT_STARTED:
+            raise errors.GuestError(f"the desktop of {sandbox_id} did not start: {stderr}")
         if done.exit_code != 0:
-            stderr = done.stderr.decode(errors="replace").strip()[-500:]
-            raise errors.CommandFailed(f"the screenshot failed ({done.exit_code}): {stderr}")
+            raise errors.GuestError(f"the screenshot failed ({done.exit_code}): {stderr}")
         if done.stdout_truncated:
             raise errors.PayloadTooLarge(f"the screenshot is over {MAX_PNG >> 20} MiB")
         png = done.stdout
