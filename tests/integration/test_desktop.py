@@ -279,7 +279,6 @@ def test_the_console_shows_the_screen(
             browser.close()
 
 
-@pytest.mark.slow
 def test_after_a_fresh_boot_the_screenshot_starts_the_desktop_again(
     driven: dict[str, Any], admin: Client
 ) -> None:
