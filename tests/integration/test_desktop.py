@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.server
 import io
 import json
 import subprocess
@@ -52,30 +53,24 @@ THANKS_PAGE = f"""<!doctype html>
 """.encode()
 
 
-class PageHandler:
-    """`/`: the page; `/typed?q=...`: what the page's form sent, recorded."""
+class PageHandler(http.server.BaseHTTPRequestHandler):
+    """`/`: the page; `/typed?q=...` (where its form leads): a page of another colour. Every
+    request is recorded."""
 
-    @staticmethod
-    def make() -> type:
-        import http.server
+    recorder: Recorder
+    protocol_version = "HTTP/1.1"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            recorder: Recorder
-            protocol_version = "HTTP/1.1"
+    def do_GET(self) -> None:
+        self.recorder.add({"path": self.path})
+        body = PAGE if self.path == "/" else THANKS_PAGE
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-            def do_GET(self) -> None:
-                self.recorder.add({"path": self.path})
-                body = PAGE if self.path == "/" else THANKS_PAGE
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return Handler
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
 @dataclass
@@ -88,7 +83,7 @@ class Page:
 def page() -> Iterator[Page]:
     addr = f"{free_loopback_block()}.1"
     servers = Servers()
-    seen = servers.start(PageHandler.make(), (addr, 80))
+    seen = servers.start(PageHandler, (addr, 80))
     yield Page(addr, seen)
     servers.close()
 
