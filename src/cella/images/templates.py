@@ -31,6 +31,7 @@ from cella.paths import Paths
 # Bump when the build steps change in a way that changes the resulting image
 # (2: mmdebstrap, whose root has no apt lists left, instead of debootstrap).
 BUILDER_VERSION = 2
+_SHAPE = {"vcpus", "memory_mib"}  # fields of a sandbox's shape, not of the image
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -53,10 +54,14 @@ class TemplateSpec(BaseModel):
         "taken: what they start (e.g. dockerd) is running in every sandbox restored from it",
     )
     disk_mib: int = Field(default=4096, ge=512, le=1 << 20)
+    # a sandbox's shape unless its create asks otherwise (a desktop's browser wants room);
+    # not part of the image, so not of its digest
+    vcpus: int | None = Field(default=None, ge=1, le=64)
+    memory_mib: int | None = Field(default=None, ge=128, le=1 << 20)
 
     def digest(self, kernel: str = "") -> str:
         """Of everything that goes into the image (`kernel`: the module index's kernel)."""
-        fields = {"builder": BUILDER_VERSION, **self.model_dump(), "kernel": kernel}
+        fields = {"builder": BUILDER_VERSION, **self.model_dump(exclude=_SHAPE), "kernel": kernel}
         for later in ("apt_install", "kernel_modules", "warm", "kernel"):  # added unset: the
             if not fields[later]:  # digests (and images) of templates without them stay
                 del fields[later]
@@ -81,6 +86,14 @@ def builtin_templates() -> dict[str, TemplateSpec]:
             spec = TemplateSpec.model_validate(data)
             specs[spec.name] = spec
     return specs
+
+
+def default_shape(name: str) -> dict[str, int]:
+    """The `vcpus` / `memory_mib` a built-in template's sandboxes get unless asked."""
+    spec = builtin_templates().get(name)
+    if spec is None:
+        return {}
+    return {k: v for k in sorted(_SHAPE) if (v := getattr(spec, k)) is not None}
 
 
 def template_image(paths: Paths, spec: TemplateSpec) -> Path:
