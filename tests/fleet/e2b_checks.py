@@ -7,6 +7,7 @@ lists and timeouts; what is not there is E2B's not-found."""
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,14 @@ from tests.sdk_env import run_script, sdk_python
 @pytest.fixture(scope="module")
 def python() -> Path:
     return sdk_python("e2b-2.63.0", E2B)  # made before the namespace (test_fleet.py)
+
+
+@pytest.fixture(autouse=True)
+def cleanup(tenant: httpx2.Client) -> Iterator[None]:
+    """Whatever a failed check leaves behind is gone before the next one."""
+    yield
+    for sb in tenant.get("/v1/sandboxes").json()["sandboxes"]:
+        tenant.delete(f"/v1/sandboxes/{sb['id']}")
 
 
 def key_of(tenant: httpx2.Client) -> str:
@@ -45,16 +54,27 @@ def two_nodes(fleet: Fleet) -> list[str]:
 
 def test_the_e2b_sdk_through_the_gateway(python: Path, fleet: Fleet, tenant: httpx2.Client) -> None:
     first, second = two_nodes(fleet)
-    got = e2b(
+    key = key_of(tenant)
+    made = e2b(
         python,
         fleet,
-        key_of(tenant),
+        key,
         f"""
-        out = {{}}
         a = Sandbox.create(metadata={{"check": "e2b-fleet", "i": "a"}}, envs={{"FOO": "bar 1"}},
                            timeout=120, api_headers={{"x-cella-node": "{first}"}})
         b = Sandbox.create(metadata={{"check": "e2b-fleet", "i": "b"}},
                            api_headers={{"x-cella-node": "{second}"}})
+        print(json.dumps([a.sandbox_id, b.sandbox_id]))
+        """,
+    )
+    assert [fleet.node_of(i) for i in made] == [first, second]  # one on each node
+    got = e2b(
+        python,
+        fleet,
+        key,
+        f"""
+        out = {{}}
+        a, b = Sandbox.connect("{made[0]}"), Sandbox.connect("{made[1]}")
         out["ids"] = [a.sandbox_id, b.sandbox_id]
         out["env"] = a.commands.run('printf %s "$FOO"').stdout
         out["whoami"] = b.commands.run("whoami; pwd").stdout.split()
@@ -93,8 +113,8 @@ def test_the_e2b_sdk_through_the_gateway(python: Path, fleet: Fleet, tenant: htt
         print(json.dumps(out))
         """,
     )
-    a, b = got["ids"]
-    assert [fleet.node_of(a), fleet.node_of(b)] == [first, second]  # one on each node
+    a = made[0]
+    assert got["ids"] == made
     assert got["env"] == "bar 1" and got["whoami"] == ["user", "/home/user"]
     assert got["read"] == "kept across a pause" and "note.txt" in got["listed_files"]
     assert got["pages"] == [["a"], ["b"]]  # merged from both nodes, one per page
@@ -119,8 +139,9 @@ def test_envd_by_host_name_through_the_gateway(fleet: Fleet, tenant: httpx2.Clie
     assert made.status_code == 201, made.text
     sandbox = made.json()
     try:
-        domain = fleet.gateway.url.partition("://")[2]
-        assert sandbox["domain"] == domain  # the gateway's, not the node's
+        port = fleet.gateway.url.rpartition(":")[2]
+        domain = sandbox["domain"]
+        assert domain == f"localhost:{port}"  # the gateway's, not its node's
         host = {"host": f"49983-{sandbox['sandboxID']}.{domain}"}
         token = {"x-access-token": sandbox["envdAccessToken"]}
         assert tenant.get("/health", headers=host | token).status_code == 204
