@@ -26,10 +26,14 @@ def python() -> Path:
 
 @pytest.fixture(autouse=True)
 def cleanup(tenant: httpx2.Client) -> Iterator[None]:
-    """Whatever a failed check leaves behind is gone before the next one."""
+    """Whatever a check leaves behind (sandboxes, its snapshots) is gone before the next."""
+    before = {s["id"] for s in tenant.get("/v1/snapshots").json()["snapshots"]}
     yield
     for sb in tenant.get("/v1/sandboxes").json()["sandboxes"]:
         tenant.delete(f"/v1/sandboxes/{sb['id']}")
+    for snap in tenant.get("/v1/snapshots").json()["snapshots"]:
+        if snap["id"] not in before:
+            tenant.delete(f"/v1/snapshots/{snap['id']}")
 
 
 def key_of(tenant: httpx2.Client) -> str:
@@ -129,6 +133,46 @@ def test_the_e2b_sdk_through_the_gateway(python: Path, fleet: Fleet, tenant: htt
         "gone": "SandboxNotFoundException",
         "kill": False,
     }, got["missing"]
+
+
+def test_snapshots_and_forks_of_the_e2b_sdk_across_nodes(
+    python: Path, fleet: Fleet, tenant: httpx2.Client
+) -> None:
+    """A snapshot taken on one node makes a sandbox on another (shipped there); a fork is
+    placed where there is room (each node holds one such sandbox); metrics are read on
+    each one's node."""
+    up = [n["name"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["healthy"]]
+    first, second, third = sorted(up)[:3]
+    got = e2b(
+        python,
+        fleet,
+        key_of(tenant),
+        f"""
+        out = {{}}
+        a = Sandbox.create(api_headers={{"x-cella-node": "{first}"}})
+        a.files.write("/home/user/mark.txt", "written before the snapshot")
+        snap = a.create_snapshot()
+        out["snapshot"] = snap.snapshot_id
+        out["listed"] = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        c = Sandbox.create(snap.snapshot_id, api_headers={{"x-cella-node": "{second}"}})
+        out["from_snapshot"] = c.files.read("/home/user/mark.txt")
+        [fork] = a.fork(timeout=200)
+        out["fork_read"] = fork.files.read("/home/user/mark.txt")
+        out["fork_left"] = (fork.get_info().end_at - fork.get_info().started_at).total_seconds()
+        out["ids"] = [a.sandbox_id, c.sandbox_id, fork.sandbox_id]
+        out["metrics"] = type(Sandbox.get_metrics(c.sandbox_id)).__name__
+        try:
+            Sandbox.get_metrics("sb-0000000000000000")
+        except NotFoundException as e:
+            out["metrics_missing"] = type(e).__name__
+        print(json.dumps(out))
+        """,
+    )
+    assert [fleet.node_of(i) for i in got["ids"]] == [first, second, third]
+    assert got["listed"].count(got["snapshot"]) == 1  # held by two nodes, listed once
+    assert got["from_snapshot"] == got["fork_read"] == "written before the snapshot"
+    assert 190 <= got["fork_left"] <= 260, got["fork_left"]
+    assert got["metrics"] == "list" and got["metrics_missing"] == "SandboxNotFoundException"
 
 
 def test_envd_by_host_name_through_the_gateway(fleet: Fleet, tenant: httpx2.Client) -> None:
