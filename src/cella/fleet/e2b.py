@@ -224,7 +224,13 @@ async def _merged(gateway: Gateway, who: Principal, request: Request) -> list[Js
             answer = await node.call("GET", request.url.path, who, langsmith=True, params=params)
             if not answer.is_success:
                 return answer
-            found += answer.json()
+            try:
+                page = answer.json()
+            except ValueError:
+                page = None
+            if not isinstance(page, list):
+                raise errors.NodeUnavailable(f"node {node.name} answered no E2B list")
+            found += page
             token = answer.headers.get("x-next-token")
             if not token:
                 return found
