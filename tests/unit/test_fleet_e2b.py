@@ -60,6 +60,8 @@ def answers(pages: list[list[dict[str, str]]]) -> Answer:
     def answer(request: httpx2.Request) -> httpx2.Response:
         if request.url.path in ("/sandboxes", "/v2/sandboxes"):
             return listing(request, pages)
+        if request.url.path.startswith("/v1/secrets/"):  # a secret pushed to the node
+            return httpx2.Response(200, json={})
         if request.url.path.startswith("/v1/sandboxes/"):  # the gateway looking for one
             return httpx2.Response(404, json={"error": {"code": "not_found", "message": "no"}})
         return httpx2.Response(200, stream=httpx2.ByteStream(b"from the node"))
@@ -160,3 +162,29 @@ async def test_e2b_errors_are_e2bs_shape(gateway: Gateway) -> None:
     )
     assert relayed.status_code == 200 and relayed.text == "from the node"
     assert json.loads(gateway.asked["n2"][-1].content) == {"timeout": 9}
+
+
+async def test_e2b_secrets_are_the_fleets_kept_on_every_node(gateway: Gateway) -> None:
+    key = {"x-api-key": gateway.key}
+    body = {"name": "Api_Token", "value": "s3cret", "metadata": {"team": "red"}}
+    made = await gateway.client.post("/secrets", headers=key, json=body)
+    assert made.status_code == 201, made.text
+    assert made.json()["secretID"] == "sec_api_token" and made.json()["metadata"] == {"team": "red"}
+    for name in ("n1", "n2"):  # on every node, the value and metadata with it
+        (pushed,) = [r for r in gateway.asked[name] if r.url.path.startswith("/v1/secrets/")]
+        assert pushed.method == "PUT" and pushed.url.path == "/v1/secrets/api_token"
+        assert json.loads(pushed.content)["metadata"] == {"team": "red"}
+        assert json.loads(pushed.content)["value"] == "s3cret"
+    again = await gateway.client.post("/secrets", headers=key, json=body)
+    assert again.status_code == 409 and set(again.json()) == {"code", "message"}
+    newer = await gateway.client.post("/secrets/sec_api_token", headers=key, json={"value": "v2"})
+    assert newer.json()["currentVersion"] == 2 and newer.json()["metadata"] == {"team": "red"}
+    listed = (await gateway.client.get("/secrets", headers=key)).json()
+    assert [s["name"] for s in listed] == ["api_token"]
+    assert "s3cret" not in json.dumps(listed) and "v2" not in json.dumps(listed)
+    assert (await gateway.client.delete("/secrets/api_token", headers=key)).status_code == 204
+    assert [r.method for r in gateway.asked["n2"] if "secrets" in r.url.path][-1] == "DELETE"
+    gone = await gateway.client.get("/secrets/api_token", headers=key)
+    assert gone.status_code == 404
+    bad = await gateway.client.post("/secrets", headers=key, json={"name": "sec_x", "value": "v"})
+    assert bad.status_code == 400 and "reserved" in bad.json()["message"]

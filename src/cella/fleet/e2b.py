@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 from typing import Any
 
 import httpx2
@@ -15,9 +16,8 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from cella import errors
-from cella.fleet import e2b_envd
+from cella.fleet import e2b_envd, e2b_secrets
 from cella.fleet.gateway import Gateway
-from cella.fleet.launch import shape_of
 from cella.fleet.node_client import Node
 from cella.fleet.planner import Shape
 from cella.fleet.relay import METHODS, NODE_HINT, forward
@@ -26,16 +26,18 @@ from cella.server.compat.e2b import envd
 from cella.server.compat.e2b.control import MAX_FORKS, TEMPLATES, int_param, page_start
 from cella.server.compat.e2b.shapes import BASE, ERROR_SHAPE
 from cella.server.deps import Caller
-from cella.server.error_shapes import ErrorShape, describe, shapes
+from cella.server.error_shapes import ErrorShape, shapes
 from cella.service.keys import Principal
 
 Json = dict[str, Any]
 PAGE = 500  # what one node is asked for at most while the gateway pages a merged list
 MAX_IDS = 100  # `/sandboxes/metrics`, as a node takes them
+SNAPSHOT_REF = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._:-]{1,200}$")  # an id, name or name:tag
 
 
 def install(app: FastAPI, gateway: Gateway) -> None:
     app.include_router(control(gateway))
+    app.include_router(e2b_secrets.router(gateway))
     e2b_envd.install(app, gateway)
     # first: E2B's /v2/sandboxes and /v2/sandboxes/{id}/connect lie under LangSmith's prefix
     shapes(app)[0:0] = [ErrorShape(envd.owns, envd.error_response), ERROR_SHAPE]
@@ -195,19 +197,17 @@ def control(gateway: Gateway) -> APIRouter:
 
 async def _source(gateway: Gateway, who: Principal, template: str) -> Shape | str:
     """What a create boots from, as the planner reads it: a snapshot's id (E2B creates
-    from a snapshot by naming it as the template), else the template's shape."""
-    if template not in TEMPLATES:
+    from a snapshot by naming it as the template), else the template's shape (the node
+    decides what the name means)."""
+    if template not in TEMPLATES and SNAPSHOT_REF.match(template):
         try:
             snap, _ = await gateway.snapshots.resolve(who, template)
             return str(snap["id"])
         except errors.NotFound:
             pass
-    try:
-        spec = SandboxCreate.model_validate({"template": TEMPLATES.get(template, template)})
-    except ValueError as exc:
-        problems = getattr(exc, "errors", None)
-        raise errors.InvalidArgument(describe(problems()) if problems else str(exc)) from None
-    return shape_of(spec)
+    fields = SandboxCreate.model_fields
+    return Shape(fields["vcpus"].default, fields["memory_mib"].default,
+                 TEMPLATES.get(template, template))  # fmt: skip
 
 
 async def _merged(gateway: Gateway, who: Principal, request: Request) -> list[Json] | Response:
