@@ -15,6 +15,7 @@ import httpx2
 import pytest
 
 from tests.fleet.conftest import Fleet
+from tests.fleet.fleet_checks import node_has_secret
 from tests.integration.test_e2b import E2B  # the one pin of the SDK
 from tests.sdk_env import run_script, sdk_python
 
@@ -195,3 +196,31 @@ def test_envd_by_host_name_through_the_gateway(fleet: Fleet, tenant: httpx2.Clie
         assert tenant.get("/health", headers=unknown | token).status_code == 502
     finally:
         assert tenant.delete(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code == 204
+
+
+def test_e2b_secrets_through_the_gateway_reach_every_node(
+    python: Path, fleet: Fleet, tenant: httpx2.Client
+) -> None:
+    """`Secret` through the gateway is the fleet's secret: on every node (where a header
+    rule of a sandbox placed anywhere names it), its value never in an answer."""
+    up = [n["name"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["healthy"]]
+    got = e2b(
+        python,
+        fleet,
+        key_of(tenant),
+        """
+        made = Secret.create("fleet_token", "v1-value", metadata={"team": "red"})
+        newer = Secret.update(made.secret_id, "v2-value")
+        listed = [s.name for s in Secret.list().next_items()]
+        print(json.dumps({"id": made.secret_id, "version": newer.version,
+                          "metadata": newer.metadata, "listed": listed,
+                          "exists": [Secret.exists("fleet_token"), Secret.exists("nope")]}))
+        """,
+    )
+    assert got["id"] == "sec_fleet_token" and got["version"] == 2
+    assert got["metadata"] == {"team": "red"} and "fleet_token" in got["listed"]
+    assert got["exists"] == [True, False]  # the control: one nobody made is not there
+    assert all(node_has_secret(fleet, n, "acme", "fleet_token") for n in up)
+    gone = e2b(python, fleet, key_of(tenant), 'print(json.dumps(Secret.destroy("fleet_token")))')
+    assert gone is True
+    assert not any(node_has_secret(fleet, n, "acme", "fleet_token") for n in up)
