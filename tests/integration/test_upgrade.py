@@ -5,9 +5,13 @@ out of this repository with `git archive` and run as a daemon with its own PYTHO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,10 +53,40 @@ def web() -> Iterator[tuple[str, Recorder]]:
     servers.close()
 
 
+class Held:
+    """A server that takes connections and never answers (a slow upstream)."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.listener = socket.create_server(address)
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.listener.accept()[0])
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.held:
+            conn.close()
+
+
 def vms_of(data_dir: Path) -> set[int]:
     from cella.runtime.qemu.vm import qemu_cmdline
 
     return {p for p in qemu_pids() if f"{data_dir}/vms/" in " ".join(qemu_cmdline(p))}
+
+
+def wait_for_loop(seen: Recorder, timeout: float = 20.0) -> bool:
+    """Whether the guest's loop reaches the server again within `timeout`."""
+    before = sum(r["path"] == "/loop" for r in seen.requests)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(r["path"] == "/loop" for r in seen.requests) > before:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def sh(sandbox: object, command: str) -> tuple[int, str, str]:
@@ -76,8 +110,17 @@ def test_this_release_adopts_what_the_previous_one_left_running(
         sb.files.write("/workspace/old.txt", "made by the previous release")
         sb.exec("nohup sleep 1000 >/dev/null 2>&1 &")
         assert sh(sb, "curl -sSf http://web.test/before")[0] == 0
+        # a paused one whose guest calls out on its own (no exec from the host after it
+        # is resumed): the calls reach the server before the upgrade...
+        napper = client.create(allow=["web.test"])
+        napper.exec(
+            "nohup sh -c 'while :; do curl -s -m 3 http://web.test/loop >/dev/null; "
+            "sleep 0.3; done' >/dev/null 2>&1 &"
+        )
+        assert wait_for_loop(seen), "the guest's own calls never arrived"
+        napper.pause()
         pids = vms_of(old.data_dir)
-        assert len(pids) == 1
+        assert len(pids) == 2
     old.stop()  # a graceful stop, as an upgrade's: sandbox VMs keep running
     assert vms_of(old.data_dir) == pids
 
@@ -107,4 +150,50 @@ def test_this_release_adopts_what_the_previous_one_left_running(
         with new.client(tenant_key) as tenant:
             assert tenant.list() == []
         adopted.delete()
+        # ...and after it: the paused VM is adopted, resumed, and its guest's calls get
+        # through without the host sending it anything first
+        woken = client.get(napper.id)
+        assert woken.state == "paused"
+        woken.resume()
+        assert wait_for_loop(seen), "the adopted guest's own calls no longer get out"
+        woken.delete()
     assert vms_of(new.data_dir) == set()
+
+
+def test_connections_open_across_a_restart_end_instead_of_hanging(
+    web: tuple[str, Recorder], daemon_factory: DaemonFactory
+) -> None:
+    """A guest's call in flight when its daemon goes away can never be answered (its host
+    end went with the daemon): the agent ends it, so the program sees an error and may try
+    again, rather than waiting for an answer that cannot come."""
+    prefix = web[0]
+    held = Held((f"{prefix}.3", 80))
+    hosts = {"web.test": f"{prefix}.1", "held.test": f"{prefix}.3"}
+    daemon = daemon_factory("restart", pool_size="0", egress_hosts=json.dumps(hosts))
+    try:
+        with daemon.client() as client:
+            sb = client.create(allow=["web.test", "held.test"])
+            sb.exec(
+                "nohup sh -c 'curl -sS -m 300 http://held.test/; echo $? > /tmp/held.rc' "
+                ">/dev/null 2>&1 &"
+            )
+            deadline = time.monotonic() + 30
+            while not held.held:  # the call is under way: the proxy has connected upstream
+                assert time.monotonic() < deadline, "the call never reached the server"
+                time.sleep(0.1)
+            assert not sb.files.exists("/tmp/held.rc")  # control: it waits
+        daemon.stop()
+        daemon.start()
+        with daemon.client() as client:
+            adopted = client.get(sb.id)
+            deadline = time.monotonic() + 30
+            while not adopted.files.exists("/tmp/held.rc"):
+                assert time.monotonic() < deadline, "the call still waits for its dead host end"
+                time.sleep(0.2)
+            assert adopted.files.read("/tmp/held.rc").strip() != b"0"
+            code, out, err = sh(adopted, "curl -sSf http://web.test/again")  # a new call works
+            assert code == 0, err
+            assert json.loads(out)["path"] == "/again"
+            adopted.delete()
+    finally:
+        held.close()
