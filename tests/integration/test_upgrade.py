@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from cella import __version__
 from tests.daemon import DaemonFactory
 from tests.netservers import EchoHandler, Recorder, Servers, free_loopback_block
 from tests.vms import qemu_pids
 
 pytestmark = pytest.mark.vm
 
-PREVIOUS = "2db9a78"  # the last commit before this release's upgrade work (0.2.0 dev line)
+PREVIOUS = "72e18ee"  # the last commit of release 0.1.0 (the next one made it 0.2.0)
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "upgrade-s3cr3t-4e1d"
 
@@ -104,6 +105,8 @@ def test_this_release_adopts_what_the_previous_one_left_running(
     }
     old = daemon_factory("upgrade", wrap=["env", f"PYTHONPATH={previous}"], **settings)
     with old.client() as client:
+        health = client.request("GET", "/v1/health").json()
+        assert health.get("version") != __version__  # the previous release's code serves
         tenant_key = client.create_key("acme")["key"]
         client.put_secret("token", SECRET, ["web.test"], auth="bearer")
         sb = client.create(allow=["web.test"], secrets={"TOKEN": "token"})
