@@ -244,10 +244,11 @@ class Backups:
                 )
                 report.sandboxes[sandbox_id] = {"state": was, "restored_as": "error"}
                 continue
+            after = "stopped" if was not in (S.deleted, S.error) else was
             copy.execute(
-                "UPDATE sandboxes SET state = 'stopped', pid = NULL WHERE id = ?", (sandbox_id,)
+                "UPDATE sandboxes SET state = ?, pid = NULL WHERE id = ?", (after, sandbox_id)
             )
-            report.sandboxes[sandbox_id] = {"state": was, "restored_as": "stopped"}
+            report.sandboxes[sandbox_id] = {"state": was, "restored_as": after}
         progress("sandboxes", len(rows), len(rows))
 
     async def _sandbox(self, sandbox_id: str, disk: str, target: Path) -> str:
@@ -255,7 +256,7 @@ class Backups:
         async with self.registry.lock(sandbox_id):
             row = self.registry.store.get_sandbox(sandbox_id)
             if row is None or row.state in (S.deleted, S.error):
-                raise errors.InvalidState("deleted while the backup ran")
+                return str(S.deleted if row is None else row.state)  # gone meanwhile
             source = self.registry.directory(sandbox_id) / disk
             target.mkdir(parents=True, exist_ok=True)
             vm = self.registry.vm(sandbox_id)
