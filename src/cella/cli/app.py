@@ -269,11 +269,14 @@ from cella.cli import (  # noqa: E402
     webhook,
 )
 from cella.cli import eval as eval_cli  # noqa: E402
+from cella.cli.backup import backup, restore  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 
 app.command()(serve)
 app.command()(trace)
+app.command()(backup)
+app.command()(restore)
 
 
 @app.command()

@@ -30,7 +30,7 @@ from cella.models.files import (
     account_name,
     guest_path,
 )
-from cella.models.host import Capacity
+from cella.models.host import BackupRequest, Capacity
 from cella.models.keys import (
     KeyCreate,
     KeyCreated,
@@ -123,6 +123,7 @@ __all__ = [
     "AccessDelegation",
     "AccountName",
     "AwsSigning",
+    "BackupRequest",
     "BucketAuth",
     "BucketCache",
     "BucketMount",

@@ -24,3 +24,16 @@ class Capacity(BaseModel):
     @property
     def vcpus_free(self) -> int:
         return max(0, self.vcpus - self.vcpus_committed)
+
+
+class BackupRequest(BaseModel):
+    """A backup of the daemon's data directory (`cella backup`), written on its host."""
+
+    dest: str = Field(
+        min_length=1,
+        description="a new or empty directory on the daemon's host (absolute path)",
+    )
+    with_secrets_key: bool = Field(
+        default=False,
+        description="include the sealed secrets' key (else the restore needs it given)",
+    )

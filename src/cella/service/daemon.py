@@ -31,6 +31,7 @@ from cella.runtime.select import open_driver
 from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
+from cella.service.backups import Backups
 from cella.service.buckets import Buckets
 from cella.service.checkpoints import Checkpoints
 from cella.service.desktop import Desktop
@@ -147,6 +148,7 @@ class Daemon:
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
         self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
+        self.backups = Backups(self.registry, lambda: self.secrets_key)
         self.templates = Templates(
             settings,
             self.registry,

@@ -1168,6 +1168,15 @@ static void drop_stream(struct stream *t, int tell_host) {
     n_streams--;
 }
 
+/* The host went away (a daemon restart): every connection it carried is closed, so the
+   guest's programs see them end (and connect again) instead of waiting forever for a host
+   end that is gone; a new host cannot resume them. */
+static void host_gone(void) {
+    if (!port_hup) logf_("host disconnected: closing %d carried connections", n_streams);
+    port_hup = 1;
+    while (streams) drop_stream(streams, 0);
+}
+
 /* The egress address on loopback (the VM has no NIC), and a listener per egress port. */
 static void open_listeners(void) {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -1376,12 +1385,12 @@ static size_t rlen;
 static void read_port(void) {
     ssize_t n = read(port, rbuf + rlen, HDR + MAX_FRAME - rlen);
     if (n == 0) { /* host end disconnected: back off until it returns */
-        port_hup = 1;
+        host_gone();
         rlen = 0;
         return;
     }
     if (n < 0) {
-        if (errno != EINTR && errno != EAGAIN) port_hup = 1;
+        if (errno != EINTR && errno != EAGAIN) host_gone();
         return;
     }
     rlen += (size_t)n;
@@ -1718,21 +1727,21 @@ int main(void) {
         int rc = poll(pfds, np, timeout);
         if (rc < 0 && errno != EINTR) logf_("poll: %s", strerror(errno));
         if (port_hup) {
-            /* the host returns: POLLHUP clears once a reader is connected again; data that
-               arrives meanwhile is read at once */
+            /* the host returns: POLLHUP clears once a reader is connected again (a host
+               that has sent nothing yet shows no event at all); data that arrives
+               meanwhile is read at once */
             struct pollfd pp = {.fd = port, .events = POLLIN};
-            if (poll(&pp, 1, 0) == 1) {
-                if (pp.revents & POLLIN) {
-                    port_hup = 0;
-                    read_port();
-                } else if (!(pp.revents & POLLHUP)) {
-                    port_hup = 0;
-                }
+            int ready = poll(&pp, 1, 0);
+            if (ready == 1 && (pp.revents & POLLIN)) {
+                port_hup = 0;
+                read_port();
+            } else if (ready == 0 || (ready == 1 && !(pp.revents & POLLHUP))) {
+                port_hup = 0;
             }
         } else if (pfds[0].revents & POLLIN) {
             read_port();
         } else if (pfds[0].revents & (POLLHUP | POLLERR)) {
-            port_hup = 1;
+            host_gone();
         }
         /* pipes are drained before reaping, so output always precedes the exit frame */
         size_t i = 3;

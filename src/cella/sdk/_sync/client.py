@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx2
 
+from cella import errors
 from cella.models import (
     AwsSigning,
     BucketMount,
@@ -480,6 +481,33 @@ class Client:
         whether a better one is coming (`kernel.upgrade`), the warm pool, the egress proxy."""
         response = self.request("GET", "/v1/health")
         return dict(response.json())
+
+    def backup(
+        self,
+        dest: str,
+        *,
+        with_secrets_key: bool = False,
+        on_progress: Callable[[str, int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """A consistent backup of the daemon's data directory into `dest`, a new or empty
+        directory on the daemon's host (admin). `with_secrets_key`: the sealed secrets' key
+        goes in too (else `cella restore` needs it given). `on_progress(step, done,
+        total)` follows it. Returns the backup's report."""
+        body = {"dest": dest, "with_secrets_key": with_secrets_key}
+        timeout = httpx2.Timeout(None, connect=10.0)
+        with self.stream("POST", "/v1/backups", json=body, timeout=timeout) as response:
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "backup" in item:
+                    report: dict[str, Any] = item["backup"]
+                    return report
+                if "error" in item:
+                    raise_for(500, line.encode())  # raises the error its code names
+                if on_progress is not None:
+                    on_progress(item["step"], item["done"], item["total"])
+        raise errors.CellaError("the backup's stream ended without its report")
 
     def fleet(self) -> FleetStatus:
         """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""

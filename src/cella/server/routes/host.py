@@ -1,11 +1,19 @@
-"""The host itself: what it may commit and has committed (for operators and placers)."""
+"""The host itself: what it may commit and has committed (for operators and placers), and
+backups of its data directory."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
-from cella.models import Capacity
-from cella.server.deps import Auth, DaemonDep
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from cella import errors
+from cella.models import BackupRequest, Capacity
+from cella.server.deps import Auth, DaemonDep, jsonl
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1", tags=["meta"])
@@ -16,3 +24,40 @@ async def capacity(svc: DaemonDep, who: Auth) -> Capacity:
     """RAM and vCPUs: the host's limits, committed and free (admin keys)."""
     require_admin(who, "read the host's capacity")
     return svc.admission.capacity()
+
+
+@router.post(
+    "/backups",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}}}},
+)
+async def backup(body: BackupRequest, svc: DaemonDep, who: Auth) -> StreamingResponse:
+    """A consistent backup of the data directory, written on the daemon's host (admin
+    keys): progress as JSON Lines (`{"step", "done", "total"}`), then `{"backup": report}`,
+    or `{"error": {code, message}}` if it failed on the way."""
+    require_admin(who, "back up the daemon")
+    dest = svc.backups.check(Path(body.dest))  # a bad destination fails before streaming
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def progress(step: str, done: int, total: int) -> None:
+        queue.put_nowait({"step": step, "done": done, "total": total})
+
+    async def run() -> None:
+        try:
+            report = await svc.backups.backup(
+                dest, with_secrets_key=body.with_secrets_key, progress=progress
+            )
+            queue.put_nowait({"backup": report.to_json()})
+        except errors.CellaError as exc:
+            queue.put_nowait({"error": {"code": exc.code, "message": exc.message}})
+        except Exception as exc:  # the stream has begun: the failure is its last line
+            queue.put_nowait({"error": {"code": "internal", "message": repr(exc)}})
+        finally:
+            queue.put_nowait(None)
+
+    async def lines() -> AsyncIterator[bytes]:
+        svc.background.start(run(), "backup")  # runs on if the caller goes away
+        while (item := await queue.get()) is not None:
+            yield jsonl(item)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
