@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +44,42 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out / "src"
+
+
+@pytest.fixture(scope="module")
+def previous_images(previous: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An image directory for the previous release: this host's kernel, egress proxy and
+    `default` base, the base under the name that release's build gives it (a later release
+    may build the same template by other steps, under another name)."""
+    from cella.images.templates import builtin_templates, template_image
+    from cella.paths import Paths
+
+    shared = Paths.default()
+    images = tmp_path_factory.mktemp("previous-images")
+    name = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from pathlib import Path; from cella.paths import Paths; "
+            "from cella.images.templates import builtin_templates, template_image; "
+            f"print(template_image(Paths(Path('/'), Path({str(images)!r})), "
+            "builtin_templates()['default']).name)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(previous)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    base = template_image(shared, builtin_templates()["default"])
+    (images / "templates").mkdir()
+    for src, dest in ((base, name), (base.with_suffix(".json"), name.replace(".qcow2", ".json"))):
+        try:
+            os.link(src, images / "templates" / dest)
+        except OSError:
+            shutil.copy2(src, images / "templates" / dest)
+    shutil.copytree(shared.kernel, images / "kernel")
+    (images / "egress").symlink_to(shared.images / "egress")
+    return images
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +134,22 @@ def sh(sandbox: object, command: str) -> tuple[int, str, str]:
 
 
 def test_this_release_adopts_what_the_previous_one_left_running(
-    previous: Path, web: tuple[str, Recorder], daemon_factory: DaemonFactory
+    previous: Path,
+    previous_images: Path,
+    web: tuple[str, Recorder],
+    daemon_factory: DaemonFactory,
 ) -> None:
     prefix, seen = web
     settings = {
         "pool_size": "0",
         "egress_hosts": json.dumps({"web.test": f"{prefix}.1", "other.test": f"{prefix}.2"}),
     }
-    old = daemon_factory("upgrade", wrap=["env", f"PYTHONPATH={previous}"], **settings)
+    old = daemon_factory(
+        "upgrade",
+        wrap=["env", f"PYTHONPATH={previous}"],
+        image_dir=str(previous_images),
+        **settings,
+    )
     with old.client() as client:
         health = client.request("GET", "/v1/health").json()
         assert health.get("version") != __version__  # the previous release's code serves
