@@ -134,6 +134,18 @@ class DaemonSettings(BaseSettings):
     max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")
     max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
     max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
+    template_files_quota_mib: int = Field(
+        default=4096,
+        ge=1,
+        description="what a tenant's uploaded template files (E2B's Template.copy) may take "
+        "on the host together: an upload past it is refused (413)",
+    )
+    template_files_keep_hours: float = Field(
+        default=24.0,
+        gt=0,
+        description="how long an uploaded template file no running or ready build names is "
+        "kept after its upload (or a client last asked for it)",
+    )
     max_exec_output_mib: int = Field(
         default=16,
         ge=1,

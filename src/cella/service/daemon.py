@@ -57,6 +57,7 @@ from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
 from cella.service.template_builds import TemplateBuilds
+from cella.service.template_files import TemplateFiles
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
@@ -147,13 +148,20 @@ class Daemon:
             self.files,
         )
         self.dockerfiles = Dockerfiles(self.templates)
+        self.template_files = TemplateFiles(
+            store,
+            driver.paths.root / "template-files",
+            max_upload_bytes=settings.max_upload_mib << 20,
+            quota_bytes=settings.template_files_quota_mib << 20,
+            keep_seconds=settings.template_files_keep_hours * 3600,
+        )
         self.template_builds = TemplateBuilds(
             store,
             self.templates,
             self.dockerfiles,
             self.background,
             self.signer,
-            settings.max_upload_mib << 20,
+            self.template_files,
         )
         self.images = ImageSnapshots(
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
@@ -247,6 +255,7 @@ class Daemon:
         await self.warm.ensure(shape)
         self.pool.watch(shape)
         self.reaper.start()
+        self.template_files.start()
         self.processes.start_sweeper()
         self.metrics.start()
         self.webhooks.deliveries.start()
@@ -257,6 +266,7 @@ class Daemon:
         yet) are destroyed; work started in the background is cancelled."""
         await self.background.close()
         await self.reaper.close()
+        await self.template_files.close()
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()
