@@ -194,6 +194,13 @@ class DaemonSettings(BaseSettings):
         description="bytes (MiB) all of a tenant's volumes may hold; a write past it is refused "
         "(none: unbounded)",
     )
+    volume_mount_token_seconds: int = Field(
+        default=3600,
+        ge=3,
+        le=86400,
+        description="lifetime of the token the egress proxy reaches a sandbox's volume mounts "
+        "with; renewed for sandboxes with a VM a third of it before it ends",
+    )
     max_host_memory_mib: int = Field(
         default_factory=lambda: _host_memory_mib() * 4 // 5,
         description="RAM all sandboxes may commit together (default 80% of the host's)",

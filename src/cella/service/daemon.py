@@ -44,6 +44,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
 from cella.service.metrics import Metrics
+from cella.service.mount_renewal import MountRenewal
 from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
@@ -94,6 +95,7 @@ class Daemon:
             self.events.sinks.append(self._spans)
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
+        self.ports.mount_token_seconds = settings.volume_mount_token_seconds
         clear = settings.tls_cert is None or settings.proxy_api_port != 0
         self.rewrites = Rewrites(
             self.registry,
@@ -135,6 +137,9 @@ class Daemon:
         self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.mount_renewal = MountRenewal(
+            self.registry, self.egress, settings.volume_mount_token_seconds
+        )
         self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.templates = Templates(
@@ -256,6 +261,7 @@ class Daemon:
         self.pool.watch(shape)
         self.reaper.start()
         self.template_files.start()
+        self.mount_renewal.start()
         self.processes.start_sweeper()
         self.metrics.start()
         self.webhooks.deliveries.start()
@@ -267,6 +273,7 @@ class Daemon:
         await self.background.close()
         await self.reaper.close()
         await self.template_files.close()
+        await self.mount_renewal.close()
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()
