@@ -38,6 +38,7 @@ from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.forks import Forks
+from cella.service.idempotency import Idempotency
 from cella.service.image_registries import ImageRegistries
 from cella.service.image_snapshots import ImageSnapshots
 from cella.service.keys import Keys, Principal
@@ -137,6 +138,7 @@ class Daemon:
         self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.idempotency = Idempotency(store)
         self.mount_renewal = MountRenewal(
             self.registry, self.egress, settings.volume_mount_token_seconds
         )
