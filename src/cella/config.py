@@ -134,6 +134,18 @@ class DaemonSettings(BaseSettings):
     max_memory_mib: int = Field(default=16384, ge=128, description="most RAM per sandbox")
     max_disk_mib: int = Field(default=65536, ge=512, description="largest disk per sandbox")
     max_upload_mib: int = Field(default=1024, ge=1, description="largest single upload")
+    template_files_quota_mib: int = Field(
+        default=4096,
+        ge=1,
+        description="what a tenant's uploaded template files (E2B's Template.copy) may take "
+        "on the host together: an upload past it is refused (413)",
+    )
+    template_files_keep_hours: float = Field(
+        default=24.0,
+        gt=0,
+        description="how long an uploaded template file no running or ready build names is "
+        "kept after its upload (or a client last asked for it)",
+    )
     max_exec_output_mib: int = Field(
         default=16,
         ge=1,
@@ -181,6 +193,13 @@ class DaemonSettings(BaseSettings):
         ge=1,
         description="bytes (MiB) all of a tenant's volumes may hold; a write past it is refused "
         "(none: unbounded)",
+    )
+    volume_mount_token_seconds: int = Field(
+        default=3600,
+        ge=3,
+        le=86400,
+        description="lifetime of the token the egress proxy reaches a sandbox's volume mounts "
+        "with; renewed for sandboxes with a VM a third of it before it ends",
     )
     max_host_memory_mib: int = Field(
         default_factory=lambda: _host_memory_mib() * 4 // 5,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx2
 import pytest
 
 from cella import AsyncClient, Client, errors
@@ -141,3 +143,41 @@ def test_snapshot_and_fork_through_the_cli(daemon: Daemon) -> None:
         assert cli(daemon, "sandbox", "rm", b["id"]).returncode == 0
     assert cli(daemon, "sandbox", "rm", sb_id).returncode == 0
     assert cli(daemon, "snapshot", "rm", snap["id"]).returncode == 0
+
+
+def test_creates_and_forks_with_one_idempotency_key_are_made_once(daemon: Daemon) -> None:
+    """Two creates sent at once with one key (a client's retry racing its first try): one
+    sandbox, the same id answered twice; another key makes a second one (the control).
+    Also through E2B's create, and for a fork."""
+    label = {"suite": "idempotent"}
+    with daemon.client() as one, daemon.client() as two, ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(c.create, labels=label, idempotency_key="create-1") for c in (one, two)]
+        first, second = (f.result(timeout=600) for f in both)
+        try:
+            assert first.id == second.id
+            assert [s.id for s in one.list(labels=label)] == [first.id]
+            again = one.create(labels=label, idempotency_key="create-1")  # a later retry
+            assert again.id == first.id
+            with pytest.raises(errors.Conflict, match="another request body"):
+                one.create(labels={"suite": "other"}, idempotency_key="create-1")
+            other = one.create(labels=label, idempotency_key="create-2")  # the control
+            assert other.id != first.id
+            assert sorted(s.id for s in one.list(labels=label)) == sorted([first.id, other.id])
+            other.delete()
+
+            forks = [pool.submit(first.fork, idempotency_key="fork-1") for _ in range(2)]
+            made = [[s.id for s in f.result(timeout=600)] for f in forks]
+            assert made[0] == made[1] and len(made[0]) == 1
+            one.get(made[0][0]).delete()
+
+            head = {"X-API-KEY": daemon.admin_key, "Idempotency-Key": "e2b-1"}
+            e2b = [
+                httpx2.post(f"{daemon.url}/sandboxes", json={}, headers=head, timeout=600)
+                for _ in range(2)
+            ]
+            assert [r.status_code for r in e2b] == [201, 201], e2b[0].text
+            ids = {r.json()["sandboxID"] for r in e2b}
+            assert len(ids) == 1
+            one.get(ids.pop()).delete()
+        finally:
+            first.delete()

@@ -82,7 +82,8 @@ def setup(
 
 def test_cellas_own_templates_have_their_start_command_running(setup: Setup) -> None:
     """The core the E2B builder's start command rests on, through cella's own SDK: a
-    template whose start command serves a page has it running in a new sandbox."""
+    template whose start command serves a page has it running in a new sandbox, and again
+    after a stop that kept only its disk."""
     with setup.daemon.client() as admin:
         made = admin.build_template(
             "e2b-start-srv",
@@ -94,8 +95,19 @@ def test_cellas_own_templates_have_their_start_command_running(setup: Setup) -> 
         try:
             assert made.start is not None and made.start.ready and "httpd" in str(made.start)
             with admin.create("e2b-start-srv") as sb:
-                got = sb.exec(["wget", "-Y", "off", "-q", "-O-", "http://127.0.0.1:8000/i"])
+                fetch = ["wget", "-Y", "off", "-q", "-O-", "http://127.0.0.1:8000/i"]
+                got = sb.exec(fetch)
                 assert (got.exit_code, got.stdout) == (0, b"served\n")
+                # a filesystem-only pause: the resume boots its disk, and the start command
+                # is started again (the events say it was a boot, not a thaw)
+                sb.stop(memory=False)
+                assert sb.info.state == "stopped"
+                sb.resume()
+                got = sb.exec(fetch)
+                assert (got.exit_code, got.stdout) == (0, b"served\n")
+                events = [(e.type, e.data) for e in sb.events()]
+                assert ("resumed", {"from": "stopped"}) in events
+                assert any(t == "started" and "httpd" in str(d) for t, d in events)
         finally:
             admin.delete_template("e2b-start-srv")
 

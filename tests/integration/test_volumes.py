@@ -6,6 +6,9 @@ fork mounting the same volume)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import subprocess
 import sys
@@ -15,16 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 
 from cella import Client, Sandbox, errors
 from cella.models import VolumeMount
+from cella.policy.volumes import PREFIX, TOKEN_HEADER
 from tests.daemon import Daemon
 from tests.sdk_env import run_script, sdk_python
 
 pytestmark = pytest.mark.vm
 E2B = ["e2b==2.63.0"]
 QUOTA_MIB = 4
+TOKEN_SECONDS = 6  # the proxy's mount tokens: renewed every 2 s
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +40,11 @@ def python() -> Path:
 
 @pytest.fixture(scope="module")
 def daemon_settings() -> dict[str, str]:
-    return {"pool_size": "0", "max_volume_mib_per_tenant": str(QUOTA_MIB)}
+    return {
+        "pool_size": "0",
+        "max_volume_mib_per_tenant": str(QUOTA_MIB),
+        "volume_mount_token_seconds": str(TOKEN_SECONDS),
+    }
 
 
 def e2b(python: Path, daemon: Daemon, script: str) -> Any:
@@ -186,6 +196,39 @@ def test_read_only_mount_refuses_writes_and_a_fork_shares_the_volume(admin: Clie
     admin.delete_volume("cella-shared")  # no sandbox mounts it now: no force needed
     with pytest.raises(errors.NotFound):
         admin.volume(vol.id)
+
+
+def mount_token(daemon: Daemon, sandbox_id: str, expires: int) -> dict[str, str]:
+    """A mount token as the daemon signs them (with its key, read from its directory)."""
+    key = (daemon.data_dir / "service.key").read_bytes()
+    mac = hmac.new(key, f"volume-mounts:{sandbox_id}:{expires}".encode(), hashlib.sha256)
+    signature = base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+    return {TOKEN_HEADER: f"{expires}.{signature}"}
+
+
+def test_mount_tokens_expire_are_renewed_and_die_with_the_sandbox(
+    admin: Client, daemon: Daemon
+) -> None:
+    vol = admin.create_volume("renewed")
+    sb = admin.create(volume_mounts=[VolumeMount(volume="renewed", path="/v")])
+    try:
+        assert sb.exec("echo first > /v/a.txt").exit_code == 0
+        assert until(lambda: vol.read("/a.txt")) == b"first\n"
+        time.sleep(TOKEN_SECONDS * 2)  # the token the mount started with has expired
+        assert sb.exec("echo later > /v/b.txt").exit_code == 0  # through a renewed one
+        assert until(lambda: vol.read("/b.txt")) == b"later\n"
+
+        url = f"{daemon.url}{PREFIX}/{sb.id}/{vol.id}/"
+        now = int(time.time())
+        expired = httpx2.request("PROPFIND", url, headers=mount_token(daemon, sb.id, now - 1))
+        assert expired.status_code == 403 and "expired" in expired.text
+        fresh = mount_token(daemon, sb.id, now + TOKEN_SECONDS)
+        assert httpx2.request("PROPFIND", url, headers=fresh).status_code == 207  # control
+    finally:
+        sb.delete()
+    revoked = httpx2.request("PROPFIND", url, headers=fresh)  # unexpired, but its sandbox is gone
+    assert revoked.status_code == 403 and "deleted" in revoked.text
+    admin.delete_volume("renewed")
 
 
 def _read(sb: Sandbox, path: str) -> bytes:

@@ -6,6 +6,7 @@ the host keeps every path inside its volume."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -185,6 +186,24 @@ async def test_dav_door_needs_the_token_and_a_mount(tmp_path: Path) -> None:
             assert deleted.status_code == 403
             read = await c.get(f"{base}/{ro.id}/r.txt", headers=token)  # the control
             assert (read.status_code, read.content) == (200, b"read me")
+
+
+async def test_an_expired_or_revoked_mount_token_is_refused(tmp_path: Path) -> None:
+    async with serving(tmp_path) as app, http(app) as c:
+        vol = app.daemon.volumes.create(WHO, "data")
+        sandbox = mounted(app, VolumeMount(volume=vol.id, path="/v"))
+        ports = app.daemon.ports
+        url = f"{PREFIX}/{sandbox}/{vol.id}/"
+        expired = {TOKEN_HEADER: ports.mount_token(sandbox, int(time.time()) - 1)}
+        refused = await c.request("PROPFIND", url, headers=expired)
+        assert refused.status_code == 403 and "expired" in refused.text
+        forged = {TOKEN_HEADER: f"{int(time.time()) + 9999}." + expired[TOKEN_HEADER][11:]}
+        assert (await c.request("PROPFIND", url, headers=forged)).status_code == 403
+        renewed = {TOKEN_HEADER: ports.mount_token(sandbox)}  # the control: a fresh one
+        assert (await c.request("PROPFIND", url, headers=renewed)).status_code == 207
+        app.daemon.registry.update(sandbox, state=SandboxState.deleted)
+        gone = await c.request("PROPFIND", url, headers=renewed)
+        assert gone.status_code == 403 and "deleted" in gone.text  # revoked with the sandbox
 
 
 # -- E2B's API ------------------------------------------------------------------------------

@@ -27,11 +27,12 @@ from cella.models.fleet import FleetStatus
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.policy.rewrites import FLEET_REWRITE, PREFIX, TOKEN_HEADER
 from cella.server.app import build_app, routes
-from cella.server.deps import Auth, KeyOrSession
+from cella.server.deps import Auth, IdempotencyKey, KeyOrSession
 from cella.server.front import serve
 from cella.server.routes import evals, keys, registries
 from cella.server.routes.egress import SecretName
 from cella.server.sockets import bearer, opened
+from cella.service.idempotency import Idempotency
 from cella.service.keys import Principal, require_admin
 from cella.service.logins import FLEET_USER
 
@@ -63,6 +64,27 @@ def create_gateway_app(
 
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
+    idempotency = Idempotency(gateway.store)
+
+    async def once(
+        who: Principal, route: str, key: str | None, body: Any, make: Any
+    ) -> list[dict[str, Any]]:
+        """`make()`'s sandboxes, once per `Idempotency-Key`: a retry's read from their
+        nodes as they are now."""
+        made: dict[str, dict[str, Any]] = {}
+
+        async def ids() -> list[str]:
+            out = await make()
+            made.update((s["id"], s) for s in out)
+            return [s["id"] for s in out]
+
+        got = await idempotency.once(who.tenant, route, key, body, ids)
+        return [made.get(i) or await sandbox_json(who, i) for i in got]
+
+    async def sandbox_json(who: Principal, sandbox_id: str) -> dict[str, Any]:
+        node = await gateway.locator.node_of(who, sandbox_id)
+        shown: dict[str, Any] = await node.json("GET", f"/v1/sandboxes/{sandbox_id}", who)
+        return shown
 
     @api.get("/v1/health", tags=["meta"])
     async def health() -> dict[str, Any]:
@@ -91,10 +113,16 @@ def router(gateway: Gateway) -> APIRouter:
         return await fleet_capacity(gateway.membership)
 
     @api.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
-    async def create(request: Request, who: Auth) -> JSONResponse:
+    async def create(
+        request: Request, who: Auth, idempotency_key: IdempotencyKey = None
+    ) -> JSONResponse:
         body = await _json(request)
-        made = await gateway.launcher.create(who, body, request.headers.get(NODE_HINT))
-        return JSONResponse(made, status_code=201)
+
+        async def make() -> list[dict[str, Any]]:
+            return [await gateway.launcher.create(who, body, request.headers.get(NODE_HINT))]
+
+        made = await once(who, "sandboxes.create", idempotency_key, body, make)
+        return JSONResponse(made[0], status_code=201)
 
     @api.get("/v1/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(request: Request, who: Auth) -> dict[str, Any]:
@@ -121,11 +149,19 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["snapshots"])
     async def fork_sandbox(
-        sandbox_id: str, body: ForkRequest, request: Request, who: Auth
+        sandbox_id: str,
+        body: ForkRequest,
+        request: Request,
+        who: Auth,
+        idempotency_key: IdempotencyKey = None,
     ) -> dict[str, Any]:
         hint = request.headers.get(NODE_HINT)
-        made = await gateway.launcher.fork_sandbox(who, sandbox_id, body.count, hint)
-        return {"sandboxes": made}
+
+        async def make() -> list[dict[str, Any]]:
+            return await gateway.launcher.fork_sandbox(who, sandbox_id, body.count, hint)
+
+        route = f"sandboxes.fork:{sandbox_id}"
+        return {"sandboxes": await once(who, route, idempotency_key, body, make)}
 
     @api.put("/v1/sandboxes/{sandbox_id}/network", tags=["egress"])
     async def set_network(sandbox_id: str, request: Request, who: Auth) -> Response:
@@ -233,11 +269,19 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, tags=["snapshots"])
     async def fork_snapshot(
-        snapshot_id: str, body: ForkRequest, request: Request, who: Auth
+        snapshot_id: str,
+        body: ForkRequest,
+        request: Request,
+        who: Auth,
+        idempotency_key: IdempotencyKey = None,
     ) -> dict[str, Any]:
         hint = request.headers.get(NODE_HINT)
-        made = await gateway.launcher.fork_snapshot(who, snapshot_id, body.count, prefer=hint)
-        return {"sandboxes": made}
+
+        async def make() -> list[dict[str, Any]]:
+            return await gateway.launcher.fork_snapshot(who, snapshot_id, body.count, prefer=hint)
+
+        route = f"snapshots.fork:{snapshot_id}"
+        return {"sandboxes": await once(who, route, idempotency_key, body, make)}
 
     @api.delete("/v1/snapshots/{snapshot_id}", status_code=204, tags=["snapshots"])
     async def delete_snapshot(snapshot_id: str, who: Auth) -> Response:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from cella import errors
-from cella.guest.client import AgentClient
-from cella.models import ImageConfig, StartCommand
+from cella.models import ExecResult, ImageConfig, StartCommand
 
 LOG = "/tmp/cella-start.log"  # the start command's output, where /tmp is writable
 POLL_SECONDS = 0.5
@@ -23,7 +24,22 @@ LAUNCH = (
 )
 
 
-async def start(agent: AgentClient, command: StartCommand, config: ImageConfig) -> None:
+class Execs(Protocol):
+    """The one thing `start` needs of a guest's agent (the channel's client, or a runtime's
+    agent behind its contract)."""
+
+    async def exec(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult: ...
+
+
+async def start(agent: Execs, command: StartCommand, config: ImageConfig) -> None:
     """Starts `command.command` (if any) and waits for `command.ready` (if any) to exit 0,
     within `ready_timeout_seconds`; a failure is `BuildFailed` with the start log's tail."""
     run = functools.partial(

@@ -30,8 +30,8 @@ class StartCommand(BaseModel):
     """What a template's sandboxes have running from their first moment: `command` is
     started (as the image's user, in its working directory, with its env) before the
     template's warm snapshot is taken, once `ready` (a shell command) exits 0, so every
-    sandbox restored from it has the command running. A sandbox booted afresh (a resume
-    after a stop) does not start it again."""
+    sandbox restored from it has the command running. A sandbox booted afresh from its
+    disk (a resume after a stop, a fork without memory) has it started again."""
 
     model_config = {"extra": "forbid"}
 

@@ -95,6 +95,11 @@ def exec_body(
     return body
 
 
+def idempotency(key: str | None) -> dict[str, str]:
+    """The `Idempotency-Key` header of a create, fork or snapshot (none without a key)."""
+    return {"Idempotency-Key": key} if key is not None else {}
+
+
 def create_body(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -165,6 +165,14 @@ KeyOrSession = Annotated[Principal, Depends(key_or_session)]
 Caller = Annotated[Principal, Depends(api_key_caller)]
 DaemonDep = Annotated[Daemon, Depends(daemon)]
 FrontDep = Annotated[Front, Depends(front_of)]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        description="retries with this key (and the same body) get what the first request "
+        "made, once; kept a day",
+    ),
+]
 
 
 def jsonl(obj: Any) -> bytes:

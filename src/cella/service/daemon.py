@@ -42,6 +42,7 @@ from cella.service.evals import Evals
 from cella.service.exec import Exec
 from cella.service.files import Files
 from cella.service.forks import Forks
+from cella.service.idempotency import Idempotency
 from cella.service.image_registries import ImageRegistries
 from cella.service.image_snapshots import ImageSnapshots
 from cella.service.kernels import Kernels
@@ -49,6 +50,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
 from cella.service.metrics import Metrics
+from cella.service.mount_renewal import MountRenewal
 from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
@@ -62,6 +64,7 @@ from cella.service.shipping import Shipping
 from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
 from cella.service.template_builds import TemplateBuilds
+from cella.service.template_files import TemplateFiles
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
@@ -98,6 +101,7 @@ class Daemon:
             self.events.sinks.append(self._spans)
         self.registry = Registry(store, driver, self.events, settings.console_max_kib << 10)
         self.ports = Ports(self.registry, driver.paths.root / "service.key")
+        self.ports.mount_token_seconds = settings.volume_mount_token_seconds
         clear = settings.tls_cert is None or settings.proxy_api_port != 0
         self.rewrites = Rewrites(
             self.registry,
@@ -146,6 +150,10 @@ class Daemon:
         self.events.sinks.append(self.webhooks.sink())
         self.sharing = Sharing(self.registry)
         self.reaper = Reaper(self.registry, self.lifecycle, settings.reaper_interval)
+        self.idempotency = Idempotency(store)
+        self.mount_renewal = MountRenewal(
+            self.registry, self.egress, settings.volume_mount_token_seconds
+        )
         self.waking = Waking(self.registry, self.lifecycle)
         self.recovery = Recovery(self.registry, self.lifecycle, self.egress)
         self.backups = Backups(self.registry, lambda: self.secrets_key)
@@ -160,13 +168,20 @@ class Daemon:
             self.files,
         )
         self.dockerfiles = Dockerfiles(self.templates)
+        self.template_files = TemplateFiles(
+            store,
+            driver.paths.root / "template-files",
+            max_upload_bytes=settings.max_upload_mib << 20,
+            quota_bytes=settings.template_files_quota_mib << 20,
+            keep_seconds=settings.template_files_keep_hours * 3600,
+        )
         self.template_builds = TemplateBuilds(
             store,
             self.templates,
             self.dockerfiles,
             self.background,
             self.signer,
-            settings.max_upload_mib << 20,
+            self.template_files,
         )
         self.images = ImageSnapshots(
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
@@ -261,6 +276,8 @@ class Daemon:
         self.pool.watch(shape)
         self.reaper.start()
         self.kernels.start()
+        self.template_files.start()
+        self.mount_renewal.start()
         self.processes.start_sweeper()
         self.metrics.start()
         self.webhooks.deliveries.start()
@@ -272,6 +289,8 @@ class Daemon:
         await self.background.close()
         await self.reaper.close()
         await self.kernels.close()
+        await self.template_files.close()
+        await self.mount_renewal.close()
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()

@@ -157,6 +157,8 @@ class Forks:
                         boot_timeout=self.lifecycle.settings.boot_timeout,
                     )
                 await self.lifecycle.ready(vm, row)  # the parent's policy and placeholders
+                if not memory:  # what its template had running, started anew
+                    await self.lifecycle.start_commands.run(vm, row.id, row.template)
             except BaseException as exc:
                 if vm is not None:
                     await self.driver.destroy(vm)

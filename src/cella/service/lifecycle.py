@@ -25,6 +25,7 @@ from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress, rules_of
 from cella.service.registry import Registry, iso
 from cella.service.rewrites import setter_of
+from cella.service.start_commands import StartCommands
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SecretRef
@@ -135,6 +136,7 @@ class Lifecycle:
         self.egress = egress
         self.warm = warm
         self.pool = pool
+        self.start_commands = StartCommands(self.driver.paths, self.events)
 
     # -- create --------------------------------------------------------------------------
 
@@ -301,7 +303,8 @@ class Lifecycle:
 
     async def resume(self, who: Principal, sandbox_id: str) -> SandboxRecord:
         """Paused: the VM runs on. Stopped: boots the same overlay again (files and
-        installed packages are still there; processes are not). Whoever may exec in it
+        installed packages are still there; processes are not, but the template's start
+        command is started again: `service.start_commands`). Whoever may exec in it
         may wake it (LangSmith's calls do, before they run)."""
         async with self.registry.lock(sandbox_id):
             row = self.registry.get(who, sandbox_id, Permission.exec)
@@ -332,9 +335,9 @@ class Lifecycle:
                 raise
             self.egress.attach(vm, row)
             self.registry.track(sandbox_id, vm)
-            self.registry.update(
-                sandbox_id, state=S.running, pid=vm.pid, error=None, stopped_at=None
-            )
+            self.registry.update(sandbox_id, pid=vm.pid, error=None, stopped_at=None)
+            await self.start_commands.run(vm, sandbox_id, row.template)  # booted from disk
+            self.registry.update(sandbox_id, state=S.running)
             self.events.emit(sandbox_id, "resumed", {"from": "stopped"})
         return self.registry.get(who, sandbox_id)
 

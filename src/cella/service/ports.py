@@ -29,6 +29,7 @@ from cella.policy.access import Permission, Principal
 from cella.service.registry import Registry
 
 MAX_TOKEN_SECONDS = 86400
+DEFAULT_MOUNT_TOKEN_SECONDS = 3600
 # The code interpreter of `code-interpreter` sandboxes: it runs code for whoever reaches
 # it, so besides an API key or a service token minted for it, only the sandbox's access
 # token (the one E2B's `/execute` takes) opens it.
@@ -69,6 +70,7 @@ class Ports:
     def __init__(self, registry: Registry, key_file: Path) -> None:
         self.registry = registry
         self._key = load_key(key_file)
+        self.mount_token_seconds = DEFAULT_MOUNT_TOKEN_SECONDS
 
     async def open(self, who: Principal, sandbox_id: str, port: int) -> GuestStream:
         """A connection to `port` on the sandbox's loopback; `PortClosed` when nothing
@@ -142,10 +144,23 @@ class Ports:
         volume lives."""
         return _b64(self._sign(f"volume:{volume_id}"))
 
-    def mount_token(self, sandbox_id: str) -> str:
-        """The egress proxy's bearer for one sandbox's volume mounts (the daemon checks the
-        mounts themselves on every request)."""
-        return _b64(self._sign(f"volume-mounts:{sandbox_id}"))
+    def mount_token(self, sandbox_id: str, expires: int | None = None) -> str:
+        """The egress proxy's bearer for one sandbox's volume mounts, until `expires` (by
+        default `mount_token_seconds` from now; `service.mount_renewal` gives the proxy a
+        new one before then). The daemon checks the mounts themselves on every request."""
+        if expires is None:
+            expires = int(time.time() + self.mount_token_seconds)
+        return f"{expires}.{_b64(self._sign(f'volume-mounts:{sandbox_id}:{expires}'))}"
+
+    def check_mount_token(self, sandbox_id: str, token: str) -> None:
+        """`PermissionDenied` unless `token` is this sandbox's mount token and unexpired."""
+        expires = token.partition(".")[0]
+        if not expires.isdigit() or not self.same(
+            token, self.mount_token(sandbox_id, int(expires))
+        ):
+            raise errors.PermissionDenied("not the egress proxy's volume token")
+        if int(expires) < time.time():
+            raise errors.PermissionDenied("the volume mount token has expired")
 
     @staticmethod
     def same(given: str, expected: str) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -29,7 +28,6 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import IO, Any
 
 from cella import errors
@@ -40,6 +38,7 @@ from cella.service.background import Background
 from cella.service.dockerfiles import DockerfileBuild, Dockerfiles
 from cella.service.image_registries import image_host
 from cella.service.signing import Signer
+from cella.service.template_files import TemplateFiles
 from cella.service.templates import OWNED_PREFIX, Templates
 from cella.store import (
     NamedTemplateRecord,
@@ -76,15 +75,14 @@ class TemplateBuilds:
         dockerfiles: Dockerfiles,
         background: Background,
         signer: Signer,
-        max_upload_bytes: int,
+        files: TemplateFiles,
     ) -> None:
         self.store = store
         self.templates = templates
         self.dockerfiles = dockerfiles
         self.background = background
         self.signer = signer
-        self.max_upload_bytes = max_upload_bytes
-        self.files_root = templates.paths.root / "template-files"
+        self.files = files
         self._logs: dict[str, list[dict[str, str]]] = {}  # builds running now
 
     # -- names, builds and their files ----------------------------------------------------
@@ -142,7 +140,7 @@ class TemplateBuilds:
             {"aud": UPLOAD_AUDIENCE, "sub": named.id, "ten": tenant, "hash": files_hash,
              "iat": now, "exp": now + UPLOAD_SECONDS}
         )  # fmt: skip
-        return self._file(tenant, files_hash).exists(), token
+        return self.files.present(tenant, files_hash), token
 
     async def receive(
         self, token: str, template_id: str, files_hash: str, body: AsyncIterable[bytes]
@@ -152,26 +150,7 @@ class TemplateBuilds:
         claims = self.signer.verify(token, audience=UPLOAD_AUDIENCE, required=["sub", "hash"])
         if claims["sub"] != template_id or claims["hash"] != files_hash:
             raise errors.PermissionDenied("this upload link is for other files")
-        dest = self._file(str(claims["ten"]), files_hash)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = dest.with_name(f".{dest.name}.{os.getpid()}.{time.monotonic_ns()}")
-        size = 0
-        try:
-            with open(partial, "wb") as out:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > self.max_upload_bytes:
-                        raise errors.PayloadTooLarge(
-                            f"the files are over {self.max_upload_bytes >> 20} MiB"
-                        )
-                    await asyncio.to_thread(out.write, chunk)
-            partial.rename(dest)
-        finally:
-            partial.unlink(missing_ok=True)
-
-    def _file(self, tenant: str, files_hash: str) -> Path:
-        translate.check_hash(files_hash)
-        return self.files_root / hashlib.sha256(tenant.encode()).hexdigest()[:32] / files_hash
+        await self.files.receive(str(claims["ten"]), files_hash, body)
 
     # -- building -------------------------------------------------------------------------
 
@@ -191,7 +170,7 @@ class TemplateBuilds:
             raise errors.Conflict(f"build {build_id} was started already ({row.state})")
         image, steps, start = self._expand(tenant, spec, credentials)
         done = translate.dockerfile(image, steps)
-        missing = [h for h in done.hashes if not self._file(tenant, h).exists()]
+        missing = [h for h in done.hashes if not self.files.present(tenant, h)]
         if missing:
             raise errors.InvalidArgument(f"files not uploaded for the copy steps: {missing}")
         registry = (image_host(image), credentials) if credentials else None
@@ -291,7 +270,7 @@ class TemplateBuilds:
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
             for h in done.hashes:
-                tar.add(self._file(tenant, h), arcname=f"{translate.FILES}/{h}.tar")
+                tar.add(self.files.path(tenant, h), arcname=f"{translate.FILES}/{h}.tar")
         out.seek(0)
 
     def _log(self, build_id: str, level: str, message: str) -> None:

@@ -35,6 +35,7 @@ from cella.store import SandboxRecord, VolumeRecord
 
 __all__ = ["Entry", "VolumeRecord", "Volumes", "entry_of"]
 
+GONE = frozenset({SandboxState.deleting, SandboxState.deleted, SandboxState.error})
 WRITES = frozenset({"PUT", "DELETE", "MKCOL", "MOVE", "COPY", "PROPPATCH", "POST", "PATCH"})
 
 
@@ -167,9 +168,10 @@ class Volumes:
         """A mounted volume a sandbox's request (through the egress proxy) may reach: the
         proxy's token for the sandbox, a mount of the volume, and no write to a read-only
         one."""
-        if not self.ports.same(token, self.ports.mount_token(sandbox_id)):
-            raise errors.PermissionDenied("not the egress proxy's volume token")
+        self.ports.check_mount_token(sandbox_id, token)
         row = self.registry.row(sandbox_id)
+        if row.state in GONE:  # revoked with the sandbox: its token opens nothing more
+            raise errors.PermissionDenied(f"sandbox {sandbox_id} is {row.state}")
         mount = next((m for m in row.volume_mounts if m.volume == volume_id), None)
         record = self.store.get_volume(row.tenant, volume_id)
         if mount is None or record is None:

@@ -5,6 +5,7 @@ from cella.store.observe import DeliveryRecord, MetricRecord, WebhookRecord
 from cella.store.records import (
     EvalRunRecord,
     EventRecord,
+    IdempotencyRecord,
     KeyRecord,
     KeyUse,
     NamedTemplateRecord,
@@ -21,6 +22,7 @@ __all__ = [
     "DeliveryRecord",
     "EvalRunRecord",
     "EventRecord",
+    "IdempotencyRecord",
     "KeyRecord",
     "KeyUse",
     "MetricRecord",

@@ -23,6 +23,7 @@ from cella.store.observe import Observations
 from cella.store.records import (
     EvalRunRecord,
     EventRecord,
+    IdempotencyRecord,
     KeyRecord,
     KeyUse,
     NamedTemplateRecord,
@@ -689,6 +690,41 @@ class Store(Observations):
             "DELETE FROM template_tags WHERE template_id = ? AND tag = ?", (template_id, tag)
         )
         return cur.rowcount > 0
+
+    # -- idempotency keys -----------------------------------------------------------------
+
+    def claim_idempotency(self, record: IdempotencyRecord) -> None:
+        """Records a request about to run with its key (replacing one that never ended)."""
+        self._exec(
+            "INSERT OR REPLACE INTO idempotency_keys (tenant, route, key, body_hash, result, "
+            "created_at) VALUES (?, ?, ?, ?, NULL, ?)",
+            (record.tenant, record.route, record.key, record.body_hash, record.created_at),
+        )
+
+    def idempotency(self, tenant: str, route: str, key: str) -> IdempotencyRecord | None:
+        row = self._exec(
+            "SELECT * FROM idempotency_keys WHERE tenant = ? AND route = ? AND key = ?",
+            (tenant, route, key),
+        ).fetchone()
+        if row is None:
+            return None
+        result = json.loads(row["result"]) if row["result"] is not None else None
+        return IdempotencyRecord(**{**dict(row), "result": result})
+
+    def finish_idempotency(self, tenant: str, route: str, key: str, result: list[str]) -> None:
+        self._exec(
+            "UPDATE idempotency_keys SET result = ? WHERE tenant = ? AND route = ? AND key = ?",
+            (json.dumps(result), tenant, route, key),
+        )
+
+    def drop_idempotency(self, tenant: str, route: str, key: str) -> None:
+        self._exec(
+            "DELETE FROM idempotency_keys WHERE tenant = ? AND route = ? AND key = ?",
+            (tenant, route, key),
+        )
+
+    def expire_idempotency(self, before: float) -> None:
+        self._exec("DELETE FROM idempotency_keys WHERE created_at < ?", (before,))
 
 
 def _json_of(record: SandboxRecord) -> dict[str, Any]:

@@ -298,4 +298,18 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN checkpoint_each_exec INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX snapshots_checkpoints ON snapshots (sandbox_id, checkpoint);
     """,
+    # Idempotency-Key: a create, fork or snapshot's key per tenant and route, the hash of
+    # its body, and what it made (NULL while it runs); kept a day
+    """
+    CREATE TABLE idempotency_keys (
+        tenant TEXT NOT NULL,
+        route TEXT NOT NULL,
+        key TEXT NOT NULL,
+        body_hash TEXT NOT NULL,
+        result TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (tenant, route, key)
+    );
+    CREATE INDEX idempotency_keys_created ON idempotency_keys (created_at);
+    """,
 ]

@@ -270,3 +270,16 @@ class VolumeRecord:
     tenant: str
     name: str
     created_at: str = ""
+
+
+@dataclass(slots=True)
+class IdempotencyRecord:
+    """A request made with an `Idempotency-Key`: its body's hash, and the ids of what it
+    made (None while it runs)."""
+
+    tenant: str
+    route: str
+    key: str
+    body_hash: str
+    result: list[str] | None = None
+    created_at: float = 0.0

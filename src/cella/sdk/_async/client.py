@@ -71,6 +71,7 @@ from cella.sdk._base import (
     command_wait,
     create_body,
     exec_body,
+    idempotency,
     network_body,
     raise_for,
     resolve,
@@ -172,6 +173,7 @@ class AsyncClient:
         volume_mounts: builtins.list[VolumeMount] | None = None,
         visibility: str | None = None,
         checkpoint_each_exec: bool | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -208,6 +210,9 @@ class AsyncClient:
         minted by the egress proxy; `upstream_proxy` sends its allowed traffic through a
         proxy of yours; `port_host` is the Host header its port servers see.
         `checkpoint_each_exec` takes a checkpoint after every command (`checkpoints()`).
+        `idempotency_key` (e.g. a UUID you keep): a retry of this create with the same key
+        and arguments, also one sent while the first still runs, gets the same sandbox
+        (keys are kept a day).
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -253,7 +258,9 @@ class AsyncClient:
             else None,
             volume_mounts=[m.model_dump() for m in volume_mounts] if volume_mounts else None,
         )
-        response = await self.request("POST", "/v1/sandboxes", json=body)
+        response = await self.request(
+            "POST", "/v1/sandboxes", json=body, headers=idempotency(idempotency_key)
+        )
         return AsyncSandbox(self, SandboxInfo.model_validate(response.json()))
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
@@ -811,11 +818,16 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self
 
-    async def snapshot(self, name: str = "snapshot", *, memory: bool = True) -> AsyncSnapshot:
+    async def snapshot(
+        self, name: str = "snapshot", *, memory: bool = True, idempotency_key: str | None = None
+    ) -> AsyncSnapshot:
         """Disk and memory at this instant (`memory=False`: the disk alone, which sandboxes
-        made from it boot from); the sandbox keeps running."""
+        made from it boot from); the sandbox keeps running. A retry with the same
+        `idempotency_key` gets the same snapshot."""
         body = {"name": name, "memory": memory}
-        response = await self.client.request("POST", f"{self._path}/snapshots", json=body)
+        response = await self.client.request(
+            "POST", f"{self._path}/snapshots", json=body, headers=idempotency(idempotency_key)
+        )
         return AsyncSnapshot(self.client, SnapshotInfo.model_validate(response.json()))
 
     async def checkpoint(self, name: str | None = None) -> Checkpoint:
@@ -848,9 +860,17 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self
 
-    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
-        """`count` isolated copies of this sandbox as it is now (files, memory, processes)."""
-        response = await self.client.request("POST", f"{self._path}/fork", json={"count": count})
+    async def fork(
+        self, count: int = 1, *, idempotency_key: str | None = None
+    ) -> builtins.list[AsyncSandbox]:
+        """`count` isolated copies of this sandbox as it is now (files, memory, processes);
+        a retry with the same `idempotency_key` gets the same copies."""
+        response = await self.client.request(
+            "POST",
+            f"{self._path}/fork",
+            json={"count": count},
+            headers=idempotency(idempotency_key),
+        )
         return self.client._sandboxes(response)
 
     async def stop(self, *, memory: bool | None = None) -> AsyncSandbox:

@@ -72,6 +72,7 @@ from cella.sdk._base import (
     command_wait,
     create_body,
     exec_body,
+    idempotency,
     network_body,
     raise_for,
     resolve,
@@ -173,6 +174,7 @@ class Client:
         volume_mounts: builtins.list[VolumeMount] | None = None,
         visibility: str | None = None,
         checkpoint_each_exec: bool | None = None,
+        idempotency_key: str | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -209,6 +211,9 @@ class Client:
         minted by the egress proxy; `upstream_proxy` sends its allowed traffic through a
         proxy of yours; `port_host` is the Host header its port servers see.
         `checkpoint_each_exec` takes a checkpoint after every command (`checkpoints()`).
+        `idempotency_key` (e.g. a UUID you keep): a retry of this create with the same key
+        and arguments, also one sent while the first still runs, gets the same sandbox
+        (keys are kept a day).
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -254,7 +259,9 @@ class Client:
             else None,
             volume_mounts=[m.model_dump() for m in volume_mounts] if volume_mounts else None,
         )
-        response = self.request("POST", "/v1/sandboxes", json=body)
+        response = self.request(
+            "POST", "/v1/sandboxes", json=body, headers=idempotency(idempotency_key)
+        )
         return Sandbox(self, SandboxInfo.model_validate(response.json()))
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -803,11 +810,16 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self
 
-    def snapshot(self, name: str = "snapshot", *, memory: bool = True) -> Snapshot:
+    def snapshot(
+        self, name: str = "snapshot", *, memory: bool = True, idempotency_key: str | None = None
+    ) -> Snapshot:
         """Disk and memory at this instant (`memory=False`: the disk alone, which sandboxes
-        made from it boot from); the sandbox keeps running."""
+        made from it boot from); the sandbox keeps running. A retry with the same
+        `idempotency_key` gets the same snapshot."""
         body = {"name": name, "memory": memory}
-        response = self.client.request("POST", f"{self._path}/snapshots", json=body)
+        response = self.client.request(
+            "POST", f"{self._path}/snapshots", json=body, headers=idempotency(idempotency_key)
+        )
         return Snapshot(self.client, SnapshotInfo.model_validate(response.json()))
 
     def checkpoint(self, name: str | None = None) -> Checkpoint:
@@ -840,9 +852,15 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self
 
-    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
-        """`count` isolated copies of this sandbox as it is now (files, memory, processes)."""
-        response = self.client.request("POST", f"{self._path}/fork", json={"count": count})
+    def fork(self, count: int = 1, *, idempotency_key: str | None = None) -> builtins.list[Sandbox]:
+        """`count` isolated copies of this sandbox as it is now (files, memory, processes);
+        a retry with the same `idempotency_key` gets the same copies."""
+        response = self.client.request(
+            "POST",
+            f"{self._path}/fork",
+            json={"count": count},
+            headers=idempotency(idempotency_key),
+        )
         return self.client._sandboxes(response)
 
     def stop(self, *, memory: bool | None = None) -> Sandbox:

@@ -34,7 +34,7 @@ from cella.models import (
     encode_data,
     parse_pairs,
 )
-from cella.server.deps import Auth, DaemonDep, fleet_grant, jsonl
+from cella.server.deps import Auth, DaemonDep, IdempotencyKey, fleet_grant, jsonl
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal, require_admin
 from cella.store import SandboxRecord
@@ -56,10 +56,20 @@ def shown(svc: Daemon, who: Principal, row: SandboxRecord) -> Sandbox:
 
 @router.post("", status_code=201, response_model=Sandbox)
 async def create_sandbox(
-    body: SandboxCreate, request: Request, svc: DaemonDep, who: Auth
+    body: SandboxCreate,
+    request: Request,
+    svc: DaemonDep,
+    who: Auth,
+    idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
-    """Boots a new sandbox from a template and returns it running."""
-    return shown(svc, who, await svc.create(who, body, fleet_grant=fleet_grant(request)))
+    """Boots a new sandbox from a template and returns it running (once per
+    `Idempotency-Key`: a retry gets the same sandbox)."""
+
+    async def make() -> list[str]:
+        return [(await svc.create(who, body, fleet_grant=fleet_grant(request))).id]
+
+    ids = await svc.idempotency.once(who.tenant, "sandboxes.create", idempotency_key, body, make)
+    return shown(svc, who, svc.registry.get(who, ids[0]))
 
 
 @router.get("", response_model=SandboxList)

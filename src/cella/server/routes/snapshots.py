@@ -16,7 +16,7 @@ from cella.models import (
     SnapshotList,
 )
 from cella.models.fleet import SnapshotExport, SnapshotImport
-from cella.server.deps import Auth, DaemonDep
+from cella.server.deps import Auth, DaemonDep, IdempotencyKey
 from cella.service.keys import require_admin
 from cella.service.transfer import NodeSource
 
@@ -25,21 +25,30 @@ router = APIRouter(tags=["snapshots"])
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=Snapshot)
 async def create_snapshot(
-    sandbox_id: str, body: SnapshotCreate, svc: DaemonDep, who: Auth
+    sandbox_id: str,
+    body: SnapshotCreate,
+    svc: DaemonDep,
+    who: Auth,
+    idempotency_key: IdempotencyKey = None,
 ) -> Snapshot:
     """Saves the sandbox's disk and memory (`memory: false`: its disk alone); it keeps
     running afterwards. With `docker_image`, that image of the sandbox's own Docker becomes
-    the snapshot instead."""
-    if body.docker_image is not None:
-        return Snapshot.model_validate(
-            svc.images.from_sandbox(
-                who, sandbox_id, body.name, body.docker_image, disk_mib=body.disk_mib
-            )
-        )
-    if body.disk_mib is not None:
-        raise errors.InvalidArgument("disk_mib applies to a snapshot of a docker_image")
-    snap = await svc.snapshots.snapshot(who, sandbox_id, body.name, memory=body.memory)
-    return Snapshot.model_validate(snap)
+    the snapshot instead. Once per `Idempotency-Key`."""
+
+    async def make() -> list[str]:
+        if body.docker_image is not None:
+            return [
+                svc.images.from_sandbox(
+                    who, sandbox_id, body.name, body.docker_image, disk_mib=body.disk_mib
+                ).id
+            ]
+        if body.disk_mib is not None:
+            raise errors.InvalidArgument("disk_mib applies to a snapshot of a docker_image")
+        return [(await svc.snapshots.snapshot(who, sandbox_id, body.name, memory=body.memory)).id]
+
+    route = f"snapshots.create:{sandbox_id}"
+    ids = await svc.idempotency.once(who.tenant, route, idempotency_key, body, make)
+    return Snapshot.model_validate(svc.snapshots.resolve(who.tenant, ids[0]))
 
 
 @router.post("/v1/snapshots", status_code=201, response_model=Snapshot)
@@ -59,11 +68,21 @@ async def snapshot_from_image(body: SnapshotFromImage, svc: DaemonDep, who: Auth
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxList)
 async def fork_sandbox(
-    sandbox_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
+    sandbox_id: str,
+    body: ForkRequest,
+    svc: DaemonDep,
+    who: Auth,
+    idempotency_key: IdempotencyKey = None,
 ) -> SandboxList:
-    """`count` isolated copies of a running sandbox, sharing unchanged disk and memory."""
-    rows = await svc.forks.fork(who, sandbox_id, body.count)
-    return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
+    """`count` isolated copies of a running sandbox, sharing unchanged disk and memory
+    (once per `Idempotency-Key`)."""
+
+    async def make() -> list[str]:
+        return [r.id for r in await svc.forks.fork(who, sandbox_id, body.count)]
+
+    route = f"sandboxes.fork:{sandbox_id}"
+    ids = await svc.idempotency.once(who.tenant, route, idempotency_key, body, make)
+    return SandboxList(sandboxes=[Sandbox.model_validate(svc.registry.get(who, i)) for i in ids])
 
 
 @router.get("/v1/snapshots", response_model=SnapshotList)
@@ -82,11 +101,21 @@ async def get_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> Snapshot:
 
 @router.post("/v1/snapshots/{snapshot_id}/fork", status_code=201, response_model=SandboxList)
 async def fork_snapshot(
-    snapshot_id: str, body: ForkRequest, svc: DaemonDep, who: Auth
+    snapshot_id: str,
+    body: ForkRequest,
+    svc: DaemonDep,
+    who: Auth,
+    idempotency_key: IdempotencyKey = None,
 ) -> SandboxList:
-    """`count` new sandboxes restored from the snapshot (its checksums are checked first)."""
-    rows = await svc.forks.fork_snapshot(who, snapshot_id, body.count)
-    return SandboxList(sandboxes=[Sandbox.model_validate(r) for r in rows])
+    """`count` new sandboxes restored from the snapshot (its checksums are checked first;
+    once per `Idempotency-Key`)."""
+
+    async def make() -> list[str]:
+        return [r.id for r in await svc.forks.fork_snapshot(who, snapshot_id, body.count)]
+
+    route = f"snapshots.fork:{snapshot_id}"
+    ids = await svc.idempotency.once(who.tenant, route, idempotency_key, body, make)
+    return SandboxList(sandboxes=[Sandbox.model_validate(svc.registry.get(who, i)) for i in ids])
 
 
 @router.delete("/v1/snapshots/{snapshot_id}", status_code=204)

@@ -40,7 +40,7 @@ from cella.server.compat.e2b.shapes import (
     started_at,
     state_of,
 )
-from cella.server.deps import Caller, DaemonDep
+from cella.server.deps import Caller, DaemonDep, IdempotencyKey
 from cella.server.error_shapes import describe
 from cella.service.daemon import Daemon
 from cella.service.keys import Principal
@@ -85,9 +85,17 @@ def sandbox(
 
 @router.post("/v2/sandboxes", status_code=201)
 @router.post("/sandboxes", status_code=201)
-async def create(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+async def create(
+    svc: DaemonDep, who: Caller, body: JsonBody, idempotency_key: IdempotencyKey = None
+) -> Json:
+    """E2B's SDK sends no `Idempotency-Key`; a client that does gets one sandbox per key."""
     spec = create_spec(svc, who, body)
-    return shown(svc, await svc.create(who, spec))
+
+    async def make() -> list[str]:
+        return [(await svc.create(who, spec)).id]
+
+    ids = await svc.idempotency.once(who.tenant, "e2b.create", idempotency_key, body, make)
+    return shown(svc, svc.registry.get(who, ids[0]))
 
 
 @router.get("/v2/sandboxes")

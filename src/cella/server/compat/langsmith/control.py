@@ -30,7 +30,7 @@ from cella.server.compat.langsmith.shapes import (
     sandbox_json,
     snapshot_json,
 )
-from cella.server.deps import Caller, DaemonDep, fleet_grant
+from cella.server.deps import Caller, DaemonDep, IdempotencyKey, fleet_grant
 from cella.server.routes.downloads import link_url
 from cella.server.routes.ports import login_url
 from cella.service.daemon import Daemon
@@ -62,10 +62,26 @@ def router(prefix: str) -> APIRouter:
     # -- boxes --------------------------------------------------------------------------
 
     @api.post("/boxes")
-    async def create_box(request: Request, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
+    async def create_box(
+        request: Request,
+        svc: DaemonDep,
+        who: Caller,
+        body: JsonBody,
+        idempotency_key: IdempotencyKey = None,
+    ) -> Json:
+        """A retry without a key is refused by the name (409: unique per tenant), never
+        made twice; with an `Idempotency-Key` it gets the first one's sandbox."""
         spec = create_spec(svc, who.tenant, body)
-        made = svc.create(who, spec, fleet_grant=fleet_grant(request))
-        task = svc.background.start(made, name=f"create-{spec.name}")
+
+        async def make() -> list[str]:
+            return [(await svc.create(who, spec, fleet_grant=fleet_grant(request))).id]
+
+        async def made() -> SandboxRecord:
+            key = idempotency_key
+            ids = await svc.idempotency.once(who.tenant, "langsmith.create", key, body, make)
+            return svc.registry.get(who, ids[0])
+
+        task = svc.background.start(made(), name=f"create-{spec.name}")
         if body.get("wait_for_ready", True):
             timeout = float(body.get("timeout") or 30)
             try:
