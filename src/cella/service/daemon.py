@@ -36,6 +36,7 @@ from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
 from cella.service.exec import Exec
+from cella.service.exec_policy import ExecPolicies
 from cella.service.files import Files
 from cella.service.forks import Forks
 from cella.service.image_registries import ImageRegistries
@@ -106,8 +107,15 @@ class Daemon:
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.admission = Admission(settings, self.registry, self.pool.committed)
+        self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
-            settings, self.registry, self.admission, self.egress, self.warm, self.pool
+            settings,
+            self.registry,
+            self.admission,
+            self.egress,
+            self.warm,
+            self.pool,
+            self.exec_policies,
         )
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)

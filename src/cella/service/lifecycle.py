@@ -23,6 +23,7 @@ from cella.policy.access import Permission, Principal
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress, rules_of
+from cella.service.exec_policy import ExecPolicies
 from cella.service.registry import Registry, iso
 from cella.service.rewrites import setter_of
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
@@ -77,6 +78,7 @@ def new_record(
         delete_after_stop_seconds=spec.delete_after_stop_seconds,
         stop_keeps_memory=spec.stop_keeps_memory,
         exec_defaults=spec.exec_defaults,
+        exec_policy=spec.exec_policy,
         labels=dict(spec.labels),
         network=spec.network,
         rewrite_setter=setter or setter_of(who, spec.network),
@@ -106,6 +108,7 @@ def spec_of(row: SandboxRecord) -> SandboxCreate:
         delete_after_stop_seconds=row.delete_after_stop_seconds,
         stop_keeps_memory=row.stop_keeps_memory,
         exec_defaults=row.exec_defaults,
+        exec_policy=row.exec_policy,
         labels=row.labels,
         network=row.network,
         secrets={k: v.secret for k, v in row.secrets.items()},
@@ -124,8 +127,10 @@ class Lifecycle:
         egress: SandboxEgress,
         warm: WarmSnapshots,
         pool: WarmPool,
+        exec_policies: ExecPolicies,
     ) -> None:
         self.settings = settings
+        self.exec_policies = exec_policies
         self.registry = registry
         self.driver = registry.driver
         self.events = registry.events
@@ -217,6 +222,7 @@ class Lifecycle:
             sandbox_id=row.id,
             pids_max=row.max_pids or self.settings.default_max_pids,
         )
+        await self.exec_policies.apply(vm, row)
 
     def _trusted_before(self, row: SandboxRecord) -> bool:
         """A fork's guest is its parent's copy: it trusts the CA if the parent did."""
@@ -308,6 +314,7 @@ class Lifecycle:
                 if vm is None:
                     raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
                 await vm.resume()
+                await self.exec_policies.apply(vm, row)  # it may have changed meanwhile
                 self.registry.update(sandbox_id, state=S.running, stopped_at=None)
                 self.events.emit(sandbox_id, "resumed", {"from": "paused"})
                 return self.registry.get(who, sandbox_id)
@@ -327,6 +334,7 @@ class Lifecycle:
                 self.registry.update(sandbox_id, state=S.stopped, pid=None)
                 raise
             self.egress.attach(vm, row)
+            await self.exec_policies.apply(vm, row)
             self.registry.track(sandbox_id, vm)
             self.registry.update(
                 sandbox_id, state=S.running, pid=vm.pid, error=None, stopped_at=None

@@ -291,4 +291,8 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN rewrite_setter TEXT;
     """,
+    # the exec policy (JSON), NULL: none
+    """
+    ALTER TABLE sandboxes ADD COLUMN exec_policy TEXT;
+    """,
 ]
