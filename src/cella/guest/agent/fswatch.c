@@ -87,7 +87,7 @@ static void fsw_mark(const char *dir) {
     uint64_t mask = FAN_CREATE | FAN_DELETE | FAN_RENAME | FAN_MODIFY | FAN_ONDIR;
     if (fanotify_mark(fsw_fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, mask, AT_FDCWD, dir))
         return; /* a file system without file ids (tmpfs on this kernel): not watched */
-    int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* open_by_handle_at: no O_PATH */
     if (fd < 0) return;
     fsw_mounts[n_fsw_mounts].fsid = sfs.f_fsid;
     fsw_mounts[n_fsw_mounts++].fd = fd;
@@ -247,11 +247,16 @@ static void put16(uint8_t *p, size_t v) { p[0] = (uint8_t)(v >> 8); p[1] = (uint
 
 /* Sends the exec's changes (its channel, before its exit frame) and forgets them. */
 static void watch_exec_finished(struct exec *e) {
+    if (fsw_fd < 0) return; /* not watching: the host hears nothing, not "no changes" */
     fsw_drain();
-    struct fsw_log *l = e->fs;
-    if (!l) return;
     static uint8_t buf[256 << 10];
     size_t used = 4;
+    struct fsw_log *l = e->fs;
+    put32(buf, 0);
+    if (!l) {
+        send_frame(e->chan, M_FSCHANGES, buf, used, NULL, 0);
+        return;
+    }
     put32(buf, l->dropped);
     for (uint32_t i = 0; i < l->n; i++) {
         struct fsw_change *c = &l->v[i];
