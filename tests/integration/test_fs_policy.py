@@ -131,7 +131,7 @@ def test_default_deny_lets_only_what_is_allowed_run(sandbox: Sandbox) -> None:
     assert sandbox.exec("ls /").exit_code == 0
 
 
-def test_a_policy_set_at_create_holds_after_stop_and_resume(
+def test_a_policy_set_at_create_holds_after_stop_resume_and_fork(
     admin: Client, sandbox_factory: SandboxFactory
 ) -> None:
     policy = {"default": "allow", "rules": [{"path_glob": "/usr/bin/curl", "action": "deny"}]}
@@ -142,3 +142,8 @@ def test_a_policy_set_at_create_holds_after_stop_and_resume(
     sb.resume()
     assert sb.exec("curl --version").exit_code == 126  # a fresh boot of its disk
     assert sb.exec("python3 -c pass").exit_code == 0
+    child = sb.fork()[0]
+    sandbox_factory.made.append(child)
+    assert child.info.exec_policy == sb.info.exec_policy
+    assert child.exec("curl --version").exit_code == 126  # a fork holds it too
+    assert child.exec("python3 -c pass").exit_code == 0
