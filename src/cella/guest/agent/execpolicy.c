@@ -161,7 +161,7 @@ static void pol_mark(const char *dir) {
 
 static void policy_mark_mounts(void) {
     if (pol_fd < 0) return;
-    each_mount(pol_mark);
+    each_mount(pol_mark, 1);
     /* memfd_create's files live on a tmpfs mounted nowhere: mark it through one of them */
     int m = (int)syscall(SYS_memfd_create, "cella-policy", MFD_CLOEXEC);
     if (m >= 0) {

@@ -60,20 +60,32 @@ static int exec_of_pid(pid_t pid, struct exec **out) {
     return 0;
 }
 
-static const char *skip_fs[] = {"proc", "sysfs", "cgroup2", "cgroup", "devtmpfs", "devpts",
-                                "mqueue", "securityfs", "debugfs", "tracefs", "bpf",
-                                "pstore", "configfs", "fusectl", "hugetlbfs", "autofs", NULL};
+/* the kernel's own file systems, which hold no files a command writes or runs */
+static const char *skip_fs[] = {"proc", "sysfs", "cgroup2", "cgroup", "devpts", "mqueue",
+                                "securityfs", "debugfs", "tracefs", "bpf", "pstore",
+                                "configfs", "fusectl", "hugetlbfs", "autofs", NULL};
 
-/* Calls `mark(path)` for every mount but the kernel's own pseudo file systems. */
-static void each_mount(void (*mark)(const char *)) {
+/* Calls `mark(path)` for every mount but the kernel's own (`devices`: /dev's too). */
+static void each_mount(void (*mark)(const char *), int devices) {
     FILE *f = fopen("/proc/self/mounts", "re");
     char line[4096];
     while (f && fgets(line, sizeof line, f)) {
-        char src[1024], dir[2048], type[64];
-        if (sscanf(line, "%1023s %2047s %63s", src, dir, type) != 3) continue;
-        int skip = 0;
+        char src[1024], raw[2048], dir[2048], type[64];
+        if (sscanf(line, "%1023s %2047s %63s", src, raw, type) != 3) continue;
+        int skip = !devices && !strcmp(type, "devtmpfs");
         for (int i = 0; skip_fs[i]; i++) skip |= !strcmp(type, skip_fs[i]);
-        if (skip || !strncmp(dir, "/run", 4) || strchr(dir, '\\')) continue;
+        if (skip) continue;
+        size_t k = 0; /* the kernel writes a space, tab, newline or backslash as \ooo */
+        for (char *c = raw; *c && k < sizeof dir - 1; c++) {
+            unsigned o;
+            if (c[0] == '\\' && sscanf(c + 1, "%3o", &o) == 1 && strlen(c) >= 4) {
+                dir[k++] = (char)o;
+                c += 3;
+            } else {
+                dir[k++] = *c;
+            }
+        }
+        dir[k] = 0;
         mark(dir);
     }
     if (f) fclose(f);
@@ -99,7 +111,7 @@ static void watch_init(void) {
     fsw_fd = fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_DFID_NAME,
                            O_RDONLY | O_CLOEXEC | O_LARGEFILE);
     if (fsw_fd < 0) logf_("file changes: fanotify: %s", strerror(errno));
-    else each_mount(fsw_mark);
+    else each_mount(fsw_mark, 0);
     mounts_fd = open("/proc/self/mounts", O_RDONLY | O_CLOEXEC);
 }
 
@@ -303,7 +315,7 @@ static void watch_events(const struct pollfd *p) {
     if (p[2].revents & POLLIN) policy_events();
     if (p[0].revents & POLLIN) fsw_drain();
     if (p[1].revents & (POLLPRI | POLLERR)) { /* a new mount: watch it too */
-        each_mount(fsw_mark);
+        each_mount(fsw_mark, 0);
         policy_mark_mounts();
         char tmp[4096];
         lseek(mounts_fd, 0, SEEK_SET);
