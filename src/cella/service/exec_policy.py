@@ -41,11 +41,14 @@ class ExecPolicies:
             self.registry.events.emit(sandbox_id, "exec_policy_changed", policy.model_dump())
         return policy
 
-    async def apply(self, vm: VM, row: SandboxRecord) -> None:
+    async def apply(self, vm: VM, row: SandboxRecord, *, clean: bool = False) -> None:
         """A VM of the sandbox made ready: its refusals are traced, and its guest holds the
-        sandbox's policy (a guest restored from another's memory may hold another's)."""
+        sandbox's policy (a guest restored from another's memory may hold another's).
+        `clean`: the guest holds none (booted, or restored from a template's warm
+        snapshot), so a sandbox without one costs no round trip."""
         self.attach(vm, row)
-        await push(vm, row.exec_policy, quiet=row.exec_policy is None)
+        if row.exec_policy is not None or not clean:
+            await push(vm, row.exec_policy, quiet=row.exec_policy is None)
 
     def attach(self, vm: VM, row: SandboxRecord) -> None:
         vm.agent.on_exec_denied = functools.partial(self._denied, row.id)

@@ -222,7 +222,7 @@ class Lifecycle:
             sandbox_id=row.id,
             pids_max=row.max_pids or self.settings.default_max_pids,
         )
-        await self.exec_policies.apply(vm, row)
+        await self.exec_policies.apply(vm, row, clean=row.snapshot_id is None)
 
     def _trusted_before(self, row: SandboxRecord) -> bool:
         """A fork's guest is its parent's copy: it trusts the CA if the parent did."""
@@ -334,7 +334,7 @@ class Lifecycle:
                 self.registry.update(sandbox_id, state=S.stopped, pid=None)
                 raise
             self.egress.attach(vm, row)
-            await self.exec_policies.apply(vm, row)
+            await self.exec_policies.apply(vm, row, clean=True)  # a fresh boot
             self.registry.track(sandbox_id, vm)
             self.registry.update(
                 sandbox_id, state=S.running, pid=vm.pid, error=None, stopped_at=None
