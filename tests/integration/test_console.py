@@ -717,3 +717,32 @@ def test_every_control_has_a_label(page: Any, alpha: Client, box: Sandbox) -> No
         assert page.evaluate("document.activeElement.outerHTML") == control
     finally:
         other.delete()
+
+
+def test_checkpoints_tab_diffs_and_rewinds(page: Any, box: Sandbox, shots: Path) -> None:
+    """The sandbox page lists its checkpoints; one is diffed against now (the changed file
+    listed with its text diff) and the sandbox rewound to it, confirmed first."""
+    box.files.write("/root/console-note.txt", "before\n")
+    cp = box.checkpoint("console-cp")
+    box.files.write("/root/console-note.txt", "after\n")
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/checkpoints")
+    row = f"#checkpoints tr[data-name='{cp.name}']"
+    page.wait_for_selector(row)
+    page.click(f"{row} button[data-action=diff]")
+    changed = page.wait_for_selector("#diff li[data-path='/root/console-note.txt']")
+    assert changed.get_attribute("data-change") == "modified"
+    text = page.eval_on_selector(
+        "#diff li[data-path='/root/console-note.txt'] pre", "el => el.textContent"
+    )
+    assert "-before\n+after\n" in text
+    screenshot(page, shots, "checkpoints")
+    page.click(f"{row} button[data-action=rewind]")
+    page.click("#confirm-ok")
+
+    def rewound() -> bool:
+        try:
+            return box.files.read("/root/console-note.txt") == b"before\n"
+        except errors.CellaError:  # still restoring
+            return False
+
+    eventually(rewound, "the rewind")

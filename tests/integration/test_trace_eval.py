@@ -143,6 +143,21 @@ def test_eval_runs_isolated_tasks_with_known_scores(
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(TASKS)
     no_fix = next(r for r in results if r.task_id == "no-fix")
     assert Path(no_fix.artifacts["/workspace/calc.py"]).read_text() == BUGGY  # not the patch
+    # each result carries what its task changed against the snapshot it started from
+    fixed = next(r for r in results if r.task_id == "fix-by-patch")
+    assert fixed.diff_error is None, fixed.diff_error
+    changed = {c.path: c.change for c in fixed.changes}
+    assert changed["/workspace/calc.py"] == "modified"
+    assert "diff --git a/calc.py b/calc.py" in Path(str(fixed.patch)).read_text()
+    square = next(r for r in results if r.task_id == "square-2")
+    assert {c.path: c.change for c in square.changes if c.path.startswith("/workspace/")} == {
+        "/workspace/mark-2": "added",
+        "/workspace/answer": "added",
+    }
+    # the check imported calc.py (its bytecode is a change); calc.py itself is as it was
+    touched = {c.path for c in no_fix.changes if c.path.startswith("/workspace/")}
+    assert "/workspace/calc.py" not in touched
+    assert all(p.startswith("/workspace/__pycache__") for p in touched), touched
 
     for task, result in zip(TASKS, results, strict=True):
         events = [json.loads(line) for line in Path(str(result.trace)).read_text().splitlines()]

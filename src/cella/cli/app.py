@@ -67,6 +67,19 @@ def setup(
             "--packages-only", help="Only install the host packages (minutes before the rest)."
         ),
     ] = False,
+    kernel_mode: Annotated[
+        str,
+        typer.Option(
+            "--kernel",
+            help="auto: start on Debian's stock kernel and compile cella's own in the "
+            "background (sandboxes move to it when it is ready); tuned: compile it now and "
+            "wait; stock: never compile.",
+        ),
+    ] = "auto",
+    kernel_only: Annotated[
+        bool,
+        typer.Option("--kernel-only", help="Only get the kernel (what a background build runs)."),
+    ] = False,
 ) -> None:
     """Install host packages and the egress proxy, fetch the guest kernel, build the agent,
     initramfs and templates.
@@ -75,7 +88,6 @@ def setup(
     """
     from cella.images.boot import ensure_boot
     from cella.images.host import ensure_host_packages
-    from cella.images.kernel import ensure_kernel
     from cella.images.templates import build_template, builtin_templates
     from cella.network.install import ensure_proxy
     from cella.runtime.qemu.accel import choose_accel
@@ -93,19 +105,29 @@ def setup(
         show(f"{name}: {steps[name]} s")
         return done
 
+    if kernel_mode not in ("auto", "tuned", "stock"):
+        raise typer.BadParameter("--kernel must be auto, tuned or stock")
     installed = step("host packages", lambda: ensure_host_packages(show))
     if packages_only:
         if json_:
             emit_json({"installed_packages": installed, "steps": steps})
         return
-    kernel = step("guest kernel", lambda: ensure_kernel(paths, show))
-    boot = step("agent and initramfs", lambda: ensure_boot(paths, show))
-    step("egress proxy", lambda: ensure_proxy(paths, show))
     specs = builtin_templates()
-    images = {}
-    for name in template or ["default"]:
+    names = template or ["default"]
+    for name in names:
         if name not in specs:
             raise typer.BadParameter(f"unknown template {name!r}; known: {', '.join(specs)}")
+    if any(specs[n].kernel_modules for n in names) and kernel_mode == "auto":
+        kernel_mode = "tuned"  # such a template carries the tuned kernel's module index
+    kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
+    if kernel_only:
+        if json_:
+            emit_json({"kernel": kernel.version, "kernel_kind": kernel.kind, "steps": steps})
+        return
+    boot = step("agent and initramfs", lambda: ensure_boot(paths, show))
+    step("egress proxy", lambda: ensure_proxy(paths, show))
+    images = {}
+    for name in names:
         images[name] = str(
             step(f"template {name}", partial(build_template, paths, specs[name], show))
         )
@@ -118,6 +140,8 @@ def setup(
         "data_dir": str(paths.root),
         "installed_packages": installed,
         "kernel": kernel.version,
+        "kernel_kind": kernel.kind,
+        "tuned_kernel_build": building,  # the background build's pid, if one runs
         "initramfs": str(boot.initrd),
         "templates": images,
         "accel": choice.accel,
@@ -134,15 +158,64 @@ def setup(
         emit_json(result)
     else:
         console.print(
-            f"[green]ready[/green] in {result['seconds']} s: kernel {kernel.version}, "
-            f"accel [bold]{choice.accel}[/bold] ({choice.reason})"
+            f"[green]ready[/green] in {result['seconds']} s: kernel {kernel.version} "
+            f"({kernel.kind}), accel [bold]{choice.accel}[/bold] ({choice.reason})"
         )
+        if building is not None:
+            from cella.images import kernel_builds
+
+            console.print(
+                f"cella's own kernel is compiling in the background (pid {building}, log "
+                f"{kernel_builds.log_file(paths)}); sandboxes move to it when it is ready"
+            )
+
+
+def choose_kernel(paths: Paths, mode: str, show: Callable[[str], None]) -> tuple[Any, int | None]:
+    """The kernel to serve on and the pid of a background build of the tuned one, if any."""
+    from cella.images import kernel_builds
+    from cella.images.kernel import Kernel, ensure_kernel, tuned_is_current
+    from cella.images.stock_kernel import ensure_stock_kernel
+
+    if mode == "tuned" or (mode == "auto" and tuned_is_current(paths)):
+        return ensure_kernel(paths, show), None
+    ensure_stock_kernel(paths, show)
+    stock = Kernel.stock(paths)
+    assert stock is not None
+    if mode == "stock":
+        return stock, None
+    show("compiling cella's own kernel in the background")
+    return stock, kernel_builds.start(paths)
 
 
 def _accel_mode(value: str) -> Any:
     if value not in ("auto", "kvm", "tcg"):
         raise typer.BadParameter("accel must be auto, kvm or tcg")
     return value
+
+
+@app.command()
+def health(json_: JsonOpt = False) -> None:
+    """The daemon's health: version, accelerator, which kernel serves and whether a better
+    one is coming, the warm pool."""
+    from cella.sdk import Client
+
+    with Client() as client:
+        report = client.health()
+    if json_:
+        emit_json(report)
+        return
+    kernel = report.get("kernel") or {}
+    upgrade = {
+        "building": "cella's own kernel is compiling; sandboxes move to it when it is ready",
+        "ready": "cella's own kernel is ready; new sandboxes move to it within seconds",
+        "failed": "the background kernel build failed: run `cella setup --kernel tuned`",
+    }.get(kernel.get("upgrade") or "", "")
+    out.print(f"cella {report.get('version')}: [green]ok[/green]" if report.get("ok") else "down")
+    out.print(
+        f"kernel {kernel.get('version')} ({kernel.get('kind')}){'; ' + upgrade if upgrade else ''}"
+    )
+    out.print(f"accel {report.get('accel')} ({report.get('accel_reason')})")
+    out.print(f"warm pool {report.get('pool')}, spares {report.get('spares')}")
 
 
 @app.command()
@@ -182,8 +255,8 @@ def demo(json_: JsonOpt = False, template: str = "default") -> None:
     )
 
 
-from cella.cli import eval as eval_cli  # noqa: E402
 from cella.cli import (  # noqa: E402
+    checkpoints,  # noqa: F401  (commands of `cella sandbox`)
     files,
     fleet,
     keys,
@@ -195,6 +268,7 @@ from cella.cli import (  # noqa: E402
     volume,
     webhook,
 )
+from cella.cli import eval as eval_cli  # noqa: E402
 from cella.cli.serve import serve  # noqa: E402
 from cella.cli.trace import trace  # noqa: E402
 

@@ -73,6 +73,30 @@ async def _keep(sb: AsyncSandbox, task: Task, where: Path, result: TaskResult) -
         result.artifacts[path] = str(local)
 
 
+async def _start_point(sb: AsyncSandbox, result: TaskResult) -> str | None:
+    """A checkpoint of the fork as it starts (the snapshot's state), to diff against."""
+    try:
+        return (await sb.checkpoint("start")).name
+    except errors.CellaError as exc:
+        result.diff_error = exc.message
+        return None
+
+
+async def _changes(
+    sb: AsyncSandbox, task: Task, start: str, where: Path, result: TaskResult
+) -> None:
+    """What the task changed: every path (without the text), and a patch of its workdir."""
+    try:
+        diff = await sb.diff(start)
+    except errors.CellaError as exc:
+        result.diff_error = exc.message
+        return
+    result.changes = [c.model_copy(update={"diff": None}) for c in diff.changes]
+    patch = where / "changes.patch"
+    patch.write_text(diff.patch(task.workdir))
+    result.patch = str(patch)
+
+
 async def run_task(client: AsyncClient, task: Task, snapshot_id: str, out_dir: Path) -> TaskResult:
     """One task in its own fork of the snapshot; the sandbox is deleted afterwards."""
     where = out_dir / task.id
@@ -84,8 +108,11 @@ async def run_task(client: AsyncClient, task: Task, snapshot_id: str, out_dir: P
         snapshot = await client.get_snapshot(snapshot_id)
         sb = (await snapshot.fork(1))[0]
         result.sandbox_id = sb.id
+        start_point = await _start_point(sb, result)
         await _play(sb, task, result)
         await _keep(sb, task, where, result)
+        if start_point is not None:
+            await _changes(sb, task, start_point, where, result)
     except errors.CellaError as exc:
         result.error, result.error_code = exc.message, exc.code
     finally:
@@ -147,7 +174,7 @@ async def arun_eval(
 def recorded(result: TaskResult) -> EvalResult:
     """A task's result as the daemon keeps it (local paths of traces and artifacts stay
     in the output directory)."""
-    local = {"snapshot_id", "trace", "artifacts"}
+    local = {"snapshot_id", "trace", "artifacts", "changes", "patch", "diff_error"}
     return EvalResult.model_validate(result.model_dump(exclude=local))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from cella import errors
+from cella.models.checkpoints import FileChange
 from cella.models.evals import Step
 
 __all__ = ["Step", "Task", "TaskResult", "load_tasks"]
@@ -46,6 +47,12 @@ class TaskResult(BaseModel):
     steps: list[Step] = Field(default_factory=list)
     trace: str | None = Field(default=None, description="the sandbox's events (JSON Lines)")
     artifacts: dict[str, str] = Field(default_factory=dict, description="guest -> local path")
+    changes: list[FileChange] = Field(
+        default_factory=list,
+        description="paths the task changed, against the snapshot it started from",
+    )
+    patch: str | None = Field(default=None, description="its text changes (local path)")
+    diff_error: str | None = Field(default=None, description="why there are no changes")
 
 
 def load_tasks(path: Path) -> list[Task]:

@@ -1,7 +1,8 @@
 """Boot artifacts: the guest agent (compiled from source here) and the initramfs.
 
 The agent is the initramfs's /init: it mounts the root disk, moves into it and stays PID 1
-(the kernel has every driver built in; `cella-initramfs` tells the agent where it runs).
+(`cella-initramfs` tells the agent where it runs). cella's own kernel has every driver built
+in; a stock kernel's drivers ride along as modules, listed in load order in `cella-modules`.
 Both artifacts are cached by content hash, so editing the agent rebuilds them on the next
 start (about a second) and an unchanged tree never does. The agent rides in the
 initramfs, not the template, so templates never need a rebuild for it.
@@ -97,6 +98,13 @@ def ensure_boot(paths: Paths, progress: Progress = quiet) -> BootImage:
             cpio.file("cella-initramfs", b"", 0o644),
             cpio.file("init", agent_bytes),
         ]
+        if kernel.modules:  # a stock kernel: the agent loads these before mounting the root
+            members.append(cpio.directory("modules"))
+            members += [
+                cpio.file(f"modules/{m.name}", m.read_bytes(), 0o644) for m in kernel.modules
+            ]
+            order = "".join(f"/modules/{m.name}\n" for m in kernel.modules)
+            members.append(cpio.file("cella-modules", order.encode(), 0o644))
         tmp = initrd.with_suffix(f".tmp{os.getpid()}")
         with tmp.open("wb") as f:
             cpio.write_newc(f, members)

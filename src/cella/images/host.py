@@ -9,10 +9,10 @@ from cella import errors
 from cella._proc import Progress, quiet, run
 
 HOST_PACKAGES = (
-    "qemu-system-x86",  # the microVM monitor
+    "qemu-system-x86",  # the microVM monitor (and qemu-storage-daemon: disks seen as files)
     "qemu-utils",  # qemu-img: overlays and base images
     "debootstrap",  # template root file systems
-    "e2fsprogs",  # mkfs.ext4 -d
+    "e2fsprogs",  # mkfs.ext4 -d; debugfs and e2fsck read checkpoints for diffs
     "gcc",  # building the guest agent and kernel
     "libc6-dev",  # static libc for the agent
     "make",  # the rest builds the guest kernel from Debian's source package

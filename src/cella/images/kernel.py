@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cella import errors
 from cella._proc import Progress, quiet, run
+from cella.images.stock_kernel import MODULE_DIR, ORDER, stock_dir
 from cella.paths import Paths
 
 SOURCE_META_PACKAGE = "linux-source"  # depends on linux-source-X.Y, the newest of the suite
@@ -34,13 +35,43 @@ MODULES_TAR = "modules.tar"  # /lib/modules/VERSION (the built-in modules' index
 @dataclass(frozen=True, slots=True)
 class Kernel:
     version: str
-    vmlinux: Path
+    vmlinux: Path  # what QEMU's -kernel boots: the ELF vmlinux (tuned) or a bzImage (stock)
     sha256: str
     build_sha256: str
-    source: str  # "linux-source-X.Y VERSION" it was built from
+    source: str  # the Debian package it was built from or unpacked
+    kind: str = "tuned"  # "tuned": compiled here (kernel.py); "stock": Debian's (stock_kernel.py)
+    modules: tuple[Path, ...] = ()  # a stock kernel's drivers, in load order
 
     @classmethod
     def load(cls, paths: Paths) -> Kernel:
+        """The kernel new VMs boot: cella's own once it is built, else the stock one."""
+        try:
+            return cls.tuned(paths)
+        except errors.ImageMissing:
+            stock = cls.stock(paths)
+            if stock is None:
+                raise
+            return stock
+
+    @classmethod
+    def stock(cls, paths: Paths) -> Kernel | None:
+        folder = stock_dir(paths)
+        if not (folder / "kernel.json").exists():
+            return None
+        data = json.loads((folder / "kernel.json").read_text())
+        order = (folder / ORDER).read_text().split()
+        return cls(
+            version=data["version"],
+            vmlinux=folder / "vmlinuz",
+            sha256=data["sha256"],
+            build_sha256="",
+            source=data["source"],
+            kind="stock",
+            modules=tuple(folder / MODULE_DIR / name for name in order),
+        )
+
+    @classmethod
+    def tuned(cls, paths: Paths) -> Kernel:
         meta = paths.kernel / "kernel.json"
         if not meta.exists():
             raise errors.ImageMissing("no guest kernel yet: run `cella setup`")
@@ -75,12 +106,20 @@ def build_digest() -> str:
     return h.hexdigest()
 
 
+def tuned_is_current(paths: Paths) -> bool:
+    """Whether cella's own kernel is built for this configuration (no apt asked: quick)."""
+    try:
+        return Kernel.tuned(paths).build_sha256 == build_digest()
+    except errors.ImageMissing:
+        return False
+
+
 def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
     """Builds the kernel once; later calls return the cached one while its source package's
     version (a Debian security update), configuration and patches are unchanged."""
     wanted = build_digest()
     try:
-        cached: Kernel | None = Kernel.load(paths)
+        cached: Kernel | None = Kernel.tuned(paths)
     except errors.ImageMissing:
         cached = None
     try:
@@ -118,7 +157,7 @@ def ensure_kernel(paths: Paths, progress: Progress = quiet) -> Kernel:
             shutil.rmtree(paths.kernel)
         stage.rename(paths.kernel)
     progress(f"guest kernel {version} ready")
-    return Kernel.load(paths)
+    return Kernel.tuned(paths)
 
 
 def build(tree: Path, dest: Path, progress: Progress = quiet) -> str:
@@ -186,8 +225,9 @@ def unmet_options(fragment: str, config: str) -> list[str]:
 def install_modules(paths: Paths, rootfs: Path, progress: Progress = quiet) -> str:
     """Puts the guest kernel's module index into a root file system, for templates whose
     programs load modules (Docker: overlay, bridge, netfilter...): all are built in, and with
-    the index `modprobe` finds them so. The root must have kmod. Returns the kernel version."""
-    kernel = Kernel.load(paths)
+    the index `modprobe` finds them so. The root must have kmod. Returns the kernel version.
+    Only cella's own kernel has such an index: a template that needs it waits for that one."""
+    kernel = Kernel.tuned(paths)
     progress(f"adding the module index of kernel {kernel.version}")
     (rootfs / "lib" / "modules").mkdir(parents=True, exist_ok=True)
     with tarfile.open(paths.kernel / MODULES_TAR) as tar:

@@ -92,7 +92,7 @@ def _digest(paths: Paths, spec: TemplateSpec) -> str:
     from cella.images.kernel import Kernel
 
     try:  # the module index follows the kernel's release and configuration, not its bytes
-        kernel = Kernel.load(paths)
+        kernel = Kernel.tuned(paths)  # the only kernel with a module index
         return spec.digest(f"{kernel.version} {kernel.build_sha256}")
     except errors.ImageMissing:
         return spec.digest("none")

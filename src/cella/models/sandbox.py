@@ -129,6 +129,11 @@ class SandboxCreate(BaseModel):
         description="a stop (asked for, or on idling) pauses the VM: processes and memory "
         "are kept for the next resume, and the host keeps holding its RAM",
     )
+    checkpoint_each_exec: bool = Field(
+        default=False,
+        description="a checkpoint is taken after every command (named by its exec), so any "
+        "command can be diffed or rewound",
+    )
     restore_memory: RestoreMemory = Field(
         default="if_present",
         description="with `snapshot`: restore its memory when it has one (`if_present`), "
@@ -250,6 +255,7 @@ class Sandbox(BaseModel):
     max_pids: int | None = None
     delete_after_stop_seconds: int | None = None
     stop_keeps_memory: bool = False
+    checkpoint_each_exec: bool = False
     access_delegation: AccessDelegation | None = None
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
     exec_policy: ExecPolicy | None = None

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from cella.guest.client import ExecControl, ExecEvent, GuestStream
     from cella.guest.protocol import Entry, ExecDenied
+    from cella.images.kernel import Kernel
     from cella.models.exec import ExecResult
     from cella.paths import Paths
     from cella.storage.snapshots import SnapshotDir
@@ -196,7 +197,16 @@ class Driver(Protocol):
     @property
     def accel(self) -> AccelChoice: ...
 
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel new VMs boot."""
+        ...
+
     async def prepare(self) -> AccelChoice: ...
+
+    async def refresh_boot(self) -> bool:
+        """Moves new VMs onto a better kernel if one appeared; whether it did."""
+        ...
 
     def template_disk_mib(self, template: str) -> int:
         """The size of a template's disk; `NotFound` for an unknown template."""

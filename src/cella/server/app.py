@@ -23,6 +23,7 @@ from cella.server.hosts import HostRouting
 from cella.server.request_ids import RequestIds
 from cella.server.request_metrics import RequestMetrics
 from cella.server.routes import (
+    checkpoints,
     downloads,
     egress,
     evals,
@@ -48,6 +49,7 @@ API = (
     sandboxes,
     ports,
     snapshots,
+    checkpoints,
     files,
     downloads,
     keys,

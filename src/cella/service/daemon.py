@@ -31,6 +31,7 @@ from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
+from cella.service.checkpoints import Checkpoints
 from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
@@ -41,6 +42,7 @@ from cella.service.files import Files
 from cella.service.forks import Forks
 from cella.service.image_registries import ImageRegistries
 from cella.service.image_snapshots import ImageSnapshots
+from cella.service.kernels import Kernels
 from cella.service.keys import Keys, Principal
 from cella.service.lifecycle import POOLED_SHAPE, Lifecycle
 from cella.service.logins import Logins
@@ -106,6 +108,7 @@ class Daemon:
         self.egress = SandboxEgress(settings, self.registry, self.rewrites)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
+        self.kernels = Kernels(driver, self.warm)
         self.admission = Admission(settings, self.registry, self.pool.committed)
         self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
@@ -120,7 +123,12 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
+        self.checkpoints = Checkpoints(
+            self.registry, self.lifecycle, self.snapshots, self.background
+        )
+        self.registry.forget_hooks.append(self.checkpoints.forget)
         self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
+        self.exec.after_command = self.checkpoints.after_exec
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
@@ -255,6 +263,7 @@ class Daemon:
         await self.warm.ensure(shape)
         self.pool.watch(shape)
         self.reaper.start()
+        self.kernels.start()
         self.processes.start_sweeper()
         self.metrics.start()
         self.webhooks.deliveries.start()
@@ -265,6 +274,7 @@ class Daemon:
         yet) are destroyed; work started in the background is cancelled."""
         await self.background.close()
         await self.reaper.close()
+        await self.kernels.close()
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()
@@ -360,6 +370,7 @@ class Daemon:
             "version": __version__,
             "accel": accel.accel,
             "accel_reason": accel.reason,
+            "kernel": self.kernels.status(),
             "pool": self.pool.status(),
             "pool_size": self.pool.size,
             "spares": self.pool.spares(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cella.guest.client import ExecControl, ExecEvent, Output
@@ -19,6 +19,10 @@ from cella.models import ExecRequest, ExecResult, OutputCollector
 from cella.policy.access import Permission, Principal
 from cella.service.egress import SandboxEgress
 from cella.service.registry import Registry, iso
+from cella.store import SandboxRecord
+
+# what runs after a caller's command ended (a checkpoint, for a sandbox that takes one each)
+AfterCommand = Callable[[Principal, SandboxRecord, object], Awaitable[None]]
 
 
 class Exec:
@@ -26,6 +30,7 @@ class Exec:
         self.registry = registry
         self.egress = egress
         self.keep = keep  # output of a run kept per stream
+        self.after_command: AfterCommand | None = None
 
     def check(self, who: Principal, sandbox_id: str) -> None:
         """Fails now (not found, not running) rather than in the middle of a stream."""
@@ -44,6 +49,7 @@ class Exec:
         activity: bool = True,
         need: Permission = Permission.exec,
         exempt: bool = False,
+        caller: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         """Started, then output as produced, then the exit status. `stdin` (an open-ended
         source, instead of the request's fixed bytes), `pty` and `control` are for callers
@@ -51,7 +57,9 @@ class Exec:
         own upkeep) the command does not count against the sandbox's idleness. `need`: a
         read the service runs as a fixed command (a byte range of a file) needs `view`.
         `exempt`: a fixed command of the service's own (a move, a read), which the
-        sandbox's exec policy does not hold, as it does not hold the daemon's upkeep."""
+        sandbox's exec policy does not hold, as it does not hold the daemon's upkeep.
+        `caller`: the caller's own command (not one the service runs for a file call),
+        after which `after_command` runs (the checkpoint of `checkpoint_each_exec`)."""
         row, vm = self.registry.live(who, sandbox_id, activity, need)  # one store read
         output = output or OutputCollector(keep=0)
         kwargs = req.agent_kwargs()
@@ -93,6 +101,8 @@ class Exec:
                 )
                 if status is not None and (changes or status.changes_dropped):
                     self.registry.events.emit(sandbox_id, "file_changes", traced(parent, status))
+        if caller and status is not None and self.after_command is not None:
+            await self.after_command(who, row, req.command)
 
     async def run(
         self,
@@ -102,14 +112,16 @@ class Exec:
         keep: int | None = None,
         activity: bool = True,
         exempt: bool = False,
+        caller: bool = False,
     ) -> ExecResult:
         """Runs to completion; up to `keep` bytes of each stream (default: the daemon's
         setting) are kept in the result, which says how much more there was."""
         output = OutputCollector(keep=self.keep if keep is None else keep)
         start = time.monotonic()
         status: ExitStatus | None = None
-        events = self.stream(who, sandbox_id, req, output, activity=activity, exempt=exempt)
-        async for event in events:
+        async for event in self.stream(
+            who, sandbox_id, req, output, activity=activity, caller=caller, exempt=exempt
+        ):
             if isinstance(event, ExitStatus):
                 status = event
         assert status is not None

@@ -61,6 +61,10 @@ class WarmSnapshots:
         for shape in [s for s in self._where if s.template == template]:
             del self._where[shape]
 
+    def forget_all(self) -> None:
+        """The kernel changed: every shape's snapshot is found anew."""
+        self._where.clear()
+
     async def ensure(self, shape: Shape) -> SnapshotDir:
         """The warm snapshot for `shape`, made now (one cold boot) if there is none yet."""
         await self.driver.prepare()

@@ -760,6 +760,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["state"] = SandboxState(out["state"])
     out["stop_keeps_memory"] = bool(out["stop_keeps_memory"])
     out["auto_resume"] = bool(out["auto_resume"])
+    out["checkpoint_each_exec"] = bool(out["checkpoint_each_exec"])
     out["delegation"] = json.loads(out["delegation"]) if out["delegation"] else None
     setter = out["rewrite_setter"]
     out["rewrite_setter"] = json.loads(setter) if setter else None

@@ -291,6 +291,13 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN rewrite_setter TEXT;
     """,
+    # checkpoints: snapshots kept with their sandbox under a name of its own, and sandboxes
+    # that take one after every command
+    """
+    ALTER TABLE snapshots ADD COLUMN checkpoint TEXT;
+    ALTER TABLE sandboxes ADD COLUMN checkpoint_each_exec INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX snapshots_checkpoints ON snapshots (sandbox_id, checkpoint);
+    """,
     # the exec policy (JSON), NULL: none
     """
     ALTER TABLE sandboxes ADD COLUMN exec_policy TEXT;

@@ -50,6 +50,7 @@ class SandboxRecord:
     exec_policy: ExecPolicy | None = None  # None: every executable runs
     stopped_at: str | None = None
     stop_keeps_memory: bool = False  # a stop pauses the VM (processes and memory kept)
+    checkpoint_each_exec: bool = False  # a checkpoint after every command
     # `wall`: the lifetime counts from creation; `running`: time paused or stopped does not
     # count (`held_seconds` so far, and the current hold since `held_since`)
     ttl_clock: str = "wall"
@@ -148,6 +149,7 @@ class SnapshotRecord:
     size_bytes: int | None = None
     paused_ms: float | None = None
     error: str | None = None
+    checkpoint: str | None = None  # a checkpoint of its sandbox, by this name
     created_at: str = ""
     updated_at: str = ""
 

@@ -1551,9 +1551,31 @@ static int cmdline_has(const char *word) {
     return 0;
 }
 
+#define MODULE_LIST "/cella-modules" /* a stock kernel's drivers, in load order (images/boot.py) */
+
 /*
- * Stage one, as the initramfs's /init (INITRAMFS_MARK is there): mount the root disk and move
- * into it. The kernel has every driver built in, so there is nothing to load first.
+ * cella's own kernel has every driver built in; a stock distribution kernel (what serves
+ * until that one is compiled) has virtio and the rest as modules, which the initramfs
+ * carries with their order. A module that is already there (EEXIST) is fine.
+ */
+static void load_modules(void) {
+    FILE *list = fopen(MODULE_LIST, "re");
+    if (!list) return;
+    char path[256];
+    while (fgets(path, sizeof path, list)) {
+        path[strcspn(path, "\n")] = 0;
+        if (!path[0]) continue;
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) && errno != EEXIST))
+            fprintf(stderr, "cella-agent: cannot load %s: %s\n", path, strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    fclose(list);
+}
+
+/*
+ * Stage one, as the initramfs's /init (INITRAMFS_MARK is there): load a stock kernel's
+ * drivers if it needs any, mount the root disk and move into it.
  */
 static void initramfs_stage(void) {
     mount_fs("proc", "/proc", "proc", 0, NULL);
@@ -1566,6 +1588,7 @@ static void initramfs_stage(void) {
         fflush(stdout);
         halt_with("probe done");
     }
+    load_modules();
     struct stat st;
     for (int i = 0; stat("/dev/vda", &st); i++) {
         if (i > 2000) halt_with("no root disk (/dev/vda)");

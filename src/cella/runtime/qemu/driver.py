@@ -18,6 +18,7 @@ from typing import Any
 from cella import errors
 from cella._proc import Progress, quiet
 from cella.images.boot import BootImage, ensure_boot
+from cella.images.kernel import Kernel
 from cella.images.templates import builtin_templates, find_template, start_of
 from cella.paths import Paths
 from cella.runtime.cgroups import CpuLimiter
@@ -109,6 +110,26 @@ class QemuDriver:
             jailer = ensure_jailer(self.paths, progress)
             self.jail = Jail(jailer, self.jail_ids, self._accel.accel)
         return self._accel
+
+    async def refresh_boot(self) -> bool:
+        """Moves new VMs onto a better kernel once it is there (the tuned one, compiled in
+        the background, after the stock one). VMs and snapshots keep the kernel they have.
+        Returns whether it switched."""
+        if self._boot is None or self._accel is None:
+            return False
+        kernel = await asyncio.to_thread(Kernel.load, self.paths)
+        if kernel.sha256 == self._boot.kernel.sha256:
+            return False
+        boot = await asyncio.to_thread(ensure_boot, self.paths)
+        accel = await choose_accel(boot, self.accel_mode, self.paths.images)
+        self._boot, self._accel = boot, accel  # together: a create sees one or the other
+        return True
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._boot is None:
+            raise errors.CellaError("driver not prepared")
+        return self._boot.kernel
 
     @property
     def accel(self) -> AccelChoice:

@@ -63,6 +63,7 @@ from cella.models import (
 from cella.models import Sandbox as SandboxInfo
 from cella.models import Snapshot as SnapshotInfo
 from cella.models import Volume as VolumeInfo
+from cella.models.checkpoints import NOW, Checkpoint, CheckpointDiff
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
 from cella.sdk._base import (
@@ -171,6 +172,7 @@ class Client:
         bucket_mounts: builtins.list[BucketMount] | None = None,
         volume_mounts: builtins.list[VolumeMount] | None = None,
         visibility: str | None = None,
+        checkpoint_each_exec: bool | None = None,
         exec_policy: ExecPolicy | dict[str, Any] | None = None,
     ) -> Sandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
@@ -206,9 +208,10 @@ class Client:
         `ttl_seconds`; `auto_resume` lets traffic to its ports wake it. `identity_tokens`
         are workload identity JWTs that header rules put into requests (`{identity:NAME}`),
         minted by the egress proxy; `upstream_proxy` sends its allowed traffic through a
-        proxy of yours; `port_host` is the Host header its port servers see. `exec_policy`
-        (`{"default": "allow"|"deny", "rules": [{"path_glob"|"sha256": ..., "action":
-        "allow"|"deny"}]}`) says which executables its guest's kernel lets run.
+        proxy of yours; `port_host` is the Host header its port servers see.
+        `checkpoint_each_exec` takes a checkpoint after every command (`checkpoints()`).
+        `exec_policy` (`{"default": "allow"|"deny", "rules": [{"path_glob"|"sha256": ...,
+        "action": "allow"|"deny"}]}`) says which executables its guest's kernel lets run.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -230,6 +233,7 @@ class Client:
             delete_after_stop_seconds=delete_after_stop_seconds,
             run_entrypoint=run_entrypoint or None,
             stop_keeps_memory=stop_keeps_memory,
+            checkpoint_each_exec=checkpoint_each_exec,
             restore_memory=restore_memory,
             access_delegation=access_delegation,
             visibility=visibility,
@@ -477,6 +481,12 @@ class Client:
         """The host's RAM/vCPU limits, committed and free (admin keys)."""
         response = self.request("GET", "/v1/capacity")
         return Capacity.model_validate(response.json())
+
+    def health(self) -> dict[str, Any]:
+        """The daemon's health: version, accelerator, the kernel new sandboxes boot and
+        whether a better one is coming (`kernel.upgrade`), the warm pool, the egress proxy."""
+        response = self.request("GET", "/v1/health")
+        return dict(response.json())
 
     def fleet(self) -> FleetStatus:
         """A fleet gateway's nodes: health, capacity, sandboxes, cached snapshots (admin)."""
@@ -778,6 +788,36 @@ class Sandbox:
         body = {"name": name, "memory": memory}
         response = self.client.request("POST", f"{self._path}/snapshots", json=body)
         return Snapshot(self.client, SnapshotInfo.model_validate(response.json()))
+
+    def checkpoint(self, name: str | None = None) -> Checkpoint:
+        """Disk and memory at this instant, kept with the sandbox as `name` (default
+        `cp-<n>`) for `diff` and `rewind`; the sandbox keeps running."""
+        body = {"name": name} if name else {}
+        response = self.client.request("POST", f"{self._path}/checkpoints", json=body)
+        return Checkpoint.model_validate(response.json())
+
+    def checkpoints(self) -> builtins.list[Checkpoint]:
+        """The sandbox's checkpoints, oldest first."""
+        response = self.client.request("GET", f"{self._path}/checkpoints")
+        return [Checkpoint.model_validate(c) for c in response.json()["checkpoints"]]
+
+    def diff(self, a: str | Checkpoint, b: str | Checkpoint = NOW) -> CheckpointDiff:
+        """Paths added, removed and modified from checkpoint `a` to checkpoint `b` (by
+        default `now`: the sandbox as it is), with unified diffs of text files;
+        `.patch(path)` is a patch of those under `path` that `git apply` takes."""
+        params = {"a": _ref(a), "b": _ref(b)}
+        response = self.client.request(
+            "GET", f"{self._path}/diff", params=params, timeout=max(self.client.timeout, 300)
+        )
+        return CheckpointDiff.model_validate(response.json())
+
+    def rewind(self, checkpoint: str | Checkpoint) -> Sandbox:
+        """Back to the checkpoint in place: same sandbox, its files and memory (a running
+        process's state) as they were; every checkpoint is kept."""
+        body = {"checkpoint": _ref(checkpoint)}
+        response = self.client.request("POST", f"{self._path}/rewind", json=body)
+        self.info = SandboxInfo.model_validate(response.json())
+        return self
 
     def fork(self, count: int = 1) -> builtins.list[Sandbox]:
         """`count` isolated copies of this sandbox as it is now (files, memory, processes)."""
@@ -1164,3 +1204,7 @@ class Volume:
 
     def delete(self, *, force: bool = False) -> None:
         self.client.delete_volume(self.info.id, force=force)
+
+
+def _ref(checkpoint: str | Checkpoint) -> str:
+    return checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint

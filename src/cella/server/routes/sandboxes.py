@@ -239,7 +239,7 @@ async def sandbox_lineage(sandbox_id: ID, svc: DaemonDep, who: Auth) -> LineageN
 @router.post("/{sandbox_id}/exec", response_model=ExecResult)
 async def exec_command(sandbox_id: ID, body: ExecRequest, svc: DaemonDep, who: Auth) -> ExecResult:
     """Runs a command to completion and returns its exit status and output."""
-    return await svc.exec.run(who, sandbox_id, body)
+    return await svc.exec.run(who, sandbox_id, body, caller=True)
 
 
 @router.post(
@@ -261,7 +261,7 @@ async def exec_stream(
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for event in svc.exec.stream(who, sandbox_id, body):
+            async for event in svc.exec.stream(who, sandbox_id, body, caller=True):
                 if isinstance(event, Started):
                     yield jsonl({"type": "started", "pid": event.pid})
                 elif isinstance(event, Output):

@@ -1,14 +1,15 @@
 // One sandbox: overview (limits, usage, labels, network, ports, who may use it), terminal,
-// files, trace and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
+// files, checkpoints, trace and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
 import { api } from "../api.js";
 import { badge, h, mib, toast } from "../dom.js";
 import { actionButtons, may } from "./actions.js";
+import * as checkpoints from "./checkpoints.js";
 import * as files from "./files.js";
 import * as lineage from "./lineage.js";
 import * as terminal from "./terminal.js";
 import * as trace from "./trace.js";
 
-const TABS = { overview: null, terminal, files, trace, lineage };
+const TABS = { overview: null, terminal, files, checkpoints, trace, lineage };
 
 export async function render(main, [id, tab], params) {
   tab = tab && tab in TABS ? tab : "overview";
