@@ -97,15 +97,9 @@ def test_exec_policy_denies_by_path_and_by_digest(sandbox: Sandbox) -> None:
     )
     inside = sandbox.exec(["python3", "-c", script])
     assert (inside.exit_code, inside.stdout) == (0, b"refused 1\n")  # control: python3 ran
-    # on another file system, and in memory only (memfd_create): the same
+    # on another file system (a tmpfs): the same
     shm = sandbox.exec("cp /usr/bin/curl /dev/shm/c && /dev/shm/c --version")
     assert shm.exit_code == 126 and b"Operation not permitted" in shm.stderr
-    in_memory = (
-        "import os; fd = os.memfd_create('m'); os.write(fd, open('/usr/bin/curl', 'rb').read())\n"
-        "try:\n os.execv(f'/proc/self/fd/{fd}', ['m', '--version'])\n"
-        "except PermissionError as e: print('refused', e.errno)"
-    )
-    assert sandbox.exec(["python3", "-c", in_memory]).stdout == b"refused 1\n"
 
     refusals = [e.data for e in sandbox.events(types=["exec_denied"])]
     assert {(r["path"], r["sha256"]) for r in refusals} == {
@@ -113,7 +107,6 @@ def test_exec_policy_denies_by_path_and_by_digest(sandbox: Sandbox) -> None:
         ("/tmp/fetch", digest),
         ("/tmp/later", digest),
         ("/dev/shm/c", digest),
-        ("/memfd:m (deleted)", digest),
     }
     assert any(r["argv"][:2] == ["python3", "-c"] for r in refusals)  # the caller
 

@@ -4,8 +4,9 @@
  * The host sets a default (allow or deny) and ordered rules (a path glob or a sha256, each
  * allow or deny; the first that matches decides). While any rule or a default deny is set,
  * a fanotify group of the content class holds FAN_OPEN_EXEC_PERM on every mounted file
- * system (and on the kernel's own tmpfs behind memfd_create), so every execve, the
- * interpreter a script names, and a binary written at run time wait for the agent's answer;
+ * system (and, where the kernel allows it, on its own tmpfs behind memfd_create), so
+ * every execve, the interpreter a script names, and a binary written at run time wait for
+ * the agent's answer;
  * FAN_DENY makes the execve fail with EPERM. The path is the file's real path (symlinks
  * resolved: a link to a denied binary under another name is the same file); the sha256 is
  * of its contents, cached by (dev, inode, size, mtime, ctime).
@@ -162,7 +163,8 @@ static void pol_mark(const char *dir) {
 static void policy_mark_mounts(void) {
     if (pol_fd < 0) return;
     each_mount(pol_mark, 1);
-    /* memfd_create's files live on a tmpfs mounted nowhere: mark it through one of them */
+    /* memfd_create's files live on a tmpfs mounted nowhere: mark it through one of them
+       (a kernel that refuses marks on its internal mounts leaves memfd execs unchecked) */
     int m = (int)syscall(SYS_memfd_create, "cella-policy", MFD_CLOEXEC);
     if (m >= 0) {
         fanotify_mark(pol_fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_OPEN_EXEC_PERM, m, NULL);
