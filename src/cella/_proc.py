@@ -1,4 +1,4 @@
-"""Running host tools (apt, debootstrap, mkfs, qemu-img) with their output kept for errors."""
+"""Running host tools (apt, mmdebstrap, mkfs, qemu-img) with their output kept for errors."""
 
 from __future__ import annotations
 

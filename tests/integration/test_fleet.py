@@ -17,10 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet.e2b_checks import E2B
+from tests.sdk_env import sdk_python
+
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-# run in one session, on one cluster: the fleet's own checks, then the LangSmith SDK's
-CHECKS = [ROOT / "tests" / "fleet" / name for name in ("fleet_checks.py", "langsmith_checks.py")]
+# run in one session, on one cluster: the fleet's own checks, then E2B's SDK's, then the
+# LangSmith SDK's (whose last check has the gateway serve TLS)
+CHECKS = [
+    ROOT / "tests" / "fleet" / name
+    for name in ("fleet_checks.py", "e2b_checks.py", "langsmith_checks.py")
+]
 
 
 def check_names() -> list[str]:
@@ -34,6 +41,7 @@ def check_names() -> list[str]:
 
 @pytest.mark.timeout(1500)
 def test_the_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
+    sdk_python("e2b-2.63.0", E2B)  # the registry is out of the namespace's reach
     report = tmp_path / "fleet.xml"
     inner = (
         "ip link set lo up && exec "

@@ -58,3 +58,16 @@ def test_a_builtin_template_carries_package_files_whole() -> None:
     assert "python3-ipykernel" in spec.apt_install and spec.warm == ["start-interpreter"]
     changed = spec.model_copy(update={"files": {**spec.files, "/x": "y"}})
     assert changed.digest() != spec.digest()
+
+
+def test_a_templates_shape_is_a_default_and_not_part_of_its_image() -> None:
+    from cella.images.templates import default_shape
+
+    plain = TemplateSpec(name="t", apt_packages=["git"])
+    roomy = TemplateSpec(name="t", apt_packages=["git"], vcpus=2, memory_mib=2048)
+    assert roomy.digest() == plain.digest()  # the same image, whatever the shape
+    desktop = builtin_templates()["desktop"]
+    assert default_shape("desktop") == {"memory_mib": 2048, "vcpus": 2}
+    assert default_shape("default") == {} and default_shape("no-such") == {}
+    for tool in ("xvfb", "xdotool", "scrot", "x11vnc", "novnc", "firefox-esr"):
+        assert tool in desktop.apt_install  # what e2b-desktop runs in the sandbox

@@ -397,6 +397,26 @@ def metrics(
     out.print(table)
 
 
+@app.command()
+def screenshot(
+    sandbox_id: str,
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="where the PNG goes (`-`: stdout; default ID.png)"),
+    ] = None,
+) -> None:
+    """Save a PNG of a desktop sandbox's screen (the `desktop` template)."""
+    with Client() as client:
+        png = client.get(sandbox_id).screenshot()
+    if output == "-":
+        sys.stdout.buffer.write(png)
+        sys.stdout.buffer.flush()
+        return
+    where = Path(output or f"{sandbox_id}.png")
+    where.write_bytes(png)
+    console.print(f"{where} ({len(png)} bytes)")
+
+
 @app.command("refresh-mounts")
 def refresh_mounts(
     sandbox_id: str,

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from cella import __version__, errors
 from cella.config import DaemonSettings
-from cella.fleet import langsmith
+from cella.fleet import e2b, langsmith
 from cella.fleet.gateway import Gateway
 from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
@@ -54,6 +54,7 @@ def create_gateway_app(
             routes(registries.router),  # so are registries
             routes(router(gateway)),
             lambda app: langsmith.install(app, gateway),
+            lambda app: e2b.install(app, gateway),  # E2B's sandboxes and envd
         ],
     )
     serve(app, gateway)  # already, for an app driven in process without its lifespan

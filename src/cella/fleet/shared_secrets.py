@@ -30,7 +30,14 @@ class SharedSecrets:
     async def put(self, who: Principal, name: str, body: SecretPut) -> None:
         self.store.put_secret(
             SecretRecord(
-                who.tenant, name, body.value, body.hosts, body.auth, body.username, body.inject
+                who.tenant,
+                name,
+                body.value,
+                body.hosts,
+                body.auth,
+                body.username,
+                body.inject,
+                metadata=body.metadata,
             )
         )
         await self.membership.each("PUT", f"/v1/secrets/{name}", who, json=body.model_dump())
@@ -53,6 +60,7 @@ class SharedSecrets:
                     "auth": record.auth,
                     "username": record.username or "x-access-token",
                     "inject": record.inject,
+                    "metadata": record.metadata,
                 }
             )
             who = Principal(tenant=record.tenant, admin=False)

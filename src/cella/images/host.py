@@ -11,7 +11,7 @@ from cella._proc import Progress, quiet, run
 HOST_PACKAGES = (
     "qemu-system-x86",  # the microVM monitor (and qemu-storage-daemon: disks seen as files)
     "qemu-utils",  # qemu-img: overlays and base images
-    "debootstrap",  # template root file systems
+    "mmdebstrap",  # template root file systems (apt's parallel downloads, one dpkg pass)
     "e2fsprogs",  # mkfs.ext4 -d; debugfs and e2fsck read checkpoints for diffs
     "gcc",  # building the guest agent and kernel
     "libc6-dev",  # static libc for the agent

@@ -1,4 +1,4 @@
-"""Templates: root file systems declared as data, built with debootstrap, cached by hash.
+"""Templates: root file systems declared as data, built with mmdebstrap, cached by hash.
 
 A template becomes a read-only qcow2 base image; every sandbox writes to its own overlay on
 top of it. The image name carries the hash of the spec, so an unchanged template is never
@@ -28,8 +28,10 @@ from cella.config import DaemonSettings
 from cella.models import ImageConfig, StartCommand
 from cella.paths import Paths
 
-# Bump when the build steps change in a way that changes the resulting image.
-BUILDER_VERSION = 1
+# Bump when the build steps change in a way that changes the resulting image
+# (2: mmdebstrap, whose root has no apt lists left, instead of debootstrap).
+BUILDER_VERSION = 2
+_SHAPE = {"vcpus", "memory_mib"}  # fields of a sandbox's shape, not of the image
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
@@ -40,7 +42,7 @@ class TemplateSpec(BaseModel):
     suite: str = "bookworm"
     apt_packages: list[str] = Field(default_factory=list)
     # installed with apt-get into the finished root: packages whose maintainer scripts need a
-    # configured system, which debootstrap's own install does not give them
+    # configured system, which the bootstrap's own install does not give them
     apt_install: list[str] = Field(default_factory=list)
     pip_packages: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # absolute guest path -> content
@@ -52,10 +54,14 @@ class TemplateSpec(BaseModel):
         "taken: what they start (e.g. dockerd) is running in every sandbox restored from it",
     )
     disk_mib: int = Field(default=4096, ge=512, le=1 << 20)
+    # a sandbox's shape unless its create asks otherwise (a desktop's browser wants room);
+    # not part of the image, so not of its digest
+    vcpus: int | None = Field(default=None, ge=1, le=64)
+    memory_mib: int | None = Field(default=None, ge=128, le=1 << 20)
 
     def digest(self, kernel: str = "") -> str:
         """Of everything that goes into the image (`kernel`: the module index's kernel)."""
-        fields = {"builder": BUILDER_VERSION, **self.model_dump(), "kernel": kernel}
+        fields = {"builder": BUILDER_VERSION, **self.model_dump(exclude=_SHAPE), "kernel": kernel}
         for later in ("apt_install", "kernel_modules", "warm", "kernel"):  # added unset: the
             if not fields[later]:  # digests (and images) of templates without them stay
                 del fields[later]
@@ -80,6 +86,14 @@ def builtin_templates() -> dict[str, TemplateSpec]:
             spec = TemplateSpec.model_validate(data)
             specs[spec.name] = spec
     return specs
+
+
+def default_shape(name: str) -> dict[str, int]:
+    """The `vcpus` / `memory_mib` a built-in template's sandboxes get unless asked."""
+    spec = builtin_templates().get(name)
+    if spec is None:
+        return {}
+    return {k: v for k in sorted(_SHAPE) if (v := getattr(spec, k)) is not None}
 
 
 def template_image(paths: Paths, spec: TemplateSpec) -> Path:
@@ -180,10 +194,10 @@ def build_template(
     try:
         mirror = debian_mirror(spec.suite)
         packages = ["ca-certificates", *spec.apt_packages]
-        progress(f"debootstrap {spec.suite} ({len(packages)} extra packages)")
+        progress(f"mmdebstrap {spec.suite} ({len(packages)} extra packages)")
         run(
             [
-                "debootstrap",
+                "mmdebstrap",  # a few times faster than debootstrap: what a first start waits for
                 "--variant=minbase",
                 f"--include={','.join(packages)}",
                 spec.suite,

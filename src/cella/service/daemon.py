@@ -5,7 +5,8 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 `shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
 `buckets` (S3 and GCS buckets and volumes mounted in the guest through the egress proxy),
-`volumes` (the tenant's persistent file trees, shared between sandboxes),
+`volumes` (the tenant's persistent file trees, shared between sandboxes), `desktop` (the
+screen of a desktop sandbox),
 `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
 tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
@@ -32,6 +33,7 @@ from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
 from cella.service.checkpoints import Checkpoints
+from cella.service.desktop import Desktop
 from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
@@ -134,6 +136,7 @@ class Daemon:
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)
         self.mounts = Mounts(self.registry, self.exec, self.background)
         self.buckets = Buckets(self.registry, self.exec, self.background)
+        self.desktop = Desktop(self.exec)
         self.signer = Signer(driver.paths.root / "signing")
         self.signer.on_rotate.append(self._sign_callbacks)
         self._sign_callbacks(self.signer.current)

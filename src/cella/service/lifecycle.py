@@ -16,7 +16,7 @@ from typing import Any
 
 from cella import errors
 from cella.config import DaemonSettings
-from cella.images import oci
+from cella.images import oci, templates
 from cella.models import ExecDefaults, SandboxCreate, SandboxState
 from cella.policy import access
 from cella.policy.access import Permission, Principal
@@ -149,6 +149,8 @@ class Lifecycle:
         """A sandbox restored from its template's warm snapshot (or a pooled VM of it);
         `delegation`: the access grant it keeps (`service.delegation`)."""
         tenant = who.tenant
+        own = templates.default_shape(req.template)  # e.g. a desktop's browser wants room
+        req = req.model_copy(update={k: v for k, v in own.items() if k not in req.model_fields_set})
         self.admission.check_shape(req.vcpus, req.memory_mib, req.disk_mib)
         try:
             base_mib = self.driver.template_disk_mib(req.template)

@@ -871,6 +871,12 @@ class AsyncSandbox:
         response = await self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
 
+    async def screenshot(self) -> bytes:
+        """A PNG of the screen of a desktop sandbox (the `desktop` template); InvalidState
+        (409) for a sandbox without a desktop."""
+        response = await self.client.request("GET", f"{self._path}/screenshot")
+        return response.content
+
     async def metrics(
         self, start: float | None = None, end: float | None = None
     ) -> builtins.list[MetricSample]:

@@ -863,6 +863,12 @@ class Sandbox:
         response = self.client.request("GET", f"{self._path}/usage")
         return SandboxUsage.model_validate(response.json())
 
+    def screenshot(self) -> bytes:
+        """A PNG of the screen of a desktop sandbox (the `desktop` template); InvalidState
+        (409) for a sandbox without a desktop."""
+        response = self.client.request("GET", f"{self._path}/screenshot")
+        return response.content
+
     def metrics(
         self, start: float | None = None, end: float | None = None
     ) -> builtins.list[MetricSample]:

@@ -161,6 +161,19 @@ async def sandbox_metrics(
     return MetricList(metrics=[MetricSample.model_validate(r, from_attributes=True) for r in rows])
 
 
+@router.get(
+    "/{sandbox_id}/screenshot",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}, "description": "a PNG of the screen"}},
+)
+async def screenshot(sandbox_id: ID, svc: DaemonDep, who: Auth) -> Response:
+    """A PNG of a desktop sandbox's screen (409 for a sandbox without a desktop)."""
+    png = await svc.desktop.screenshot(who, sandbox_id)
+    # the guest's bytes: checked to be a PNG, and never sniffed into anything else
+    headers = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"}
+    return Response(png, media_type="image/png", headers=headers)
+
+
 @router.post("/{sandbox_id}/mounts/refresh", response_model=MountRefreshList)
 async def refresh_mounts(
     sandbox_id: ID,

@@ -26,10 +26,11 @@ from cella.server.front import front_of
 from cella.service.sessions import Sessions
 
 STATIC = Path(__file__).parent / "static"
-# xterm.js adds <style> elements for its cells: styles may be inline, scripts never.
+# xterm.js adds <style> elements for its cells: styles may be inline, scripts never. Images
+# from blobs: a desktop sandbox's screenshot, fetched with the session and drawn as an image.
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-    "img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; "
+    "img-src 'self' data: blob:; connect-src 'self'; font-src 'self'; object-src 'none'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 HEADERS = {

@@ -43,14 +43,15 @@ def secret_json(row: SecretRecord) -> dict[str, Any]:
     }
 
 
-def _name(ref: str) -> str:
+def secret_name(ref: str) -> str:
+    """The secret a name or an identifier (`sec_NAME`) selects."""
     name = ref.removeprefix(ID_PREFIX).lower()
     if not NAME.match(name):
         raise errors.InvalidArgument(f"{ref!r} is not a secret name or identifier")
     return name
 
 
-def _put(body: dict[str, Any]) -> SecretPut:
+def secret_put(body: dict[str, Any]) -> SecretPut:
     try:
         return SecretPut.model_validate(
             {"value": body.get("value"), "metadata": body.get("metadata") or {}}
@@ -59,28 +60,43 @@ def _put(body: dict[str, Any]) -> SecretPut:
         raise errors.InvalidArgument(describe(exc.errors())) from None
 
 
-@router.get("/secrets")
-async def list_secrets(request: Request, svc: DaemonDep, who: Caller) -> Response:
-    q = request.query_params
-    rows = svc.egress.list_secrets(who.tenant)
-    start = page_start(q.get("nextToken"))
-    limit = int_param(q.get("limit"), 100, "limit")
-    headers = {}
-    if start + limit < len(rows):
-        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-    page = [secret_json(r) for r in rows[start : start + limit]]
-    return JSONResponse(page, headers=headers)
-
-
-@router.post("/secrets", status_code=201)
-async def create_secret(body: JsonBody, svc: DaemonDep, who: Caller) -> dict[str, Any]:
-    raw = body.get("name")
+def new_name(raw: Any) -> str:
+    """A new secret's name, as E2B stores it (lower-cased)."""
     if not isinstance(raw, str) or raw.startswith(ID_PREFIX) or not NAME.match(raw.lower()):
         raise errors.InvalidArgument(
             "name must be 1-128 letters, digits, '_' or '-' (the sec_ prefix is reserved)"
         )
-    name = raw.lower()
-    put = _put(body)
+    return raw.lower()
+
+
+def next_version(old: SecretRecord, body: dict[str, Any]) -> SecretPut:
+    """A new version of the value (and the metadata, when given); the rest as it was."""
+    put = secret_put({"metadata": old.metadata, **body})
+    return put.model_copy(
+        update={"hosts": old.hosts, "auth": old.auth, "inject": old.inject}
+        | ({"username": old.username} if old.username else {})
+    )
+
+
+def page(rows: list[SecretRecord], token: str | None, limit: str | None) -> Response:
+    start = page_start(token)
+    size = int_param(limit, 100, "limit")
+    headers = {}
+    if start + size < len(rows):
+        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + size).encode()).decode()
+    return JSONResponse([secret_json(r) for r in rows[start : start + size]], headers=headers)
+
+
+@router.get("/secrets")
+async def list_secrets(request: Request, svc: DaemonDep, who: Caller) -> Response:
+    q = request.query_params
+    return page(svc.egress.list_secrets(who.tenant), q.get("nextToken"), q.get("limit"))
+
+
+@router.post("/secrets", status_code=201)
+async def create_secret(body: JsonBody, svc: DaemonDep, who: Caller) -> dict[str, Any]:
+    name = new_name(body.get("name"))
+    put = secret_put(body)
     if any(r.name == name for r in svc.egress.list_secrets(who.tenant)):
         raise errors.AlreadyExists(f"secret {name!r} exists")
     return secret_json(svc.egress.put_secret(who.tenant, name, put))
@@ -88,23 +104,18 @@ async def create_secret(body: JsonBody, svc: DaemonDep, who: Caller) -> dict[str
 
 @router.get("/secrets/{ref}")
 async def get_secret(ref: str, svc: DaemonDep, who: Caller) -> dict[str, Any]:
-    return secret_json(svc.egress.get_secret(who.tenant, _name(ref)))
+    return secret_json(svc.egress.get_secret(who.tenant, secret_name(ref)))
 
 
 @router.post("/secrets/{ref}")
 async def update_secret(ref: str, body: JsonBody, svc: DaemonDep, who: Caller) -> dict[str, Any]:
     """A new version of the value (and the metadata, when given)."""
-    name = _name(ref)
-    old = svc.egress.get_secret(who.tenant, name)
-    put = _put({"metadata": old.metadata, **body})
-    put = put.model_copy(
-        update={"hosts": old.hosts, "auth": old.auth, "inject": old.inject}
-        | ({"username": old.username} if old.username else {})
-    )
+    name = secret_name(ref)
+    put = next_version(svc.egress.get_secret(who.tenant, name), body)
     return secret_json(svc.egress.put_secret(who.tenant, name, put))
 
 
 @router.delete("/secrets/{ref}", status_code=204)
 async def delete_secret(ref: str, svc: DaemonDep, who: Caller) -> Response:
-    svc.egress.delete_secret(who.tenant, _name(ref))
+    svc.egress.delete_secret(who.tenant, secret_name(ref))
     return Response(status_code=204)

@@ -1,15 +1,16 @@
 // One sandbox: overview (limits, usage, labels, network, ports, who may use it), terminal,
-// files, checkpoints, trace and lineage, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
+// files, checkpoints, trace, lineage and (a desktop sandbox) its screen, as tabs; `#/sandboxes/ID/TAB?tenant=T`.
 import { api } from "../api.js";
 import { badge, h, mib, toast } from "../dom.js";
 import { actionButtons, may } from "./actions.js";
 import * as checkpoints from "./checkpoints.js";
 import * as files from "./files.js";
 import * as lineage from "./lineage.js";
+import * as screen from "./screen.js";
 import * as terminal from "./terminal.js";
 import * as trace from "./trace.js";
 
-const TABS = { overview: null, terminal, files, checkpoints, trace, lineage };
+const TABS = { overview: null, screen, terminal, files, checkpoints, trace, lineage };
 
 export async function render(main, [id, tab], params) {
   tab = tab && tab in TABS ? tab : "overview";
@@ -17,8 +18,10 @@ export async function render(main, [id, tab], params) {
   const suffix = tenant ? `?tenant=${encodeURIComponent(tenant)}` : "";
   const sb = await load(id, tenant);
   if (sb.state === "deleted" && !["trace", "lineage"].includes(tab)) tab = "trace";
-  // the terminal runs commands: only for a key that may exec in it
-  const tabs = Object.keys(TABS).filter((t) => t !== "terminal" || may(sb, "exec"));
+  // the terminal runs commands (and a screenshot is one): only for a key that may exec in
+  // it; the screen, for a sandbox of the desktop template
+  const tabs = Object.keys(TABS).filter((t) =>
+    (!["terminal", "screen"].includes(t) || may(sb, "exec")) && (t !== "screen" || sb.template === "desktop"));
   if (!tabs.includes(tab)) tab = "overview";
   const nav = h("nav", { class: "tabs", "aria-label": "Sandbox" }, tabs.map((t) =>
     h("a", { href: `#/sandboxes/${id}/${t}${suffix}`, "aria-current": t === tab ? "page" : false }, t)));
