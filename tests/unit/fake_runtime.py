@@ -48,6 +48,8 @@ class FakeAgent:
         self._closed = False
         self.execs: list[Sequence[str] | str] = []
         self.on_stream: Any = None
+        self.on_exec_denied: Any = None
+        self.exec_policy: tuple[bool, list[tuple[bool, str, str]]] | None = None
         self.failure: Exception | None = None
         self._failed = asyncio.Event()
 
@@ -77,6 +79,7 @@ class FakeAgent:
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: Any = None,
+        exempt: bool = True,
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise errors.SandboxCrashed("the VM is gone")
@@ -98,6 +101,11 @@ class FakeAgent:
             elif isinstance(event, ExitStatus):
                 status = event
         return output.result(status.exit_code, status.signal, status.timed_out, 1.0)
+
+    async def set_exec_policy(
+        self, deny_by_default: bool, rules: Sequence[tuple[bool, str, str]]
+    ) -> None:
+        self.exec_policy = (deny_by_default, list(rules))
 
     async def set_identity(self, **identity: Any) -> None:
         if self.fail_identity is not None:

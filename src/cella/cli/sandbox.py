@@ -540,6 +540,51 @@ def share(
     console.print(f"your key:   {now.permission or 'nothing any more'}")
 
 
+@app.command("exec-policy")
+def exec_policy(
+    sandbox_id: str,
+    default: Annotated[str | None, typer.Option(help="allow or deny: what no rule matches")] = None,
+    deny: Annotated[
+        list[str] | None, typer.Option(help="a path glob to refuse (real paths), repeatable")
+    ] = None,
+    allow: Annotated[
+        list[str] | None, typer.Option(help="a path glob to let run, repeatable")
+    ] = None,
+    deny_sha256: Annotated[
+        list[str] | None, typer.Option(help="a file digest to refuse, repeatable")
+    ] = None,
+    allow_sha256: Annotated[
+        list[str] | None, typer.Option(help="a file digest to let run, repeatable")
+    ] = None,
+    lift: Annotated[bool, typer.Option(help="remove every rule: anything runs")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Show or set which executables a sandbox's guest lets run (its kernel refuses the
+    rest with EPERM; refusals are `exec_denied` events). Setting replaces the policy: the
+    first matching rule decides, digests before globs, denials before allowances."""
+    rules: list[dict[str, str]] = [
+        *({"sha256": d, "action": "deny"} for d in deny_sha256 or []),
+        *({"sha256": d, "action": "allow"} for d in allow_sha256 or []),
+        *({"path_glob": g, "action": "deny"} for g in deny or []),
+        *({"path_glob": g, "action": "allow"} for g in allow or []),
+    ]
+    with Client() as client:
+        sb = client.get(sandbox_id)
+        if lift:
+            policy = sb.set_exec_policy({"default": "allow", "rules": []})
+        elif rules or default:
+            policy = sb.set_exec_policy({"default": default or "allow", "rules": rules})
+        else:
+            policy = sb.exec_policy()
+    if json_:
+        emit_json(policy.model_dump(mode="json", exclude_none=True))
+        return
+    console.print(f"default: {policy.default}", markup=False, highlight=False)
+    for rule in policy.rules:
+        what = f"sha256 {rule.sha256}" if rule.sha256 else rule.path_glob
+        console.print(f"{rule.action:5}  {what}", markup=False, highlight=False)
+
+
 @app.command()
 def egress(
     sandbox_id: str,

@@ -16,23 +16,28 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cella import errors
 from cella.guest.protocol import (
     CHUNK,
+    MAX_FILE_CHANGES,
     STREAM_BIT,
     WINDOW,
     Entry,
+    ExecDenied,
     ExitStatus,
     Field,
+    FileChange,
     FrameDecoder,
     Msg,
     ProtocolError,
     decode_entries,
     decode_error,
+    decode_exec_denied,
     decode_exit,
+    decode_file_changes,
     fields,
     frame,
 )
@@ -184,6 +189,7 @@ class AgentClient:
         self._streams: dict[int, GuestStream] = {}
         self._stream_tasks: set[asyncio.Task[None]] = set()
         self.on_stream: StreamHandler | None = None  # none: the guest's connections fail
+        self.on_exec_denied: Callable[[ExecDenied], None] | None = None  # policy refusals
         self.flow_control = True  # agents before version 2 send output unacknowledged
         self._ids = itertools.count(1)
         self._closed: errors.CellaError | None = None
@@ -238,6 +244,11 @@ class AgentClient:
                 for channel, msg, payload in decoder.feed(data):
                     if channel & STREAM_BIT or channel in self._streams:
                         self._stream_frame(channel, msg, payload)
+                        continue
+                    if channel == 0 and msg == Msg.EXECDENIED:
+                        denied = decode_exec_denied(payload)
+                        if self.on_exec_denied is not None:
+                            self.on_exec_denied(denied)
                         continue
                     ch = self._channels.get(channel)
                     if ch is None:
@@ -417,6 +428,21 @@ class AgentClient:
             items.append((Field.SEED, seed))
         await self._expect_ok(Msg.IDENTITY, fields(items))
 
+    async def set_exec_policy(
+        self, deny_by_default: bool, rules: Sequence[tuple[bool, str, str]]
+    ) -> None:
+        """The guest's exec policy: rules in order, each (deny, "path_glob" | "sha256",
+        value); the first that matches an executable decides, else the default. No rules
+        and allow by default: nothing is checked."""
+        items: list[tuple[Field, bytes | str | int | bool]] = [
+            (Field.POL_DEFAULT, int(deny_by_default))
+        ]
+        for deny, kind, value in rules:
+            head = (b"d" if deny else b"a") + (b"h" if kind == "sha256" else b"p")
+            raw = bytes.fromhex(value) if kind == "sha256" else value.encode()
+            items.append((Field.POL_RULE, head + raw))
+        await self._expect_ok(Msg.POLICY, fields(items))
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Asks the guest to sync its disks and power off."""
         await self._expect_ok(Msg.SHUTDOWN, b"", timeout)
@@ -440,16 +466,25 @@ class AgentClient:
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
+        exempt: bool = True,
     ) -> AsyncIterator[ExecEvent]:
-        """Runs a command; yields Started, then Output as produced, then the ExitStatus.
+        """Runs a command; yields Started, then Output as produced, then the ExitStatus
+        (with the files the command changed, when the agent reports them).
 
-        A string is run by `/bin/sh -c`. With a timeout the guest kills the whole process
-        tree (its cgroup) when it expires and reports `timed_out`. `pty=(cols, rows)` runs
-        it in a terminal (its output is all "stdout"; stdin ending sends the EOF character).
-        `control` can signal it and resize its terminal while it runs.
+        A string is run by `/bin/sh -c` (that shell itself is not held to the exec policy;
+        what it runs is). `exempt`: the daemon's own upkeep, which the sandbox's exec
+        policy does not hold; a caller's command passes False. With a timeout the guest
+        kills the whole process tree (its cgroup) when it expires and reports `timed_out`.
+        `pty=(cols, rows)` runs it in a terminal (its output is all "stdout"; stdin ending
+        sends the EOF character). `control` can signal it and resize its terminal while it
+        runs.
         """
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
         items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
+        if isinstance(argv, str):
+            items.append((Field.WRAPPER, True))
+        if exempt:
+            items.append((Field.EXEMPT, True))
         items += [(Field.ENV, f"{key}={value}") for key, value in (env or {}).items()]
         if cwd is not None:
             items.append((Field.CWD, cwd))
@@ -478,14 +513,27 @@ class AgentClient:
             if stdin is not None:
                 feeder = asyncio.create_task(self._feed_stdin(cid, stdin))
             wait = None if timeout is None else timeout + _TIMEOUT_GRACE
+            changes: list[FileChange] | None = None
+            dropped = 0
             while True:
                 reply, body = await self._next(ch, wait)
                 if reply in (Msg.STDOUT, Msg.STDERR):
                     yield Output("stdout" if reply == Msg.STDOUT else "stderr", body)
                     await self._ack(cid, ch, len(body))  # taken: the guest may send more
+                elif reply == Msg.FSCHANGES:
+                    left_out, more = decode_file_changes(body)
+                    changes = changes or []
+                    room = max(0, MAX_FILE_CHANGES - len(changes))
+                    changes += more[:room]
+                    dropped = max(dropped, left_out) + max(0, len(more) - room)
                 elif reply == Msg.EXIT:
                     running = False
-                    yield decode_exit(body)
+                    status = decode_exit(body)
+                    if changes is not None:
+                        status = replace(
+                            status, file_changes=tuple(changes), changes_dropped=dropped
+                        )
+                    yield status
                     return
                 else:
                     raise errors.AgentUnavailable(f"unexpected reply {reply:#x} during exec")

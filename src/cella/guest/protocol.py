@@ -55,6 +55,7 @@ class Msg(IntEnum):
     SCLOSE = 0x1D  # stream closed (also guest -> host: 0x8B)
     CONNECT = 0x1E  # open a stream to a guest port (u32), answered OK or ERROR
     RESIZE = 0x1F  # a terminal exec's size: u32 columns, u32 rows
+    POLICY = 0x28  # the exec policy: POL_DEFAULT and POL_RULE fields, answered OK
     # guest -> host
     PONG = 0x81
     STARTED = 0x82
@@ -69,6 +70,8 @@ class Msg(IntEnum):
     GSCLOSE = 0x8B
     GACK = 0x8C
     ERROR = 0x8F
+    FSCHANGES = 0x90  # on an exec's channel before its exit: the files it changed
+    EXECDENIED = 0x91  # on channel 0: the exec policy refused an execve
 
 
 class Field(IntEnum):
@@ -90,6 +93,10 @@ class Field(IntEnum):
     PTY = 17  # columns << 16 | rows: run in a terminal of that size
     XATTR = 18  # key NUL value: metadata set on a written file (`user.e2b.<key>`)
     XATTRS = 19  # stat and list report each entry's metadata after it
+    WRAPPER = 30  # exec: argv[0] is the host's own shell for a string command
+    EXEMPT = 31  # exec: the host's own upkeep, not held to the exec policy
+    POL_DEFAULT = 32  # 1: what no rule matches is denied
+    POL_RULE = 33  # action b"a"|b"d", kind b"p" (path glob) | b"h" (sha256 digest), value
 
 
 class ProtocolError(errors.AgentUnavailable):
@@ -206,6 +213,10 @@ class ExitStatus:
     exit_code: int
     signal: int | None
     timed_out: bool
+    # the files the command changed (None: the agent does not report them), and how many
+    # changes were left out past the bound
+    file_changes: tuple[FileChange, ...] | None = None
+    changes_dropped: int = 0
 
 
 def decode_exit(payload: bytes) -> ExitStatus:
@@ -220,3 +231,78 @@ def decode_error(payload: bytes) -> tuple[int, str]:
         raise ProtocolError("malformed error frame")
     (err,) = struct.unpack_from(">I", payload)
     return err, payload[4:1028].decode("utf-8", "replace")
+
+
+# A command's file changes as the guest reports them (bounded there; the host bounds again).
+MAX_FILE_CHANGES = 1000
+_CHANGE_KINDS = {
+    ord("c"): "created",
+    ord("m"): "modified",
+    ord("d"): "deleted",
+    ord("r"): "renamed",
+}
+_CHANGE = struct.Struct(">BBQ")
+
+
+@dataclass(frozen=True, slots=True)
+class FileChange:
+    path: str
+    change: str  # "created", "modified", "deleted", "renamed" (from `source`)
+    size: int  # at the end of the command; 0 for directories and deleted paths
+    is_dir: bool = False
+    source: str | None = None
+
+
+def decode_file_changes(payload: bytes) -> tuple[int, list[FileChange]]:
+    """One FSCHANGES frame: how many changes the guest left out, and the changes."""
+    if len(payload) < 4:
+        raise ProtocolError("malformed file changes frame")
+    (dropped,) = struct.unpack_from(">I", payload)
+    off, out = 4, []
+    while off < len(payload):
+        if len(payload) - off < _CHANGE.size:
+            raise ProtocolError("truncated file change")
+        kind, is_dir, size = _CHANGE.unpack_from(payload, off)
+        path, off = _short_bytes(payload, off + _CHANGE.size)
+        source, off = _short_bytes(payload, off)
+        if kind not in _CHANGE_KINDS:
+            raise ProtocolError(f"unknown file change kind {kind}")
+        out.append(
+            FileChange(
+                path=path.decode("utf-8", "replace"),
+                change=_CHANGE_KINDS[kind],
+                size=size,
+                is_dir=bool(is_dir),
+                source=source.decode("utf-8", "replace") if source else None,
+            )
+        )
+    return dropped, out
+
+
+@dataclass(frozen=True, slots=True)
+class ExecDenied:
+    """The exec policy refused an execve in the guest."""
+
+    pid: int
+    channel: int  # the exec it belongs to (0: none known)
+    suppressed: int  # refusals left out before this one (the guest's rate limit)
+    sha256: str | None
+    path: str
+    argv: list[str]  # the calling process's command line (the new one never started)
+
+
+def decode_exec_denied(payload: bytes) -> ExecDenied:
+    if len(payload) < 46:
+        raise ProtocolError("malformed exec refusal")
+    pid, channel, suppressed = struct.unpack_from(">III", payload)
+    digest = payload[12:44]
+    path, off = _short_bytes(payload, 44)
+    argv, _ = _short_bytes(payload, off)
+    return ExecDenied(
+        pid=pid,
+        channel=channel,
+        suppressed=suppressed,
+        sha256=digest.hex() if any(digest) else None,
+        path=path.decode("utf-8", "replace"),
+        argv=[a.decode("utf-8", "replace") for a in argv.split(b"\0") if a][:64],
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -32,8 +33,15 @@ class BootImage:
     agent: Path
 
 
+_INCLUDE = re.compile(rb'^#include "([a-z_]+\.c)"$', re.M)
+
+
 def _agent_source() -> bytes:
-    return resources.files("cella.guest").joinpath("agent", "agent.c").read_bytes()
+    """agent.c with the parts it includes by name (`#include "fswatch.c"`) written in, so the
+    agent stays one file to compile and its digest covers every part."""
+    folder = resources.files("cella.guest").joinpath("agent")
+    source = folder.joinpath("agent.c").read_bytes()
+    return _INCLUDE.sub(lambda m: folder.joinpath(m[1].decode()).read_bytes(), source)
 
 
 def _digest(*parts: bytes) -> str:

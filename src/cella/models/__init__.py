@@ -13,6 +13,7 @@ from cella.models.exec import (
     decode_data,
     encode_data,
 )
+from cella.models.exec_policy import ExecPolicy, ExecRule
 from cella.models.files import (
     MAX_WALK_DEPTH,
     MAX_WALK_ENTRIES,
@@ -143,8 +144,10 @@ __all__ = [
     "EventList",
     "ExecDefaults",
     "ExecEvent",
+    "ExecPolicy",
     "ExecRequest",
     "ExecResult",
+    "ExecRule",
     "ExposeRequest",
     "ExposedPort",
     "FileEntry",

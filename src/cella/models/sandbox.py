@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cella.models.buckets import BucketMount, BucketState, check_bucket_auth
+from cella.models.exec_policy import ExecPolicy
 from cella.models.mounts import MAX_MOUNTS, GitMount, check_mounts
 from cella.models.network import ENV_NAME, SECRET_NAME, NetworkPolicy
 from cella.models.volumes import MAX_VOLUME_MOUNTS, VolumeMount
@@ -149,6 +150,12 @@ class SandboxCreate(BaseModel):
         "owner's key, `private` for a member's",
     )
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
+    exec_policy: ExecPolicy | None = Field(
+        default=None,
+        description="which executables may run in the guest (its kernel refuses the rest "
+        "with EPERM); kept across stop, resume and forks; changed with "
+        "`PUT /v1/sandboxes/{id}/exec-policy`",
+    )
     run_entrypoint: bool = Field(
         default=False,
         description="start the template image's Entrypoint + Cmd as process `entrypoint`",
@@ -251,6 +258,7 @@ class Sandbox(BaseModel):
     checkpoint_each_exec: bool = False
     access_delegation: AccessDelegation | None = None
     exec_defaults: ExecDefaults = Field(default_factory=ExecDefaults)
+    exec_policy: ExecPolicy | None = None
     last_active_at: datetime | None = None
     stopped_at: datetime | None = None
     labels: dict[str, str]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from cella.guest.client import ExecControl, ExecEvent, GuestStream
-    from cella.guest.protocol import Entry
+    from cella.guest.protocol import Entry, ExecDenied
     from cella.images.kernel import Kernel
     from cella.models.exec import ExecResult
     from cella.paths import Paths
@@ -44,6 +44,7 @@ class GuestAgent(Protocol):
     arrive as `cella.errors`."""
 
     on_stream: Callable[[GuestStream], Awaitable[None]] | None
+    on_exec_denied: Callable[[ExecDenied], None] | None  # the exec policy refused one
 
     @property
     def closed(self) -> bool: ...
@@ -66,6 +67,7 @@ class GuestAgent(Protocol):
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
+        exempt: bool = True,
     ) -> AsyncIterator[ExecEvent]: ...
 
     async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:
@@ -91,6 +93,10 @@ class GuestAgent(Protocol):
         seed: bytes | None = None,
         sandbox_id: str | None = None,
         pids_max: int | None = None,
+    ) -> None: ...
+
+    async def set_exec_policy(
+        self, deny_by_default: bool, rules: Sequence[tuple[bool, str, str]]
     ) -> None: ...
 
     def read_stream(self, path: str) -> AsyncIterator[bytes]: ...

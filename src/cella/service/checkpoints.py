@@ -138,6 +138,7 @@ class Checkpoints:
                         sandbox_id=row.id,
                         pids_max=row.max_pids or self.lifecycle.settings.default_max_pids,
                     )
+                    await self.lifecycle.exec_policies.apply(vm, row)  # today's, not then's
                 except BaseException as exc:
                     await self.driver.destroy(vm)
                     self.registry.fail(sandbox_id, exc)

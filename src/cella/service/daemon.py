@@ -6,8 +6,7 @@ Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, cras
 outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
 `buckets` (S3 and GCS buckets and volumes mounted in the guest through the egress proxy),
 `volumes` (the tenant's persistent file trees, shared between sandboxes), `desktop` (the
-screen of a desktop sandbox),
-`ports` (guest servers, service URLs), `trace` (events and
+screen of a desktop sandbox), `ports` (guest servers, service URLs), `trace` (events and
 lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
 tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
 Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
@@ -40,6 +39,7 @@ from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
 from cella.service.evals import Evals
 from cella.service.exec import Exec
+from cella.service.exec_policy import ExecPolicies
 from cella.service.files import Files
 from cella.service.forks import Forks
 from cella.service.idempotency import Idempotency
@@ -116,8 +116,15 @@ class Daemon:
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.kernels = Kernels(driver, self.warm)
         self.admission = Admission(settings, self.registry, self.pool.committed)
+        self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
-            settings, self.registry, self.admission, self.egress, self.warm, self.pool
+            settings,
+            self.registry,
+            self.admission,
+            self.egress,
+            self.warm,
+            self.pool,
+            self.exec_policies,
         )
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
@@ -380,12 +387,11 @@ class Daemon:
         return self.registry.get(who, row.id)
 
     def health(self) -> dict[str, Any]:
-        accel = self.driver.accel
         return {
             "ok": True,
             "version": __version__,
-            "accel": accel.accel,
-            "accel_reason": accel.reason,
+            "accel": self.driver.accel.accel,
+            "accel_reason": self.driver.accel.reason,
             "kernel": self.kernels.status(),
             "pool": self.pool.status(),
             "pool_size": self.pool.size,

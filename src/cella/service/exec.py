@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from cella.guest.client import ExecControl, ExecEvent, Output
 from cella.guest.protocol import ExitStatus
@@ -47,6 +48,7 @@ class Exec:
         control: ExecControl | None = None,
         activity: bool = True,
         need: Permission = Permission.exec,
+        exempt: bool = False,
         caller: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         """Started, then output as produced, then the exit status. `stdin` (an open-ended
@@ -54,6 +56,8 @@ class Exec:
         that keep a command interactive (processes, terminals); without `activity` (the daemon's
         own upkeep) the command does not count against the sandbox's idleness. `need`: a
         read the service runs as a fixed command (a byte range of a file) needs `view`.
+        `exempt`: a fixed command of the service's own (a move, a read), which the
+        sandbox's exec policy does not hold, as it does not hold the daemon's upkeep.
         `caller`: the caller's own command (not one the service runs for a file call),
         after which `after_command` runs (the checkpoint of `checkpoint_each_exec`)."""
         row, vm = self.registry.live(who, sandbox_id, activity, need)  # one store read
@@ -66,6 +70,7 @@ class Exec:
         if stdin is not None:
             kwargs["stdin"] = stdin
         kwargs["pty"], kwargs["control"] = pty, control
+        kwargs["exempt"] = exempt or not activity
         started_at = time.time()
         start = time.monotonic()
         status: ExitStatus | None = None
@@ -78,7 +83,8 @@ class Exec:
                         status = event
                     yield event
             finally:
-                self.registry.events.emit(
+                changes = status.file_changes if status else None
+                parent = self.registry.events.emit(
                     sandbox_id,
                     "exec",
                     {
@@ -90,8 +96,11 @@ class Exec:
                         "timed_out": status.timed_out if status else None,
                         "duration_ms": round((time.monotonic() - start) * 1000, 1),
                         **output.trace(),
+                        **({"files_changed": len(changes)} if changes is not None else {}),
                     },
                 )
+                if status is not None and (changes or status.changes_dropped):
+                    self.registry.events.emit(sandbox_id, "file_changes", traced(parent, status))
         if caller and status is not None and self.after_command is not None:
             await self.after_command(who, row, req.command)
 
@@ -102,6 +111,7 @@ class Exec:
         req: ExecRequest,
         keep: int | None = None,
         activity: bool = True,
+        exempt: bool = False,
         caller: bool = False,
     ) -> ExecResult:
         """Runs to completion; up to `keep` bytes of each stream (default: the daemon's
@@ -110,10 +120,23 @@ class Exec:
         start = time.monotonic()
         status: ExitStatus | None = None
         async for event in self.stream(
-            who, sandbox_id, req, output, activity=activity, caller=caller
+            who, sandbox_id, req, output, activity=activity, caller=caller, exempt=exempt
         ):
             if isinstance(event, ExitStatus):
                 status = event
         assert status is not None
         duration_ms = (time.monotonic() - start) * 1000
         return output.result(status.exit_code, status.signal, status.timed_out, duration_ms)
+
+
+def traced(parent: int, status: ExitStatus) -> dict[str, Any]:
+    """A command's file changes as a trace event under its `exec` event (`parent`)."""
+    changes = []
+    for c in status.file_changes or ():
+        item: dict[str, Any] = {"path": c.path, "change": c.change, "size": c.size}
+        if c.is_dir:
+            item["dir"] = True
+        if c.source is not None:
+            item["from"] = c.source
+        changes.append(item)
+    return {"parent": parent, "changes": changes, "truncated": status.changes_dropped}

@@ -20,9 +20,10 @@ from cella.models.sandbox import RestoreMemory
 from cella.policy.access import Principal
 from cella.service.admission import Admission
 from cella.service.egress import rules_of
-from cella.service.lifecycle import Lifecycle, new_record
+from cella.service.lifecycle import Lifecycle
 from cella.service.registry import Registry
 from cella.service.rewrites import kept_setter
+from cella.service.sandbox_rows import new_record
 from cella.service.snapshots import Snapshots
 from cella.service.warm import new_sandbox_id
 from cella.storage.snapshots import SnapshotDir

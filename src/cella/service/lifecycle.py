@@ -2,9 +2,9 @@
 
 States: creating -> running <-> paused, running -> stopping -> stopped -> starting ->
 running, any -> deleting -> deleted, and error. Each state is written before it is acted
-on, so recovery after a crash knows what was interrupted. This room also owns the one place
-a sandbox row is built (`new_record`, shared with forks), how a VM is readied for a sandbox
-(egress attached, fresh identity) and how one is taken apart.
+on, so recovery after a crash knows what was interrupted. This room also owns how a VM is
+readied for a sandbox (egress attached, fresh identity) and how one is taken apart (its row
+is built in `sandbox_rows`, shared with forks).
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.images import oci, templates
 from cella.models import ExecDefaults, SandboxCreate, SandboxState
-from cella.policy import access
 from cella.policy.access import Permission, Principal
 from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import SandboxEgress, rules_of
+from cella.service.exec_policy import ExecPolicies
 from cella.service.registry import Registry, iso
-from cella.service.rewrites import setter_of
+from cella.service.sandbox_rows import new_record
 from cella.service.start_commands import StartCommands
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
-from cella.store import SandboxRecord, SecretRef
+from cella.store import SandboxRecord
 
 S = SandboxState
 MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
@@ -42,82 +42,6 @@ UNSET = Unset()
 POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
 
 
-def new_record(
-    who: Principal,
-    sandbox_id: str,
-    spec: SandboxCreate,
-    secrets: dict[str, SecretRef],
-    created_from: str,
-    inherited_setter: dict[str, Any] | None = None,
-    **lineage: Any,
-) -> SandboxRecord:
-    """The row of a sandbox about to be made (`creating`): by create or by fork, by `who`
-    (its creator, whose it is: `cella.policy.access`). Its rewrite rules are `who`'s,
-    unless they are a fork's inherited ones: `inherited_setter` set them."""
-    setter = inherited_setter if spec.network.rewrites else None
-    return SandboxRecord(
-        id=sandbox_id,
-        tenant=who.tenant,
-        creator_key=who.key_id,
-        creator=who.principal or None,
-        visibility=spec.visibility or access.default_visibility(who),
-        state=S.creating,
-        name=spec.name,
-        template=spec.template,
-        vcpus=spec.vcpus,
-        memory_mib=spec.memory_mib,
-        disk_mib=spec.disk_mib,
-        ttl_seconds=spec.ttl_seconds,
-        idle_timeout_seconds=spec.idle_timeout_seconds,
-        ttl_action=spec.ttl_action,
-        ttl_clock=spec.ttl_clock,
-        auto_resume=spec.auto_resume,
-        wake_ttl_seconds=spec.ttl_seconds,
-        idle_action=spec.idle_action,
-        max_pids=spec.max_pids,
-        delete_after_stop_seconds=spec.delete_after_stop_seconds,
-        stop_keeps_memory=spec.stop_keeps_memory,
-        checkpoint_each_exec=spec.checkpoint_each_exec,
-        exec_defaults=spec.exec_defaults,
-        labels=dict(spec.labels),
-        network=spec.network,
-        rewrite_setter=setter or setter_of(who, spec.network),
-        secrets=secrets,
-        mounts=list(spec.mounts),
-        bucket_mounts=list(spec.bucket_mounts),
-        volume_mounts=list(spec.volume_mounts),
-        created_from=created_from,
-        **lineage,
-    )
-
-
-def spec_of(row: SandboxRecord) -> SandboxCreate:
-    """What a sandbox was made with, so a fork of it is made the same way."""
-    return SandboxCreate.model_construct(
-        template=row.template,
-        vcpus=row.vcpus,
-        memory_mib=row.memory_mib,
-        disk_mib=row.disk_mib,
-        ttl_seconds=row.ttl_seconds,
-        idle_timeout_seconds=row.idle_timeout_seconds,
-        ttl_action=row.ttl_action,
-        ttl_clock=row.ttl_clock,
-        auto_resume=row.auto_resume,
-        idle_action=row.idle_action,
-        max_pids=row.max_pids,
-        delete_after_stop_seconds=row.delete_after_stop_seconds,
-        stop_keeps_memory=row.stop_keeps_memory,
-        checkpoint_each_exec=row.checkpoint_each_exec,
-        exec_defaults=row.exec_defaults,
-        labels=row.labels,
-        network=row.network,
-        secrets={k: v.secret for k, v in row.secrets.items()},
-        mounts=row.mounts,
-        bucket_mounts=row.bucket_mounts,
-        volume_mounts=row.volume_mounts,
-    )
-
-
 class Lifecycle:
     def __init__(
         self,
@@ -127,8 +51,10 @@ class Lifecycle:
         egress: SandboxEgress,
         warm: WarmSnapshots,
         pool: WarmPool,
+        exec_policies: ExecPolicies,
     ) -> None:
         self.settings = settings
+        self.exec_policies = exec_policies
         self.registry = registry
         self.driver = registry.driver
         self.events = registry.events
@@ -223,6 +149,7 @@ class Lifecycle:
             sandbox_id=row.id,
             pids_max=row.max_pids or self.settings.default_max_pids,
         )
+        await self.exec_policies.apply(vm, row, clean=row.snapshot_id is None)
 
     def _trusted_before(self, row: SandboxRecord) -> bool:
         """A fork's guest is its parent's copy: it trusts the CA if the parent did."""
@@ -315,6 +242,7 @@ class Lifecycle:
                 if vm is None:
                     raise errors.InvalidState(f"sandbox {sandbox_id} lost its VM")
                 await vm.resume()
+                await self.exec_policies.apply(vm, row)  # it may have changed meanwhile
                 self.registry.update(sandbox_id, state=S.running, stopped_at=None)
                 self.events.emit(sandbox_id, "resumed", {"from": "paused"})
                 return self.registry.get(who, sandbox_id)
@@ -334,6 +262,7 @@ class Lifecycle:
                 self.registry.update(sandbox_id, state=S.stopped, pid=None)
                 raise
             self.egress.attach(vm, row)
+            await self.exec_policies.apply(vm, row, clean=True)  # a fresh boot
             self.registry.track(sandbox_id, vm)
             self.registry.update(sandbox_id, pid=vm.pid, error=None, stopped_at=None)
             await self.start_commands.run(vm, sandbox_id, row.template)  # booted from disk

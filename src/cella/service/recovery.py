@@ -80,6 +80,7 @@ class Recovery:
             return False
         self.registry.track(row.id, vm)
         self.egress.attach(vm, row)
+        self.lifecycle.exec_policies.attach(vm, row)  # its guest kept its policy in memory
         self.registry.update(row.id, state=S.paused if paused else S.running)
         self.events.emit(row.id, "adopted", {"pid": row.pid})
         return True

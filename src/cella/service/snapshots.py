@@ -26,8 +26,8 @@ from pathlib import Path
 from cella import errors
 from cella.models import SandboxCreate, SnapshotState
 from cella.policy.access import Principal
-from cella.service.lifecycle import spec_of
 from cella.service.registry import Registry, error_text
+from cella.service.sandbox_rows import spec_of
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SecretRef, SnapshotRecord
 

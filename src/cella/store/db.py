@@ -14,6 +14,7 @@ from typing import Any
 
 from cella import errors
 from cella.models.buckets import BucketMount, BucketState
+from cella.models.exec_policy import ExecPolicy
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, SandboxState, SnapshotState
@@ -731,6 +732,7 @@ def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
         "network": record.network.model_dump(),
         "exec_defaults": record.exec_defaults.model_dump(),
+        "exec_policy": record.exec_policy.model_dump() if record.exec_policy else None,
         "mounts": [m.model_dump() for m in record.mounts],
         "bucket_mounts": [m.model_dump() for m in record.bucket_mounts],
         "volume_mounts": [m.model_dump() for m in record.volume_mounts],
@@ -769,7 +771,9 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
                 "mount_states", "shares", "volume_mounts"):  # fmt: skip
         if key in out:
             out[key] = json.dumps(out[key])
-    for key in ("delegation", "rewrite_setter"):
+    if isinstance(out.get("exec_policy"), ExecPolicy):
+        out["exec_policy"] = out["exec_policy"].model_dump()
+    for key in ("delegation", "rewrite_setter", "exec_policy"):
         if out.get(key) is not None:
             out[key] = json.dumps(out[key])
     return out
@@ -782,6 +786,8 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
     out["network"] = NetworkPolicy.model_validate(json.loads(out["network"]))
     out["exec_defaults"] = ExecDefaults.model_validate(json.loads(out["exec_defaults"]))
     out["secrets"] = {k: SecretRef(**v) for k, v in json.loads(out["secrets"]).items()}
+    policy = out["exec_policy"]
+    out["exec_policy"] = ExecPolicy.model_validate(json.loads(policy)) if policy else None
     out["mounts"] = [GitMount.model_validate(m) for m in json.loads(out["mounts"])]
     out["bucket_mounts"] = [BucketMount.model_validate(m) for m in json.loads(out["bucket_mounts"])]
     out["volume_mounts"] = [VolumeMount.model_validate(m) for m in json.loads(out["volume_mounts"])]

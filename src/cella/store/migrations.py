@@ -312,4 +312,8 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX idempotency_keys_created ON idempotency_keys (created_at);
     """,
+    # the exec policy (JSON), NULL: none
+    """
+    ALTER TABLE sandboxes ADD COLUMN exec_policy TEXT;
+    """,
 ]

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from cella.models.buckets import BucketMount, BucketState
+from cella.models.exec_policy import ExecPolicy
 from cella.models.mounts import GitMount
 from cella.models.network import NetworkPolicy
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
@@ -46,6 +47,7 @@ class SandboxRecord:
     name: str | None = None
     delete_after_stop_seconds: int | None = None
     exec_defaults: ExecDefaults = field(default_factory=ExecDefaults)
+    exec_policy: ExecPolicy | None = None  # None: every executable runs
     stopped_at: str | None = None
     stop_keeps_memory: bool = False  # a stop pauses the VM (processes and memory kept)
     checkpoint_each_exec: bool = False  # a checkpoint after every command

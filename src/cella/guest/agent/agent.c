@@ -245,6 +245,8 @@ struct exec {
     int pty;            /* a terminal: out_fd is its master, stdin is written to it too */
     uint32_t inflight;  /* output sent, not yet acknowledged */
     char cgroup[64];
+    void *fs;           /* the file changes it made so far (fswatch.c) */
+    int exempt;         /* the host's own upkeep: not held to the exec policy */
     struct exec *next;
 };
 static struct exec *execs;
@@ -272,6 +274,10 @@ static struct exec *find_exec(uint32_t chan) {
 }
 
 static void set_nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+/* file changes per exec, and the exec policy (inlined here by images/boot.py) */
+#include "fswatch.c"
+#include "execpolicy.c"
 
 static void write_file(const char *path, const char *val) {
     int fd = open(path, O_WRONLY | O_CLOEXEC);
@@ -536,6 +542,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
 
     struct exec *e = calloc(1, sizeof *e);
     e->chan = chan;
+    e->exempt = find_field(fs, n, F_EXEMPT) != NULL;
     pid_t pid = spawn_in_cgroup(e);
     if (pid == 0)
         exec_child(argv, env, cwd, &u, inp[0], outp[1], errp[1], ep[1], tty);
@@ -555,6 +562,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
     /* exec failures (missing binary, bad cwd, bad user) come back as an errno */
     uint8_t eb[5];
     ssize_t r;
+    policy_wait_child(ep[0], pid, find_field(fs, n, F_WRAPPER) != NULL, e->exempt);
     do r = read(ep[0], eb, 5); while (r < 0 && errno == EINTR);
     close(ep[0]);
     if (r == 5) {
@@ -673,6 +681,7 @@ static void finish_exec(struct exec *e) {
     if (e->err_fd >= 0) close(e->err_fd);
     if (e->in_fd >= 0) close(e->in_fd);
     if (e->timed_out) kill_tree(e, SIGKILL);
+    watch_exec_finished(e);
     uint8_t r[9];
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
@@ -1364,6 +1373,7 @@ static void dispatch(uint32_t chan, uint8_t type, const uint8_t *p, uint32_t len
     case T_IDENTITY: handle_identity(chan, p, len); break;
     case T_CONNECT: handle_connect(chan, p, len); break;
     case T_RESIZE: handle_resize(chan, p, len); break;
+    case T_POLICY: handle_policy(chan, p, len); break;
     case T_ACK: handle_ack(chan, p, len); break;
     case T_SDATA: handle_sdata(chan, p, len); break;
     case T_SCLOSE: {
@@ -1676,6 +1686,7 @@ int main(void) {
     }
     open_dns();
     open_listeners();
+    watch_init();
     rbuf = malloc(HDR + MAX_FRAME);
     logf_("ready (%s)", have_cgroups ? "cgroup kill" : "process-group kill");
 
@@ -1683,7 +1694,7 @@ int main(void) {
     size_t pcap = 0;
     int64_t last_cg_sweep = now_ms();
     for (;;) {
-        size_t need = 3 + N_LISTEN;
+        size_t need = 3 + N_LISTEN + WATCH_FDS;
         for (struct exec *e = execs; e; e = e->next) need += 3;
         for (struct stream *t = streams; t; t = t->next) need += 1;
         if (need > pcap) {
@@ -1708,6 +1719,8 @@ int main(void) {
                 if (timeout < 0 || left < timeout) timeout = (int)left;
             }
         }
+        size_t first_watch = np;
+        np += watch_pollfds(pfds + np);
         size_t first_listener = np;
         for (size_t l = 0; l < N_LISTEN; l++)
             pfds[np++] = (struct pollfd){.fd = listen_fds[l], .events = POLLIN};
@@ -1771,6 +1784,7 @@ int main(void) {
             if (t && (rev & POLLOUT)) stream_write(t);
         }
         if (pfds[2].revents & POLLIN) answer_dns();
+        watch_events(pfds + first_watch); /* before reaping: writers' cgroups are still known */
         if (pfds[1].revents & POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) > 0) {}

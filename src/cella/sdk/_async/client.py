@@ -24,6 +24,7 @@ from cella.models import (
     Event,
     ExecDefaults,
     ExecEvent,
+    ExecPolicy,
     ExecResult,
     ExposedPort,
     FileEntry,
@@ -174,6 +175,7 @@ class AsyncClient:
         visibility: str | None = None,
         checkpoint_each_exec: bool | None = None,
         idempotency_key: str | None = None,
+        exec_policy: ExecPolicy | dict[str, Any] | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -213,6 +215,8 @@ class AsyncClient:
         `idempotency_key` (e.g. a UUID you keep): a retry of this create with the same key
         and arguments, also one sent while the first still runs, gets the same sandbox
         (keys are kept a day).
+        `exec_policy` (`{"default": "allow"|"deny", "rules": [{"path_glob"|"sha256": ...,
+        "action": "allow"|"deny"}]}`) says which executables its guest's kernel lets run.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -238,6 +242,9 @@ class AsyncClient:
             restore_memory=restore_memory,
             access_delegation=access_delegation,
             visibility=visibility,
+            exec_policy=ExecPolicy.model_validate(exec_policy).model_dump(exclude_none=True)
+            if exec_policy is not None
+            else None,
             template=template,
             vcpus=vcpus,
             memory_mib=memory_mib,
@@ -1000,6 +1007,18 @@ class AsyncSandbox:
     async def lineage(self) -> LineageNode:
         """The family tree this sandbox belongs to (snapshots and forks)."""
         return await self.client.lineage(self.id)
+
+    async def exec_policy(self) -> ExecPolicy:
+        """Which executables its guest lets run (none set: every one)."""
+        response = await self.client.request("GET", f"{self._path}/exec-policy")
+        return ExecPolicy.model_validate(response.json())
+
+    async def set_exec_policy(self, policy: ExecPolicy | dict[str, Any]) -> ExecPolicy:
+        """Replaces its exec policy (a key that manages it); a running guest holds it from
+        the next execve on. `{"default": "allow", "rules": []}` lifts it."""
+        body = ExecPolicy.model_validate(policy).model_dump(exclude_none=True)
+        response = await self.client.request("PUT", f"{self._path}/exec-policy", json=body)
+        return ExecPolicy.model_validate(response.json())
 
     async def access(self) -> SandboxAccessView:
         """Who made it, who may use it, and what this client's key may do with it."""

@@ -15,6 +15,7 @@ from cella.models import (
     Event,
     EventList,
     ExecEvent,
+    ExecPolicy,
     ExecRequest,
     ExecResult,
     LineageNode,
@@ -105,6 +106,21 @@ async def set_access(
 ) -> SandboxAccessView:
     """Sets who may use the sandbox (its visibility and shares; a key that manages it)."""
     return await svc.sharing.set(who, sandbox_id, body)
+
+
+@router.get("/{sandbox_id}/exec-policy", response_model=ExecPolicy)
+async def get_exec_policy(sandbox_id: ID, svc: DaemonDep, who: Auth) -> ExecPolicy:
+    """Which executables the sandbox's guest lets run (none set: every one)."""
+    return svc.exec_policies.get(who, sandbox_id)
+
+
+@router.put("/{sandbox_id}/exec-policy", response_model=ExecPolicy)
+async def set_exec_policy(
+    sandbox_id: ID, body: ExecPolicy, svc: DaemonDep, who: Auth
+) -> ExecPolicy:
+    """Replaces the exec policy (a key that manages the sandbox); a running guest holds
+    it from the next execve on. `{"default": "allow", "rules": []}` lifts it."""
+    return await svc.exec_policies.set(who, sandbox_id, body)
 
 
 @router.post("/{sandbox_id}/stop", response_model=Sandbox)
