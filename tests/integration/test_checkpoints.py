@@ -22,10 +22,14 @@ pytestmark = pytest.mark.vm
 
 WORK = "/root/work"
 # a counter held only in a shell's memory: each line written to the FIFO adds one, and the
-# value is written out after each (the file says what the memory holds)
+# value is written out after each (the file says what the memory holds). The FIFO is made in
+# the foreground: `mkfifo f && cmd &` would background both, and a bump that came first would
+# make f a plain file. The counter holds the FIFO open read-write for good, so its reads never
+# see an end and a line written while it is between two reads waits in the pipe, not lost.
 COUNTER = (
-    "mkfifo /root/inc && nohup sh -c 'i=0; while true; do read x < /root/inc; i=$((i+1)); "
-    "echo $i > /root/count.tmp; mv /root/count.tmp /root/count; done' >/dev/null 2>&1 &"
+    "mkfifo /root/inc && { nohup sh -c 'exec 3<>/root/inc; i=0; while"
+    " echo $i > /root/count.tmp && mv /root/count.tmp /root/count && read x <&3;"
+    " do i=$((i+1)); done' >/dev/null 2>&1 & }"
 )
 
 
@@ -183,6 +187,8 @@ def _count(sb: Sandbox) -> int | None:
 
 def test_rewind_brings_back_files_and_a_running_process_memory(sb: Sandbox) -> None:
     sb.exec(COUNTER, check=True)
+    assert sb.exec("test -p /root/inc").exit_code == 0  # a FIFO, not a file a bump made
+    bump(sb, 0, 0)  # running, its memory at 0
     bump(sb, 3, 3)
     sb.files.write("/root/note.txt", "at three\n")
     sb.checkpoint("three")
