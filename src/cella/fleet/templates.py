@@ -3,15 +3,17 @@ sandbox of it may be placed on any.
 
 An image build (`POST /v1/templates`) goes to every healthy node at once, their progress
 streamed back as one JSON Lines stream (each line naming its node), `done` once every node
-has it; its request is kept here, and a node that joins later builds the ones it lacks in
-the background (the planner places sandboxes of a template only on nodes that have it
-built, where any has). A Dockerfile build's context is spooled here and sent to every node
-alike (not kept: a node that joins later does not build it). The list is every node's, a
+has it (a build that fails on one node is removed from the others: all or none). Its
+request is kept here, and a node that joins later builds the ones it lacks in the
+background (the planner places sandboxes of a template only on nodes that have it built,
+where any has). A Dockerfile build's context is spooled here and sent to every node alike
+(not kept: a node that joins later does not build it). The list is every node's, a
 template built where any node built it; a removal is every node's."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -60,7 +62,12 @@ class FleetTemplates:
             )
             return node.client.send(request, stream=True)
 
-        return self._everywhere(send)
+        def kept(built: bool) -> None:
+            if not built:  # a build that failed is not one for joining nodes to repeat
+                with self._lock:
+                    self._db.execute("DELETE FROM template_builds WHERE name = ?", (body.name,))
+
+        return self._everywhere(send, kept)
 
     def build_dockerfile(self, name: str, query: str, spool: IO[bytes]) -> AsyncIterator[bytes]:
         """A Dockerfile build on every healthy node, each sent the spooled context."""
@@ -81,18 +88,15 @@ class FleetTemplates:
             )
             return node.client.send(request, stream=True)
 
-        return self._everywhere(send, on_end=spool.close)
+        return self._everywhere(send, lambda _: spool.close())
 
-    def _everywhere(
-        self, send: Send, on_end: Callable[[], None] | None = None
-    ) -> AsyncIterator[bytes]:
+    def _everywhere(self, send: Send, on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         """The build `send` starts on each healthy node, run as the gateway's own task (a
         client that goes away does not stop it); its progress, then one outcome: `done`
         with the first node's template once every node has it, else the first error."""
         nodes = self.membership.healthy()
         if not nodes:
-            if on_end is not None:
-                on_end()
+            on_end(False)
             raise errors.NodeUnavailable("no node of the fleet is up")
         queue: asyncio.Queue[Json | None] = asyncio.Queue()
 
@@ -124,17 +128,22 @@ class FleetTemplates:
                 await answer.aclose()
 
         async def run() -> None:
+            failed: list[tuple[Node, Json]] = [(nodes[0], {})]
             try:
                 ends = await asyncio.gather(*(on(n) for n in nodes))
                 failed = [(n, e) for n, e in zip(nodes, ends, strict=True) if e["type"] != "done"]
                 if failed:
                     node, end = failed[0]
                     queue.put_nowait({**end, "message": f"node {node.name}: {end.get('message')}"})
+                    for built, done in zip(nodes, ends, strict=True):  # all or none
+                        if done["type"] == "done":
+                            with contextlib.suppress(errors.CellaError, httpx2.HTTPError):
+                                name = done["template"]["name"]
+                                await built.call("DELETE", f"/v1/templates/{name}")
                 else:
                     queue.put_nowait(ends[0])
             finally:
-                if on_end is not None:
-                    on_end()
+                on_end(not failed)
                 queue.put_nowait(None)
 
         self._start(run())
