@@ -19,8 +19,12 @@ import pytest
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-# run in one session, on one cluster: the fleet's own checks, then the LangSmith SDK's
-CHECKS = [ROOT / "tests" / "fleet" / name for name in ("fleet_checks.py", "langsmith_checks.py")]
+# run in one session, on one cluster: the fleet's own checks, what its nodes share (volumes,
+# webhooks, templates), then the LangSmith SDK's (whose last check restarts the gateway)
+CHECKS = [
+    ROOT / "tests" / "fleet" / name
+    for name in ("fleet_checks.py", "shared_checks.py", "langsmith_checks.py")
+]
 
 
 def check_names() -> list[str]:
