@@ -193,7 +193,8 @@ def test_a_webhook_at_the_gateway_hears_every_node(
     assert tenant.get("/v1/webhooks").json()["webhooks"] == []
     assert all(on_node(fleet, n, "GET", "/v1/webhooks").json()["webhooks"] == [] for n in NODES)
     events = ["sandbox.created", "sandbox.killed"]
-    hook = made(tenant.post("/v1/webhooks", json={"url": f"http://web.test{HOOKS}", "events": events}))
+    url = f"http://web.test{HOOKS}"
+    hook = made(tenant.post("/v1/webhooks", json={"url": url, "events": events}))
     key = tenant.headers["authorization"].split()[1]
     e2b_hook = made(httpx2.post(f"{fleet.gateway.url}/events/webhooks", headers={"x-api-key": key},
                                 json={"url": f"http://web.test{HOOKS}/e2b",
