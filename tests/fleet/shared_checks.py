@@ -251,13 +251,15 @@ def test_a_template_built_through_the_gateway_boots_on_every_node(
     """An image template built at the gateway is built on every node (its progress names
     each), and its sandboxes boot wherever they are asked for; a build that cannot pull
     (no credentials) fails and leaves the template nowhere (the control)."""
-    nologin = build(fleet, {"name": "fleet-nologin", "image": outside.image})
+    # by its address: a template's image is fetched on the host, not through the proxy
+    image = outside.image.replace(REGISTRY, outside.registry.addr)
+    nologin = build(fleet, {"name": "fleet-nologin", "image": image})
     assert nologin[-1]["type"] == "error", nologin[-1]
     assert fleet.admin.get("/v1/templates/fleet-nologin").status_code == 404
-    login = {"value": f"{USER}:{PASSWORD}", "hosts": [REGISTRY]}
+    login = {"value": f"{USER}:{PASSWORD}", "hosts": [outside.registry.addr]}
     assert fleet.admin.put("/v1/secrets/fleet-registry", json=login).status_code == 200
     try:
-        events = build(fleet, {"name": "fleet-bb", "image": outside.image,
+        events = build(fleet, {"name": "fleet-bb", "image": image,
                                "registry_secret": "fleet-registry"})  # fmt: skip
         assert events[-1]["type"] == "done", events[-1]
         progress = " ".join(e["message"] for e in events if e["type"] == "progress")

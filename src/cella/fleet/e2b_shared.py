@@ -69,8 +69,11 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.api_route("/volumecontent/{volume_id}/{rest:path}", methods=METHODS)
     async def volume_content(volume_id: str, rest: str, request: Request) -> Response:
-        """The volume's own token authenticates it, on its home node."""
-        return await forward(request, volumes.home_by_id(volume_id), None, node_key=False)
+        """The volume's own token (its bearer, carried as is) authenticates it, on its home
+        node."""
+        token = {"authorization": request.headers.get("authorization", "")}
+        node = volumes.home_by_id(volume_id)
+        return await forward(request, node, None, node_key=False, extra=token)
 
     # -- named templates (E2B's build API) ---------------------------------------------------
 
