@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import secrets
 from typing import Any
 
@@ -20,6 +21,8 @@ from cella.models.observe import SharedWebhook
 from cella.policy.access import Principal
 from cella.service.webhooks import FLAVORS, MAX_WEBHOOKS
 from cella.store import Store, WebhookRecord
+
+log = logging.getLogger("cella.fleet.webhooks")
 
 
 class SharedWebhooks:
@@ -111,9 +114,14 @@ class SharedWebhooks:
         return found[:limit]
 
     async def push_to(self, node: Node) -> None:
-        """A joining node gets every tenant's webhooks as they are kept here."""
+        """A joining node gets every tenant's webhooks as they are kept here (one whose URL
+        this node holds outside its boundary is left out, said in the log: the node still
+        joins)."""
         for hook in self.store.list_webhooks(None):
-            await self._put(node, hook)
+            try:
+                await self._put(node, hook)
+            except errors.InvalidArgument as exc:
+                log.warning("webhook %s not put on node %s: %s", hook.id, node.name, exc)
 
     async def _everywhere(self, hook: WebhookRecord) -> None:
         """The webhook on every healthy node, one after another: the first refusal stops
