@@ -72,13 +72,14 @@ def home_of(fleet: Fleet, volume_id: str) -> str:
     return held[0]
 
 
-def test_a_volume_lives_on_one_node_and_its_sandboxes_go_there(
+def test_a_volume_written_on_one_node_is_read_on_another(
     fleet: Fleet, tenant: httpx2.Client
 ) -> None:
-    """A volume made at the gateway lives on one node; its content API and every sandbox
-    that mounts it go there (a sandbox asked for on another node too: nodes serve only
-    their own volumes), so what one sandbox writes another reads; a sandbox without
-    volumes goes where it is asked (the control)."""
+    """A volume made at the gateway lives on one node, its home: its content API goes
+    there, a sandbox that mounts it is placed there unless another node is asked for, and
+    a sandbox on another node mounts it too (its node sends the mount's requests on to the
+    home), so what one writes the other reads; a sandbox without volumes goes where it is
+    asked (the control), a volume the tenant does not have is refused by name."""
     vol = made(tenant.post("/v1/volumes", json={"name": "fleet-vol"}))
     home = home_of(fleet, vol["id"])
     elsewhere = next(n for n in NODES if n != home)
@@ -96,19 +97,19 @@ def test_a_volume_lives_on_one_node_and_its_sandboxes_go_there(
         shell(tenant, a["id"], "echo from-a > /mnt/v/from-a.txt")
         b = made(tenant.post(
             "/v1/sandboxes",
-            json={**SHAPE, "volume_mounts": [{"volume": vol["id"], "path": "/data",
-                                              "read_only": True}]},
+            json={**SHAPE, "volume_mounts": [{"volume": vol["id"], "path": "/data"}]},
             headers={NODE_HINT: elsewhere},
         ))  # fmt: skip
-        assert fleet.node_of(str(b["id"])) == home  # not where it was asked: the volume's
+        assert fleet.node_of(str(b["id"])) == elsewhere  # where it was asked: the volume lent
         assert read_until(tenant, b["id"], "/data/from-a.txt") == "from-a\n"
-        got = tenant.get("/v1/volumes/fleet-vol/content", params={"path": "/from-a.txt"})
-        assert got.status_code == 200 and got.content == b"from-a\n"
+        shell(tenant, b["id"], "echo from-b > /data/from-b.txt")
+        assert read_until(tenant, a["id"], "/mnt/v/from-b.txt") == "from-b\n"
+        got = tenant.get("/v1/volumes/fleet-vol/content", params={"path": "/from-b.txt"})
+        assert got.status_code == 200 and got.content == b"from-b\n"  # on the home, as kept
+        assert (fleet.node_root / home / "volumes" / vol["id"] / "from-b.txt").exists()
+        assert not (fleet.node_root / elsewhere / "volumes" / vol["id"]).exists()
         listed = tenant.get("/v1/volumes").json()
         assert [v["name"] for v in listed["volumes"]] == ["fleet-vol"]
-        assert sorted(made(tenant.get(f"/v1/volumes/{vol['id']}"), 200)["used_by"]) == sorted(
-            [a["id"], b["id"]]
-        )
         # the controls: a sandbox without volumes goes where it is asked; a volume no node
         # has is refused by name, and another tenant sees none of this one
         c = made(tenant.post("/v1/sandboxes", json=SHAPE, headers={NODE_HINT: elsewhere}))
@@ -120,6 +121,10 @@ def test_a_volume_lives_on_one_node_and_its_sandboxes_go_there(
         with fleet.client(key) as theirs:
             assert theirs.get("/v1/volumes/fleet-vol").status_code == 404
             assert theirs.get("/v1/volumes").json()["volumes"] == []
+        # the lending is the gateway's alone: a tenant's key cannot lend itself a volume
+        lend = {"tenant": "acme", "name": "x", "url": "https://127.0.0.1:1", "token": "t"}
+        refused = tenant.put(f"/v1/volumes/{vol['id']}/remote", json=lend)
+        assert refused.status_code == 403, refused.text
         in_use = tenant.delete("/v1/volumes/fleet-vol")
         assert in_use.status_code == 409, in_use.text  # mounted: refused on its node
     finally:

@@ -56,7 +56,7 @@ class Launcher:
         self.snapshots = snapshots
         self.delegations = delegations
         self.rewrites = rewrites
-        self.volumes = volumes  # a sandbox that mounts volumes goes to their node
+        self.volumes = volumes  # lends a sandbox's node the volumes it mounts
 
     async def launch(
         self,
@@ -120,6 +120,7 @@ class Launcher:
             body = {**body, "network": await self.rewrites.settle(who, body["network"])}
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
+            await self.volumes.lend(who, node, body.get("volume_mounts"))  # homes elsewhere
             # by id: a snapshot's names and tags live on the node it was taken on
             sent = body if snapshot_id is None else {**body, "snapshot": snapshot_id}
             made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
@@ -129,10 +130,9 @@ class Launcher:
             return [made]
 
         source = spec.snapshot or shape_of(spec)
-        only = await self.volumes.home_of(who, body.get("volume_mounts"))
-        [created] = await self.launch(
-            who, 1, source, make, name=spec.name, prefer=prefer, only=only
-        )
+        # no network hop for a sandbox on its volume's home, unless another node is asked for
+        prefer = prefer or await self.volumes.home_of(who, body.get("volume_mounts"))
+        [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
         return created
 
     async def fork_snapshot(
@@ -166,7 +166,7 @@ class Launcher:
         copies shipped meanwhile) removed again if the fork is refused or fails."""
         where = await self.locator.placement(who, sandbox_id)
         node = self.locator.usable(where)
-        only = node.name if where.body.get("volume_mounts") else None  # their home
+        only = node.name if where.body.get("volume_mounts") else None  # lent there
         snap = await node.json(
             "POST",
             f"/v1/sandboxes/{sandbox_id}/snapshots",

@@ -2,10 +2,13 @@
 by the gateway in `homes`; every call on a volume (its content API, cella's and E2B's) goes
 there, and lists are merged from every node.
 
-A sandbox mounts a volume through its node's egress proxy and daemon, which serve only
-volumes of their own: so a sandbox that mounts volumes is placed on their home (`home_of`
-gives the planner that node; volumes of different homes are refused together, by name), as
-is a fork of it. A tenant's volume quota holds per node."""
+A sandbox may mount a volume on any node: before the create, the gateway lends the
+sandbox's node each mounted volume that lives elsewhere (`lend`: the home's URL and
+certificate and the volume's token there, `PUT /v1/volumes/{id}/remote`, with the node's
+admin key), and that node sends its sandboxes' WebDAV requests for it on to the home
+(`service/remote_volumes.py`). Such a sandbox is placed on its first volume's home when it
+has room and no other node was asked for (no network hop); a fork of it stays on its node.
+A tenant's volume quota holds per node."""
 
 from __future__ import annotations
 
@@ -103,23 +106,34 @@ class FleetVolumes:
         return {"volumes": volumes, "quota_bytes": quota, "used_bytes": used}
 
     async def home_of(self, who: Principal, mounts: Any) -> str | None:
-        """The node a sandbox mounting `mounts` (a create's `volume_mounts`) must go to;
-        None without mounts. Volumes not found are left to the node to refuse."""
-        if not isinstance(mounts, list) or not mounts:
-            return None
-        homes: dict[str, list[str]] = {}
-        for mount in mounts:
-            key = mount.get("volume") if isinstance(mount, dict) else None
-            if not isinstance(key, str):
+        """The node a sandbox mounting `mounts` (a create's `volume_mounts`) is best placed
+        on: its first volume's home (None without mounts); `InvalidArgument` naming a
+        volume the tenant has on no node."""
+        homes = [await self._mounted(who, key) for key in _keys(mounts)]
+        return homes[0].node if homes else None
+
+    async def lend(self, who: Principal, node: Node, mounts: Any) -> None:
+        """`node` told of each volume in `mounts` that lives on another node, so that its
+        sandbox mounts it there."""
+        for key in _keys(mounts):
+            found = await self._mounted(who, key)
+            if found.node == node.name:
                 continue
-            found = await self.find(who, key)
-            if found is None:
-                raise errors.InvalidArgument(f"volume_mounts: no volume {key!r}")
-            homes.setdefault(found.node, []).append(found.name)
-        if len(homes) > 1:
-            shown = "; ".join(f"{', '.join(v)} on {k}" for k, v in sorted(homes.items()))
-            raise errors.InvalidArgument(
-                f"volume_mounts: the volumes live on different nodes ({shown}); a sandbox "
-                "mounts volumes of one node only"
-            )
-        return next(iter(homes), None)
+            home = self.up(found)
+            shown = await home.json("GET", f"/volumes/{found.id}", who, langsmith=True)
+            lent = {"tenant": who.tenant, "name": found.name, "url": home.url,
+                    "token": shown["token"], "ca_pem": home.ca_pem}  # fmt: skip
+            await node.json("PUT", f"/v1/volumes/{found.id}/remote", json=lent)
+
+    async def _mounted(self, who: Principal, key: str) -> Home:
+        found = await self.find(who, key)
+        if found is None:
+            raise errors.InvalidArgument(f"volume_mounts: no volume {key!r}")
+        return found
+
+
+def _keys(mounts: Any) -> list[str]:
+    """The volumes (ids or names) a create's `volume_mounts` names."""
+    if not isinstance(mounts, list):
+        return []
+    return [str(m["volume"]) for m in mounts if isinstance(m, dict) and "volume" in m]
