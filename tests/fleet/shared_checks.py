@@ -287,6 +287,50 @@ def test_a_template_built_through_the_gateway_boots_on_every_node(
         fleet.admin.delete("/v1/secrets/fleet-registry")
 
 
+def test_e2b_named_templates_live_on_their_node(fleet: Fleet, tenant: httpx2.Client) -> None:
+    """E2B's build API at the gateway (the calls its `Template` builder makes, up to the
+    build itself): a named template is made on one node, and its upload link, details,
+    list and removal reach it there; another tenant does not see it (the control)."""
+    key = tenant.headers["authorization"].split()[1]
+    api = httpx2.Client(base_url=fleet.gateway.url, headers={"x-api-key": key})
+    asked = made(api.post("/v3/templates", json={"name": "fleet-named", "tags": ["v1"]}), 202)
+    template_id = asked["templateID"]
+    path = f"/templates/{template_id}"
+    holders = [n for n in NODES if on_node_e2b(fleet, n, path).status_code == 200]
+    assert len(holders) == 1, holders
+    again = made(api.post("/v3/templates", json={"name": "fleet-named"}), 202)
+    assert again["templateID"] == template_id  # the same template: its home again
+    files = "ab" * 32
+    link = made(api.get(f"/templates/{template_id}/files/{files}"), 201)
+    assert link["present"] is False and link["url"].startswith(fleet.gateway.url), link
+    uploaded = httpx2.put(link["url"], content=b"not much of an archive")
+    assert uploaded.status_code == 200, uploaded.text
+    assert made(api.get(f"/templates/{template_id}/files/{files}"), 201)["present"] is True
+    forged = httpx2.put(link["url"].replace(files, "cd" * 32), content=b"x")
+    assert forged.status_code in (401, 403), forged.text  # the link is for its files only
+    shown = made(api.get(f"/templates/{template_id}"), 200)
+    assert shown["templateID"] == template_id
+    assert template_id in [t["templateID"] for t in api.get("/templates").json()]
+    other = fleet.admin.post("/v1/keys", json={"tenant": "hooli"}).json()["key"]
+    theirs = httpx2.get(f"{fleet.gateway.url}/templates/{template_id}",
+                        headers={"x-api-key": other})  # fmt: skip
+    assert theirs.status_code == 404, theirs.text
+    assert api.delete(f"/templates/{template_id}").status_code == 204
+    assert api.get(f"/templates/{template_id}").status_code == 404
+    api.close()
+
+
+def on_node_e2b(fleet: Fleet, node: str, path: str, tenant: str = "acme") -> httpx2.Response:
+    """An E2B call straight to a node daemon, its admin key acting for `tenant`."""
+    url = next(n["url"] for n in fleet.admin.get("/v1/fleet").json()["nodes"] if n["name"] == node)
+    key = (fleet.node_root / node / "admin.key").read_text().strip()
+    return httpx2.get(
+        f"{url}{path}",
+        headers={"x-api-key": key, "x-cella-tenant": tenant},
+        verify=trusting((fleet.node_root / node / "tls" / "node.crt").read_text()),
+    )
+
+
 @pytest.fixture(autouse=True)
 def no_sandboxes_left(tenant: httpx2.Client) -> Any:
     yield
