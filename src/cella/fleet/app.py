@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from cella import __version__, errors
 from cella.config import DaemonSettings
-from cella.fleet import e2b, langsmith
+from cella.fleet import e2b, e2b_shared, langsmith, shared_routes
 from cella.fleet.gateway import Gateway
 from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
@@ -53,9 +53,11 @@ def create_gateway_app(
             routes(keys.router),  # the gateway's own keys (and their audit log)
             routes(evals.router),  # runs are kept by the gateway (before the catch-all)
             routes(registries.router),  # so are registries
+            routes(shared_routes.router(gateway)),  # volumes, webhooks, templates
             routes(router(gateway)),
             lambda app: langsmith.install(app, gateway),
             lambda app: e2b.install(app, gateway),  # E2B's sandboxes and envd
+            lambda app: e2b_shared.install(app, gateway),
         ],
     )
     serve(app, gateway)  # already, for an app driven in process without its lifespan

@@ -5,8 +5,10 @@ go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from th
 one joins); `Quotas` holds tenants' limits across the fleet; `Planner` decides where new
 sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes and ships
 them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
-tenants' secrets here and on every node; their image registries are kept here alone
-(`fleet/registries.py` lends a node one for a pull); `Delegations` makes and checks the
+tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
+registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
+`FleetVolumes` and `NamedTemplates` know the node each volume and named template lives on
+(`homes`); `FleetTemplates` builds templates on every node; `Delegations` makes and checks the
 access delegation grants of the sandboxes it places. The gateway keeps its own keys, console
 sessions, registries and eval runs (what the routes it shares with a node daemon use:
 `cella.server.front`).
@@ -23,16 +25,21 @@ import httpx2
 
 from cella.config import DaemonSettings
 from cella.fleet.delegation import Delegations
+from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
+from cella.fleet.named_templates import NamedTemplates
 from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
 from cella.fleet.planner import Planner
 from cella.fleet.quotas import Quotas
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.shared_secrets import SharedSecrets
+from cella.fleet.shared_webhooks import SharedWebhooks
 from cella.fleet.snapshots import FleetSnapshots
+from cella.fleet.templates import FleetTemplates
+from cella.fleet.volumes import FleetVolumes
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
@@ -75,6 +82,11 @@ class Gateway:
         )
         self.secrets = SharedSecrets(self.store, secrets_key, self.membership)
         self.image_registries = ImageRegistries(self.store)  # lent to a node for a pull
+        self.webhooks = SharedWebhooks(self.store, self.membership)
+        homes = Homes(root / "homes.db")  # the node each volume and named template lives on
+        self.volumes = FleetVolumes(self.membership, homes)
+        self.template_homes = NamedTemplates(self.membership, homes)
+        self.templates = FleetTemplates(root / "templates.db", self.membership)
         self.locator = Locator(self.membership, self.placements)
         self.snapshots = FleetSnapshots(self.membership)
         self.rewrites = FleetRewrites(
@@ -88,6 +100,7 @@ class Gateway:
             self.snapshots,
             self.delegations,
             self.rewrites,
+            self.volumes,
         )
 
     async def start(self) -> None:
@@ -99,6 +112,8 @@ class Gateway:
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them
+        await self.webhooks.push_to(node)  # and its events go to every webhook
+        await self.templates.push_to(node)  # templates built here: built there too, later
         link = self.rewrites.link(node.name)  # its rewrites are decided here
         if link is not None:
             await node.json("PUT", "/v1/fleet/link", json=link)

@@ -22,6 +22,7 @@ from cella.fleet.planner import Planner, Shape
 from cella.fleet.quotas import Quotas
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.snapshots import FleetSnapshots
+from cella.fleet.volumes import FleetVolumes
 from cella.models import SandboxCreate
 from cella.server.error_shapes import describe
 from cella.service.keys import Principal
@@ -45,6 +46,7 @@ class Launcher:
         snapshots: FleetSnapshots,
         delegations: Delegations,
         rewrites: FleetRewrites,
+        volumes: FleetVolumes,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -54,6 +56,7 @@ class Launcher:
         self.snapshots = snapshots
         self.delegations = delegations
         self.rewrites = rewrites
+        self.volumes = volumes  # lends a sandbox's node the volumes it mounts
 
     async def launch(
         self,
@@ -65,11 +68,12 @@ class Launcher:
         name: str | None = None,
         holders: set[str] | None = None,
         prefer: str | None = None,
+        only: str | None = None,
     ) -> list[Json]:
         """`count` sandboxes made by `make` from `source` (a template's shape, or the
         snapshot they boot from: an id, name or name:tag; `holders` are nodes known to hold
         it besides those that answer for it), on the nodes that fit them best (`prefer`:
-        the node asked for)."""
+        the node asked for; `only`: the one node they may go to)."""
         async with self.quotas.admitted(who, count, name):
             snapshot_id = None
             held = set(holders or ())
@@ -77,7 +81,7 @@ class Launcher:
                 snap, found = await self.snapshots.resolve(who, source)
                 snapshot_id, held = snap["id"], held | found
                 source = Shape(snap["vcpus"], snap["memory_mib"], snap["template"])
-            plan = await self.planner.plan(source, count, held, prefer)
+            plan = await self.planner.plan(source, count, held, prefer, only)
             with self.planner.reserve(plan, source):
 
                 async def part(name: str, n: int) -> tuple[Node, list[Json]]:
@@ -116,6 +120,7 @@ class Launcher:
             body = {**body, "network": await self.rewrites.settle(who, body["network"])}
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
+            await self.volumes.lend(who, node, body.get("volume_mounts"))  # homes elsewhere
             # by id: a snapshot's names and tags live on the node it was taken on
             sent = body if snapshot_id is None else {**body, "snapshot": snapshot_id}
             made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
@@ -125,6 +130,8 @@ class Launcher:
             return [made]
 
         source = spec.snapshot or shape_of(spec)
+        # no network hop for a sandbox on its volume's home, unless another node is asked for
+        prefer = prefer or await self.volumes.home_of(who, body.get("volume_mounts"))
         [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
         return created
 
@@ -135,9 +142,11 @@ class Launcher:
         count: int,
         holders: set[str] | None = None,
         prefer: str | None = None,
+        only: str | None = None,
     ) -> list[Json]:
         """`count` branches of a snapshot, on the nodes holding it where they fit, the rest
-        on other nodes (the snapshot shipped there first)."""
+        on other nodes (the snapshot shipped there first); `only`: the one node they may
+        go to."""
 
         async def make(node: Node, n: int, snapshot_id: str | None) -> list[Json]:
             path = f"/v1/snapshots/{snapshot_id}/fork"
@@ -148,14 +157,16 @@ class Launcher:
                     self.rewrites.inherit(body["id"], body["parent_id"])
             return made
 
-        return await self.launch(who, count, ref, make, holders=holders, prefer=prefer)
+        return await self.launch(who, count, ref, make, holders=holders, prefer=prefer, only=only)
 
     async def fork_sandbox(
         self, who: Principal, sandbox_id: str, count: int, prefer: str | None = None
     ) -> list[Json]:
         """`count` branches of a sandbox: a snapshot of it, forked; the snapshot (and
         copies shipped meanwhile) removed again if the fork is refused or fails."""
-        node = await self.locator.node_of(who, sandbox_id)
+        where = await self.locator.placement(who, sandbox_id)
+        node = self.locator.usable(where)
+        only = node.name if where.body.get("volume_mounts") else None  # lent there
         snap = await node.json(
             "POST",
             f"/v1/sandboxes/{sandbox_id}/snapshots",
@@ -163,7 +174,7 @@ class Launcher:
             json={"name": f"fork of {sandbox_id}"},
         )
         try:
-            return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer)
+            return await self.fork_snapshot(who, snap["id"], count, {node.name}, prefer, only)
         except BaseException:  # refused or failed whole: no snapshot left behind either
             with contextlib.suppress(errors.CellaError):
                 await self.snapshots.delete(who, snap["id"])

@@ -41,13 +41,21 @@ class Planner:
                 self._reserved[name].remove(amount)
 
     async def plan(
-        self, shape: Shape, count: int, holders: set[str], prefer: str | None = None
+        self,
+        shape: Shape,
+        count: int,
+        holders: set[str],
+        prefer: str | None = None,
+        only: str | None = None,
     ) -> dict[str, int]:
         """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
-        the snapshot they boot from; `prefer`: the node asked for)."""
-        nodes = self.membership.healthy()
+        the snapshot they boot from; `prefer`: the node asked for; `only`: the one node
+        they may go to, the home of the volumes they mount)."""
+        nodes = [n for n in self.membership.healthy() if only is None or n.name == only]
         if not nodes:
-            raise errors.NodeUnavailable("no node of the fleet is up")
+            raise errors.NodeUnavailable(
+                "no node of the fleet is up" if only is None else f"node {only} is down"
+            )
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),
             *(n.json("GET", "/v1/health") for n in nodes),

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from cella.models.keys import TENANT
+
 WebhookEvent = Literal[
     "sandbox.created", "sandbox.updated", "sandbox.paused", "sandbox.resumed", "sandbox.killed"
 ]
@@ -64,6 +66,20 @@ class WebhookUpdate(BaseModel):
     events: list[WebhookEvent] | None = Field(default=None, min_length=1)
     enabled: bool | None = None
     secret: str | None = Field(default=None, min_length=16, max_length=256)
+
+
+class SharedWebhook(BaseModel):
+    """A webhook a fleet gateway keeps, as it gives it to each node (its id in the path)."""
+
+    model_config = {"extra": "forbid"}
+
+    tenant: str = Field(pattern=TENANT)
+    name: str = Field(default="", max_length=128)
+    url: str = Field(min_length=1, max_length=2048)
+    events: list[WebhookEvent] = Field(min_length=1)
+    secret: str = Field(min_length=1, max_length=256)
+    enabled: bool = True
+    flavor: Literal["cella", "e2b"] = "cella"
 
 
 class Webhook(BaseModel):

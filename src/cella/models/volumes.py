@@ -61,6 +61,20 @@ class VolumeMount(BaseModel):
         return f"volume-{self.volume}"
 
 
+class RemoteVolumeLend(BaseModel):
+    """A volume of another node of a fleet, lent to this node by the gateway so that its
+    sandboxes mount it: the home node daemon's URL and certificate, the volume's token
+    there."""
+
+    model_config = {"extra": "forbid"}
+
+    tenant: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    name: str = Field(pattern=VOLUME_NAME)
+    url: str = Field(pattern=r"^https?://", max_length=2048)
+    token: str = Field(min_length=1, max_length=1024)
+    ca_pem: str = Field(default="", max_length=65536)
+
+
 class VolumeEntry(BaseModel):
     """A file or directory of a volume (`path` from the volume's root, `/`-led)."""
 

@@ -9,3 +9,4 @@ PREFIX = "/v1/volume-dav"  # + /{sandbox_id}/{volume_id}/{path}
 TOKEN_HEADER = "x-cella-volume-token"  # the daemon's proof it is the proxy asking
 REASON = "the sandbox's volume mounts"
 BASE_HEADER = "x-cella-volume-base"  # the path the guest's URLs start with (hrefs in it)
+REMOTE_PREFIX = "/v1/volume-remote"  # + /{volume_id}/{path}: a fleet node's, with its token

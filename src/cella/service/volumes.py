@@ -30,10 +30,11 @@ from cella.models.volumes import VolumeEntry
 from cella.policy.access import Principal
 from cella.service.ports import Ports
 from cella.service.registry import Registry
+from cella.service.remote_volumes import RemoteVolume, RemoteVolumes
 from cella.storage.volumes import Entry, VolumeFiles
 from cella.store import SandboxRecord, VolumeRecord
 
-__all__ = ["Entry", "VolumeRecord", "Volumes", "entry_of"]
+__all__ = ["Entry", "RemoteVolume", "VolumeRecord", "Volumes", "entry_of"]
 
 GONE = frozenset({SandboxState.deleting, SandboxState.deleted, SandboxState.error})
 WRITES = frozenset({"PUT", "DELETE", "MKCOL", "MOVE", "COPY", "PROPPATCH", "POST", "PATCH"})
@@ -63,6 +64,7 @@ class Volumes:
         self.store = registry.store
         self.ports = ports
         self.files = VolumeFiles(settings.data_dir / "volumes")
+        self.remote = RemoteVolumes(settings.data_dir / "remote-volumes.json")  # a fleet's
         quota = settings.max_volume_mib_per_tenant
         self.quota = None if quota is None else quota << 20
         self.clear = clear  # the egress proxy reaches the daemon in clear (mounts need it)
@@ -158,22 +160,29 @@ class Volumes:
             )
         settled = []
         for mount in spec.volume_mounts:
-            found = self.store.get_volume(who.tenant, mount.volume)
+            found = self.store.get_volume(who.tenant, mount.volume) or self.remote.find(
+                who.tenant, mount.volume
+            )  # one of this node's, or one lent by a fleet gateway
             if found is None:
                 raise errors.InvalidArgument(f"volume_mounts: no volume {mount.volume!r}")
             settled.append(mount.model_copy(update={"volume": found.id}))
         return spec.model_copy(update={"volume_mounts": settled})
 
-    def mount_of(self, sandbox_id: str, token: str, volume_id: str, method: str) -> VolumeRecord:
+    def mount_of(
+        self, sandbox_id: str, token: str, volume_id: str, method: str
+    ) -> VolumeRecord | RemoteVolume:
         """A mounted volume a sandbox's request (through the egress proxy) may reach: the
         proxy's token for the sandbox, a mount of the volume, and no write to a read-only
-        one."""
+        one; a volume of another node (lent by a fleet gateway) is sent on there."""
         self.ports.check_mount_token(sandbox_id, token)
         row = self.registry.row(sandbox_id)
         if row.state in GONE:  # revoked with the sandbox: its token opens nothing more
             raise errors.PermissionDenied(f"sandbox {sandbox_id} is {row.state}")
         mount = next((m for m in row.volume_mounts if m.volume == volume_id), None)
-        record = self.store.get_volume(row.tenant, volume_id)
+        record: VolumeRecord | RemoteVolume | None = self.store.get_volume(row.tenant, volume_id)
+        if record is None:
+            remote = self.remote.find(row.tenant, volume_id)
+            record = remote if remote is not None and remote.id == volume_id else None
         if mount is None or record is None:
             raise errors.NotFound(f"sandbox {sandbox_id} mounts no volume {volume_id}")
         if mount.read_only and method.upper() in WRITES:

@@ -65,6 +65,20 @@ class Webhooks:
         self._changed(who.tenant)
         return hook
 
+    async def put_shared(self, hook: WebhookRecord) -> WebhookRecord:
+        """A fleet gateway's webhook as the gateway keeps it (same id and secret on every
+        node, so a receiver verifies every node's deliveries alike); its URL is held to
+        this node's boundary."""
+        if hook.flavor not in FLAVORS:
+            raise errors.InvalidArgument(f"unknown webhook form {hook.flavor!r}")
+        have = self.store.get_webhook(hook.tenant, hook.id)
+        if have is None and len(self.store.list_webhooks(hook.tenant)) >= MAX_WEBHOOKS:
+            raise errors.InvalidArgument(f"a tenant has at most {MAX_WEBHOOKS} webhooks")
+        hook.url = await self.deliveries.check(hook.url)
+        self.store.put_webhook(hook)
+        self._changed(hook.tenant)
+        return hook
+
     def all(self, who: Principal) -> list[WebhookRecord]:
         self._may(who)
         return self.store.list_webhooks(who.tenant)

@@ -143,10 +143,14 @@ class Observations:
         ).fetchone()
         return self._webhook(row) if row else None
 
-    def list_webhooks(self, tenant: str) -> list[WebhookRecord]:
-        rows = self._exec(
-            "SELECT * FROM webhooks WHERE tenant = ? ORDER BY created_at, id", (tenant,)
-        ).fetchall()
+    def list_webhooks(self, tenant: str | None) -> list[WebhookRecord]:
+        """The tenant's webhooks (None: every tenant's)."""
+        if tenant is None:
+            rows = self._exec("SELECT * FROM webhooks ORDER BY created_at, id").fetchall()
+        else:
+            rows = self._exec(
+                "SELECT * FROM webhooks WHERE tenant = ? ORDER BY created_at, id", (tenant,)
+            ).fetchall()
         return [self._webhook(r) for r in rows]
 
     def delete_webhook(self, tenant: str, webhook_id: str) -> bool:

@@ -75,7 +75,7 @@ async def build_dockerfile(
         raise errors.InvalidArgument(f"start_cmd/ready_cmd: {exc.errors()[0]['msg']}") from None
     # read whole before the response starts: once it streams, Starlette's disconnect
     # listener takes the request's remaining messages
-    spool = await _spool(request, svc.files.max_upload_bytes)
+    spool = await spool_body(request, svc.files.max_upload_bytes)
     return _stream(
         svc.background,
         lambda progress: svc.dockerfiles.build(
@@ -107,7 +107,7 @@ async def delete_template(name: str, svc: DaemonDep, who: Auth) -> Response:
     return Response(status_code=204)
 
 
-async def _spool(request: Request, limit: int) -> IO[bytes]:
+async def spool_body(request: Request, limit: int) -> IO[bytes]:
     spool = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _chunks, or here on error)
     size = 0
     async for chunk in request.stream():

@@ -13,12 +13,14 @@ from xml.sax.saxutils import escape
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from cella import errors
-from cella.policy.volumes import BASE_HEADER, PREFIX, TOKEN_HEADER
+from cella.policy.volumes import BASE_HEADER, PREFIX, REMOTE_PREFIX, TOKEN_HEADER
 from cella.server.deps import DaemonDep
 from cella.service.daemon import Daemon
-from cella.service.volumes import Entry, VolumeRecord
+from cella.service.remote_volumes import answered
+from cella.service.volumes import Entry, RemoteVolume, VolumeRecord
 
 router = APIRouter(tags=["volumes"])
 METHODS = ["OPTIONS", "PROPFIND", "GET", "HEAD", "PUT", "DELETE", "MKCOL", "MOVE", "PROPPATCH"]
@@ -35,10 +37,51 @@ async def dav(
     method = request.method.upper()
     token = request.headers.get(TOKEN_HEADER, "")
     record = svc.volumes.mount_of(sandbox_id, token, volume_id, method)
-    path = "/" + path
+    if isinstance(record, RemoteVolume):  # another node's: sent on to it
+        return await _remote(svc, record, "/" + path, request)
     # where the caller's URLs start: `/` through the proxy, else this route's own prefix
     base = request.headers.get(BASE_HEADER) or f"{PREFIX}/{sandbox_id}/"
-    base = base.rstrip("/") + f"/{volume_id}"
+    return await _serve(svc, record, "/" + path, request, base.rstrip("/") + f"/{volume_id}")
+
+
+@router.api_route(
+    REMOTE_PREFIX + "/{volume_id}/{path:path}", methods=METHODS, include_in_schema=False
+)
+@router.api_route(REMOTE_PREFIX + "/{volume_id}", methods=METHODS, include_in_schema=False)
+async def remote_dav(volume_id: str, request: Request, svc: DaemonDep, path: str = "") -> Response:
+    """A volume of this node mounted by a sandbox of another node of the fleet: that node's
+    requests, with the volume's own token (that node checked the sandbox's mount)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise errors.Unauthenticated("the volume's token is required (Authorization: Bearer)")
+    _, record = svc.volumes.by_token(volume_id, token.strip())
+    base = request.headers.get(BASE_HEADER) or f"{REMOTE_PREFIX}/"
+    return await _serve(svc, record, "/" + path, request, base.rstrip("/") + f"/{volume_id}")
+
+
+async def _remote(svc: Daemon, volume: RemoteVolume, path: str, request: Request) -> Response:
+    body = request.stream() if request.method.upper() in ("PUT", "PROPFIND") else None
+    headers = dict(request.headers.items())
+    client, answer = await svc.volumes.remote.send(volume, request.method, path, headers, body)
+
+    async def close() -> None:
+        await answer.aclose()
+        await client.aclose()
+
+    return StreamingResponse(
+        answer.aiter_raw(),
+        status_code=answer.status_code,
+        headers=answered(answer.headers),
+        background=BackgroundTask(close),
+    )
+
+
+async def _serve(
+    svc: Daemon, record: VolumeRecord, path: str, request: Request, base: str
+) -> Response:
+    """One WebDAV request on a volume of this node (`base`: where the caller's URLs of it
+    start)."""
+    method = request.method.upper()
     if method == "OPTIONS":
         return Response(headers={"DAV": "1", "Allow": ", ".join(METHODS)})
     if method == "PROPFIND":

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from cella.models import Volume, VolumeCreate, VolumeEntry, VolumeEntryList, VolumeList
+from cella.models.volumes import VOLUME_ID, RemoteVolumeLend
 from cella.server.deps import Auth, DaemonDep
-from cella.service.volumes import entry_of
+from cella.service.keys import require_admin
+from cella.service.volumes import RemoteVolume, entry_of
 
 router = APIRouter(prefix="/v1/volumes", tags=["volumes"])
 
@@ -42,6 +44,20 @@ async def delete_volume(key: str, svc: DaemonDep, who: Auth, force: bool = False
     """Deletes the volume and its files; one a sandbox mounts is refused (409) unless
     `force`."""
     svc.volumes.delete(who, key, force)
+    return Response(status_code=204)
+
+
+@router.put("/{volume_id}/remote", status_code=204, include_in_schema=False)
+async def lend_volume(
+    volume_id: Annotated[str, Path(pattern=VOLUME_ID)],
+    body: RemoteVolumeLend,
+    svc: DaemonDep,
+    who: Auth,
+) -> Response:
+    """A volume of another node of a fleet that this node's sandboxes may mount (a fleet
+    gateway's admin key)."""
+    require_admin(who, "lend a volume of another node")
+    svc.volumes.remote.put(RemoteVolume(volume_id, **body.model_dump()))
     return Response(status_code=204)
 
 

@@ -16,7 +16,10 @@ from cella.models import (
     WebhookList,
     WebhookUpdate,
 )
+from cella.models.observe import SharedWebhook
 from cella.server.deps import Auth, DaemonDep
+from cella.service.keys import require_admin
+from cella.store import WebhookRecord
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 
@@ -45,6 +48,14 @@ async def update_webhook(
 ) -> Webhook:
     """Fields given replace the webhook's (a new secret too)."""
     return Webhook.model_validate(await svc.webhooks.update(who, webhook_id, body))
+
+
+@router.put("/{webhook_id}", response_model=Webhook, include_in_schema=False)
+async def put_shared(webhook_id: str, body: SharedWebhook, svc: DaemonDep, who: Auth) -> Webhook:
+    """A fleet gateway's webhook, as the gateway keeps it (an admin key: the gateway's)."""
+    require_admin(who, "put a fleet's webhook")
+    hook = WebhookRecord(id=webhook_id, **body.model_dump())
+    return Webhook.model_validate(await svc.webhooks.put_shared(hook))
 
 
 @router.delete("/{webhook_id}", status_code=204)

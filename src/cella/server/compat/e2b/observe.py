@@ -187,7 +187,7 @@ def webhook_json(hook: WebhookRecord) -> Json:
     }
 
 
-def _cella_fields(body: Json, known: tuple[str, ...]) -> Json:
+def cella_fields(body: Json, known: tuple[str, ...]) -> Json:
     unknown = sorted(set(body) - set(known))
     if unknown:
         raise errors.InvalidArgument(f"unknown fields: {', '.join(unknown)}")
@@ -211,7 +211,7 @@ FIELDS = ("name", "url", "enabled", "events", "signatureSecret")
 @router.post("/events/webhooks", status_code=201)
 async def create_webhook(svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
     try:
-        spec = WebhookCreate.model_validate(_cella_fields(body, FIELDS))
+        spec = WebhookCreate.model_validate(cella_fields(body, FIELDS))
     except ValidationError as exc:
         raise errors.InvalidArgument(describe(exc.errors())) from None
     return webhook_json(await svc.webhooks.create(who, spec, flavor="e2b"))
@@ -230,7 +230,7 @@ async def get_webhook(webhook_id: str, svc: DaemonDep, who: Caller) -> Json:
 @router.patch("/events/webhooks/{webhook_id}")
 async def update_webhook(webhook_id: str, svc: DaemonDep, who: Caller, body: JsonBody) -> Json:
     try:
-        spec = WebhookUpdate.model_validate(_cella_fields(body, FIELDS))
+        spec = WebhookUpdate.model_validate(cella_fields(body, FIELDS))
     except ValidationError as exc:
         raise errors.InvalidArgument(describe(exc.errors())) from None
     return webhook_json(await svc.webhooks.update(who, webhook_id, spec))
