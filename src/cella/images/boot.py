@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,8 +32,17 @@ class BootImage:
     agent: Path
 
 
+_LOCAL_INCLUDE = re.compile(rb'^#include "([a-z_]+\.c)"$', re.MULTILINE)
+
+
 def _agent_source() -> bytes:
-    return resources.files("cella.guest").joinpath("agent", "agent.c").read_bytes()
+    """agent.c with the agent's own parts (`#include "part.c"`) written in, so the one
+    source compiles alone and its digest covers every part."""
+    folder = resources.files("cella.guest").joinpath("agent")
+    return _LOCAL_INCLUDE.sub(
+        lambda m: folder.joinpath(m.group(1).decode()).read_bytes(),
+        folder.joinpath("agent.c").read_bytes(),
+    )
 
 
 def _digest(*parts: bytes) -> str:
