@@ -48,6 +48,7 @@ class FakeAgent:
         self._closed = False
         self.execs: list[Sequence[str] | str] = []
         self.on_stream: Any = None
+        self.on_procs: Any = None
         self.failure: Exception | None = None
         self._failed = asyncio.Event()
 
@@ -77,6 +78,7 @@ class FakeAgent:
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: Any = None,
+        trace: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise errors.SandboxCrashed("the VM is gone")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from cella.guest.client import ExecControl, ExecEvent, GuestStream
-    from cella.guest.protocol import Entry
+    from cella.guest.protocol import Entry, ProcRecord, ProcSummary
     from cella.models.exec import ExecResult
     from cella.paths import Paths
     from cella.storage.snapshots import SnapshotDir
@@ -43,6 +43,8 @@ class GuestAgent(Protocol):
     arrive as `cella.errors`."""
 
     on_stream: Callable[[GuestStream], Awaitable[None]] | None
+    # the processes of execs run with `trace` (records and summaries, as the guest sends them)
+    on_procs: Callable[[list[ProcRecord | ProcSummary]], None] | None
 
     @property
     def closed(self) -> bool: ...
@@ -65,6 +67,7 @@ class GuestAgent(Protocol):
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
+        trace: bool = False,
     ) -> AsyncIterator[ExecEvent]: ...
 
     async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:

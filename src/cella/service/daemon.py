@@ -31,6 +31,7 @@ from cella.service import delegation
 from cella.service.admission import Admission
 from cella.service.background import Background
 from cella.service.buckets import Buckets
+from cella.service.connections import ConnectionOwners
 from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
 from cella.service.egress import SandboxEgress
@@ -47,6 +48,7 @@ from cella.service.metrics import Metrics
 from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
+from cella.service.proctrace import ProcessTrace
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
@@ -102,7 +104,10 @@ class Daemon:
             link_file=settings.data_dir / "fleet-link.json",
         )
         self.volumes = Volumes(settings, self.registry, self.ports, clear=clear)
-        self.egress = SandboxEgress(settings, self.registry, self.rewrites)
+        self.procs = ProcessTrace(self.registry.events)
+        self.registry.forget_hooks.append(self.procs.forget)
+        owners = ConnectionOwners(self.procs)
+        self.egress = SandboxEgress(settings, self.registry, self.rewrites, owners)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.admission = Admission(settings, self.registry, self.pool.committed)
@@ -112,7 +117,7 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
-        self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
+        self.exec = Exec(self.registry, self.egress, self.procs, settings.max_exec_output_mib << 20)
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)
         self.files = Files(self.registry, self.exec, settings.max_upload_mib << 20)

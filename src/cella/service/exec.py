@@ -12,18 +12,22 @@ import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 
-from cella.guest.client import ExecControl, ExecEvent, Output
+from cella.guest.client import ExecControl, ExecEvent, Output, Started
 from cella.guest.protocol import ExitStatus
 from cella.models import ExecRequest, ExecResult, OutputCollector
 from cella.policy.access import Permission, Principal
 from cella.service.egress import SandboxEgress
+from cella.service.proctrace import ProcessTrace
 from cella.service.registry import Registry, iso
 
 
 class Exec:
-    def __init__(self, registry: Registry, egress: SandboxEgress, keep: int) -> None:
+    def __init__(
+        self, registry: Registry, egress: SandboxEgress, procs: ProcessTrace, keep: int
+    ) -> None:
         self.registry = registry
         self.egress = egress
+        self.procs = procs
         self.keep = keep  # output of a run kept per stream
 
     def check(self, who: Principal, sandbox_id: str) -> None:
@@ -58,6 +62,11 @@ class Exec:
         if stdin is not None:
             kwargs["stdin"] = stdin
         kwargs["pty"], kwargs["control"] = pty, control
+        # the sandbox's own commands, not the daemon's upkeep, have their processes traced
+        kwargs["trace"] = traced = activity and defaults.trace_processes
+        if traced:
+            self.procs.watch(sandbox_id, vm.agent)
+        channel = 0
         started_at = time.time()
         start = time.monotonic()
         status: ExitStatus | None = None
@@ -66,11 +75,14 @@ class Exec:
                 async for event in vm.agent.exec_stream(req.command, **kwargs):
                     if isinstance(event, Output):
                         output.add(event.stream, event.data)
+                    elif isinstance(event, Started) and traced:
+                        channel = event.channel
+                        self.procs.started(sandbox_id, channel)
                     elif isinstance(event, ExitStatus):
                         status = event
                     yield event
             finally:
-                self.registry.events.emit(
+                event_id = self.registry.events.emit(
                     sandbox_id,
                     "exec",
                     {
@@ -84,6 +96,8 @@ class Exec:
                         **output.trace(),
                     },
                 )
+                if channel:
+                    self.procs.ended(sandbox_id, channel, event_id)
 
     async def run(
         self,
