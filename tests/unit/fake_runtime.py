@@ -78,7 +78,7 @@ class FakeAgent:
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: Any = None,
-        trace: bool = False,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise errors.SandboxCrashed("the VM is gone")

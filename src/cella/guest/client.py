@@ -463,7 +463,7 @@ class AgentClient:
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
-        trace: bool = False,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         """Runs a command; yields Started, then Output as produced, then the ExitStatus.
 
@@ -471,7 +471,8 @@ class AgentClient:
         tree (its cgroup) when it expires and reports `timed_out`. `pty=(cols, rows)` runs
         it in a terminal (its output is all "stdout"; stdin ending sends the EOF character).
         `control` can signal it and resize its terminal while it runs. With `trace` the guest
-        reports the processes it starts to `on_procs`, naming the channel `Started` carries.
+        reports the processes it starts (up to that many in full, the rest counted) to
+        `on_procs`, naming the channel `Started` carries.
         """
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
         items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
@@ -487,7 +488,7 @@ class AgentClient:
         if pty is not None:
             items.append((Field.PTY, (pty[0] & 0xFFFF) << 16 | (pty[1] & 0xFFFF)))
         if trace:
-            items.append((Field.TRACE, True))
+            items.append((Field.TRACE, trace))
         cid, ch = self._open()
         feeder: asyncio.Task[None] | None = None
         running = False

@@ -67,7 +67,7 @@ class GuestAgent(Protocol):
         timeout: float | None = None,
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
-        trace: bool = False,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]: ...
 
     async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:

@@ -104,7 +104,7 @@ class Daemon:
             link_file=settings.data_dir / "fleet-link.json",
         )
         self.volumes = Volumes(settings, self.registry, self.ports, clear=clear)
-        self.procs = ProcessTrace(self.registry.events)
+        self.procs = ProcessTrace(self.registry.events, settings.trace_max_processes)
         self.registry.forget_hooks.append(self.procs.forget)
         owners = ConnectionOwners(self.procs)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites, owners)

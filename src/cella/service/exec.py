@@ -63,7 +63,8 @@ class Exec:
             kwargs["stdin"] = stdin
         kwargs["pty"], kwargs["control"] = pty, control
         # the sandbox's own commands, not the daemon's upkeep, have their processes traced
-        kwargs["trace"] = traced = activity and defaults.trace_processes
+        traced = activity and defaults.trace_processes
+        kwargs["trace"] = self.procs.limit if traced else 0
         if traced:
             self.procs.watch(sandbox_id, vm.agent)
         channel = 0

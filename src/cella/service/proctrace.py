@@ -20,8 +20,6 @@ from cella.guest.protocol import Owner, ProcRecord, ProcSummary
 from cella.service.registry import iso
 from cella.telemetry.events import EventLog
 
-# Records held for one running exec: the guest sends at most 2000 and a summary.
-MAX_HELD = 2100
 # Execs remembered per sandbox after they ended (their background processes report later).
 MAX_ENDED = 256
 
@@ -30,11 +28,13 @@ MAX_ENDED = 256
 class _Exec:
     event_id: int | None = None  # set once the exec's event is written
     held: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    taken: int = 0  # records kept: a guest sending more than it may is not heard
 
 
 class ProcessTrace:
-    def __init__(self, events: EventLog) -> None:
+    def __init__(self, events: EventLog, limit: int) -> None:
         self.events = events
+        self.limit = limit  # processes of one exec recorded in full
         self._execs: dict[str, OrderedDict[int, _Exec]] = {}
 
     def watch(self, sandbox_id: str, agent: Any) -> None:
@@ -85,9 +85,12 @@ class ProcessTrace:
                 item: tuple[str, dict[str, Any]] = ("process_summary", _summary(record))
             else:
                 item = ("process", _process(record))
+            # each process may be reported running and then exited, and there is one summary
+            if ex.taken > 2 * self.limit:
+                continue
+            ex.taken += 1
             if ex.event_id is None:
-                if len(ex.held) < MAX_HELD:
-                    ex.held.append(item)
+                ex.held.append(item)
             else:
                 self._write(sandbox_id, ex, *item)
 

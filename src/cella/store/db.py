@@ -370,12 +370,17 @@ class Store(Observations):
         after: int = 0,
         limit: int = 1000,
         types: list[str] | None = None,
+        exec_id: int | None = None,
     ) -> list[EventRecord]:
+        """With `exec_id`: that exec's event and those under it (its processes)."""
         sql = "SELECT * FROM events WHERE sandbox_id = ? AND id > ?"
         args: tuple[Any, ...] = (sandbox_id, after)
         if types:
             sql += f" AND type IN ({', '.join('?' for _ in types)})"
             args += tuple(types)
+        if exec_id is not None:
+            sql += " AND (id = ? OR json_extract(data, '$.exec') = ?)"
+            args += (exec_id, exec_id)
         rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [EventRecord(**{**dict(r), "data": json.loads(r["data"])}) for r in rows]
 

@@ -536,7 +536,8 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         tty = strdup(tty);
     }
 
-    int traced = find_field(fs, n, F_TRACE) != NULL;
+    const struct field *ftr = find_field(fs, n, F_TRACE);
+    int traced = ftr != NULL;
     if (traced) pt_prepare();
     struct exec *e = calloc(1, sizeof *e);
     e->chan = chan;
@@ -575,7 +576,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         goto out;
     }
     e->pid = pid;
-    if (traced) pt_exec_started(chan, pid, u.uid, argv, cwd ? cwd : u.home);
+    if (traced) pt_exec_started(chan, field_u64(ftr), pid, u.uid, argv, cwd ? cwd : u.home);
     e->out_fd = outp[0];
     e->err_fd = errp[0];
     e->in_fd = inp[1];
@@ -697,6 +698,7 @@ static void finish_exec(struct exec *e) {
 static void reap(void) {
     int status;
     pid_t pid;
+    pt_read(); /* exit events first: a zombie's CPU time is still readable */
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (struct exec *e = execs; e; e = e->next)
             if (e->pid == pid) {

@@ -7,17 +7,21 @@
  * process belongs to the exec whose root process it descends from (forks of a traced
  * process are traced, including those of processes the command left running). What each
  * record holds, and where it comes from:
- *   argv  /proc/PID/cmdline at the exec event (bounded; a process gone before the agent read
- *         it keeps its name from /proc/PID/stat, or its parent's argv if it never exec'd)
+ *   argv  /proc/PID/cmdline at the exec event (bounded; a process that exited before the
+ *         agent read it has its name from /proc/PID/stat while a zombie, else keeps what it
+ *         ran before: its parent's argv, inherited at the fork)
  *   cwd   /proc/PID/cwd at the exec event (else the parent's)
  *   uid   the exec's user, then the proc connector's uid events (effective uid)
  *   start the fork event's time, end the exit event's (the kernel's monotonic clock, turned
  *         into wall-clock milliseconds)
  *   exit  the exit event's status: exit code or terminating signal
  *   cpu   utime + stime from /proc/PID/stat read at the exit event, while the process is a
- *         zombie not yet reaped; unknown (all ones) once it is gone (the kernel has no
- *         taskstats here)
- * Bounded: past PT_MAX_PER_EXEC processes an exec's are counted only (`dropped`), and the
+ *         zombie not yet reaped: always for an exec's own process (the agent reads its
+ *         events before it reaps), for others when their parent had not reaped them yet;
+ *         unknown (all ones) once gone (the guest kernel has neither taskstats nor BSD
+ *         process accounting)
+ * Bounded: past the exec's limit (its TRACE field; PT_MAX_PER_EXEC when it gives none, at
+ * most 50 times that) an exec's processes are counted only (`dropped`), and the
  * live table holds at most the processes alive (the sandbox's pids.max bounds it). Records
  * are batched into PROCS frames on channel 0: at most PT_BATCH bytes, sent when full, every
  * PT_FLUSH_MS, and before an exec's exit frame (so an exec's processes that ended with it
@@ -44,7 +48,7 @@
 
 #define M_PROCS 0xA0 /* guest -> host, channel 0: process records */
 #define M_OWNER 0xA1 /* guest -> host, a stream's channel, before its SOPEN */
-#define F_TRACE 30   /* exec request flag: trace this command's processes */
+#define F_TRACE 30   /* exec request: trace this command's processes, at most N in full */
 
 #define PT_MAX_PER_EXEC 2000
 #define PT_ARGV_MAX 1024
@@ -55,6 +59,7 @@
 
 struct pt_exec {
     uint32_t chan;
+    uint32_t max; /* recorded in full, the rest counted */
     uint32_t total, recorded, dropped, live;
     int finished, lost;
     struct pt_exec *next;
@@ -221,7 +226,7 @@ static struct pt_proc *pt_add(pid_t pid, pid_t ppid, struct pt_exec *x, uint64_t
     p->uid = uid;
     x->total++;
     x->live++;
-    if (x->recorded < PT_MAX_PER_EXEC) {
+    if (x->recorded < x->max) {
         x->recorded++;
         p->detail = 1;
     } else {
@@ -299,6 +304,7 @@ static void pt_on_fork(pid_t parent, pid_t child, uint64_t ts) {
     struct pt_proc *c = *pt_slot(child);
     if (c && c->x && !c->seen_fork && c->ppid == parent) { /* an exec's root, registered */
         c->seen_fork = 1;
+        c->start_ms = pt_wall(ts); /* before any of its children's */
         return;
     }
     struct pt_proc *pp = *pt_slot(parent);
@@ -323,7 +329,6 @@ static void pt_on_exec(pid_t pid) {
     } else { /* gone already, or a zombie: its name at least */
         char stat[1024], comm[64];
         if (pt_stat(pid, stat, sizeof stat, comm, sizeof comm)) pt_set_argv(p, comm, strlen(comm));
-        else pt_set_argv(p, "", 0);
     }
     snprintf(path, sizeof path, "/proc/%d/cwd", pid);
     ssize_t c = readlink(path, cwd, PT_CWD_MAX);
@@ -396,11 +401,13 @@ static void pt_prepare(void) {
 }
 
 /* The exec's root process, known before its own events are read. */
-static void pt_exec_started(uint32_t chan, pid_t pid, uint32_t uid, char **argv, const char *cwd) {
+static void pt_exec_started(uint32_t chan, uint64_t max, pid_t pid, uint32_t uid, char **argv,
+                            const char *cwd) {
     if (pt_fd < 0) return;
     struct pt_exec *x = calloc(1, sizeof *x);
     if (!x) return;
     x->chan = chan;
+    x->max = max && max < PT_MAX_PER_EXEC * 50 ? (uint32_t)max : PT_MAX_PER_EXEC;
     x->next = pt_execs;
     pt_execs = x;
     pt_clock();
