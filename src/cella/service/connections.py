@@ -4,7 +4,8 @@ The guest agent names the opener of every connection it carries (pid, uid, argv 
 traced exec it belongs to, from the kernel's socket diagnostics); the daemon hands the
 connection to the proxy from a port of its own, and the proxy reports that port with each
 decision. The port leads back to the opener, which goes into the `egress` event as
-`process` (with `exec`: the exec event it belongs to, once that is written).
+`process` (with `exec`, there and at the top: the exec event it belongs to, filled in when
+that is written if the exec was still running).
 """
 
 from __future__ import annotations
@@ -34,17 +35,22 @@ class ConnectionOwners:
         while len(self._by_port) > MAX_REMEMBERED:
             self._by_port.popitem(last=False)
 
-    def name(self, sandbox_id: str, decision: dict[str, Any]) -> dict[str, Any]:
-        """The decision with its connection's opener, when known (the proxy's port of it
-        is the daemon's business and is left out)."""
+    def record(self, sandbox_id: str, decision: dict[str, Any]) -> None:
+        """Writes the decision with its connection's opener, when known (the proxy's port
+        of it is the daemon's business and is left out)."""
         port = decision.pop("client_port", None)
         found = self._by_port.get(port) if isinstance(port, int) else None
-        if found is not None and found[0] == sandbox_id:
-            owner = found[1]
+        owner = found[1] if found is not None and found[0] == sandbox_id else None
+        if owner is not None:
+            exec_id = self.procs.exec_of(sandbox_id, owner)
             decision["process"] = {
                 "pid": owner.pid,
                 "argv": owner.argv,
                 "uid": owner.uid,
-                "exec": self.procs.exec_of(sandbox_id, owner),
+                "exec": exec_id,
             }
-        return decision
+            if exec_id is not None:  # the trace's filter by exec finds it under its exec
+                decision["exec"] = exec_id
+        event_id = self.procs.events.emit(sandbox_id, "egress", decision)
+        if owner is not None:  # its exec still running: linked to it when it ends
+            self.procs.connection(sandbox_id, owner, event_id)

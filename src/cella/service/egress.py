@@ -164,7 +164,7 @@ class SandboxEgress:
     def _record(self, decision: dict[str, Any]) -> None:
         sandbox_id = decision.pop("sandbox", None)
         if sandbox_id:
-            self.events.emit(sandbox_id, "egress", self.owners.name(sandbox_id, decision))
+            self.owners.record(sandbox_id, decision)
         else:
             log.info("egress from no sandbox: %s", decision)
 

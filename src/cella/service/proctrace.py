@@ -22,6 +22,8 @@ from cella.telemetry.events import EventLog
 
 # Execs remembered per sandbox after they ended (their background processes report later).
 MAX_ENDED = 256
+# Connections of one running exec linked to it when it ends (later ones are not).
+MAX_CONNECTIONS = 10000
 
 
 @dataclass(slots=True)
@@ -29,6 +31,7 @@ class _Exec:
     event_id: int | None = None  # set once the exec's event is written
     held: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     taken: int = 0  # records kept: a guest sending more than it may is not heard
+    connections: list[int] = field(default_factory=list)  # egress events made while it ran
 
 
 class ProcessTrace:
@@ -66,6 +69,17 @@ class ProcessTrace:
         held, ex.held = ex.held, []
         for type_, data in held:
             self._write(sandbox_id, ex, type_, data)
+        if ex.connections:
+            self.events.store.link_to_exec(sandbox_id, ex.connections, event_id)
+            ex.connections = []
+
+    def connection(self, sandbox_id: str, owner: Owner, event_id: int) -> None:
+        """An egress event of a connection `owner` opened: one made while its exec runs
+        is linked to the exec's event once that is written."""
+        execs = self._execs.get(sandbox_id)
+        ex = execs.get(owner.channel) if execs is not None and owner.channel else None
+        if ex is not None and ex.event_id is None and len(ex.connections) < MAX_CONNECTIONS:
+            ex.connections.append(event_id)
 
     def forget(self, sandbox_id: str) -> None:
         self._execs.pop(sandbox_id, None)
