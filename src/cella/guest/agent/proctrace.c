@@ -460,15 +460,54 @@ static void pt_exec_finished(uint32_t chan) {
     pt_flush();
 }
 
-/* Milliseconds until the batch is due (-1: nothing waiting). */
+/* After the kernel dropped events, processes whose exit was lost would keep their exec
+   open forever: once a second, those gone are forgotten (and their exec may close). */
+static int64_t pt_last_sweep;
+
+static int pt_needs_sweep(void) {
+    for (struct pt_exec *x = pt_execs; x; x = x->next)
+        if (x->lost && x->finished && x->live) return 1;
+    return 0;
+}
+
+static void pt_sweep(void) {
+    for (int b = 0; b < PT_BUCKETS; b++) {
+        struct pt_proc **pp = &pt_tab[b];
+        while (*pp) {
+            struct pt_proc *p = *pp;
+            if (p->x->lost && kill(p->pid, 0) && errno == ESRCH) {
+                struct pt_exec *x = p->x;
+                *pp = p->next;
+                x->live--;
+                pt_free(p);
+                pt_maybe_done(x);
+            } else {
+                pp = &p->next;
+            }
+        }
+    }
+}
+
+/* Milliseconds until the batch (or a sweep) is due (-1: nothing waiting). */
 static int pt_timeout(void) {
-    if (!pt_len) return -1;
-    int64_t left = pt_since + PT_FLUSH_MS - now_ms();
+    int64_t now = now_ms(), left = -1;
+    if (pt_len) left = pt_since + PT_FLUSH_MS - now;
+    if (pt_needs_sweep()) {
+        int64_t sweep = pt_last_sweep + 1000 - now;
+        if (left < 0 || sweep < left) left = sweep;
+    }
+    if (left == -1) return -1;
     return left < 0 ? 0 : (int)left;
 }
 
 static void pt_tick(void) {
-    if (pt_len && now_ms() - pt_since >= PT_FLUSH_MS) pt_flush();
+    int64_t now = now_ms();
+    if (now - pt_last_sweep >= 1000 && pt_needs_sweep()) {
+        pt_last_sweep = now;
+        pt_read();
+        pt_sweep();
+    }
+    if (pt_len && now - pt_since >= PT_FLUSH_MS) pt_flush();
 }
 
 static uint32_t pt_chan_of(pid_t pid) {
