@@ -138,7 +138,10 @@ def test_a_fork_bomb_is_counted_not_recorded(sb: Sandbox, daemon: Daemon) -> Non
     watcher = threading.Thread(target=ask_health)
     watcher.start()
     try:
-        r = sb.exec(["/bin/sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 30"], timeout=12)
+        # the command itself waits without a fork (there is no pid left for one) until its
+        # timeout kills the whole tree
+        bomb = "bomb() { bomb | bomb & }; bomb; exec sleep 30"
+        r = sb.exec(["/bin/sh", "-c", bomb], timeout=12)
     finally:
         stop.set()
         watcher.join()
