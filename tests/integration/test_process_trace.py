@@ -138,9 +138,12 @@ def test_a_fork_bomb_is_counted_not_recorded(sb: Sandbox, daemon: Daemon) -> Non
     watcher = threading.Thread(target=ask_health)
     watcher.start()
     try:
-        # the command itself waits without a fork (there is no pid left for one) until its
-        # timeout kills the whole tree
-        bomb = "bomb() { bomb | bomb & }; bomb; exec sleep 30"
+        # four loops forking for ever, and a classic bomb that fills the pid limit; the
+        # command itself then waits without a fork until its timeout kills the whole tree
+        bomb = (
+            "for i in 1 2 3 4; do (while :; do /bin/true; done) 2>/dev/null & done; "
+            "bomb() { bomb | bomb & }; bomb 2>/dev/null; exec sleep 30"
+        )
         r = sb.exec(["/bin/sh", "-c", bomb], timeout=12)
     finally:
         stop.set()
