@@ -4,6 +4,8 @@ a real daemon, and real connections through the egress proxy to servers on loopb
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -123,6 +125,32 @@ def test_a_pipeline_and_its_background_child(sb: Sandbox) -> None:
     assert mine[0].id == exec_id and mine[0].type == "exec"
     assert {e.type for e in mine[1:]} == {"process", "process_summary"}
     assert all(e.data["parent"]["exec"] == exec_id for e in mine[1:])
+
+
+def test_the_cli_prints_the_tree(sb: Sandbox, daemon: Daemon) -> None:
+    sb.exec(["/bin/sh", "-c", "sh -c 'exit 5'; true"])
+    exec_id = last_exec(sb)
+    tree_of(sb, exec_id)
+
+    def cella(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "cella.cli", "trace", sb.id, *args],
+            env=daemon.env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    text = cella("--tree", "--exec", str(exec_id))
+    lines = text.splitlines()
+    assert lines[0].startswith(f"exec {exec_id}: $ /bin/sh -c sh -c 'exit 5'; true")
+    (inner,) = [line for line in lines if "sh -c exit 5" in line]
+    assert "[exit 5]" in inner and inner.index("sh -c exit 5") > lines[1].index("/bin/sh")
+    (tree,) = [
+        json.loads(line) for line in cella("--tree", "--json", "--exec", str(exec_id)).splitlines()
+    ]
+    assert tree["exec_id"] == exec_id
+    assert tree["processes"][0]["children"][0]["argv"] == ["sh", "-c", "exit 5"]
 
 
 def test_a_fork_bomb_is_counted_not_recorded(sb: Sandbox, daemon: Daemon) -> None:
