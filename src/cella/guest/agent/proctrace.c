@@ -397,7 +397,11 @@ static void pt_read(void) {
 
 /* Before the exec's fork: the connector must be listening when its processes start. */
 static void pt_prepare(void) {
-    if (pt_open()) logf_("process trace unavailable: %s", strerror(errno));
+    static int failed; /* a kernel without the proc connector: said once */
+    if (pt_fd < 0 && !failed && pt_open()) {
+        failed = 1;
+        logf_("process trace unavailable: %s", strerror(errno));
+    }
 }
 
 /* The exec's root process, known before its own events are read. */
