@@ -153,6 +153,13 @@ class DaemonSettings(BaseSettings):
         description="output of a non-streamed exec kept per stream (the rest is counted, not "
         "returned); streamed execs are not cut",
     )
+    trace_max_processes: int = Field(
+        default=2000,
+        ge=1,
+        le=100000,
+        description="processes of one command recorded in full in its trace (more are "
+        "counted only, and its summary says `truncated`)",
+    )
     max_disk_mib_per_tenant: int | None = Field(
         default=None,
         ge=1,

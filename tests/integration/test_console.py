@@ -282,6 +282,20 @@ def test_trace_follows_a_command_run_through_the_sdk(page: Any, box: Sandbox, sh
     screenshot(page, shots, "trace")
 
 
+def test_a_command_opens_to_its_process_tree(page: Any, box: Sandbox, shots: Path) -> None:
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/trace")
+    marker = f"tree-{time.time_ns()}"
+    box.exec(["/bin/sh", "-c", f"ls / | wc -l; echo {marker}; exit 3"])
+    item = page.wait_for_selector(f"#timeline li[data-type=exec]:has-text('{marker}')")
+    item.query_selector("details.procs summary").click()  # type: ignore[union-attr]
+    root = page.wait_for_selector(".proctree > li")
+    assert root is not None and "exit 3" in root.inner_text()
+    children = [li.inner_text() for li in root.query_selector_all(":scope > ul > li")]
+    assert any(" ls /" in c and "exit 0" in c for c in children)
+    assert any(" wc -l" in c and "exit 0" in c for c in children)
+    screenshot(page, shots, "trace-processes")
+
+
 def test_lineage_of_a_snapshot_forked_three_times(
     page: Any, alpha: Client, box: Sandbox, shots: Path
 ) -> None:

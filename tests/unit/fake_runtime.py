@@ -50,6 +50,7 @@ class FakeAgent:
         self.on_stream: Any = None
         self.on_exec_denied: Any = None
         self.exec_policy: tuple[bool, list[tuple[bool, str, str]]] | None = None
+        self.on_procs: Any = None
         self.failure: Exception | None = None
         self._failed = asyncio.Event()
 
@@ -80,6 +81,7 @@ class FakeAgent:
         pty: tuple[int, int] | None = None,
         control: Any = None,
         exempt: bool = True,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise errors.SandboxCrashed("the VM is gone")

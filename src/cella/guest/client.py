@@ -32,12 +32,17 @@ from cella.guest.protocol import (
     FileChange,
     FrameDecoder,
     Msg,
+    Owner,
+    ProcRecord,
+    ProcSummary,
     ProtocolError,
     decode_entries,
     decode_error,
     decode_exec_denied,
     decode_exit,
     decode_file_changes,
+    decode_owner,
+    decode_procs,
     fields,
     frame,
 )
@@ -52,6 +57,7 @@ _TIMEOUT_GRACE = 5.0
 @dataclass(frozen=True, slots=True)
 class Started:
     pid: int
+    channel: int = 0  # the exec's channel: its process records name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,9 @@ class _Channel:
 # Replies that carry output the guest must hold back until acknowledged.
 _FLOWING = frozenset({Msg.STDOUT, Msg.STDERR, Msg.DATA})
 StreamHandler = Callable[["GuestStream"], Awaitable[None]]
+ProcsHandler = Callable[[list[ProcRecord | ProcSummary]], None]
+# OWNER frames held for streams not opened yet (each is followed by its SOPEN at once).
+_MAX_PENDING_OWNERS = 64
 
 
 class ExecControl:
@@ -106,6 +115,7 @@ class GuestStream:
         self.client = client
         self.channel = channel
         self.port = port
+        self.owner: Owner | None = None  # the guest process that opened it, when known
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._unacked_in = 0  # bytes received from the guest, not yet acknowledged
@@ -190,6 +200,8 @@ class AgentClient:
         self._stream_tasks: set[asyncio.Task[None]] = set()
         self.on_stream: StreamHandler | None = None  # none: the guest's connections fail
         self.on_exec_denied: Callable[[ExecDenied], None] | None = None  # policy refusals
+        self.on_procs: ProcsHandler | None = None  # traced execs' processes (none: dropped)
+        self._owners: dict[int, Owner] = {}
         self.flow_control = True  # agents before version 2 send output unacknowledged
         self._ids = itertools.count(1)
         self._closed: errors.CellaError | None = None
@@ -242,6 +254,11 @@ class AgentClient:
                         reason = await self._on_lost()
                     raise errors.SandboxCrashed(reason)
                 for channel, msg, payload in decoder.feed(data):
+                    if channel == 0 and msg == Msg.PROCS:
+                        records = decode_procs(payload)
+                        if self.on_procs is not None:
+                            self.on_procs(records)
+                        continue
                     if channel & STREAM_BIT or channel in self._streams:
                         self._stream_frame(channel, msg, payload)
                         continue
@@ -279,10 +296,16 @@ class AgentClient:
 
     def _stream_frame(self, channel: int, msg: int, payload: bytes) -> None:
         stream = self._streams.get(channel)
+        if msg == Msg.OWNER and stream is None:
+            if len(self._owners) >= _MAX_PENDING_OWNERS:
+                raise ProtocolError("owner frames without their streams")
+            self._owners[channel] = decode_owner(payload)
+            return
         if msg == Msg.SOPEN:
             if stream is not None or len(payload) != 4:
                 raise ProtocolError(f"bad stream open on {channel:#x}")
             stream = GuestStream(self, channel, int.from_bytes(payload, "big"))
+            stream.owner = self._owners.pop(channel, None)
             stream.opened.set_result(None)
             if self.on_stream is None:
                 self._spawn(stream.close())
@@ -467,6 +490,7 @@ class AgentClient:
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
         exempt: bool = True,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         """Runs a command; yields Started, then Output as produced, then the ExitStatus
         (with the files the command changed, when the agent reports them).
@@ -477,7 +501,8 @@ class AgentClient:
         kills the whole process tree (its cgroup) when it expires and reports `timed_out`.
         `pty=(cols, rows)` runs it in a terminal (its output is all "stdout"; stdin ending
         sends the EOF character). `control` can signal it and resize its terminal while it
-        runs.
+        runs. With `trace` the guest reports the processes it starts (up to that many in
+        full, the rest counted) to `on_procs`, naming the channel `Started` carries.
         """
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
         items: list[tuple[Field, bytes | str | int | bool]] = [(Field.ARG, a) for a in args]
@@ -496,6 +521,8 @@ class AgentClient:
             items.append((Field.STDIN, True))
         if pty is not None:
             items.append((Field.PTY, (pty[0] & 0xFFFF) << 16 | (pty[1] & 0xFFFF)))
+        if trace:
+            items.append((Field.TRACE, trace))
         cid, ch = self._open()
         feeder: asyncio.Task[None] | None = None
         running = False
@@ -509,7 +536,7 @@ class AgentClient:
             running = True
             if control is not None:
                 control._bind(self, cid)
-            yield Started(int.from_bytes(body, "big"))
+            yield Started(int.from_bytes(body, "big"), cid)
             if stdin is not None:
                 feeder = asyncio.create_task(self._feed_stdin(cid, stdin))
             wait = None if timeout is None else timeout + _TIMEOUT_GRACE

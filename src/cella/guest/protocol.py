@@ -72,6 +72,8 @@ class Msg(IntEnum):
     ERROR = 0x8F
     FSCHANGES = 0x90  # on an exec's channel before its exit: the files it changed
     EXECDENIED = 0x91  # on channel 0: the exec policy refused an execve
+    PROCS = 0xA0  # channel 0: process records of traced execs (decode_procs)
+    OWNER = 0xA1  # a guest stream's opener, sent before its SOPEN (decode_owner)
 
 
 class Field(IntEnum):
@@ -97,6 +99,7 @@ class Field(IntEnum):
     EXEMPT = 31  # exec: the host's own upkeep, not held to the exec policy
     POL_DEFAULT = 32  # 1: what no rule matches is denied
     POL_RULE = 33  # action b"a"|b"d", kind b"p" (path glob) | b"h" (sha256 digest), value
+    TRACE = 34  # trace the exec's processes (PROCS frames)
 
 
 class ProtocolError(errors.AgentUnavailable):
@@ -306,3 +309,104 @@ def decode_exec_denied(payload: bytes) -> ExecDenied:
         path=path.decode("utf-8", "replace"),
         argv=[a.decode("utf-8", "replace") for a in argv.split(b"\0") if a][:64],
     )
+
+
+# -- the process trace (agent/proctrace.c) ------------------------------------------------
+
+ARGV_MAX = 1024  # bytes of a process's argv the guest sends
+_PROC = struct.Struct(">IIIIQQIIQ")  # chan pid ppid uid start end code signal cpu_us
+_SUMMARY = struct.Struct(">IIIIB")  # chan total recorded dropped lost
+NO_CPU = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ProcRecord:
+    """A process of a traced exec (the exec's channel): ended, or still running when the
+    exec ended (`end_ms` None). Times are the guest's wall clock in milliseconds."""
+
+    channel: int
+    pid: int
+    ppid: int
+    uid: int
+    start_ms: int
+    end_ms: int | None
+    exit_code: int | None
+    signal: int | None
+    cpu_ms: float | None
+    argv: list[str]
+    cwd: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcSummary:
+    """Sent once a traced exec and every process it left are gone: how many processes it
+    made, how many were recorded (the rest counted only) and whether the kernel dropped
+    events (`lost`: the counts are low)."""
+
+    channel: int
+    total: int
+    recorded: int
+    dropped: int
+    lost: bool
+
+
+def _argv(raw: bytes) -> list[str]:
+    return [a.decode("utf-8", "replace") for a in raw.split(b"\0")] if raw else []
+
+
+def decode_procs(payload: bytes) -> list[ProcRecord | ProcSummary]:
+    out: list[ProcRecord | ProcSummary] = []
+    off, n = 0, len(payload)
+    while off < n:
+        kind = payload[off]
+        off += 1
+        if kind == ord("s"):
+            if n - off < _SUMMARY.size:
+                raise ProtocolError("truncated process summary")
+            chan, total, recorded, dropped, lost = _SUMMARY.unpack_from(payload, off)
+            off += _SUMMARY.size
+            out.append(ProcSummary(chan, total, recorded, dropped, bool(lost)))
+            continue
+        if kind not in (ord("x"), ord("r")) or n - off < _PROC.size:
+            raise ProtocolError("malformed process record")
+        chan, pid, ppid, uid, start, end, code, sig, cpu = _PROC.unpack_from(payload, off)
+        off += _PROC.size
+        argv, off = _short_bytes(payload, off)
+        cwd, off = _short_bytes(payload, off)
+        if len(argv) > ARGV_MAX or len(cwd) > 4096:
+            raise ProtocolError("oversize process record")
+        running = kind == ord("r")
+        out.append(
+            ProcRecord(
+                channel=chan,
+                pid=pid,
+                ppid=ppid,
+                uid=uid,
+                start_ms=start,
+                end_ms=None if running else end,
+                exit_code=None if running or sig else code,
+                signal=sig or None,
+                cpu_ms=None if cpu == NO_CPU else cpu / 1000,
+                argv=_argv(argv),
+                cwd=cwd.decode("utf-8", "replace") or None,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The guest process that opened a connection, and the traced exec it belongs to
+    (the exec's channel; 0: none)."""
+
+    pid: int
+    uid: int
+    channel: int
+    argv: list[str]
+
+
+def decode_owner(payload: bytes) -> Owner:
+    if len(payload) < 12 or len(payload) > 12 + ARGV_MAX:
+        raise ProtocolError("malformed owner frame")
+    pid, uid, chan = struct.unpack_from(">III", payload)
+    return Owner(pid, uid, chan, _argv(payload[12:]))

@@ -55,6 +55,10 @@ class ExecDefaults(BaseModel):
     user: str | None = Field(default=None, min_length=1, max_length=64)
     cwd: str | None = Field(default=None, min_length=1, max_length=4096)
     env: dict[str, str] = Field(default_factory=dict, max_length=1024)
+    trace_processes: bool = Field(
+        default=True,
+        description="record the processes each command starts (`process` events)",
+    )
 
     @field_validator("env")
     @classmethod

@@ -179,6 +179,7 @@ class Tally:
     rewrite: Rewrite | None = None
     guarded: list[str] = field(default_factory=list)  # credential headers a rewrite acted on
     shown: tuple[str, str] = ("", "")  # a rewritten request's path and URL as it was sent
+    client_port: int | None = None  # the daemon's end of the connection: who opened it
 
     @property
     def keeps_credentials(self) -> bool:
@@ -304,6 +305,7 @@ class Egress:
             tally.port,
             Decision(True, tally.reason),
             protocol=tally.protocol,
+            client_port=tally.client_port,
             bytes_out=tally.bytes_out,
             bytes_in=tally.bytes_in,
             duration_ms=round((time.monotonic() - tally.started) * 1000, 1),
@@ -384,7 +386,7 @@ class Egress:
         decision, _ = await self._decide(net, host, port)
         if not decision.allowed:
             flow.response = _denied(host, port, decision)
-            self._report(net, host, port, decision, protocol="connect")
+            self._report(net, host, port, decision, protocol="connect", client_port=_port(flow))
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         net = self._net(flow.client_conn)
@@ -393,13 +395,23 @@ class Egress:
             authorize(req.headers, net.api)
             if net.api.pinned:  # a gateway serving TLS: `tls_start_server` pins its certificate
                 req.scheme = "https"
-            flow.metadata["cella"] = Tally(net, req.host, req.port, req.scheme, REASON)
+            flow.metadata["cella"] = Tally(
+                net, req.host, req.port, req.scheme, REASON, client_port=_port(flow)
+            )
             if net.needles:  # checked for secrets as they stream, like every response
                 req.headers["accept-encoding"] = "identity"
             return
         if net is not None and net.volumes is not None and is_volumes(net.volumes, req.host):
             decision = Decision(True, VOLUMES_REASON)
-            self._report(net, req.host, req.port, decision, protocol="http", method=req.method)
+            self._report(
+                net,
+                req.host,
+                req.port,
+                decision,
+                protocol="http",
+                method=req.method,
+                client_port=_port(flow),
+            )
             route_volume(req, net.sandbox, net.volumes, ROUTE_HOST)
             return
         rule = net.rewrite(req.host, req.port) if net is not None else None
@@ -409,12 +421,20 @@ class Egress:
         decision, _ = await self._decide(net, req.host, req.port)
         if net is None or not decision.allowed:
             flow.response = _denied(req.host, req.port, decision)
-            self._report(net, req.host, req.port, decision, protocol=req.scheme, method=req.method)
+            self._report(
+                net,
+                req.host,
+                req.port,
+                decision,
+                protocol=req.scheme,
+                method=req.method,
+                client_port=_port(flow),
+            )
             return
         reason = decision.reason
         if net.upstream is not None:  # its connection goes through it (`server_connect`)
             reason = f"{reason} (via {net.upstream.address})"
-        tally = Tally(net, req.host, req.port, req.scheme, reason)
+        tally = Tally(net, req.host, req.port, req.scheme, reason, client_port=_port(flow))
         flow.metadata["cella"] = tally
         await self._credentials(flow, net, tally)
 
@@ -422,7 +442,9 @@ class Egress:
         """A request to a rewrite's host: its credentials as the rule says, then on its way
         to the daemon, which hands it to the other sandbox's port."""
         req = flow.request
-        tally = Tally(net, req.host, req.port, req.scheme, rule.reason, rewrite=rule)
+        tally = Tally(
+            net, req.host, req.port, req.scheme, rule.reason, rewrite=rule, client_port=_port(flow)
+        )
         flow.metadata["cella"] = tally
         if tally.keeps_credentials:
             await self._credentials(flow, net, tally)
@@ -531,7 +553,14 @@ class Egress:
                 decision = Decision(False, verdict.reason)
                 flow.response = _denied(host, port, decision)
                 flow.metadata.pop("cella", None)
-                self._report(net, host, port, decision, protocol=tally.protocol)
+                self._report(
+                    net,
+                    host,
+                    port,
+                    decision,
+                    protocol=tally.protocol,
+                    client_port=tally.client_port,
+                )
                 return None
             for name, value in verdict.headers:
                 req.headers[name] = value
@@ -652,7 +681,7 @@ class Egress:
         decision, addresses = await self._decide(net, host, port)
         if not decision.allowed:
             data.server.error = f"cella egress: {host}:{port} {decision.reason}"
-            self._report(net, host, port, decision, protocol="tcp")
+            self._report(net, host, port, decision, protocol="tcp", client_port=_port(data))
             return
         try:
             literal = ipaddress.ip_address(host)
@@ -671,7 +700,9 @@ class Egress:
             except (UpstreamError, ValueError) as exc:
                 why = f"upstream proxy {net.upstream.address}: {exc}"
                 data.server.error = f"cella egress: {host}:{port} {why}"
-                self._report(net, host, port, Decision(False, why), protocol="tcp")
+                self._report(
+                    net, host, port, Decision(False, why), protocol="tcp", client_port=_port(data)
+                )
                 return
             self._verdicts[data.server.id] = f"{decision.reason} (via {net.upstream.address})"
             return
@@ -694,7 +725,9 @@ class Egress:
         if net is not None and flow.server_conn.address:
             host = flow.server_conn.sni or str(flow.server_conn.address[0])
             port = int(flow.server_conn.address[1])
-            flow.metadata["cella"] = Tally(net, host, port, "tls-passthrough", "")
+            flow.metadata["cella"] = Tally(
+                net, host, port, "tls-passthrough", "", client_port=_port(flow)
+            )
             self._tunnels.add(flow.server_conn.id)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
@@ -731,6 +764,14 @@ def _rewritten(tally: Tally) -> dict[str, Any]:
         "credentials": rule.credentials,
         "headers": tally.guarded,
     }
+
+
+def _port(flow: Any) -> int | None:
+    """The client's port of a flow (or hook data): the daemon's end of the guest's
+    connection, which the daemon maps back to the guest process that opened it."""
+    client = getattr(flow, "client_conn", None) or getattr(flow, "client", None)
+    peer = getattr(client, "peername", None)
+    return int(peer[1]) if peer else None
 
 
 def _peer(server: Any) -> str | None:

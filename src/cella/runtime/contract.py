@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from cella.guest.client import ExecControl, ExecEvent, GuestStream
-    from cella.guest.protocol import Entry, ExecDenied
+    from cella.guest.protocol import Entry, ExecDenied, ProcRecord, ProcSummary
     from cella.images.kernel import Kernel
     from cella.models.exec import ExecResult
     from cella.paths import Paths
@@ -45,6 +45,8 @@ class GuestAgent(Protocol):
 
     on_stream: Callable[[GuestStream], Awaitable[None]] | None
     on_exec_denied: Callable[[ExecDenied], None] | None  # the exec policy refused one
+    # the processes of execs run with `trace` (records and summaries, as the guest sends them)
+    on_procs: Callable[[list[ProcRecord | ProcSummary]], None] | None
 
     @property
     def closed(self) -> bool: ...
@@ -68,6 +70,7 @@ class GuestAgent(Protocol):
         pty: tuple[int, int] | None = None,
         control: ExecControl | None = None,
         exempt: bool = True,
+        trace: int = 0,
     ) -> AsyncIterator[ExecEvent]: ...
 
     async def open_port(self, port: int, timeout: float = 10.0) -> GuestStream:

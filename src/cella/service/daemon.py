@@ -1,17 +1,8 @@
 """The daemon: one of each room of the service, wired together, started and stopped.
 
-Rooms, each in its own module: `registry` (rows, locks, live VMs, activity, crash watch),
-`admission`, `lifecycle`, `snapshots`, `forks` (sandboxes restored from snapshots),
-`shipping` (snapshots between the nodes of a fleet), `exec`, `processes` (commands that
-outlive a connection), `files`, `mounts` (git repositories cloned in and kept fresh),
-`buckets` (S3 and GCS buckets and volumes mounted in the guest through the egress proxy),
-`volumes` (the tenant's persistent file trees, shared between sandboxes), `desktop` (the
-screen of a desktop sandbox), `ports` (guest servers, service URLs), `trace` (events and
-lineage), `usage`, `metrics` (samples over time), `webhooks` (lifecycle events told to a
-tenant's URLs), `reaper`, `recovery`, `templates` (built in, from images, from
-Dockerfiles), `egress` (policy, decision log, secrets), `keys`, `warm` (warm snapshots and
-the pool) and `background` (work a request starts and does not wait for). API surfaces (the
-REST routes, compatible APIs) call these rooms and nothing below them.
+Each room is a module of its own (`registry`, `lifecycle`, `snapshots`, `exec`, `egress`,
+`trace`, `warm`, ...; the map is in docs/architecture.md). API surfaces (the REST routes,
+compatible APIs) call these rooms and nothing below them.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from cella.service.background import Background
 from cella.service.backups import Backups
 from cella.service.buckets import Buckets
 from cella.service.checkpoints import Checkpoints
+from cella.service.connections import ConnectionOwners
 from cella.service.desktop import Desktop
 from cella.service.dockerfiles import Dockerfiles
 from cella.service.downloads import Downloads
@@ -54,6 +46,7 @@ from cella.service.mount_renewal import MountRenewal
 from cella.service.mounts import Mounts
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
+from cella.service.proctrace import ProcessTrace
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
@@ -111,7 +104,10 @@ class Daemon:
             link_file=settings.data_dir / "fleet-link.json",
         )
         self.volumes = Volumes(settings, self.registry, self.ports, clear=clear)
-        self.egress = SandboxEgress(settings, self.registry, self.rewrites)
+        self.procs = ProcessTrace(self.registry.events, settings.trace_max_processes)
+        self.registry.forget_hooks.append(self.procs.forget)
+        owners = ConnectionOwners(self.procs)
+        self.egress = SandboxEgress(settings, self.registry, self.rewrites, owners)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
         self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
         self.kernels = Kernels(driver, self.warm)
@@ -133,7 +129,7 @@ class Daemon:
             self.registry, self.lifecycle, self.snapshots, self.background
         )
         self.registry.forget_hooks.append(self.checkpoints.forget)
-        self.exec = Exec(self.registry, self.egress, settings.max_exec_output_mib << 20)
+        self.exec = Exec(self.registry, self.egress, self.procs, settings.max_exec_output_mib << 20)
         self.exec.after_command = self.checkpoints.after_exec
         self.processes = Processes(self.exec, ProcessLimits.of(settings))
         self.registry.forget_hooks.append(self.processes.forget)

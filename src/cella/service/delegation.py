@@ -14,17 +14,33 @@ sandbox sees the whole fleet."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import re
 import secrets
 from typing import Any
 
 from cella import errors
+from cella.config import DaemonSettings
 from cella.models import AccessDelegation
 from cella.service.keys import Principal
 from cella.store import SandboxRecord
 
 Json = dict[str, Any]
+
+
+def api_address(settings: DaemonSettings) -> tuple[str, int]:
+    """Where the daemon's own API is reached in clear from this host (any-address listens:
+    loopback; a daemon serving TLS: its clear loopback port for the proxy)."""
+    if settings.tls_cert is not None and settings.proxy_api_port:
+        return "127.0.0.1", settings.proxy_api_port
+    host, port = settings.host_port
+    host = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_unspecified:
+            host = "127.0.0.1"
+    return host, port
 
 
 def grant(asked: AccessDelegation | None, creator: Principal | None) -> Json | None:

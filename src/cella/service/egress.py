@@ -5,7 +5,6 @@ changes, the egress decision log and the tenant's secret store."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import ipaddress
 import json
@@ -29,7 +28,8 @@ from cella.policy.delegation import API_HOST
 from cella.policy.egress import Boundary, IPAddress, parse_rule
 from cella.runtime.contract import VM
 from cella.service import proxy_credentials as credentials
-from cella.service.delegation import pinned_of, proxy_access, upstream_of
+from cella.service.connections import ConnectionOwners
+from cella.service.delegation import api_address, pinned_of, proxy_access, upstream_of
 from cella.service.registry import Registry
 from cella.service.rewrites import Rewrites, setter_of
 from cella.store import SandboxRecord, SecretRecord, SecretRef
@@ -37,19 +37,6 @@ from cella.store import SandboxRecord, SecretRecord, SecretRef
 log = logging.getLogger("cella.egress")
 REFUSAL_EVENT_SECONDS = 10.0
 BOUNDARY_REFRESH_SECONDS = 30.0  # the host's interface addresses can change (DHCP, hotplug)
-
-
-def api_address(settings: DaemonSettings) -> tuple[str, int]:
-    """Where the daemon's own API is reached in clear from this host (any-address listens:
-    loopback; a daemon serving TLS: its clear loopback port for the proxy)."""
-    if settings.tls_cert is not None and settings.proxy_api_port:
-        return "127.0.0.1", settings.proxy_api_port
-    host, port = settings.host_port
-    host = host.strip("[]")
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).is_unspecified:
-            host = "127.0.0.1"
-    return host, port
 
 
 class Networked(Protocol):
@@ -79,8 +66,15 @@ def proxy_env() -> dict[str, str]:
 
 
 class SandboxEgress:
-    def __init__(self, settings: DaemonSettings, registry: Registry, rewrites: Rewrites) -> None:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        registry: Registry,
+        rewrites: Rewrites,
+        owners: ConnectionOwners,
+    ) -> None:
         self.registry = registry
+        self.owners = owners
         self.rewrites = rewrites
         self.store = registry.store
         self.events = registry.events
@@ -170,7 +164,7 @@ class SandboxEgress:
     def _record(self, decision: dict[str, Any]) -> None:
         sandbox_id = decision.pop("sandbox", None)
         if sandbox_id:
-            self.events.emit(sandbox_id, "egress", decision)
+            self.owners.record(sandbox_id, decision)
         else:
             log.info("egress from no sandbox: %s", decision)
 
@@ -236,6 +230,7 @@ class SandboxEgress:
             reader, writer = await asyncio.open_connection(
                 "127.0.0.1", self.proxy.port, local_addr=(addr, 0)
             )
+            self.owners.opened(sandbox_id, writer.get_extra_info("sockname"), stream.owner)
 
             async def up() -> None:
                 assert writer is not None

@@ -13,11 +13,12 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from cella.guest.client import ExecControl, ExecEvent, Output
+from cella.guest.client import ExecControl, ExecEvent, Output, Started
 from cella.guest.protocol import ExitStatus
 from cella.models import ExecRequest, ExecResult, OutputCollector
 from cella.policy.access import Permission, Principal
 from cella.service.egress import SandboxEgress
+from cella.service.proctrace import ProcessTrace
 from cella.service.registry import Registry, iso
 from cella.store import SandboxRecord
 
@@ -26,9 +27,12 @@ AfterCommand = Callable[[Principal, SandboxRecord, object], Awaitable[None]]
 
 
 class Exec:
-    def __init__(self, registry: Registry, egress: SandboxEgress, keep: int) -> None:
+    def __init__(
+        self, registry: Registry, egress: SandboxEgress, procs: ProcessTrace, keep: int
+    ) -> None:
         self.registry = registry
         self.egress = egress
+        self.procs = procs
         self.keep = keep  # output of a run kept per stream
         self.after_command: AfterCommand | None = None
 
@@ -71,6 +75,12 @@ class Exec:
             kwargs["stdin"] = stdin
         kwargs["pty"], kwargs["control"] = pty, control
         kwargs["exempt"] = exempt or not activity
+        # the sandbox's own commands, not the daemon's upkeep, have their processes traced
+        trace_on = activity and defaults.trace_processes
+        kwargs["trace"] = self.procs.limit if trace_on else 0
+        if trace_on:
+            self.procs.watch(sandbox_id, vm.agent)
+        channel = 0
         started_at = time.time()
         start = time.monotonic()
         status: ExitStatus | None = None
@@ -79,6 +89,9 @@ class Exec:
                 async for event in vm.agent.exec_stream(req.command, **kwargs):
                     if isinstance(event, Output):
                         output.add(event.stream, event.data)
+                    elif isinstance(event, Started) and trace_on:
+                        channel = event.channel
+                        self.procs.started(sandbox_id, channel)
                     elif isinstance(event, ExitStatus):
                         status = event
                     yield event
@@ -101,6 +114,8 @@ class Exec:
                 )
                 if status is not None and (changes or status.changes_dropped):
                     self.registry.events.emit(sandbox_id, "file_changes", traced(parent, status))
+                if channel:
+                    self.procs.ended(sandbox_id, channel, parent)
         if caller and status is not None and self.after_command is not None:
             await self.after_command(who, row, req.command)
 

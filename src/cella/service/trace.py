@@ -27,9 +27,11 @@ class Trace:
         after: int = 0,
         types: list[str] | None = None,
         limit: int = 1000,
+        exec_id: int | None = None,
     ) -> list[EventRecord]:
+        """`exec_id`: only that exec's event and the events under it (its processes)."""
         self.registry.owned(who, sandbox_id)
-        return self.store.events(sandbox_id, after, limit, types)
+        return self.store.events(sandbox_id, after, limit, types, exec_id)
 
     async def stream(
         self,
@@ -38,11 +40,12 @@ class Trace:
         after: int = 0,
         types: list[str] | None = None,
         follow: bool = False,
+        exec_id: int | None = None,
     ) -> AsyncIterator[EventRecord]:
         """Every event after `after`; with `follow`, then new ones as they happen, until the
         sandbox is deleted (or the reader leaves)."""
         while True:
-            batch = self.events(who, sandbox_id, after, types)
+            batch = self.events(who, sandbox_id, after, types, exec_id=exec_id)
             for event in batch:
                 after = event.id
                 yield event

@@ -372,14 +372,30 @@ class Store(Observations):
         after: int = 0,
         limit: int = 1000,
         types: list[str] | None = None,
+        exec_id: int | None = None,
     ) -> list[EventRecord]:
+        """With `exec_id`: that exec's event and those under it (its processes)."""
         sql = "SELECT * FROM events WHERE sandbox_id = ? AND id > ?"
         args: tuple[Any, ...] = (sandbox_id, after)
         if types:
             sql += f" AND type IN ({', '.join('?' for _ in types)})"
             args += tuple(types)
+        if exec_id is not None:
+            sql += " AND (id = ? OR json_extract(data, '$.exec') = ?)"
+            args += (exec_id, exec_id)
         rows = self._exec(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [EventRecord(**{**dict(r), "data": json.loads(r["data"])}) for r in rows]
+
+    def link_to_exec(self, sandbox_id: str, event_ids: list[int], exec_id: int) -> None:
+        """Names the exec event written after them in `exec` and `process.exec` of events
+        made while it ran (the connections its processes opened)."""
+        for start in range(0, len(event_ids), 500):
+            ids = event_ids[start : start + 500]
+            self._exec(
+                "UPDATE events SET data = json_set(data, '$.exec', ?, '$.process.exec', ?)"
+                f" WHERE sandbox_id = ? AND id IN ({', '.join('?' for _ in ids)})",
+                (exec_id, exec_id, sandbox_id, *ids),
+            )
 
     def events_between(
         self,

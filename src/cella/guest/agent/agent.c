@@ -229,6 +229,8 @@ static uint64_t field_u64(const struct field *f) {
     return v;
 }
 
+#include "proctrace.c"
+
 /* ---- execs ------------------------------------------------------------------------------ */
 
 struct exec {
@@ -540,6 +542,9 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         tty = strdup(tty);
     }
 
+    const struct field *ftr = find_field(fs, n, F_TRACE);
+    int traced = ftr != NULL;
+    if (traced) pt_prepare();
     struct exec *e = calloc(1, sizeof *e);
     e->chan = chan;
     e->exempt = find_field(fs, n, F_EXEMPT) != NULL;
@@ -579,6 +584,7 @@ static void handle_exec(uint32_t chan, const uint8_t *p, uint32_t len) {
         goto out;
     }
     e->pid = pid;
+    if (traced) pt_exec_started(chan, field_u64(ftr), pid, u.uid, argv, cwd ? cwd : u.home);
     e->out_fd = outp[0];
     e->err_fd = errp[0];
     e->in_fd = inp[1];
@@ -688,6 +694,7 @@ static void finish_exec(struct exec *e) {
     put32(r, (uint32_t)code);
     put32(r + 4, (uint32_t)sig);
     r[8] = (uint8_t)e->timed_out;
+    pt_exec_finished(e->chan);
     send_frame(e->chan, M_EXIT, r, 9, NULL, 0);
     remove_cgroup(e->cgroup);
     struct exec **pp = &execs;
@@ -700,6 +707,7 @@ static void finish_exec(struct exec *e) {
 static void reap(void) {
     int status;
     pid_t pid;
+    pt_read(); /* exit events first: a zombie's CPU time is still readable */
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (struct exec *e = execs; e; e = e->next)
             if (e->pid == pid) {
@@ -1230,6 +1238,7 @@ static void accept_streams(int lfd, int dport) {
         t->next = streams;
         streams = t;
         n_streams++;
+        pt_stream_owner(fd, t->chan);
         uint8_t p[4];
         put32(p, (uint32_t)dport);
         send_frame(t->chan, M_SOPEN, p, 4, NULL, 0);
@@ -1694,7 +1703,7 @@ int main(void) {
     size_t pcap = 0;
     int64_t last_cg_sweep = now_ms();
     for (;;) {
-        size_t need = 3 + N_LISTEN + WATCH_FDS;
+        size_t need = 3 + N_LISTEN + WATCH_FDS + 1;
         for (struct exec *e = execs; e; e = e->next) need += 3;
         for (struct stream *t = streams; t; t = t->next) need += 1;
         if (need > pcap) {
@@ -1732,6 +1741,10 @@ int main(void) {
             if (t->outlen) ev |= POLLOUT;
             pfds[np++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
         }
+        size_t pt_index = np;
+        pfds[np++] = (struct pollfd){.fd = pt_fd, .events = POLLIN};
+        int pt_wait = pt_timeout();
+        if (pt_wait >= 0 && (timeout < 0 || pt_wait < timeout)) timeout = pt_wait;
         for (struct exec *e = execs; e; e = e->next)
             if (e->exited && timeout != 0) timeout = 50; /* settle what it left behind */
         if (readers_ready()) timeout = 0;
@@ -1770,7 +1783,7 @@ int main(void) {
             if (pfds[first_listener + l].revents & POLLIN)
                 accept_streams(listen_fds[l], egress_ports[l]);
         /* streams may have been dropped since the poll: find each by its descriptor */
-        for (size_t k = first_stream; k < np; k++) {
+        for (size_t k = first_stream; k < pt_index; k++) {
             short rev = pfds[k].revents;
             struct stream *t = rev ? stream_by_fd(pfds[k].fd) : NULL;
             if (t && t->connecting) {
@@ -1783,6 +1796,8 @@ int main(void) {
             }
             if (t && (rev & POLLOUT)) stream_write(t);
         }
+        if (pfds[pt_index].revents & POLLIN) pt_read();
+        pt_tick();
         if (pfds[2].revents & POLLIN) answer_dns();
         watch_events(pfds + first_watch); /* before reaping: writers' cgroups are still known */
         if (pfds[1].revents & POLLIN) {

@@ -66,6 +66,7 @@ from cella.models import Volume as VolumeInfo
 from cella.models.checkpoints import NOW, Checkpoint, CheckpointDiff
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
+from cella.models.proctree import ExecTree, exec_trees
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     client_timeout,
@@ -290,13 +291,20 @@ class AsyncClient:
     # -- traces --------------------------------------------------------------------------
 
     async def events(
-        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        sandbox_id: str,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> builtins.list[Event]:
-        """A sandbox's trace, in order (also of a deleted sandbox: the trace outlives it)."""
+        """A sandbox's trace, in order (also of a deleted sandbox: the trace outlives it).
+        `exec_id`: only that exec's event and its processes' (`process`, `process_summary`)."""
         out: builtins.list[Event] = []
         while True:
             params: builtins.list[tuple[str, str | int]] = [("after", after), ("limit", 10000)]
             params += [("type", t) for t in types or []]
+            if exec_id is not None:
+                params.append(("exec", exec_id))
             response = await self.request(
                 "GET", f"/v1/sandboxes/{sandbox_id}/events", params=params
             )
@@ -307,7 +315,11 @@ class AsyncClient:
             after = batch[-1].id
 
     async def follow(
-        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        sandbox_id: str,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> AsyncIterator[Event]:
         """Events as they happen, until the sandbox is deleted."""
         params: builtins.list[tuple[str, str | int | float | bool | None]] = [
@@ -315,6 +327,8 @@ class AsyncClient:
             ("follow", "true"),
         ]
         params += [("type", t) for t in types or []]
+        if exec_id is not None:
+            params.append(("exec", exec_id))
         async with self.stream(
             "GET",
             f"/v1/sandboxes/{sandbox_id}/events/stream",
@@ -982,17 +996,30 @@ class AsyncSandbox:
         return [EgressDecision.model_validate(d) for d in response.json()["decisions"]]
 
     async def events(
-        self, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> builtins.list[Event]:
-        """The trace: every event so far, in order."""
-        return await self.client.events(self.id, after, types)
+        """The trace: every event so far, in order (`exec_id`: one exec's and its
+        processes')."""
+        return await self.client.events(self.id, after, types, exec_id)
 
     async def follow(
-        self, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> AsyncIterator[Event]:
         """Events as they happen, until the sandbox is deleted."""
-        async for event in self.client.follow(self.id, after, types):
+        async for event in self.client.follow(self.id, after, types, exec_id):
             yield event
+
+    async def process_trees(self, exec_id: int | None = None) -> builtins.list[ExecTree]:
+        """Each traced command (or the one `exec_id`) with the tree of processes it
+        started and the connections they opened."""
+        types = ["exec", "process", "process_summary", "egress"]
+        return exec_trees(await self.events(types=types, exec_id=exec_id))
 
     async def processes(self) -> builtins.list[ProcessSummary]:
         """Commands that outlive their connection, e.g. the image's `entrypoint` (their

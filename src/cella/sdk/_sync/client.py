@@ -67,6 +67,7 @@ from cella.models import Volume as VolumeInfo
 from cella.models.checkpoints import NOW, Checkpoint, CheckpointDiff
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
 from cella.models.fleet import FleetStatus
+from cella.models.proctree import ExecTree, exec_trees
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
     client_timeout,
@@ -289,13 +290,20 @@ class Client:
     # -- traces --------------------------------------------------------------------------
 
     def events(
-        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        sandbox_id: str,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> builtins.list[Event]:
-        """A sandbox's trace, in order (also of a deleted sandbox: the trace outlives it)."""
+        """A sandbox's trace, in order (also of a deleted sandbox: the trace outlives it).
+        `exec_id`: only that exec's event and its processes' (`process`, `process_summary`)."""
         out: builtins.list[Event] = []
         while True:
             params: builtins.list[tuple[str, str | int]] = [("after", after), ("limit", 10000)]
             params += [("type", t) for t in types or []]
+            if exec_id is not None:
+                params.append(("exec", exec_id))
             response = self.request("GET", f"/v1/sandboxes/{sandbox_id}/events", params=params)
             batch = [Event.model_validate(e) for e in response.json()["events"]]
             out += batch
@@ -304,7 +312,11 @@ class Client:
             after = batch[-1].id
 
     def follow(
-        self, sandbox_id: str, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        sandbox_id: str,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> Iterator[Event]:
         """Events as they happen, until the sandbox is deleted."""
         params: builtins.list[tuple[str, str | int | float | bool | None]] = [
@@ -312,6 +324,8 @@ class Client:
             ("follow", "true"),
         ]
         params += [("type", t) for t in types or []]
+        if exec_id is not None:
+            params.append(("exec", exec_id))
         with self.stream(
             "GET",
             f"/v1/sandboxes/{sandbox_id}/events/stream",
@@ -972,15 +986,30 @@ class Sandbox:
         return [EgressDecision.model_validate(d) for d in response.json()["decisions"]]
 
     def events(
-        self, after: int = 0, types: builtins.list[str] | None = None
+        self,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
     ) -> builtins.list[Event]:
-        """The trace: every event so far, in order."""
-        return self.client.events(self.id, after, types)
+        """The trace: every event so far, in order (`exec_id`: one exec's and its
+        processes')."""
+        return self.client.events(self.id, after, types, exec_id)
 
-    def follow(self, after: int = 0, types: builtins.list[str] | None = None) -> Iterator[Event]:
+    def follow(
+        self,
+        after: int = 0,
+        types: builtins.list[str] | None = None,
+        exec_id: int | None = None,
+    ) -> Iterator[Event]:
         """Events as they happen, until the sandbox is deleted."""
-        for event in self.client.follow(self.id, after, types):
+        for event in self.client.follow(self.id, after, types, exec_id):
             yield event
+
+    def process_trees(self, exec_id: int | None = None) -> builtins.list[ExecTree]:
+        """Each traced command (or the one `exec_id`) with the tree of processes it
+        started and the connections they opened."""
+        types = ["exec", "process", "process_summary", "egress"]
+        return exec_trees(self.events(types=types, exec_id=exec_id))
 
     def processes(self) -> builtins.list[ProcessSummary]:
         """Commands that outlive their connection, e.g. the image's `entrypoint` (their

@@ -197,6 +197,15 @@ async def refresh_mounts(
 
 After = Annotated[int, Query(ge=0, le=2**63 - 1, description="only events after this id")]
 Types = Annotated[list[str] | None, Query(alias="type", description="only these types")]
+ExecId = Annotated[
+    int | None,
+    Query(
+        alias="exec",
+        ge=1,
+        le=2**63 - 1,
+        description="only this exec's event (its id) and those under it: its processes",
+    ),
+]
 
 
 @router.get("/{sandbox_id}/events", response_model=EventList)
@@ -207,10 +216,13 @@ async def sandbox_events(
     after: After = 0,
     types: Types = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    exec_id: ExecId = None,
 ) -> EventList:
-    """The sandbox's trace: lifecycle, execs, file changes, egress decisions, limit hits, in
-    order (kept after the sandbox is deleted). Secrets appear as `[secret:NAME]`."""
-    rows = svc.trace.events(who, sandbox_id, after, types, limit)
+    """The sandbox's trace: lifecycle, execs (and the processes each started: `process`
+    events whose `parent` names the exec's event and the parent process), file changes,
+    egress decisions (with the guest process that connected), limit hits, in order (kept
+    after the sandbox is deleted). Secrets appear as `[secret:NAME]`."""
+    rows = svc.trace.events(who, sandbox_id, after, types, limit, exec_id)
     return EventList(events=[Event.model_validate(r) for r in rows])
 
 
@@ -231,12 +243,13 @@ async def stream_events(
     after: After = 0,
     types: Types = None,
     follow: Annotated[bool, Query(description="keep streaming until the sandbox is gone")] = False,
+    exec_id: ExecId = None,
 ) -> StreamingResponse:
     """The trace as JSON Lines (an export); with `follow`, new events as they happen."""
     svc.registry.owned(who, sandbox_id)  # unknown ids fail before streaming
 
     async def lines() -> AsyncIterator[bytes]:
-        async for row in svc.trace.stream(who, sandbox_id, after, types, follow):
+        async for row in svc.trace.stream(who, sandbox_id, after, types, follow, exec_id):
             yield jsonl(Event.model_validate(row).model_dump(mode="json"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
