@@ -74,6 +74,9 @@ static void each_mount(void (*mark)(const char *), int devices) {
         if (sscanf(line, "%1023s %2047s %63s", src, raw, type) != 3) continue;
         int skip = !devices && !strcmp(type, "devtmpfs");
         for (int i = 0; skip_fs[i]; i++) skip |= !strcmp(type, skip_fs[i]);
+        /* a FUSE mount (volumes, buckets) is served by a guest process whose requests travel
+           through this agent: a statfs or mark the agent makes on it would wait for itself */
+        skip |= !strncmp(type, "fuse", 4);
         if (skip) continue;
         size_t k = 0; /* the kernel writes a space, tab, newline or backslash as \ooo */
         for (char *c = raw; *c && k < sizeof dir - 1; c++) {
