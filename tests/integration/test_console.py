@@ -296,6 +296,21 @@ def test_a_command_opens_to_its_process_tree(page: Any, box: Sandbox, shots: Pat
     screenshot(page, shots, "trace-processes")
 
 
+def test_a_command_is_followed_by_the_files_it_changed(
+    page: Any, box: Sandbox, shots: Path
+) -> None:
+    page.goto(page.url.split("#")[0] + f"#/sandboxes/{box.id}/trace")
+    name = f"made-{time.time_ns()}"
+    box.exec(["/bin/sh", "-c", f"printf 12345 > /root/{name}; cat /etc/hostname > /dev/null"])
+    item = page.wait_for_selector(f"#timeline li[data-type=file_changes]:has-text('{name}')")
+    assert item is not None
+    item.query_selector("details.changes summary").click()  # type: ignore[union-attr]
+    rows = [li.inner_text() for li in item.query_selector_all("ul[aria-label='File changes'] li")]
+    assert any(f"/root/{name}" in r and "created" in r and "5 B" in r for r in rows), rows
+    assert not any("/etc/hostname" in r for r in rows)  # read only: not a change
+    screenshot(page, shots, "trace-files")
+
+
 def test_lineage_of_a_snapshot_forked_three_times(
     page: Any, alpha: Client, box: Sandbox, shots: Path
 ) -> None:

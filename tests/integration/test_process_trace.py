@@ -3,11 +3,16 @@ a real daemon, and real connections through the egress proxy to servers on loopb
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import http.server
+import io
 import json
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,16 +34,68 @@ LIMIT = 300  # processes of one command recorded in full, here
 class Net:
     web: str
     other: str
+    index: str  # a package index (PEP 503) serving one wheel
+
+
+def _wheel() -> tuple[str, bytes]:
+    """A pure-Python wheel of `tinypkg` 1.0, made here (nothing comes from the internet)."""
+    files = {
+        "tinypkg/__init__.py": b"VALUE = 42\n",
+        "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\n"
+        b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(
+        f"{name},sha256={_b64(hashlib.sha256(data).digest())},{len(data)}\n"
+        for name, data in files.items()
+    )
+    files["tinypkg-1.0.dist-info/RECORD"] = (record + "tinypkg-1.0.dist-info/RECORD,,\n").encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return "tinypkg-1.0-py3-none-any.whl", out.getvalue()
+
+
+def _b64(digest: bytes) -> str:
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+class IndexHandler(http.server.BaseHTTPRequestHandler):
+    """/simple/tinypkg/ links the wheel, /files/NAME serves it."""
+
+    wheel: tuple[str, bytes]
+
+    def do_GET(self) -> None:
+        name, data = self.wheel
+        if self.path.rstrip("/") == "/simple/tinypkg":
+            digest = hashlib.sha256(data).hexdigest()
+            body = f'<a href="/files/{name}#sha256={digest}">{name}</a>'.encode()
+            kind = "text/html"
+        elif self.path == f"/files/{name}":
+            body, kind = data, "application/octet-stream"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
     prefix = free_loopback_block()
-    web, other = f"{prefix}.1", f"{prefix}.2"
+    web, other, index = f"{prefix}.1", f"{prefix}.2", f"{prefix}.3"
     servers = Servers()
     servers.start(EchoHandler, (web, 80))
     servers.start(EchoHandler, (other, 80))
-    yield Net(web, other)
+    servers.start(IndexHandler, (index, 80), wheel=_wheel())
+    yield Net(web, other, index)
     servers.close()
 
 
@@ -46,14 +103,16 @@ def net() -> Iterator[Net]:
 def daemon_settings(net: Net) -> dict[str, str]:
     return {
         "pool_size": "0",
-        "egress_hosts": json.dumps({"web.test": net.web, "other.test": net.other}),
+        "egress_hosts": json.dumps(
+            {"web.test": net.web, "other.test": net.other, "pypi.test": net.index}
+        ),
         "trace_max_processes": str(LIMIT),
     }
 
 
 @pytest.fixture(scope="module")
 def sb(admin: Client) -> Iterator[Sandbox]:
-    with admin.create(allow=["web.test", "other.test"], max_pids=96) as sandbox:
+    with admin.create(allow=["web.test", "other.test", "pypi.test"], max_pids=96) as sandbox:
         yield sandbox
 
 
@@ -224,6 +283,38 @@ def test_connections_name_the_process_that_opened_them(sb: Sandbox) -> None:
     assert conn["host"] == "web.test" and conn["bytes_in"] > 0 and conn["duration_ms"] >= 0
     assert any(c["host"] == "other.test" for c in python.connections)
     assert "client_port" not in conn  # the daemon's own port is not the tenant's business
+
+
+def test_pip_install_shows_the_files_it_wrote_and_its_connection(sb: Sandbox) -> None:
+    pip = (
+        "python3 -m pip install --user --break-system-packages --no-cache-dir -q "
+        "--index-url http://pypi.test/simple/ --trusted-host pypi.test tinypkg"
+    )
+    r = sb.exec(["/bin/sh", "-c", f"{pip} && curl -sSf http://web.test/after-pip >/dev/null"])
+    assert r.exit_code == 0, r.stderr
+    exec_id = last_exec(sb)
+    # the files pip wrote, under the command that ran it
+    (changes,) = [e.data for e in sb.events(types=["file_changes"]) if e.data["parent"] == exec_id]
+    created = {c["path"]: c for c in changes["changes"] if c["change"] == "created"}
+    init = [p for p in created if p.endswith("site-packages/tinypkg/__init__.py")]
+    assert init and created[init[0]]["size"] == len(b"VALUE = 42\n"), sorted(created)
+    assert any(p.endswith("tinypkg-1.0.dist-info/RECORD") for p in created)
+    assert sb.exec("python3 -c 'import tinypkg; print(tinypkg.VALUE)'").stdout == b"42\n"
+    # the index's connections are pip's; the control: curl's, in the same command, is curl's
+    deadline = time.monotonic() + 10
+    while True:
+        log = [e.data for e in sb.events(types=["egress"]) if "process" in e.data]
+        mine = [d for d in log if d["process"]["exec"] == exec_id and "bytes_in" in d]
+        if {d["host"] for d in mine} >= {"pypi.test", "web.test"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    index = [d for d in mine if d["host"] == "pypi.test"]
+    web = [d for d in mine if d["host"] == "web.test"]
+    assert index and web
+    assert all(d["process"]["argv"][:3] == ["python3", "-m", "pip"] for d in index)
+    (pip_proc,) = find(tree_of(sb, exec_id), "python3")
+    assert {d["process"]["pid"] for d in index} == {pip_proc.pid}
+    assert all(d["process"]["argv"][0] == "curl" != pip_proc.argv[0] for d in web)
 
 
 def test_tracing_can_be_switched_off(admin: Client) -> None:

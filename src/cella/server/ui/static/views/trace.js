@@ -1,12 +1,13 @@
 // The sandbox's trace as a timeline that follows new events as they happen; a command's
-// entry opens to the tree of processes it started and the connections they made.
+// entry opens to the tree of processes it started and the connections they made, and its
+// file changes follow it.
 import { api, download, lines, query } from "../api.js";
 import { badge, bytes, h, time } from "../dom.js";
 
 const GROUPS = {
   exec: ["exec"],
   processes: ["process", "process_summary"],
-  files: ["file_write", "file_remove", "file_move", "mkdir", "chmod", "chown"],
+  files: ["file_changes", "file_write", "file_remove", "file_move", "mkdir", "chmod", "chown"],
   egress: ["egress"],
   limits: ["limit_hit"],
   lifecycle: null, // everything else
@@ -100,6 +101,16 @@ function detail(ev, sb) {
         h("span", { class: "muted" }, ` parent ${d.ppid} · exec ${d.exec}`)];
     case "process_summary":
       return [d.truncated ? badge("truncated", "bad") : "", h("span", { class: "muted" }, ` ${d.total} processes of exec ${d.exec} · ${d.dropped} counted only`)];
+    case "file_changes": {
+      const changes = d.changes || [];
+      const row = (c) => h("li", {}, badge(c.change, c.change === "deleted" ? "bad" : "ok"), " ",
+        h("code", {}, c.from ? `${c.from} → ${c.path}` : c.path), c.dir ? " (dir)" : "",
+        h("span", { class: "muted" }, c.change === "deleted" || c.dir ? "" : ` ${bytes(c.size)}`));
+      return [h("details", { class: "changes" },
+        h("summary", {}, `${changes.length} files changed by exec ${d.parent}`,
+          d.truncated ? [" ", badge(`+${d.truncated} more`, "bad")] : ""),
+        h("ul", { "aria-label": "File changes" }, ...changes.map(row)))];
+    }
     case "file_write":
       return [h("code", {}, d.path), " ", h("span", { class: "muted" }, `${bytes(d.size)} · sha256 ${String(d.sha256 || "").slice(0, 16)}…`)];
     case "egress": {
