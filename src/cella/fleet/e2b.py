@@ -24,6 +24,7 @@ from cella.fleet.relay import METHODS, NODE_HINT, forward
 from cella.models import SandboxCreate
 from cella.server.compat.e2b import envd
 from cella.server.compat.e2b.control import MAX_FORKS, TEMPLATES, int_param, page_start
+from cella.server.compat.e2b.observe import asked_ids
 from cella.server.compat.e2b.shapes import BASE, ERROR_SHAPE
 from cella.server.deps import Caller
 from cella.server.error_shapes import ErrorShape, shapes
@@ -31,7 +32,6 @@ from cella.service.keys import Principal
 
 Json = dict[str, Any]
 PAGE = 500  # what one node is asked for at most while the gateway pages a merged list
-MAX_IDS = 100  # `/sandboxes/metrics`, as a node takes them
 SNAPSHOT_REF = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._:-]{1,200}$")  # an id, name or name:tag
 
 
@@ -90,12 +90,7 @@ def control(gateway: Gateway) -> APIRouter:
     @api.get("/sandboxes/metrics")
     async def many_metrics(request: Request, who: Caller) -> Response:
         """Each node asked for the latest of its own sandboxes among those named."""
-        given = request.query_params.get("sandbox_ids")
-        if not given:
-            raise errors.InvalidArgument("sandbox_ids is required")
-        ids = [i for i in given.split(",") if i]
-        if len(ids) > MAX_IDS:
-            raise errors.InvalidArgument(f"sandbox_ids: at most {MAX_IDS}")
+        ids = asked_ids(request)
         by_node: dict[str, list[str]] = {}
         for sandbox_id in ids:
             where = gateway.placements.get(sandbox_id)

@@ -28,18 +28,7 @@ class SharedSecrets:
         return found
 
     async def put(self, who: Principal, name: str, body: SecretPut) -> None:
-        self.store.put_secret(
-            SecretRecord(
-                who.tenant,
-                name,
-                body.value,
-                body.hosts,
-                body.auth,
-                body.username,
-                body.inject,
-                metadata=body.metadata,
-            )
-        )
+        self.store.put_secret(SecretRecord.put(who.tenant, name, body))
         await self.membership.each("PUT", f"/v1/secrets/{name}", who, json=body.model_dump())
 
     async def delete(self, who: Principal, name: str) -> None:

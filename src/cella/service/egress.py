@@ -337,18 +337,7 @@ class SandboxEgress:
 
     def put_secret(self, tenant: str, name: str, body: SecretPut) -> SecretRecord:
         """Stores a secret; running sandboxes that use it get the new value at once."""
-        self.store.put_secret(
-            SecretRecord(
-                tenant,
-                name,
-                body.value,
-                body.hosts,
-                body.auth,
-                body.username,
-                body.inject,
-                metadata=body.metadata,
-            )
-        )
+        self.store.put_secret(SecretRecord.put(tenant, name, body))
         self.events.secrets_changed(tenant)
         for sandbox_id, vm in self.registry.vms().items():
             row = self.store.get_sandbox(sandbox_id)

@@ -9,13 +9,12 @@ and existing snapshots keep the kernel they have.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from cella.images.kernel_builds import upgrade_status
 from cella.runtime.contract import Driver
+from cella.service.periodic import Periodic
 from cella.service.warm import WarmSnapshots
 
 log = logging.getLogger("cella.kernels")
@@ -26,7 +25,7 @@ class Kernels:
     def __init__(self, driver: Driver, warm: WarmSnapshots) -> None:
         self.driver = driver
         self.warm = warm
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("kernel-switch", self.switch, lambda: LOOK_EVERY, log)
 
     def status(self) -> dict[str, Any]:
         kernel = self.driver.kernel
@@ -38,20 +37,12 @@ class Kernels:
         }
 
     def start(self) -> None:
-        if self.driver.kernel.kind != "tuned":
-            self._task = asyncio.create_task(self._watch(), name="kernel-switch")
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(LOOK_EVERY)
-            try:
-                if await self.switch():
-                    return
-            except Exception:  # a half-written kernel directory: look again later
-                log.exception("cannot move to the new kernel yet")
+        if self.driver.kernel.kind != "tuned":  # only then is a better one coming
+            self._loop.start()
 
     async def switch(self) -> bool:
-        """Moves new VMs onto a better kernel if one is there; whether it did."""
+        """Moves new VMs onto a better kernel if one is there; True once cella's own serves
+        (nothing better is coming)."""
         if not await self.driver.refresh_boot():
             return False
         self.warm.forget_all()
@@ -60,7 +51,4 @@ class Kernels:
         return kernel.kind == "tuned"
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loop.close()

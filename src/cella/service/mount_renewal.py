@@ -8,12 +8,12 @@ A deleted sandbox's token is refused at once, whatever its expiry (`Volumes.moun
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 
 from cella import errors
 from cella.service.egress import SandboxEgress
+from cella.service.periodic import Periodic
 from cella.service.registry import Registry
 
 log = logging.getLogger("cella.mount_renewal")
@@ -24,7 +24,7 @@ class MountRenewal:
         self.registry = registry
         self.egress = egress
         self.interval = max(token_seconds / 3, 0.5)
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("cella-mount-renewal", self._pass, lambda: self.interval, log)
 
     def renew(self) -> int:
         """New tokens for every tracked VM of a sandbox with volume mounts; how many."""
@@ -38,19 +38,11 @@ class MountRenewal:
                 renewed += 1
         return renewed
 
+    async def _pass(self) -> None:
+        self.renew()
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cella-mount-renewal")
+        self._loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                self.renew()
-            except Exception:
-                log.exception("volume mount token renewal failed")
+        await self._loop.close()

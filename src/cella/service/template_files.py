@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cella import errors
 from cella.images import steps as translate
+from cella.service.periodic import Periodic
 from cella.store import Store
 
 log = logging.getLogger("cella.template_files")
@@ -45,7 +46,13 @@ class TemplateFiles:
         self.max_upload_bytes = max_upload_bytes
         self.quota_bytes = quota_bytes
         self.keep_seconds = keep_seconds
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(
+            "cella-template-files",
+            self._sweep_pass,
+            lambda: min(SWEEP_SECONDS, max(self.keep_seconds / 4, 1.0)),
+            log,
+            at_once=True,
+        )
 
     def path(self, tenant: str, files_hash: str) -> Path:
         translate.check_hash(files_hash)
@@ -141,18 +148,10 @@ class TemplateFiles:
         return [p for p in self.root.iterdir() if p.is_dir()]
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cella-template-files")
+        self._loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loop.close()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.sweep)
-            except Exception:
-                log.exception("template files sweep failed")
-            await asyncio.sleep(min(SWEEP_SECONDS, max(self.keep_seconds / 4, 1.0)))
+    async def _sweep_pass(self) -> None:
+        await asyncio.to_thread(self.sweep)

@@ -13,7 +13,7 @@ from typing import Any
 from cella.models.buckets import BucketMount, BucketState
 from cella.models.exec_policy import ExecPolicy
 from cella.models.mounts import GitMount
-from cella.models.network import NetworkPolicy
+from cella.models.network import NetworkPolicy, SecretPut
 from cella.models.sandbox import ExecDefaults, ExpiryAction, SandboxState, SnapshotState
 from cella.models.volumes import VolumeMount
 
@@ -167,6 +167,20 @@ class SecretRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: str = ""
     updated_at: str = ""
+
+    @classmethod
+    def put(cls, tenant: str, name: str, body: SecretPut) -> SecretRecord:
+        """The record a `PUT` of the secret stores (the store keeps its version and times)."""
+        return cls(
+            tenant,
+            name,
+            body.value,
+            body.hosts,
+            body.auth,
+            body.username,
+            body.inject,
+            metadata=body.metadata,
+        )
 
 
 @dataclass(slots=True)

@@ -50,15 +50,20 @@ def metric_json(m: MetricRecord) -> Json:
     }
 
 
-@router.get("/sandboxes/metrics")
-async def many_metrics(request: Request, svc: DaemonDep, who: Caller) -> Json:
+def asked_ids(request: Request) -> list[str]:
+    """The `sandbox_ids` of a many-sandbox metrics call (required, at most MAX_IDS)."""
     given = request.query_params.get("sandbox_ids")
     if not given:
         raise errors.InvalidArgument("sandbox_ids is required")
     ids = [i for i in given.split(",") if i]
     if len(ids) > MAX_IDS:
         raise errors.InvalidArgument(f"sandbox_ids: at most {MAX_IDS}")
-    latest = svc.metrics.latest(who, ids)
+    return ids
+
+
+@router.get("/sandboxes/metrics")
+async def many_metrics(request: Request, svc: DaemonDep, who: Caller) -> Json:
+    latest = svc.metrics.latest(who, asked_ids(request))
     return {"sandboxes": {i: metric_json(m) for i, m in latest.items()}}
 
 
