@@ -36,6 +36,9 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous release's source tree (its `src`, to put on a daemon's PYTHONPATH)."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs this repository's history (a git checkout)")
+    known = ["git", "-C", str(REPO), "cat-file", "-e", f"{PREVIOUS}^{{commit}}"]
+    if subprocess.run(known, capture_output=True).returncode != 0:
+        pytest.skip(f"needs this repository's history back to {PREVIOUS} (a shallow clone?)")
     out = tmp_path_factory.mktemp("previous")
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", "--format=tar", PREVIOUS, "src"],
