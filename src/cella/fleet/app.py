@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from cella import __version__, errors
 from cella.config import DaemonSettings
-from cella.fleet import e2b, e2b_shared, langsmith, shared_routes
+from cella.fleet import e2b, e2b_shared, langsmith, move_routes, shared_routes
 from cella.fleet.gateway import Gateway
 from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
@@ -54,6 +54,7 @@ def create_gateway_app(
             routes(evals.router),  # runs are kept by the gateway (before the catch-all)
             routes(registries.router),  # so are registries
             routes(shared_routes.router(gateway)),  # volumes, webhooks, templates
+            routes(move_routes.router(gateway)),  # moves and drains, before the relay
             routes(router(gateway)),
             lambda app: langsmith.install(app, gateway),
             lambda app: e2b.install(app, gateway),  # E2B's sandboxes and envd
@@ -107,7 +108,7 @@ def router(gateway: Gateway) -> APIRouter:
     async def fleet(who: Auth) -> FleetStatus:
         """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
         require_admin(who, "see the fleet")
-        return await fleet_status(gateway.membership, gateway.placements)
+        return await fleet_status(gateway.membership, gateway.placements, gateway.cordons)
 
     @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
     async def capacity(who: Auth) -> Capacity:

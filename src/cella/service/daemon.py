@@ -44,6 +44,7 @@ from cella.service.logins import Logins
 from cella.service.metrics import Metrics
 from cella.service.mount_renewal import MountRenewal
 from cella.service.mounts import Mounts
+from cella.service.moves import Moves
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
 from cella.service.proctrace import ProcessTrace
@@ -125,6 +126,7 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
+        self.moves = Moves(self.registry, self.lifecycle, self.snapshots, self.shipping)
         self.checkpoints = Checkpoints(
             self.registry, self.lifecycle, self.snapshots, self.background
         )
