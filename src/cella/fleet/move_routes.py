@@ -29,8 +29,7 @@ def router(gateway: Gateway) -> APIRouter:
         granted = access.permission(who, access_shown(who.tenant, where.body))
         if not who.admin and granted != access.Permission.manage:
             raise errors.PermissionDenied(f"this key may not move sandbox {sandbox_id}")
-        report = await gateway.moves.move(who, sandbox_id, body.node if body else None)
-        return report.model_dump(by_alias=True)
+        return await gateway.moves.move(who, sandbox_id, body.node if body else None)
 
     @api.post("/v1/fleet/nodes/{node}/drain", response_model=DrainReport,
               response_model_by_alias=True)  # fmt: skip
@@ -38,7 +37,7 @@ def router(gateway: Gateway) -> APIRouter:
         """Cordons the node, then moves every sandbox on it to other nodes; a report of each
         move (id, from, to, the guest's pause, bytes shipped, transfer time) (admin)."""
         require_admin(who, "drain a node")
-        return (await gateway.moves.drain(node)).model_dump(by_alias=True)
+        return await gateway.moves.drain(node)
 
     @api.post("/v1/fleet/nodes/{node}/cordon", tags=["fleet"])
     async def cordon(node: str, who: Auth) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 from cella.models.host import Capacity
 from cella.models.sandbox import SandboxCreate, Snapshot
@@ -117,7 +117,11 @@ class MoveReport(BaseModel):
     when it failed, why (the sandbox is then still where it was, as it was)."""
 
     id: str
-    source: str = Field(serialization_alias="from")
+    source: str = Field(
+        validation_alias=AliasChoices("source", "from"),
+        serialization_alias="from",
+        description="the node it left",
+    )
     to: str | None = None
     state: str = Field(description="the sandbox's state, kept across the move")
     ok: bool
@@ -127,8 +131,6 @@ class MoveReport(BaseModel):
     bytes: int | None = Field(default=None, description="bytes of snapshot shipped")
     transfer_ms: float | None = None
     error: str | None = None
-
-    model_config = {"populate_by_name": True}
 
 
 class DrainReport(BaseModel):
