@@ -315,7 +315,9 @@ class FakeDriver:
     ) -> dict[str, Any]:
         dest.path.mkdir(parents=True, exist_ok=True)
         dest.disk.write_bytes(b"disk")
-        return dest.seal({"vcpus": vcpus, "memory_mib": memory_mib, "memory": False, **meta})
+        boot = {"kernel": str(self.paths.root), "initrd": str(self.paths.root)}
+        meta = {"vcpus": vcpus, "memory_mib": memory_mib, "memory": False, **boot, **meta}
+        return dest.seal(meta)
 
     async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
         snap.verify()
@@ -363,7 +365,9 @@ class FakeDriver:
         leave_paused: bool = False,
         **meta: Any,
     ) -> tuple[dict[str, Any], float]:
-        meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}
+        # the boot files a snapshot names (which a node taking it in must have)
+        boot = {"kernel": str(self.paths.root), "initrd": str(self.paths.root)}
+        meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **boot, **meta}
         if leave_paused:
             vm.paused = True
         if not memory:

@@ -26,10 +26,12 @@ import asyncio
 import contextlib
 import os
 import time
+from pathlib import Path
+from typing import Protocol
 
 from cella import errors
 from cella.models import SandboxState, SnapshotState
-from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported
+from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported, SnapshotExport
 from cella.policy.access import Principal
 from cella.service.lifecycle import Lifecycle
 from cella.service.registry import Registry, error_text
@@ -40,6 +42,14 @@ from cella.store import SandboxRecord, SnapshotRecord, sandbox_columns
 
 S = SandboxState
 MOVABLE = (S.running, S.paused, S.stopped)
+
+
+class SnapshotSource(Protocol):
+    """Another node's snapshots: what `shipping` takes one in from (`NodeSource`)."""
+
+    async def export(self, snapshot_id: str) -> SnapshotExport: ...
+
+    async def pull(self, snapshot_id: str, name: str, dest: Path) -> None: ...
 
 
 def move_name(sandbox_id: str) -> str:
@@ -177,16 +187,20 @@ class Moves:
 
     # -- the destination -----------------------------------------------------------------
 
-    async def take_in(self, body: SandboxImport) -> SandboxImported:
+    async def take_in(
+        self, body: SandboxImport, source: SnapshotSource | None = None
+    ) -> SandboxImported:
         """Another node's exported sandbox made this node's, same id, in the state it had
-        there (running ones resume where they were frozen)."""
+        there (running ones resume where they were frozen). `source`: where its snapshot
+        comes from, by default the node `body` names (over HTTPS)."""
         export = body.export
         sandbox_id = str(export.sandbox.get("id", ""))
         have = self.store.get_sandbox(sandbox_id)
         if have is not None and have.state != S.deleted:
             raise errors.Conflict(f"this node already has sandbox {sandbox_id}")
         state = S(export.state)
-        source = NodeSource(body.source_url, body.source_key, body.source_ca)
+        if source is None:
+            source = NodeSource(body.source_url, body.source_key, body.source_ca)
         started = time.monotonic()
         snap_export = await source.export(export.snapshot_id)
         snap = await self.shipping.take_in(snap_export, source.export, source.pull)
