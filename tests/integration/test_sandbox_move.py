@@ -71,8 +71,8 @@ def test_a_running_sandbox_moves_with_its_memory_and_files(nodes: tuple[Daemon, 
         taken = move(a, b, sb.id)
         assert taken["sandbox"]["id"] == sb.id and taken["sandbox"]["state"] == "running"
         there = cb.get(sb.id)
-        assert there.state == "running" and there.name == "mover"
-        assert there.labels == {"team": "x"}
+        assert there.state == "running" and there.info.name == "mover"
+        assert there.info.labels == {"team": "x"}
         assert there.files.read("/root/kept") == b"on disk"
         after = counter(there)
         assert after >= before  # counted on from where it was, not from 1
