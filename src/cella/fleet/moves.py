@@ -154,7 +154,6 @@ class FleetMoves:
         paused_ms = None
         if state != "stopped":
             paused_ms = round(float(export["held_ms"]) + (loop.time() - frozen) * 1000, 1)
-        self.locator.placements.put(dest.name, shown)
         try:
             await source.json(
                 "POST", f"/v1/sandboxes/{sandbox_id}/export/finish", params={"node": dest.name}
@@ -162,6 +161,8 @@ class FleetMoves:
         except errors.CellaError as exc:  # moved: the source's copy is left to remove later
             log.error("sandbox %s moved, but node %s kept its copy: %s", sandbox_id,
                       source.name, exc.message)  # fmt: skip
+        # after the source let go: a list of the nodes meanwhile may have seen it there
+        self.locator.placements.put(dest.name, shown)
         return MoveReport(
             id=sandbox_id,
             source=source.name,
