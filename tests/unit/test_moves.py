@@ -4,6 +4,7 @@ and tests/fleet/move_checks.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -107,6 +108,9 @@ async def test_an_aborted_move_leaves_it_running_where_it_was(
     a, b = nodes
     made = await a.lifecycle.create(T, SandboxCreate())
     export = await a.moves.export(made.id)
+    with pytest.raises(TimeoutError):  # nothing resumes it here while it travels
+        await asyncio.wait_for(a.lifecycle.resume(T, made.id), 0.2)
+    assert vm_of(a, made.id).paused
 
     class Broken(Local):
         async def pull(self, snapshot_id: str, name: str, dest: Path) -> None:

@@ -69,13 +69,17 @@ class Moves:
         self.snapshots = snapshots
         self.shipping = shipping
         self._out: dict[str, SandboxExport] = {}  # sandbox id -> its export, until settled
+        self._busy: set[str] = set()  # being exported
+        self._held: dict[str, asyncio.Lock] = {}  # their locks, held until settled
 
     # -- the source ----------------------------------------------------------------------
 
     async def export(self, sandbox_id: str) -> SandboxExport:
-        """Freezes the sandbox and snapshots it for another node (see the module's doc)."""
+        """Freezes the sandbox and snapshots it for another node (see the module's doc).
+        Its lock is held from then until `finish` or `abort`: nothing resumes, stops or
+        boots it here meanwhile (an exec is refused: it is paused)."""
         row = self._row(sandbox_id)
-        if sandbox_id in self._out:
+        if sandbox_id in self._out or sandbox_id in self._busy:
             raise errors.InvalidState(f"sandbox {sandbox_id} is being moved already")
         if row.state not in MOVABLE:
             raise errors.InvalidState(f"cannot move a sandbox that is {row.state}")
@@ -83,44 +87,69 @@ class Moves:
             raise errors.InvalidState(
                 f"sandbox {sandbox_id} mounts volumes lent to this node: it stays here"
             )
-        was = row.state
+        self._busy.add(sandbox_id)
+        try:
+            export = await self._export(row)
+        finally:
+            self._busy.discard(sandbox_id)
+        self._out[sandbox_id] = export
+        self.events.emit(
+            sandbox_id, "move_started", {"snapshot_id": export.snapshot_id, "state": row.state}
+        )
+        return export
+
+    async def _export(self, row: SandboxRecord) -> SandboxExport:
+        sandbox_id, was = row.id, row.state
         who = Principal.service(row.tenant)
         loop = asyncio.get_running_loop()
+        lock = self.registry.lock(sandbox_id)
         if was == S.stopped:
             snap = await self._disk_snapshot(row)
             paused = 0.0
         else:
             if was == S.paused:  # it runs for the snapshot's sync, then is frozen again
                 await self.lifecycle.resume(who, sandbox_id)
-            snap = await self.snapshots.snapshot(
-                who, sandbox_id, move_name(sandbox_id), leave_paused=True
-            )
-            self.registry.update(sandbox_id, state=S.paused)
+            try:
+                snap = await self.snapshots.snapshot(
+                    who, sandbox_id, move_name(sandbox_id), leave_paused=True
+                )
+            except BaseException:  # a failed snapshot may leave the VM paused
+                if (vm := self.registry.vm(sandbox_id)) is not None:
+                    await vm.resume()
+                raise
             paused = (snap.paused_ms or 0.0) / 1000
+        await lock.acquire()
         frozen = loop.time()
         try:
+            now = self._row(sandbox_id).state
+            if now != (S.stopped if was == S.stopped else S.running):  # changed meanwhile
+                raise errors.InvalidState(f"sandbox {sandbox_id} became {now} during the move")
+            if was != S.stopped:
+                self.registry.update(sandbox_id, state=S.paused)
             await self.snapshots.flat(snap.id)  # nodes move whole RAM files
             manifest = self.snapshots.directory(snap.id).manifest()
         except BaseException:
             await self._thaw(sandbox_id, was, snap.id)
+            lock.release()
             raise
-        export = SandboxExport(
+        self._held[sandbox_id] = lock
+        return SandboxExport(
             sandbox=sandbox_columns(self._row(sandbox_id)) | {"state": was.value},
             state=was.value,  # type: ignore[arg-type]  # one of MOVABLE
             snapshot_id=snap.id,
             held_ms=round((paused + loop.time() - frozen) * 1000, 1) if paused else 0.0,
             bytes=sum(int(n) for n in manifest.get("bytes", {}).values()),
         )
-        self._out[sandbox_id] = export
-        self.events.emit(sandbox_id, "move_started", {"snapshot_id": snap.id, "state": was})
-        return export
 
     async def abort(self, sandbox_id: str, reason: str = "") -> None:
         """The move did not happen: the sandbox runs on here as it was (idempotent)."""
         export = self._out.pop(sandbox_id, None)
         if export is None:
             return
-        await self._thaw(sandbox_id, S(export.state), export.snapshot_id)
+        try:
+            await self._thaw(sandbox_id, S(export.state), export.snapshot_id)
+        finally:
+            self._release(sandbox_id)
         self.events.emit(sandbox_id, "move_failed", {"error": reason or "aborted"})
 
     async def finish(self, sandbox_id: str, node: str = "") -> None:
@@ -128,12 +157,19 @@ class Moves:
         export = self._out.pop(sandbox_id, None)
         if export is None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is not being moved from here")
-        async with self.registry.lock(sandbox_id):
+        try:
             await self.lifecycle.teardown(sandbox_id)
             self.registry.update(sandbox_id, state=S.deleted, pid=None)
+        finally:
+            self._release(sandbox_id)
         self.events.emit(sandbox_id, "moved", {"to": node})
         self.registry.forget(sandbox_id)
         await self._drop_snapshot(export.snapshot_id)
+
+    def _release(self, sandbox_id: str) -> None:
+        lock = self._held.pop(sandbox_id, None)
+        if lock is not None and lock.locked():
+            lock.release()
 
     async def _disk_snapshot(self, row: SandboxRecord) -> SnapshotRecord:
         """A stopped sandbox's disk as a snapshot without memory."""
@@ -171,12 +207,10 @@ class Moves:
         return self.snapshots.get(row.tenant, record.id)
 
     async def _thaw(self, sandbox_id: str, was: S, snapshot_id: str) -> None:
-        if was == S.running:
-            async with self.registry.lock(sandbox_id):
-                vm = self.registry.vm(sandbox_id)
-                if vm is not None:
-                    await vm.resume()
-                    self.registry.update(sandbox_id, state=S.running, stopped_at=None)
+        """Runs on as it was before the export (its lock held by the caller)."""
+        if was == S.running and (vm := self.registry.vm(sandbox_id)) is not None:
+            await vm.resume()
+            self.registry.update(sandbox_id, state=S.running, stopped_at=None)
         await self._drop_snapshot(snapshot_id)
 
     async def _drop_snapshot(self, snapshot_id: str) -> None:
