@@ -5,6 +5,9 @@ files, and moves to nodes that cannot take them are refused (collected by
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -37,6 +40,18 @@ def on(client: Client, node: str) -> Sandbox:
     return client.get(answer.json()["id"])
 
 
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    """`cella fleet ARGS` as the gateway's admin."""
+    return subprocess.run(
+        [sys.executable, "-m", "cella.cli", "fleet", *args],
+        env=fleet.gateway.env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
 def counter(sb: Sandbox) -> int:
     return int(sb.exec("cat /run/counter").stdout)
 
@@ -62,9 +77,10 @@ def test_a_drain_moves_a_running_sandbox_with_its_memory_and_files(
         control_began = started(control)
         assert before > 1
 
-        drained = fleet.admin.post("/v1/fleet/nodes/n1/drain")
-        assert drained.status_code == 200, drained.text
-        report = drained.json()
+        # drained through the CLI (its SDK, the gateway's route), its report as JSON
+        drained = cli(fleet, "drain", "n1", "--json")
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        report = json.loads(drained.stdout)
         [moved] = [m for m in report["moves"] if m["id"] == mover.id]
         assert moved["ok"], moved
         assert moved["from"] == "n1" and moved["to"] in ("n2", "n3"), moved
@@ -100,9 +116,10 @@ def test_a_drain_moves_a_running_sandbox_with_its_memory_and_files(
         assert fleet.node_of(mover.id) == moved["to"]  # refused moves left it there
         assert counter(mover) > after
     finally:
-        fleet.admin.post("/v1/fleet/nodes/n1/uncordon")
+        uncordoned = cli(fleet, "uncordon", "n1")
         for sb in (mover, control):
             sb.delete()
+    assert uncordoned.returncode == 0, uncordoned.stderr
     status = fleet.admin.get("/v1/fleet").json()
     assert not any(n["cordoned"] for n in status["nodes"])
 
