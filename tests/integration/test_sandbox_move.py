@@ -115,7 +115,6 @@ def test_a_failed_take_in_leaves_it_running_where_it_was(nodes: tuple[Daemon, Da
         first = counter(sb)
         time.sleep(0.6)
         assert counter(sb) > first  # running on, here
-        with b.client() as cb:
+        with b.client() as cb:  # (the control, the right key taken in: the test above)
             assert sb.id not in {s.id for s in cb.list()}
-        # the control: the same export with the right key is taken in
         sb.delete()
