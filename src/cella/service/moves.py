@@ -239,10 +239,10 @@ class Moves:
         snap_export = await source.export(export.snapshot_id)
         snap = await self.shipping.take_in(snap_export, source.export, source.pull)
         transfer = time.monotonic() - started
-        if snap.tenant != export.sandbox.get("tenant"):
-            raise errors.InvalidArgument("the snapshot is not the sandbox's tenant's")
         started = time.monotonic()
         try:
+            if snap.tenant != export.sandbox.get("tenant"):
+                raise errors.InvalidArgument("the snapshot is not the sandbox's tenant's")
             await self._restore(export, snap, state)
         except BaseException:
             with contextlib.suppress(errors.CellaError):
