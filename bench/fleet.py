@@ -31,7 +31,6 @@ import httpx2
 from bench._stats import report, summary_ms
 from cella import Client
 from cella.eval import Task, run_eval
-from cella.fleet.evals import RayRunner
 from cella.fleet.tls import trusting
 from tests.daemon import Daemon, kill_vms_of
 from tests.raycluster import LocalCluster, quiet_ray_env
@@ -82,6 +81,9 @@ def overhead(gateway: Client, direct: Client, calls: int) -> dict[str, dict[str,
 def eval_rate(
     gateway_url: str, key: str, snapshot: str, tasks: int, address: str, out: Path
 ) -> dict[str, Any]:
+    # imported here: Ray reads its token mode when imported, after `quiet_ray_env` set it
+    from cella.fleet.evals import RayRunner
+
     work = [Task(id=f"t{i}", check="true", workdir="/root") for i in range(tasks)]
     t = time.perf_counter()
     runner = RayRunner(address)
