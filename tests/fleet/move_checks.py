@@ -79,14 +79,16 @@ def test_a_drain_moves_a_running_sandbox_with_its_memory_and_files(
 
         # drained through the CLI (its SDK, the gateway's route), its report as JSON
         drained = cli(fleet, "drain", "n1", "--json")
-        assert drained.returncode == 0, drained.stdout + drained.stderr
         report = json.loads(drained.stdout)
         [moved] = [m for m in report["moves"] if m["id"] == mover.id]
         assert moved["ok"], moved
-        assert moved["from"] == "n1" and moved["to"] in ("n2", "n3"), moved
+        assert moved["from"] == "n1" and moved["to"] not in (None, "n1"), moved
         assert moved["state"] == "running"
         assert moved["paused_ms"] > 0 and moved["bytes"] > 0 and moved["transfer_ms"] > 0
-        assert all(m["ok"] for m in report["moves"]), report
+        # the CLI exits 1 if any sandbox of n1 stayed (each says why)
+        stayed = [m for m in report["moves"] if not m["ok"]]
+        assert drained.returncode == (1 if stayed else 0), drained.stderr
+        assert all(m["error"] for m in stayed), stayed
 
         # the same sandbox, on the node the report names, running on from where it was
         assert fleet.node_of(mover.id) == moved["to"]
@@ -140,7 +142,7 @@ def test_a_stopped_sandbox_moves_and_boots_there_with_its_files(
         assert sb.files.read("/root/kept.txt") == b"stopped, moved"
         # moved again with no node named: the planner picks one other than its own
         again = sb.move()
-        assert again.ok and again.source == "n1" and again.to in ("n2", "n3")
+        assert again.ok and again.source == "n1" and again.to not in (None, "n1")
         assert fleet.node_of(sb.id) == again.to
         assert sb.files.read("/root/kept.txt") == b"stopped, moved"
     finally:
