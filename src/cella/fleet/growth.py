@@ -4,8 +4,10 @@ Grows: a create that no node has room for asks the autoscaler for one more `cell
 than the fleet has and waits (up to `fleet_scale_up_wait_s`) while nodes join, trying again
 as each one does. Shrinks: every node with sandboxes (in any state: a stopped one's disk is
 there too) is held (`autoscaler.hold`) and so never idle in Ray's eyes; a node whose last
-sandbox has been gone for `fleet_scale_down_grace_s` is let go, and the autoscaler removes it
-after its own idle timeout. Off, a create with no room is refused at once, as it always was.
+sandbox has been gone for `fleet_scale_down_grace_s` is released: it leaves the fleet, its
+daemon and the daemon's actor end (a node with a live actor is busy to Ray) and its hold
+goes, and the autoscaler removes it after its own idle timeout. Demand that comes before it
+has gone brings it back. Off, a create with no room is refused at once, as it always was.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Growth:
                 raise
         deadline = time.monotonic() + self.wait_s
         self.waiting += 1
+        self.membership.unrelease()  # idle nodes not yet gone are the quickest room
         try:
             await self._ask()
             while True:
@@ -125,6 +128,7 @@ class Growth:
                     await asyncio.to_thread(autoscaler.hold, node.node_id)
                 continue
             since = self._idle_since.setdefault(node.name, now)
-            if node.node_id in held and now - since >= self.grace_s:
+            if now - since >= self.grace_s and not self.waiting:  # waiting: room for them
+                await self.membership.release(node)
                 await asyncio.to_thread(autoscaler.release, node.node_id)
-                log.info("node %s has had no sandboxes for %g s: let go", node.name, now - since)
+                del self._idle_since[node.name]
