@@ -249,10 +249,12 @@ class AutoscalingCluster:
         import psutil
 
         if self.head is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.head.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.head.wait(30)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.head.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.head.wait(5)
+                    break
         # the nodes the autoscaler started live in its monitor's process tree or were left
         # to init: found by this cluster's own temp directory on their command lines
         for proc in psutil.process_iter(["pid", "cmdline"]):

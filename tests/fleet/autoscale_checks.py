@@ -8,6 +8,7 @@ once and no node comes.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -113,6 +114,7 @@ def grown() -> Iterator[Grown]:
         cluster.shutdown()
         for node in (root / "nodes").iterdir() if (root / "nodes").exists() else []:
             kill_vms_of(node)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_demand_beyond_the_fleet_brings_a_node_up_where_the_create_lands(grown: Grown) -> None:
