@@ -56,6 +56,16 @@ class Grown:
         with self.admin() as admin:
             return {n["name"]: n for n in admin.get("/v1/fleet").json()["nodes"]}
 
+    def growth(self) -> dict[str, Any] | None:
+        with self.admin() as admin:
+            found: dict[str, Any] | None = admin.get("/v1/fleet").json()["autoscale"]
+        return found
+
+    def held(self) -> set[str]:
+        growth = self.growth()
+        assert growth is not None
+        return set(growth["held_nodes"])
+
     def up(self) -> set[str]:
         return {name for name, n in self.nodes().items() if n["healthy"]}
 
@@ -128,6 +138,9 @@ def test_demand_beyond_the_fleet_brings_a_node_up_where_the_create_lands(grown: 
     assert len(grown.up()) == 2
     assert grown.node_of(second["id"]) == (grown.up() - {one}).pop()
     echo(grown, first["id"], "still")
+    assert grown.held() == grown.up()  # both hold sandboxes: neither may be taken
+    # nothing waits any more: the floor asked of the autoscaler is cleared
+    until(lambda: (grown.growth() or {}).get("nodes_asked") == 0, 30, "the floor stayed")
 
 
 def test_a_node_without_sandboxes_goes_and_one_with_a_sandbox_stays(grown: Grown) -> None:
@@ -139,7 +152,7 @@ def test_a_node_without_sandboxes_goes_and_one_with_a_sandbox_stays(grown: Grown
     until(lambda: gone in str(grown.nodes()[emptied]["reason"]), 90, f"{emptied} stayed")
     # control: the node with a sandbox, in the fleet for longer than the grace period and
     # Ray's idle timeout together, was neither released nor removed: its sandbox answers
-    assert grown.up() == {kept}
+    assert grown.up() == {kept} and grown.held() == {kept}
     echo(grown, first["id"], "kept")
 
 
@@ -150,6 +163,7 @@ def test_without_autoscaling_a_create_with_no_room_is_refused_at_once(grown: Gro
     gateway.start(timeout=120)
     try:
         [kept] = grown.up()
+        assert grown.growth() is None  # the gateway does not autoscale now
         answer = grown.tenant.post("/v1/sandboxes", json=SHAPE)  # the one node is full
         assert answer.status_code == 409, answer.text
         error = answer.json()["error"]

@@ -21,6 +21,7 @@ from cella import errors
 from cella.fleet import autoscaler, cluster
 from cella.fleet.membership import Membership
 from cella.fleet.planner import Planner
+from cella.models.fleet import FleetGrowth
 from cella.service.periodic import Periodic
 
 log = logging.getLogger("cella.fleet")
@@ -94,6 +95,18 @@ class Growth:
             if node is not None:
                 self._idle_since.pop(name, None)
                 await asyncio.to_thread(autoscaler.hold, node.node_id)
+
+    async def status(self) -> FleetGrowth | None:
+        if not self.enabled:
+            return None
+        held = await asyncio.to_thread(autoscaler.holds)
+        names = {n.node_id: n.name for n in self.membership.nodes.values()}
+        return FleetGrowth(
+            waiting_creates=self.waiting,
+            nodes_asked=self._asked,
+            held_nodes=sorted(names.get(i, i) for i in held),
+            released_nodes=sorted(names.get(i, i) for i in self.membership.released),
+        )
 
     async def tend(self) -> None:
         await self._ask()
