@@ -107,7 +107,7 @@ def router(gateway: Gateway) -> APIRouter:
     async def fleet(who: Auth) -> FleetStatus:
         """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
         require_admin(who, "see the fleet")
-        return await fleet_status(gateway.membership, gateway.placements)
+        return await fleet_status(gateway.membership, gateway.placements, gateway.growth)
 
     @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
     async def capacity(who: Auth) -> Capacity:
