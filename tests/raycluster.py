@@ -13,9 +13,13 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,3 +154,117 @@ def _serve_cluster(nodes: dict[str, dict[str, str]]) -> None:
 
 if __name__ == "__main__":
     _serve_cluster(json.loads(sys.argv[1]))
+
+
+class AutoscalingCluster:
+    """A head whose autoscaler launches and removes sandbox nodes on this machine (Ray's
+    `fake_multinode` provider: each node a raylet of its own, started by the autoscaler's
+    monitor). Started by `ray start --head --block` in a session of its own, and stopped by
+    ending that session and every process of this cluster's temp directory (never
+    `ray stop`, which ends every Ray process on the machine)."""
+
+    def __init__(self, node_type: dict[str, Any], idle_timeout_s: float) -> None:
+        self.temp = tempfile.mkdtemp(prefix="cas-", dir="/tmp")
+        self.port = _free_port()
+        self.config = Path(self.temp) / "autoscaling.json"
+        self.config.write_text(json.dumps(self._config(node_type, idle_timeout_s)))
+        self.head: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def _gcs(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def _config(self, node_type: dict[str, Any], idle_timeout_s: float) -> dict[str, Any]:
+        return {
+            "cluster_name": "cella-autoscale",
+            "max_workers": node_type["max_workers"],
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": idle_timeout_s / 60,
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,  # every node is 127.0.0.1 here
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+                "gcs_address": self.address,
+            },
+            "available_node_types": {
+                "ray.head.default": {"resources": {}, "node_config": {}, "max_workers": 0},
+                "sandbox": {"node_config": {}, **node_type},
+            },
+            "head_node_type": "ray.head.default",
+            "auth": {"ssh_user": "nobody"},
+            "docker": {},
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+        }
+
+    def start(self) -> AutoscalingCluster:
+        env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        log = (Path(self.temp) / "head.log").open("ab")
+        self.head = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "ray"),
+                "start",
+                "--head",
+                "--block",
+                f"--port={self.port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=0",
+                f"--object-store-memory={STORE}",
+                "--include-dashboard=false",
+                f"--temp-dir={self.temp}",
+                f"--autoscaling-config={self.config}",
+                f"--system-config={json.dumps(HEALTH, separators=(',', ':'))}",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:  # the GCS answers: drivers may join
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 1),
+            ):
+                return self
+            if self.head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the head did not start: see {self.temp}/head.log")
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        import psutil
+
+        if self.head is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.head.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.head.wait(5)
+                    break
+        # the nodes the autoscaler started live in its monitor's process tree or were left
+        # to init: found by this cluster's own temp directory on their command lines
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if any(self.temp in part for part in proc.info["cmdline"] or []):
+                    proc.kill()
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

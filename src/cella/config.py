@@ -117,6 +117,26 @@ class DaemonSettings(BaseSettings):
         "as root on every node. By default they refuse it: start every node with "
         "RAY_AUTH_MODE=token and the cluster's token (docs/kuberay.md)",
     )
+    # a fleet that grows and shrinks with Ray's autoscaler (cella.fleet.growth)
+    fleet_autoscale: bool = Field(
+        default=False,
+        description="the fleet gateway: a create no node has room for asks Ray's autoscaler "
+        "for another `cella_node` node and waits for it (up to fleet_scale_up_wait_s), and "
+        "every node with sandboxes holds a claim on it so the autoscaler never takes it; "
+        "off: such a create is refused at once",
+    )
+    fleet_scale_up_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="with fleet_autoscale: how long a create waits for a node to join",
+    )
+    fleet_scale_down_grace_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="with fleet_autoscale: how long a node stays held after its last sandbox "
+        "is gone (then Ray's autoscaler may remove it once its own idle timeout passes)",
+    )
     audit_keep: int = Field(
         default=1_000_000, ge=1000, description="entries kept in the audit log of key use"
     )

@@ -1,7 +1,8 @@
 """A fleet on a real multi-node Ray cluster, run inside a loopback-only network namespace.
 
-Ray binds and probes more than loopback when it can, so the fleet's checks
-(`tests/fleet/fleet_checks.py`: a head, three and then four nodes with Ray's token
+Ray binds and probes more than loopback when it can, so the fleet's checks (an autoscaling
+cluster whose nodes come and go, `tests/fleet/autoscale_checks.py`; then
+`tests/fleet/fleet_checks.py`: a head, three and then four nodes with Ray's token
 authentication on, node daemons, a gateway, real microVMs, and a second cluster without
 token authentication that the gateway and nodes refuse) run in a pytest of their own inside
 `unshare -n` with only `lo` up; this test starts it and requires every check to pass, none
@@ -22,12 +23,14 @@ from tests.sdk_env import sdk_python
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-# run in one session, on one cluster: the fleet's own checks, what its nodes share (volumes,
-# webhooks, templates), then E2B's SDK's, then the LangSmith SDK's (whose last check has the
-# gateway serve TLS)
+# run in one session: first the autoscaler's checks on a cluster of their own (gone before
+# the next one starts), then on one cluster: the fleet's own checks, what its nodes share
+# (volumes, webhooks, templates), then E2B's SDK's, then the LangSmith SDK's (whose last check
+# has the gateway serve TLS)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
     for name in (
+        "autoscale_checks.py",
         "fleet_checks.py",
         "shared_checks.py",
         "move_checks.py",

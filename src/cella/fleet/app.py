@@ -108,7 +108,9 @@ def router(gateway: Gateway) -> APIRouter:
     async def fleet(who: Auth) -> FleetStatus:
         """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
         require_admin(who, "see the fleet")
-        return await fleet_status(gateway.membership, gateway.placements, gateway.cordons)
+        return await fleet_status(
+            gateway.membership, gateway.placements, gateway.growth, gateway.cordons
+        )
 
     @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
     async def capacity(who: Auth) -> Capacity:

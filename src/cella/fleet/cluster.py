@@ -85,3 +85,13 @@ def daemon_of(node: RayNode, data_root: str, timeout: float = 240.0) -> dict[str
     ).remote(data_root, node.name, node.labels)
     info: dict[str, Any] = ray.get(actor.info.remote(), timeout=timeout)
     return info
+
+
+def stop_daemon(node_id: str) -> None:
+    """Ends the node's daemon and its actor for good (an actor is a leased worker, and a
+    node with one is never idle to Ray's autoscaler)."""
+    try:
+        actor = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+    except ValueError:  # none there
+        return
+    ray.kill(actor, no_restart=True)

@@ -8,10 +8,11 @@ them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` ke
 tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
 registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
 `FleetVolumes` and `NamedTemplates` know the node each volume and named template lives on
-(`homes`); `FleetTemplates` builds templates on every node; `FleetMoves` moves sandboxes
-between nodes and drains a node (`Cordons` keeps new ones off it); `Delegations` makes and
-checks the access delegation grants of the sandboxes it places. The gateway keeps its own
-keys, console sessions, registries and eval runs (what the routes it shares with a node
+(`homes`); `FleetTemplates` builds templates on every node; `Growth` asks Ray's autoscaler
+for nodes when none has room and holds the nodes that have sandboxes; `FleetMoves` moves
+sandboxes between nodes and drains a node (`Cordons` keeps new ones off it); `Delegations`
+makes and checks the access delegation grants of the sandboxes it places. The gateway keeps
+its own keys, console sessions, registries and eval runs (what the routes it shares with a node
 daemon use: `cella.server.front`).
 """
 
@@ -27,6 +28,7 @@ import httpx2
 from cella.config import DaemonSettings
 from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
+from cella.fleet.growth import Growth
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
@@ -97,7 +99,14 @@ class Gateway:
         )
         self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
         planner = Planner(self.membership, self.cordons)
-        self.moves = FleetMoves(self.membership, self.locator, planner, self.cordons)
+        self.growth = Growth(
+            self.membership,
+            planner,
+            settings.fleet_autoscale,
+            settings.fleet_scale_up_wait_s,
+            settings.fleet_scale_down_grace_s,
+        )
+        self.moves = FleetMoves(self.membership, self.locator, planner, self.cordons, self.growth)
         self.launcher = Launcher(
             self.membership,
             self.locator,
@@ -107,13 +116,16 @@ class Gateway:
             self.delegations,
             self.rewrites,
             self.volumes,
+            self.growth,
         )
 
     async def start(self) -> None:
         """Joins the cluster and every live node (and its daemon) before serving."""
         await self.membership.start()
+        await self.growth.start()
 
     async def shutdown(self) -> None:
+        await self.growth.shutdown()
         await self.membership.shutdown()
 
     async def _joining(self, node: Node) -> None:

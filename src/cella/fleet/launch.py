@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from cella import errors
 from cella.fleet.delegation import Delegations
+from cella.fleet.growth import Growth
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
@@ -47,6 +48,7 @@ class Launcher:
         delegations: Delegations,
         rewrites: FleetRewrites,
         volumes: FleetVolumes,
+        growth: Growth,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -57,6 +59,7 @@ class Launcher:
         self.delegations = delegations
         self.rewrites = rewrites
         self.volumes = volumes  # lends a sandbox's node the volumes it mounts
+        self.growth = growth  # waits for a node when none has room, holds nodes in use
 
     async def launch(
         self,
@@ -81,8 +84,12 @@ class Launcher:
                 snap, found = await self.snapshots.resolve(who, source)
                 snapshot_id, held = snap["id"], held | found
                 source = Shape(snap["vcpus"], snap["memory_mib"], snap["template"])
-            plan = await self.planner.plan(source, count, held, prefer, only)
-            with self.planner.reserve(plan, source):
+            shape = source
+            plan = await self.growth.plan(
+                lambda: self.planner.plan(shape, count, held, prefer, only), only
+            )
+            with self.planner.reserve(plan, shape):
+                await self.growth.hold(plan)
 
                 async def part(name: str, n: int) -> tuple[Node, list[Json]]:
                     node = self.membership.nodes[name]

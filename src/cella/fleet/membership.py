@@ -40,6 +40,7 @@ class Membership:
         self.nodes: dict[str, Node] = {}
         self.failures: dict[str, str] = {}  # nodes that could not join, and why
         self._joining: set[str] = set()
+        self.released: set[str] = set()  # NodeIDs let go to the autoscaler: never joined
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -78,11 +79,15 @@ class Membership:
                 and known.healthy
                 and not known.stale  # asked again where its daemon answers now
             )
-            if not current and name not in self._joining:
+            released = ray_node.node_id in self.released
+            if not current and name not in self._joining and not released:
                 self._joining.add(name)
                 joins.append(asyncio.create_task(self._join(ray_node)))
         for name, node in self.nodes.items():
             now = alive.get(name)
+            if node.node_id in self.released and (now is None or now.node_id != node.node_id):
+                self.released.discard(node.node_id)
+                node.reason = f"node {name} was released when idle and left the cluster"
             if node.healthy and (now is None or now.node_id != node.node_id):
                 dead = any(n.node_id == node.node_id and not n.alive for n in found)
                 self._lose(node, f"node {name} {'died' if dead else 'left the cluster'}")
@@ -147,6 +152,18 @@ class Membership:
         count = self.placements.lose(name, dated)
         log.warning("%s; %d sandboxes lost", dated, count)
         return dated
+
+    async def release(self, node: Node) -> None:
+        """The node stops serving and its daemon ends, so that Ray's autoscaler may remove
+        it (called for a node without sandboxes)."""
+        self.released.add(node.node_id)
+        node.healthy, node.reason = False, f"node {node.name} was released when idle"
+        await asyncio.to_thread(cluster.stop_daemon, node.node_id)
+        log.info("node %s released when idle", node.name)
+
+    def unrelease(self) -> None:
+        """Released nodes that are still up join again (demand came before they left)."""
+        self.released.clear()
 
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.healthy]

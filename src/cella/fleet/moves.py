@@ -20,6 +20,7 @@ from typing import Any
 
 from cella import errors
 from cella.fleet.cordons import Cordons
+from cella.fleet.growth import Growth
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
@@ -33,12 +34,18 @@ MOVABLE = ("running", "paused", "stopped")
 
 class FleetMoves:
     def __init__(
-        self, membership: Membership, locator: Locator, planner: Planner, cordons: Cordons
+        self,
+        membership: Membership,
+        locator: Locator,
+        planner: Planner,
+        cordons: Cordons,
+        growth: Growth | None = None,
     ) -> None:
         self.membership = membership
         self.locator = locator
         self.planner = planner
         self.cordons = cordons
+        self.growth = growth  # a node a sandbox moves to is held against the autoscaler
         self._moving: set[str] = set()
 
     async def move(self, who: Principal, sandbox_id: str, to: str | None = None) -> MoveReport:
@@ -119,6 +126,8 @@ class FleetMoves:
         self, sandbox_id: str, body: dict[str, Any], source: Node, dest: Node
     ) -> MoveReport:
         shape = Shape(int(body["vcpus"]), int(body["memory_mib"]), str(body["template"]))
+        if self.growth is not None:
+            await self.growth.hold([dest.name])
         export = await source.json("POST", f"/v1/sandboxes/{sandbox_id}/export")
         loop = asyncio.get_running_loop()
         frozen = loop.time()

@@ -8,7 +8,8 @@ that lives as long as the actor), and the actor, restarted by Ray, starts it aga
 same data directory, where recovery picks up what the last one left.
 
 Node settings come from the node's Ray labels: `cella/node-name` names the node (and its
-data directory; Ray's NodeID changes when a raylet restarts), and `cella/<setting>` sets a
+data directory; Ray's NodeID changes when a raylet restarts; `cella/node-group` names the
+nodes of an autoscaler's node type, see `node_name`), and `cella/<setting>` sets a
 daemon setting (e.g. `cella/pool_size: "0"`, see `cella.config`). The daemon speaks TLS
 only, with a certificate of its own for the node's address (`cella.fleet.tls`). It runs
 only on a cluster that requires Ray's token (`cella.fleet.rayauth`), unless the node's
@@ -42,8 +43,18 @@ SETTING_PREFIX = "cella/"
 START_TIMEOUT = 180.0
 
 
+GROUP_LABEL = "cella/node-group"  # an autoscaler's node type: its nodes share their labels
+
+
 def node_name(node_id: str, labels: dict[str, str]) -> str:
-    return labels.get(NAME_LABEL) or f"node-{node_id[:12]}"
+    """The node's label names it; a node of an autoscaled group (whose nodes share one set of
+    labels) is named by its group and the end of its Ray NodeID (the start of a simulated
+    node's ID is the same for every node)."""
+    if NAME_LABEL in labels:
+        return labels[NAME_LABEL]
+    if GROUP_LABEL in labels:
+        return f"{labels[GROUP_LABEL]}-{node_id[-12:]}"
+    return f"node-{node_id[:12]}"
 
 
 def actor_name(node_id: str) -> str:
@@ -54,7 +65,7 @@ def daemon_env(labels: dict[str, str]) -> dict[str, str]:
     """CELLA_* variables from the node's `cella/<setting>` labels."""
     env = {}
     for key, value in labels.items():
-        if key.startswith(SETTING_PREFIX) and key != NAME_LABEL:
+        if key.startswith(SETTING_PREFIX) and key not in (NAME_LABEL, GROUP_LABEL):
             setting = key[len(SETTING_PREFIX) :].replace("-", "_").upper()
             env[f"CELLA_{setting}"] = value
     return env

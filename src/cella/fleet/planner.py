@@ -42,6 +42,10 @@ class Planner:
             for name, amount in held:
                 self._reserved[name].remove(amount)
 
+    def placing(self) -> set[str]:
+        """The nodes sandboxes are being placed on right now."""
+        return {name for name, held in self._reserved.items() if held}
+
     async def plan(
         self,
         shape: Shape,

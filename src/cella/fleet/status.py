@@ -1,5 +1,6 @@
 """The fleet as a whole, for its operator: every node's health, capacity, sandboxes, cached
-snapshots and templates (`GET /v1/fleet`), and the capacity they add up to."""
+snapshots and templates (`GET /v1/fleet`), with Ray's autoscaler what is asked of it and held,
+and the capacity they add up to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 from cella import errors
 from cella.fleet.cordons import Cordons
+from cella.fleet.growth import Growth
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
@@ -27,7 +29,10 @@ async def fleet_capacity(membership: Membership) -> Capacity:
 
 
 async def fleet_status(
-    membership: Membership, placements: Placements, cordons: Cordons | None = None
+    membership: Membership,
+    placements: Placements,
+    growth: Growth,
+    cordons: Cordons | None = None,
 ) -> FleetStatus:
     async def one(node: Node) -> FleetNode:
         shown = FleetNode(
@@ -69,4 +74,6 @@ async def fleet_status(
     for name, reason in sorted(membership.failures.items()):
         if name not in membership.nodes:
             shown.append(FleetNode(name=name, node_id="", healthy=False, reason=reason))
-    return FleetStatus(nodes=shown, lost_sandboxes=len(placements.lost()))
+    return FleetStatus(
+        nodes=shown, lost_sandboxes=len(placements.lost()), autoscale=await growth.status()
+    )

@@ -65,9 +65,19 @@ class FleetNode(BaseModel):
     cordoned: bool = Field(default=False, description="the planner places nothing new here")
 
 
+class FleetGrowth(BaseModel):
+    """The fleet and Ray's autoscaler (`fleet_autoscale`)."""
+
+    waiting_creates: int = Field(description="creates waiting for a node to join")
+    nodes_asked: int = Field(description="the floor of sandbox nodes asked for (0: none)")
+    held_nodes: list[str] = Field(description="nodes with sandboxes, held against removal")
+    released_nodes: list[str] = Field(description="idle nodes let go, not yet removed")
+
+
 class FleetStatus(BaseModel):
     nodes: list[FleetNode]
     lost_sandboxes: int = Field(default=0, description="sandboxes of nodes that were lost")
+    autoscale: FleetGrowth | None = Field(default=None, description="with fleet_autoscale")
 
 
 # -- moving a sandbox between nodes ---------------------------------------------------------
