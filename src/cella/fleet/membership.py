@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +32,9 @@ class Membership:
         placements: Placements,
         on_join: Callable[[Node], Awaitable[None]],
     ) -> None:
+        # what follows a node's loss, given its name and the reason (replicas recovered)
+        self.on_lost: Callable[[str, str], Coroutine[Any, Any, object]] | None = None
+        self._after_loss: set[asyncio.Task[object]] = set()
         self.address = address
         self.allow_unauthenticated = allow_unauthenticated
         self.node_root = node_root
@@ -146,6 +149,12 @@ class Membership:
         dated = f"{reason} at {datetime.now(UTC).isoformat(timespec='seconds')}"
         count = self.placements.lose(name, dated)
         log.warning("%s; %d sandboxes lost", dated, count)
+        if count and self.on_lost is not None:
+            task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
+                self.on_lost(name, dated)
+            )
+            self._after_loss.add(task)
+            task.add_done_callback(self._after_loss.discard)
         return dated
 
     def healthy(self) -> list[Node]:

@@ -107,8 +107,17 @@ class Placements:
 
     def resync(self, node: str, bodies: list[dict[str, Any]]) -> None:
         """The node's own list replaces what was recorded for it (a returning node's
-        sandboxes are no longer lost; ones it no longer has are forgotten)."""
+        sandboxes are no longer lost; ones it no longer has are forgotten). A sandbox
+        recorded on another node, and not lost there, stays there: it was recovered from
+        its replica while this node was gone, and this node's copy is the older one."""
         with self._lock:
+            elsewhere = {
+                r[0]
+                for r in self._db.execute(
+                    "SELECT sandbox_id FROM placements WHERE node != ? AND lost IS NULL", (node,)
+                )
+            }
+            bodies = [b for b in bodies if b["id"] not in elsewhere]
             self._db.execute("BEGIN")
             self._db.execute(
                 "DELETE FROM placements WHERE node = ? AND json_extract(body, '$.state') != ?",

@@ -47,14 +47,24 @@ class Planner:
         holders: set[str],
         prefer: str | None = None,
         only: str | None = None,
+        avoid: str | None = None,
     ) -> dict[str, int]:
         """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
         the snapshot they boot from; `prefer`: the node asked for; `only`: the one node
-        they may go to, the home of the volumes they mount)."""
-        nodes = [n for n in self.membership.healthy() if only is None or n.name == only]
+        they may go to, the home of the volumes they mount; `avoid`: one they may not, as
+        a replica's is never its sandbox's own)."""
+        nodes = [
+            n
+            for n in self.membership.healthy()
+            if (only is None or n.name == only) and n.name != avoid
+        ]
         if not nodes:
             raise errors.NodeUnavailable(
-                "no node of the fleet is up" if only is None else f"node {only} is down"
+                f"node {only} is down"
+                if only is not None
+                else f"no node of the fleet but {avoid} is up"
+                if avoid is not None
+                else "no node of the fleet is up"
             )
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),

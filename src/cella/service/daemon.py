@@ -50,6 +50,7 @@ from cella.service.proctrace import ProcessTrace
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
+from cella.service.replicas import Replicas
 from cella.service.rewrites import Rewrites
 from cella.service.sessions import Sessions
 from cella.service.sharing import Sharing
@@ -125,6 +126,7 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
+        self.replicas = Replicas(self.registry, self.snapshots)  # a fleet's copies, recovered
         self.checkpoints = Checkpoints(
             self.registry, self.lifecycle, self.snapshots, self.background
         )
@@ -315,6 +317,11 @@ class Daemon:
         `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
         creator's key)."""
         tenant = who.tenant
+        if spec.replicate:
+            raise errors.InvalidArgument(
+                "replicate: a replica lives on a second node of a fleet, and this daemon is "
+                "one host (create the sandbox through a fleet gateway)"
+            )
         spec = self.volumes.settle(who, spec)
         granted: delegation.Json | None
         if fleet_grant is not None:
