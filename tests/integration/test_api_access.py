@@ -130,6 +130,9 @@ def test_revoked_key_stops_working(admin: Client, daemon: Daemon) -> None:
             temp.list()
 
 
+NO_SNAPSHOT = "snap-0000000000000000"
+
+
 def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Daemon) -> None:
     before = [(s.id, s.state) for s in admin.list()]
     http = httpx2.Client(
@@ -145,11 +148,16 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Dae
         ("POST", "/v1/sandboxes", {"labels": {"": "x"}}, 400, "invalid_argument"),
         ("GET", "/v1/sandboxes?state=bogus", None, 400, "invalid_argument"),
         ("GET", "/v1/no/such/route", None, 404, "not_found"),
+        # a replica needs a second node: one daemon says so instead of ignoring it
+        ("POST", "/v1/sandboxes", {"replicate": True}, 400, "invalid_argument"),
+        ("POST", f"/v1/snapshots/{NO_SNAPSHOT}/recover", {"sandbox_id": "sb-1"}, 404, "not_found"),
     ]
     for method, path, body, status, code in cases:
         r = http.request(method, path, json=body)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), (path, body, r.text)
         assert r.json()["error"]["message"]
+    replicate = http.post("/v1/sandboxes", json={"replicate": True}).json()["error"]["message"]
+    assert "fleet" in replicate, replicate
     r = http.post(
         "/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}
     )

@@ -27,7 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # gateway serve TLS)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
-    for name in ("fleet_checks.py", "shared_checks.py", "e2b_checks.py", "langsmith_checks.py")
+    for name in (
+        "fleet_checks.py",
+        "shared_checks.py",
+        "e2b_checks.py",
+        "langsmith_checks.py",
+        "replica_checks.py",
+    )
 ]
 
 

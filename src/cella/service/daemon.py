@@ -317,11 +317,7 @@ class Daemon:
         `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
         creator's key)."""
         tenant = who.tenant
-        if spec.replicate:
-            raise errors.InvalidArgument(
-                "replicate: a replica lives on a second node of a fleet, and this daemon is "
-                "one host (create the sandbox through a fleet gateway)"
-            )
+        self.replicas.refuse_here(spec)
         spec = self.volumes.settle(who, spec)
         granted: delegation.Json | None
         if fleet_grant is not None:

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from cella import errors
-from cella.models import SandboxState
+from cella.models import SandboxCreate, SandboxState
 from cella.models.fleet import ReplicaRecover
 from cella.policy.access import Principal
 from cella.service.registry import Registry, iso
@@ -28,6 +28,16 @@ class Replicas:
         self.registry = registry
         self.store = registry.store
         self.snapshots = snapshots
+
+    @staticmethod
+    def refuse_here(spec: SandboxCreate) -> None:
+        """A create sent to a daemon that asks for a replica: a fleet's gateway keeps
+        replicas (and sends none of its creates on with it)."""
+        if spec.replicate:
+            raise errors.InvalidArgument(
+                "replicate: a replica lives on a second node of a fleet, and this daemon is "
+                "one host (create the sandbox through a fleet gateway)"
+            )
 
     async def recover(self, snapshot_id: str, ask: ReplicaRecover) -> SandboxRecord:
         """The sandbox whose replica `snapshot_id` is, here again under its own id,
@@ -72,9 +82,6 @@ class Replicas:
                 raise
             self.registry.update(row.id, state=S.stopped, stopped_at=iso(time.time()))
             self.registry.events.emit(row.id, "recovered", ask.event)
-        return self.store_row(row.id)
-
-    def store_row(self, sandbox_id: str) -> SandboxRecord:
-        row = self.store.get_sandbox(sandbox_id)
-        assert row is not None
-        return row
+        done = self.store.get_sandbox(row.id)
+        assert done is not None
+        return done
