@@ -47,23 +47,23 @@ class Planner:
         holders: set[str],
         prefer: str | None = None,
         only: str | None = None,
-        avoid: str | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> dict[str, int]:
         """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
         the snapshot they boot from; `prefer`: the node asked for; `only`: the one node
-        they may go to, the home of the volumes they mount; `avoid`: one they may not, as
-        a replica's is never its sandbox's own)."""
+        they may go to, the home of the volumes they mount; `exclude`: nodes they may not
+        go to, as a replica's is never its sandbox's own)."""
         nodes = [
             n
             for n in self.membership.healthy()
-            if (only is None or n.name == only) and n.name != avoid
+            if (only is None or n.name == only) and n.name not in exclude
         ]
         if not nodes:
             raise errors.NodeUnavailable(
                 f"node {only} is down"
                 if only is not None
-                else f"no node of the fleet but {avoid} is up"
-                if avoid is not None
+                else "no other node of the fleet is up"
+                if exclude
                 else "no node of the fleet is up"
             )
         reports = await asyncio.gather(

@@ -60,6 +60,10 @@ CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NO
 """
 
 
+def replica_name(sandbox_id: str) -> str:
+    return f"replica of {sandbox_id}"
+
+
 def iso(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
 
@@ -104,11 +108,15 @@ class Replicas:
     def replicated(self, sandbox_id: str) -> bool:
         return self._row(sandbox_id) is not None
 
-    def hidden(self, snapshot_id: str) -> bool:
-        """A replica's snapshot: the gateway's, not one a tenant took."""
+    def hidden(self, snapshot: Json) -> bool:
+        """A replica's snapshot (also one still being taken): the gateway's, not one a
+        tenant took."""
+        sandbox_id = str(snapshot.get("sandbox_id"))
+        if snapshot.get("name") == replica_name(sandbox_id) and self.replicated(sandbox_id):
+            return True
         with self._lock:
             row = self._db.execute(
-                "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot_id,)
+                "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
             ).fetchone()
         return row is not None
 
@@ -190,13 +198,13 @@ class Replicas:
             "POST",
             f"/v1/sandboxes/{sandbox_id}/snapshots",
             who,
-            json={"name": f"replica of {sandbox_id}", "memory": False},
+            json={"name": replica_name(sandbox_id), "memory": False},
         )
         self._hide(snap["id"])
         old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
         try:
             shape = Shape(int(snap["vcpus"]), int(snap["memory_mib"]), str(snap["template"]))
-            plan = await self.planner.plan(shape, 1, set(), prefer=old_node, avoid=node.name)
+            plan = await self.planner.plan(shape, 1, set(), prefer=old_node, exclude=frozenset({node.name}))
             dest = self.membership.nodes[next(iter(plan))]
             await self.snapshots.ship(snap["id"], {node.name}, dest)
         finally:  # the sandbox's own node keeps no copy: it is the one that may be lost
@@ -242,16 +250,18 @@ class Replicas:
 
     async def forget(self, sandbox_id: str) -> None:
         """A deleted sandbox: its replica removed, nothing more kept."""
-        row = self._row(sandbox_id)
-        if row is None:
+        if not self.replicated(sandbox_id):
             return
-        where = self.placements.get(sandbox_id)
-        if row[0] and row[1] and where is not None:
-            await self._drop(where.tenant, row[0], row[1])
-        with self._lock:
-            self._db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
-            self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+        async with self._busy.setdefault(sandbox_id, asyncio.Lock()):  # a refresh ends first
+            row = self._row(sandbox_id)
+            where = self.placements.get(sandbox_id)
+            if row and row[0] and row[1] and where is not None:
+                await self._drop(where.tenant, row[0], row[1])
+            with self._lock:
+                self._db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
+                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
         self._next.pop(sandbox_id, None)
+        self._busy.pop(sandbox_id, None)
 
     # -- the period ----------------------------------------------------------------------
 

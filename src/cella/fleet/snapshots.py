@@ -16,7 +16,8 @@ from cella.service.keys import Principal
 class FleetSnapshots:
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
-        self.hidden: Callable[[str], bool] = lambda _: False  # the gateway's own (replicas)
+        # the gateway's own snapshots, never listed (replicas)
+        self.hidden: Callable[[dict[str, Any]], bool] = lambda _: False
 
     async def resolve(self, who: Principal, ref: str) -> tuple[dict[str, Any], set[str]]:
         """The snapshot `ref` names (the newest answer if nodes differ), and the nodes
@@ -61,7 +62,7 @@ class FleetSnapshots:
         params = {"all_tenants": "true"} if all_tenants else {}
         for _, answer in await self.membership.each("GET", "/v1/snapshots", who, params=params):
             for body in answer["snapshots"]:
-                if not self.hidden(body["id"]):
+                if not self.hidden(body):
                     seen.setdefault(body["id"], body)
         return sorted(seen.values(), key=lambda b: str(b["created_at"]))
 
