@@ -204,7 +204,8 @@ class Replicas:
         old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
         try:
             shape = Shape(int(snap["vcpus"]), int(snap["memory_mib"]), str(snap["template"]))
-            plan = await self.planner.plan(shape, 1, set(), prefer=old_node, exclude=frozenset({node.name}))
+            away = frozenset({node.name})  # never the sandbox's own node
+            plan = await self.planner.plan(shape, 1, set(), prefer=old_node, exclude=away)
             dest = self.membership.nodes[next(iter(plan))]
             await self.snapshots.ship(snap["id"], {node.name}, dest)
         finally:  # the sandbox's own node keeps no copy: it is the one that may be lost
