@@ -106,11 +106,12 @@ def test_a_killed_nodes_replicated_sandbox_comes_back_recovered(
     assert resumed.status_code == 200 and resumed.json()["state"] == "running", resumed.text
 
     fleet.cluster.kill("n6")
-    back = wait_for(
+    back = wait_for(  # until Ray reports n6 dead, its sandboxes' node does not answer
         lambda: (
-            (got := owner.get(f"/v1/sandboxes/{kept['id']}").json())["state"] == "recovered" and got
+            (got := owner.get(f"/v1/sandboxes/{kept['id']}").json()).get("state") == "recovered"
+            and got
         ),
-        timeout=90,
+        timeout=120,
         what="the replicated sandbox to come back",
     )
     recovery = back["recovery"]
