@@ -1,7 +1,7 @@
 """A fleet on a real Ray cluster on this host: what the gateway costs, how evals scale with
-nodes, and how fast snapshots move between nodes.
+nodes, how fast snapshots move between nodes, and what moving a running sandbox costs.
 
-    .venv/bin/python -m bench.fleet [--calls 40] [--tasks 24] [--json]
+    .venv/bin/python -m bench.fleet [--calls 40] [--tasks 24] [--json] [--moves-only]
 
 Runs inside a loopback-only network namespace (it re-executes itself under `unshare -n`).
 A head and up to three `cella_node` nodes (`tests/raycluster.py`), one gateway. Through the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,20 +130,58 @@ def shipping(fleet_root: Path, urls: dict[str, str], snapshot_id: str) -> dict[s
     }
 
 
+def moves(gw: Client, runs: int = 2) -> dict[str, dict[str, Any]]:
+    """A running sandbox on n1, its guest having dirtied `mib` of memory, moved to n2 and
+    back (`runs` moves each way round), as the gateway reports each move."""
+    rows: dict[str, dict[str, Any]] = {}
+    for mib in (10, 200):
+        sb = gw.get(
+            gw.request(
+                "POST", "/v1/sandboxes", json={"memory_mib": 512}, headers={"X-Cella-Node": "n1"}
+            ).json()["id"]
+        )
+        try:
+            sb.exec(f"head -c {mib << 20} /dev/urandom > /dev/shm/fill")
+            pauses, transfers, shipped = [], [], []
+            for i in range(runs):
+                report = sb.move("n2" if i % 2 == 0 else "n1")
+                assert report.ok and report.paused_ms and report.bytes, report
+                pauses.append(report.paused_ms)
+                transfers.append(report.transfer_ms or 0.0)
+                shipped.append(report.bytes)
+                assert sb.exec("wc -c < /dev/shm/fill").stdout.strip() == str(mib << 20).encode()
+            rows[f"{mib} MiB dirtied, running, 512 MiB VM"] = {
+                "moves": runs,
+                "pause ms p50": round(statistics.median(pauses), 1),
+                "pause ms max": round(max(pauses), 1),
+                "transfer ms p50": round(statistics.median(transfers), 1),
+                "MiB shipped": round(statistics.median(shipped) / (1 << 20), 1),
+            }
+        finally:
+            sb.delete()
+    return rows
+
+
 Tables = dict[str, dict[str, dict[str, Any]]]
 
 
-def measure(calls: int, tasks: int) -> Tables:
+def measure(calls: int, tasks: int, moves_only: bool = False) -> Tables:
     quiet_ray_env()
     root = Path(tempfile.mkdtemp(prefix="cella-bench-fleet-"))
     cluster = LocalCluster()
     gateway = None
     try:
         cluster.add("n1", **NODE)
+        if moves_only:
+            cluster.add("n2", **NODE)
         gateway = Daemon(
             root / "gateway", args=["--ray", cluster.address, "--node-root", str(root / "nodes")]
         ).start(timeout=240)
         with Client(gateway.url, gateway.admin_key) as gw:
+            if moves_only:
+                while sum(n.healthy for n in gw.fleet().nodes) < 2:
+                    time.sleep(0.2)
+                return {"moving a running sandbox, n1 <-> n2": moves(gw)}
             urls = {n.name: str(n.url) for n in gw.fleet().nodes}
             n1_key = (root / "nodes" / "n1" / "admin.key").read_text().strip()
             # the direct client trusts the node's own certificate (node daemons speak TLS)
@@ -175,6 +214,7 @@ def measure(calls: int, tasks: int) -> Tables:
             tables["snapshot shipping"] = {
                 "n1 -> n2 (pull, verify)": shipping(root / "nodes", urls, big_snap.id)
             }
+            tables["moving a running sandbox, n1 <-> n2"] = moves(gw)
         return tables
     finally:
         if gateway is not None:
@@ -191,13 +231,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=40, help="creates and execs each way")
     parser.add_argument("--tasks", type=int, default=24, help="eval tasks per run")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--moves-only", action="store_true", help="only the sandbox moves")
     args = parser.parse_args()
     if not loopback_only():
         inner = f"ip link set lo up && exec {sys.executable} -m bench.fleet " + " ".join(
             sys.argv[1:]
         )
         os.execvp("unshare", ["unshare", "--net", "--", "sh", "-c", inner])
-    for title, rows in measure(args.calls, args.tasks).items():
+    for title, rows in measure(args.calls, args.tasks, args.moves_only).items():
         report(f"fleet: {title}", rows, args.json)
 
 

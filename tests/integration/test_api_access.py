@@ -130,7 +130,13 @@ def test_revoked_key_stops_working(admin: Client, daemon: Daemon) -> None:
             temp.list()
 
 
-NO_SNAPSHOT = "snap-0000000000000000"
+NO_EXPORT = {  # a replica this daemon does not hold
+    "sandbox": {"id": "sb-1"},
+    "state": "stopped",
+    "snapshot_id": "snap-0000000000000000",
+    "held_ms": 0,
+    "bytes": 0,
+}
 
 
 def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Daemon) -> None:
@@ -150,7 +156,7 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Dae
         ("GET", "/v1/no/such/route", None, 404, "not_found"),
         # a replica needs a second node: one daemon says so instead of ignoring it
         ("POST", "/v1/sandboxes", {"replicate": True}, 400, "invalid_argument"),
-        ("POST", f"/v1/snapshots/{NO_SNAPSHOT}/recover", {"sandbox_id": "sb-1"}, 404, "not_found"),
+        ("POST", "/v1/sandboxes/recover", {"export": NO_EXPORT}, 404, "not_found"),
     ]
     for method, path, body, status, code in cases:
         r = http.request(method, path, json=body)

@@ -30,6 +30,7 @@ CHECKS = [
     for name in (
         "fleet_checks.py",
         "shared_checks.py",
+        "move_checks.py",
         "e2b_checks.py",
         "langsmith_checks.py",
         "replica_checks.py",

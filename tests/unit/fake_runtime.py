@@ -310,6 +310,19 @@ class FakeDriver:
         self.cold_boots += 1
         return vm
 
+    async def snapshot_stopped(
+        self, directory: Path, dest: SnapshotDir, *, vcpus: int, memory_mib: int, **meta: Any
+    ) -> dict[str, Any]:
+        dest.path.mkdir(parents=True, exist_ok=True)
+        dest.disk.write_bytes(b"disk")
+        boot = {"kernel": str(self.paths.root), "initrd": str(self.paths.root)}
+        meta = {"vcpus": vcpus, "memory_mib": memory_mib, "memory": False, **boot, **meta}
+        return dest.seal(meta)
+
+    async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
+        snap.verify()
+        directory.mkdir(parents=True)
+
     async def prespawn(self, snap: SnapshotDir, directory: Path) -> FakeVM:
         manifest = snap.verify()
         vm = self._vm(directory, manifest["vcpus"], manifest["memory_mib"])
@@ -344,9 +357,19 @@ class FakeDriver:
         return self._seal(dest, {"vcpus": vcpus, "memory_mib": memory_mib})
 
     async def snapshot_vm(
-        self, vm: Any, dest: SnapshotDir, *, memory: bool = True, **meta: Any
+        self,
+        vm: Any,
+        dest: SnapshotDir,
+        *,
+        memory: bool = True,
+        leave_paused: bool = False,
+        **meta: Any,
     ) -> tuple[dict[str, Any], float]:
-        meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **meta}
+        # the boot files a snapshot names (which a node taking it in must have)
+        boot = {"kernel": str(self.paths.root), "initrd": str(self.paths.root)}
+        meta = {"vcpus": vm.vcpus, "memory_mib": vm.memory_mib, **boot, **meta}
+        if leave_paused:
+            vm.paused = True
         if not memory:
             dest.path.mkdir(parents=True, exist_ok=True)
             dest.disk.write_bytes(b"disk")

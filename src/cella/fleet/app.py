@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from cella import __version__, errors
 from cella.config import DaemonSettings
-from cella.fleet import e2b, e2b_shared, langsmith, shared_routes
+from cella.fleet import e2b, e2b_shared, langsmith, move_routes, shared_routes
 from cella.fleet.gateway import Gateway
 from cella.fleet.jwks import fleet_jwks, fleet_signing_keys, retire_everywhere
 from cella.fleet.node_client import Node
@@ -54,6 +54,7 @@ def create_gateway_app(
             routes(evals.router),  # runs are kept by the gateway (before the catch-all)
             routes(registries.router),  # so are registries
             routes(shared_routes.router(gateway)),  # volumes, webhooks, templates
+            routes(move_routes.router(gateway)),  # moves and drains, before the relay
             routes(router(gateway)),
             lambda app: langsmith.install(app, gateway),
             lambda app: e2b.install(app, gateway),  # E2B's sandboxes and envd
@@ -107,7 +108,7 @@ def router(gateway: Gateway) -> APIRouter:
     async def fleet(who: Auth) -> FleetStatus:
         """Every node: health, capacity (committed and free), sandboxes, cached snapshots."""
         require_admin(who, "see the fleet")
-        return await fleet_status(gateway.membership, gateway.placements)
+        return await fleet_status(gateway.membership, gateway.placements, gateway.cordons)
 
     @api.get("/v1/capacity", response_model=Capacity, tags=["fleet"])
     async def capacity(who: Auth) -> Capacity:
@@ -156,11 +157,18 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/sandboxes/{sandbox_id}/stop", tags=["sandboxes"])
     async def stop_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
-        """Relayed; a replicated sandbox's replica is refreshed just before."""
+        """Relayed; a replicated sandbox's replica is refreshed right after the stop."""
         node = await gateway.locator.node_of(who, sandbox_id)
-        if not who.read_only:
-            await gateway.replicas.before_stop(sandbox_id)
-        return await forward(request, node, who)
+        if who.read_only or not gateway.replicas.replicated(sandbox_id):
+            return await forward(request, node, who)
+        sent = await request.body()
+        answer = await node.call(
+            "POST", request.url.path, who, content=sent,
+            headers={"content-type": "application/json"} if sent else {},
+        )  # fmt: skip
+        if answer.is_success and answer.json().get("state") == "stopped":
+            await gateway.replicas.after_stop(sandbox_id)
+        return Response(answer.content, answer.status_code, media_type="application/json")
 
     @api.delete("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def delete_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:

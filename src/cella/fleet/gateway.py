@@ -10,9 +10,11 @@ registries are kept here alone (`fleet/registries.py` lends a node one for a pul
 `Replicas` keeps copies of replicated sandboxes' disks on second nodes and brings those
 sandboxes back from them when their node is lost; `FleetVolumes` and `NamedTemplates` know
 the node each volume and named template lives on (`homes`); `FleetTemplates` builds
-templates on every node; `Delegations` makes and checks the access delegation grants of the
-sandboxes it places. The gateway keeps its own keys, console sessions, registries and eval
-runs (what the routes it shares with a node daemon use: `cella.server.front`).
+templates on every node; `FleetMoves` moves sandboxes between nodes and drains a node
+(`Cordons` keeps new ones off it); `Delegations` makes and checks the access delegation
+grants of the sandboxes it places. The gateway keeps its own keys, console sessions,
+registries and eval runs (what the routes it shares with a node daemon use:
+`cella.server.front`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from typing import Any
 import httpx2
 
 from cella.config import DaemonSettings
+from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
+from cella.fleet.moves import FleetMoves
 from cella.fleet.named_templates import NamedTemplates
 from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
@@ -95,7 +99,9 @@ class Gateway:
         self.rewrites = FleetRewrites(
             root / "rewrites.db", root / "rewrites.key", self.locator, self.keys, self.delegations
         )
-        planner = Planner(self.membership)
+        self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
+        planner = Planner(self.membership, self.cordons)
+        self.moves = FleetMoves(self.membership, self.locator, planner, self.cordons)
         self.launcher = Launcher(
             self.membership,
             self.locator,

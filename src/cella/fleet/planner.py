@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cella import errors
+from cella.fleet.cordons import Cordons
 from cella.fleet.membership import Membership
 from cella.fleet.placement_policy import Candidate, spread
 from cella.models import Capacity
@@ -24,8 +25,9 @@ class Shape:
 
 
 class Planner:
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, cordons: Cordons | None = None) -> None:
         self.membership = membership
+        self.cordons = cordons  # nodes that take nothing new
         self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
 
     @contextlib.contextmanager
@@ -52,19 +54,20 @@ class Planner:
         """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
         the snapshot they boot from; `prefer`: the node asked for; `only`: the one node
         they may go to, the home of the volumes they mount; `exclude`: nodes they may not
-        go to, as a replica's is never its sandbox's own)."""
+        go to, besides the cordoned ones: a replica's never goes to its sandbox's own)."""
+        if only is not None and self.cordons is not None and only in self.cordons:
+            raise errors.InvalidState(f"node {only} is cordoned: nothing new is placed there")
+        out = exclude | (self.cordons.names() if self.cordons is not None else set())
         nodes = [
             n
             for n in self.membership.healthy()
-            if (only is None or n.name == only) and n.name not in exclude
+            if (only is None or n.name == only) and n.name not in out
         ]
         if not nodes:
             raise errors.NodeUnavailable(
-                f"node {only} is down"
-                if only is not None
-                else "no other node of the fleet is up"
-                if exclude
-                else "no node of the fleet is up"
+                "no node of the fleet is up and open to new sandboxes"
+                if only is None
+                else f"node {only} is down"
             )
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),

@@ -2,17 +2,20 @@
 sandbox outlives its node.
 
 A sandbox is replicated when it was made with `replicate: true`, or its tenant is one of
-the gateway's `replicate_tenants`. Its replica is a disk-only snapshot taken on its node
-(the guest's writes synced first), shipped to another node the planner picks (the files
-copied over, checked against their manifest: it shares nothing with the original), then
-removed from the sandbox's own node; the copy before it is removed from its node once the
-new one is in. It is refreshed when the sandbox is stopped through the gateway (just
-before), and every `replica_interval_s` while it runs. Memory is not kept: a stop ends
-the processes anyway, and a copy of RAM at each period would cost what a disk copy does
-many times over. The gateway records each replica (node, taken at, size) here.
+the gateway's `replicate_tenants`. Its replica is taken by its node (`POST
+/v1/sandboxes/{id}/replica`: a disk-only snapshot, the guest's writes synced first, with
+the sandbox's row, as a move exports it), shipped to another node the planner picks (the
+files copied over, checked against their manifest: it shares nothing with the original),
+then removed from the sandbox's own node; the copy before it is removed from its node
+once the new one is in. It is refreshed when the sandbox is stopped through the gateway
+(right after the stop), every `replica_interval_s` while it runs, and once after a stop
+the gateway did not see (its idle timeout). Memory is not kept: a stop ends the
+processes anyway, and a copy of RAM at each period would cost what a disk copy does many
+times over. The gateway records each replica (node, taken at, size, the export) here.
 
 When a node is lost, each replicated sandbox of it whose replica is on a node that is up
-is made again there (`POST /v1/snapshots/{id}/recover`): same id, stopped, its files the
+is taken in there as a move's destination takes a sandbox in (`POST
+/v1/sandboxes/recover`, with the export kept here): same id, stopped, its files the
 replica's, with a `recovered` event naming the replica's age. The gateway shows it as
 `recovered` (with `recovery`: from which node, how old the replica was) until it is
 resumed; unreplicated sandboxes stay `lost`.
@@ -40,6 +43,7 @@ from cella.fleet.planner import Planner, Shape
 from cella.fleet.snapshots import FleetSnapshots
 from cella.models.fleet import Replica
 from cella.service.keys import Principal
+from cella.service.replicas import replica_name
 
 log = logging.getLogger("cella.fleet.replicas")
 TICK_SECONDS = 1.0
@@ -53,15 +57,12 @@ CREATE TABLE IF NOT EXISTS replicas (
     snapshot_id TEXT,
     taken_at REAL,
     size_bytes INTEGER,
-    error TEXT
+    error TEXT,
+    export TEXT
 );
 CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
 """
-
-
-def replica_name(sandbox_id: str) -> str:
-    return f"replica of {sandbox_id}"
 
 
 def iso(at: float) -> str:
@@ -92,6 +93,7 @@ class Replicas:
         self._busy: dict[str, asyncio.Lock] = {}
         self._next: dict[str, float] = {}  # sandbox -> when the period next looks at it
         self._loop: asyncio.Task[None] | None = None
+        self._recovering = asyncio.Lock()
 
     # -- the record ----------------------------------------------------------------------
 
@@ -163,6 +165,16 @@ class Replicas:
             ).fetchone()
         return tuple(row) if row else None
 
+    def _export(self, sandbox_id: str) -> Json:
+        with self._lock:
+            found = self._db.execute(
+                "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        if not found or not found[0]:
+            raise errors.NotFound(f"sandbox {sandbox_id} has no replica")
+        export: Json = json.loads(found[0])
+        return export
+
     def _set(self, sandbox_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._lock:
@@ -194,33 +206,29 @@ class Replicas:
             raise errors.NotFound(f"no replicated sandbox {sandbox_id!r}")
         node = self.locator.usable(where)
         who = Principal.service(where.tenant)
-        snap = await node.json(
-            "POST",
-            f"/v1/sandboxes/{sandbox_id}/snapshots",
-            who,
-            json={"name": replica_name(sandbox_id), "memory": False},
-        )
-        self._hide(snap["id"])
+        export = await node.json("POST", f"/v1/sandboxes/{sandbox_id}/replica")
+        snapshot_id, row = str(export["snapshot_id"]), export["sandbox"]
+        self._hide(snapshot_id)
         old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
         try:
-            shape = Shape(int(snap["vcpus"]), int(snap["memory_mib"]), str(snap["template"]))
+            shape = Shape(int(row["vcpus"]), int(row["memory_mib"]), str(row["template"]))
             away = frozenset({node.name})  # never the sandbox's own node
             plan = await self.planner.plan(shape, 1, set(), prefer=old_node, exclude=away)
             dest = self.membership.nodes[next(iter(plan))]
-            await self.snapshots.ship(snap["id"], {node.name}, dest)
+            await self.snapshots.ship(snapshot_id, {node.name}, dest)
         finally:  # the sandbox's own node keeps no copy: it is the one that may be lost
             with contextlib.suppress(errors.CellaError):
-                await node.json("DELETE", f"/v1/snapshots/{snap['id']}", who)
-        taken = time.time()
+                await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", who)
         self._set(
             sandbox_id,
             node=dest.name,
-            snapshot_id=snap["id"],
-            taken_at=taken,
-            size_bytes=snap.get("size_bytes"),
+            snapshot_id=snapshot_id,
+            taken_at=time.time(),
+            size_bytes=export.get("bytes"),
             error=None,
+            export=json.dumps(export),
         )
-        log.info("replica of %s on %s (%s)", sandbox_id, dest.name, snap["id"])
+        log.info("replica of %s on %s (%s)", sandbox_id, dest.name, snapshot_id)
         if old_snapshot and old_node:
             await self._drop(where.tenant, old_node, old_snapshot)
 
@@ -231,23 +239,15 @@ class Replicas:
         with contextlib.suppress(errors.CellaError):
             await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", Principal.service(tenant))
 
-    async def before_stop(self, sandbox_id: str) -> None:
-        """A replicated sandbox about to be stopped: its replica refreshed first, while it
-        runs (a failure is recorded on the replica; the stop goes on)."""
+    async def after_stop(self, sandbox_id: str) -> None:
+        """A replicated sandbox just stopped: its replica refreshed from the disk as the
+        stop left it (a failure is recorded on the replica; the stop stands)."""
         if not self.replicated(sandbox_id):
-            return
-        where = self.placements.get(sandbox_id)
-        node = self.membership.up(where.node) if where and not where.lost else None
-        if node is None or where is None:
-            return
-        state = (await node.json("GET", f"/v1/sandboxes/{sandbox_id}",
-                                 Principal.service(where.tenant)))["state"]  # fmt: skip
-        if state != "running":
             return
         try:
             await self.refresh(sandbox_id)
         except errors.CellaError as exc:
-            log.warning("replica of %s before its stop: %s", sandbox_id, exc)
+            log.warning("replica of %s after its stop: %s", sandbox_id, exc)
 
     async def forget(self, sandbox_id: str) -> None:
         """A deleted sandbox: its replica removed, nothing more kept."""
@@ -285,7 +285,8 @@ class Replicas:
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
-        up (a stopped one's copy is as fresh as its stop)."""
+        up, or that was stopped since its copy was taken (a stop the gateway did not see:
+        its idle timeout, its TTL)."""
         now = time.monotonic()
         with self._lock:
             ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
@@ -301,16 +302,27 @@ class Replicas:
                 shown = await node.json(
                     "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
                 )
-                if shown["state"] == "running":
+                if shown["state"] == "running" or self._stopped_since(sandbox_id, shown):
                     await self.refresh(sandbox_id)
             except errors.CellaError as exc:
                 log.warning("replica of %s: %s", sandbox_id, exc)
+
+    def _stopped_since(self, sandbox_id: str, shown: Json) -> bool:
+        if shown["state"] != "stopped" or not shown.get("stopped_at"):
+            return False
+        row = self._row(sandbox_id)
+        stopped = datetime.fromisoformat(str(shown["stopped_at"])).timestamp()
+        return row is not None and (not row[2] or stopped > row[2])
 
     # -- recovery ------------------------------------------------------------------------
 
     async def recover(self, lost_node: str, reason: str) -> int:
         """Each replicated sandbox of the lost node whose replica is on a node that is up,
         made again there (stopped, same id); returns how many."""
+        async with self._recovering:  # one loss at a time: a sandbox is taken in once
+            return await self._recover_all(lost_node, reason)
+
+    async def _recover_all(self, lost_node: str, reason: str) -> int:
         count = 0
         for placement in self.placements.on_node(lost_node):
             if placement.lost is None or placement.body.get("state") == "deleted":
@@ -322,19 +334,19 @@ class Replicas:
             if node is None:
                 continue
             try:
-                await self._recover_on(node, placement.sandbox_id, placement.body, row, reason)
+                await self._recover_on(node, lost_node, placement.sandbox_id, row[2], reason)
                 count += 1
             except errors.CellaError as exc:
                 log.warning("%s stays lost: %s", placement.sandbox_id, exc)
         return count
 
     async def _recover_on(
-        self, node: Node, sandbox_id: str, body: Json, row: tuple[Any, ...], reason: str
+        self, node: Node, lost_node: str, sandbox_id: str, taken_at: float, reason: str
     ) -> None:
-        _, snapshot_id, taken_at, *_ = row
+        export = self._export(sandbox_id)
         now = time.time()
         note = {
-            "from_node": self.placements.get(sandbox_id).node,  # type: ignore[union-attr]
+            "from_node": lost_node,
             "node": node.name,
             "replica_taken_at": iso(taken_at),
             "replica_age_seconds": round(now - taken_at, 1),
@@ -342,15 +354,7 @@ class Replicas:
             "reason": reason,
         }
         made = await node.json(
-            "POST",
-            f"/v1/snapshots/{snapshot_id}/recover",
-            json={
-                "sandbox_id": sandbox_id,
-                "name": body.get("name"),
-                "creator": body.get("creator"),
-                "visibility": body.get("visibility"),
-                "event": note,
-            },
+            "POST", "/v1/sandboxes/recover", json={"export": export, "event": note}
         )
         self.placements.put(node.name, made)  # no longer lost: it lives there now
         with self._lock:
@@ -358,7 +362,9 @@ class Replicas:
                 "INSERT OR REPLACE INTO recoveries VALUES (?, ?)", (sandbox_id, json.dumps(note))
             )
         # the copy is the sandbox's disk's base now: the next refresh makes a new one
-        self._set(sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None)
+        self._set(
+            sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None, export=None
+        )
         log.warning(
             "%s recovered on %s from a replica %.0f s old", sandbox_id, node.name,
             note["replica_age_seconds"],

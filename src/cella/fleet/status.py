@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from cella import errors
+from cella.fleet.cordons import Cordons
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
@@ -25,10 +26,13 @@ async def fleet_capacity(membership: Membership) -> Capacity:
     )
 
 
-async def fleet_status(membership: Membership, placements: Placements) -> FleetStatus:
+async def fleet_status(
+    membership: Membership, placements: Placements, cordons: Cordons | None = None
+) -> FleetStatus:
     async def one(node: Node) -> FleetNode:
         shown = FleetNode(
             name=node.name,
+            cordoned=cordons is not None and node.name in cordons,
             node_id=node.node_id,
             url=node.url,
             healthy=node.healthy,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 from cella.models.host import Capacity
 from cella.models.sandbox import SandboxCreate, Snapshot
@@ -59,18 +59,6 @@ class Replica(BaseModel):
     error: str | None = Field(default=None, description="why the last refresh failed")
 
 
-class ReplicaRecover(BaseModel):
-    """A node makes a replica it holds into the lost sandbox again, stopped, same id."""
-
-    model_config = {"extra": "forbid"}
-
-    sandbox_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-    name: str | None = None
-    creator: str | None = None
-    visibility: str | None = None
-    event: dict[str, Any] = Field(default_factory=dict, description="the `recovered` event's")
-
-
 class FleetNode(BaseModel):
     """One node of the fleet as the gateway sees it."""
 
@@ -86,8 +74,87 @@ class FleetNode(BaseModel):
     accel: str | None = None
     pool: dict[str, int] = Field(default_factory=dict, description="warm VMs ready per shape")
     proxy_running: bool | None = Field(default=None, description="its egress proxy is up")
+    cordoned: bool = Field(default=False, description="the planner places nothing new here")
 
 
 class FleetStatus(BaseModel):
     nodes: list[FleetNode]
     lost_sandboxes: int = Field(default=0, description="sandboxes of nodes that were lost")
+
+
+# -- moving a sandbox between nodes ---------------------------------------------------------
+
+
+class SandboxExport(BaseModel):
+    """A sandbox frozen on its node for a move (`POST /v1/sandboxes/{id}/export`): its row
+    as stored (id, name, tenant, spec, egress rules, secrets' bindings, exec policy,
+    labels, delegation), the snapshot that carries its disk (and memory, unless it was
+    stopped), and the state it had."""
+
+    sandbox: dict[str, Any] = Field(description="the sandbox's row, column by column")
+    state: Literal["running", "paused", "stopped"] = Field(description="what it resumes as")
+    snapshot_id: str
+    held_ms: float = Field(description="how long the guest has been paused so far")
+    bytes: int = Field(description="the snapshot's files, as shipped")
+
+
+class SandboxImport(BaseModel):
+    """Take in a sandbox another node exported, under the same id (`POST
+    /v1/sandboxes/import`): its snapshot pulled from that node, then restored."""
+
+    model_config = {"extra": "forbid"}
+
+    source_url: str = Field(pattern=r"^https?://", description="the node daemon holding it")
+    source_key: str = Field(min_length=1, description="an admin key of that daemon")
+    source_ca: str | None = Field(default=None, max_length=65536)
+    export: SandboxExport
+
+
+class SandboxImported(BaseModel):
+    """What a node took in: the sandbox as it is here now, and what it cost."""
+
+    sandbox: dict[str, Any]
+    transfer_ms: float = Field(description="pulling and checking the snapshot's files")
+    restore_ms: float = Field(description="its VM restored (or its disk laid out) here")
+
+
+class MoveRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    node: str | None = Field(default=None, description="the node to move to; else planned")
+
+
+class MoveReport(BaseModel):
+    """One sandbox's move: where from and to, the guest's pause and what was shipped; or,
+    when it failed, why (the sandbox is then still where it was, as it was)."""
+
+    id: str
+    source: str = Field(
+        validation_alias=AliasChoices("source", "from"),
+        serialization_alias="from",
+        description="the node it left",
+    )
+    to: str | None = None
+    state: str = Field(description="the sandbox's state, kept across the move")
+    ok: bool
+    paused_ms: float | None = Field(
+        default=None, description="the guest's pause, from its freeze to its restore there"
+    )
+    bytes: int | None = Field(default=None, description="bytes of snapshot shipped")
+    transfer_ms: float | None = None
+    error: str | None = None
+
+
+class DrainReport(BaseModel):
+    node: str
+    cordoned: bool
+    moves: list[MoveReport]
+
+
+class ReplicaRecover(BaseModel):
+    """A node makes a replica it holds into the lost sandbox again, stopped, same id."""
+
+    model_config = {"extra": "forbid"}
+
+    export: SandboxExport = Field(description="what the sandbox's node answered for the copy")
+    event: dict[str, Any] = Field(default_factory=dict, description="the `recovered` event's")

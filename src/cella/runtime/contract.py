@@ -270,10 +270,29 @@ class Driver(Protocol):
     ) -> dict[str, Any]: ...
 
     async def snapshot_vm(
-        self, vm: VM, dest: SnapshotDir, *, memory: bool = True, **meta: Any
+        self,
+        vm: VM,
+        dest: SnapshotDir,
+        *,
+        memory: bool = True,
+        leave_paused: bool = False,
+        **meta: Any,
     ) -> tuple[dict[str, Any], float]:
         """The VM's disk and memory (`memory=False`: its disk alone) in `dest`; returns the
-        manifest and how long the VM was paused."""
+        manifest and how long the VM was paused (`leave_paused`, with memory: it stays
+        paused after, as it was at the snapshot's instant)."""
+        ...
+
+    async def snapshot_stopped(
+        self, directory: Path, dest: SnapshotDir, *, vcpus: int, memory_mib: int, **meta: Any
+    ) -> dict[str, Any]:
+        """A stopped VM's disk (the overlay in `directory`, no process holds it) as a
+        snapshot without memory in `dest`; returns the manifest."""
+        ...
+
+    async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
+        """A new VM directory holding an overlay on the snapshot's disk (checked first),
+        booted later by `start`: a stopped sandbox made from a disk snapshot."""
         ...
 
     async def flatten(self, snap: SnapshotDir) -> dict[str, Any]:

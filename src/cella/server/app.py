@@ -31,6 +31,7 @@ from cella.server.routes import (
     host,
     keys,
     metrics,
+    moves,
     ports,
     registries,
     rewrites,
@@ -46,6 +47,7 @@ from cella.service.daemon import Daemon
 
 Door = Callable[[FastAPI], None]  # installs a set of routes (and what they need) on an app
 API = (
+    moves,  # before sandboxes: POST /v1/sandboxes/import is not a sandbox's id
     sandboxes,
     ports,
     snapshots,

@@ -44,6 +44,7 @@ from cella.service.logins import Logins
 from cella.service.metrics import Metrics
 from cella.service.mount_renewal import MountRenewal
 from cella.service.mounts import Mounts
+from cella.service.moves import Moves
 from cella.service.ports import Ports
 from cella.service.processes import ENTRYPOINT, Processes, ProcessLimits, ProcessSpec
 from cella.service.proctrace import ProcessTrace
@@ -126,7 +127,8 @@ class Daemon:
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
-        self.replicas = Replicas(self.registry, self.snapshots)  # a fleet's copies, recovered
+        self.moves = Moves(self.registry, self.lifecycle, self.snapshots, self.shipping)
+        self.replicas = Replicas(self.registry, self.snapshots, self.shipping, self.moves)
         self.checkpoints = Checkpoints(
             self.registry, self.lifecycle, self.snapshots, self.background
         )
@@ -317,7 +319,6 @@ class Daemon:
         `fleet_grant`: the grant a fleet gateway made for it instead (its API, its
         creator's key)."""
         tenant = who.tenant
-        self.replicas.refuse_here(spec)
         spec = self.volumes.settle(who, spec)
         granted: delegation.Json | None
         if fleet_grant is not None:

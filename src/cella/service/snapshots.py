@@ -123,13 +123,15 @@ class Snapshots:
         *,
         memory: bool = True,
         standalone: bool = False,
+        leave_paused: bool = False,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
         points at it once it is ready; with `into`, the snapshot is that row (made by
         `begin`); `standalone`: its disk is made one file of its own before it is ready
-        (nothing of this node's images under it). Whoever may exec in the sandbox may copy
-        it; the snapshot is its tenant's, as every snapshot is."""
+        (nothing of this node's images under it); `leave_paused`: the VM stays paused after
+        (a move ships it as it was then). Whoever may exec in the sandbox may copy it; the
+        snapshot is its tenant's, as every snapshot is."""
         async with self.registry.lock(sandbox_id):
             row, vm = self.registry.live(who, sandbox_id)
             tenant = row.tenant
@@ -159,7 +161,12 @@ class Snapshots:
             try:
                 self._check_space(row)
                 manifest, paused = await self.driver.snapshot_vm(
-                    vm, dest, memory=memory, template=row.template, sandbox_id=sandbox_id
+                    vm,
+                    dest,
+                    memory=memory,
+                    leave_paused=leave_paused,
+                    template=row.template,
+                    sandbox_id=sandbox_id,
                 )
                 if standalone:
                     manifest = await asyncio.to_thread(dest.stand_alone)

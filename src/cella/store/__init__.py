@@ -1,6 +1,6 @@
 """SQLite state: the only module that touches the database. It speaks in typed records."""
 
-from cella.store.db import Store
+from cella.store.db import Store, sandbox_columns
 from cella.store.observe import DeliveryRecord, MetricRecord, WebhookRecord
 from cella.store.records import (
     EvalRunRecord,
@@ -36,4 +36,5 @@ __all__ = [
     "TemplateBuildRecord",
     "VolumeRecord",
     "WebhookRecord",
+    "sandbox_columns",
 ]

@@ -272,6 +272,22 @@ class Store(Observations):
         self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
         return record
 
+    def replace_sandbox(self, columns: dict[str, Any]) -> SandboxRecord:
+        """A sandbox's row as another node stored it (`sandbox_columns`), kept as it was
+        (its timestamps too), over a row of the same id that ended here before."""
+        known = {f.name for f in dataclasses.fields(SandboxRecord)}
+        try:  # checked: it decodes as a row of this store
+            record = _sandbox({k: v for k, v in columns.items() if k in known})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise errors.InvalidArgument(f"not a sandbox's row: {exc}") from None
+        row = _encode(dataclasses.asdict(record) | _json_of(record))
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        self._exec(
+            f"INSERT OR REPLACE INTO sandboxes ({cols}) VALUES ({marks})", tuple(row.values())
+        )
+        return record
+
     def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
         self._update("sandboxes", sandbox_id, _encode(fields))
 
@@ -744,6 +760,11 @@ class Store(Observations):
         self._exec("DELETE FROM idempotency_keys WHERE created_at < ?", (before,))
 
 
+def sandbox_columns(record: SandboxRecord) -> dict[str, Any]:
+    """A sandbox's row as its columns (JSON-safe): what a move carries to another node."""
+    return _encode(dataclasses.asdict(record) | _json_of(record))
+
+
 def _json_of(record: SandboxRecord) -> dict[str, Any]:
     return {
         "network": record.network.model_dump(),
@@ -795,7 +816,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sandbox(row: sqlite3.Row) -> SandboxRecord:
+def _sandbox(row: sqlite3.Row | dict[str, Any]) -> SandboxRecord:
     out = dict(row)
     out["labels"] = json.loads(out["labels"])
     out["shares"] = json.loads(out["shares"])

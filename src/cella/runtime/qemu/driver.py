@@ -32,6 +32,7 @@ from cella.runtime.qemu.snapshot import (
     snapshot_disk,
     snapshot_fresh_boot,
     snapshot_running,
+    snapshot_stopped,
 )
 from cella.runtime.qemu.vm import QemuVM, VMFiles, pid_alive, qemu_cmdline, socket_dir
 from cella.storage.overlay import create_overlay, image_info, overlay_bytes
@@ -268,7 +269,13 @@ class QemuDriver:
         )
 
     async def snapshot_vm(
-        self, vm: VM, dest: SnapshotDir, *, memory: bool = True, **meta: Any
+        self,
+        vm: VM,
+        dest: SnapshotDir,
+        *,
+        memory: bool = True,
+        leave_paused: bool = False,
+        **meta: Any,
     ) -> tuple[dict[str, Any], float]:
         """Snapshots a running VM (disk and memory, or with `memory=False` its disk only);
         returns the manifest and pause time."""
@@ -294,7 +301,26 @@ class QemuDriver:
                 accel=cfg.accel,
             ),
             jail=self.jail,
+            leave_paused=leave_paused,
         )
+
+    async def snapshot_stopped(
+        self, directory: Path, dest: SnapshotDir, *, vcpus: int, memory_mib: int, **meta: Any
+    ) -> dict[str, Any]:
+        """A stopped VM's overlay as a snapshot without memory (booted, not restored)."""
+        await self._ensure_prepared()
+        full_meta = self._snapshot_meta(vcpus, memory_mib, **meta)
+        return await snapshot_stopped(directory / DISK, dest, full_meta)
+
+    async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
+        """A VM directory with an overlay on the snapshot's disk, for `start` to boot."""
+        await asyncio.to_thread(snap.verify)
+        directory.mkdir(parents=True)
+        try:
+            create_overlay(snap.disk, directory / DISK)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
 
     async def restore(
         self,

@@ -115,8 +115,12 @@ async def snapshot_running(
     meta: dict[str, Any],
     config_for: Any,
     jail: Jail | None = None,
+    *,
+    leave_paused: bool = False,
 ) -> tuple[dict[str, Any], float]:
-    """Snapshots a running VM; returns the manifest and how long the VM was paused.
+    """Snapshots a running VM; returns the manifest and how long the VM was paused
+    (`leave_paused`: it stays paused after, as it was at the snapshot's instant: a move
+    ships that state and must not let the guest run on here).
 
     A VM restored from a snapshot is saved as a layer over the RAM file it maps
     (`_snapshot_layered`). Otherwise the VM is paused, its RAM sent to a helper QEMU and
@@ -138,7 +142,7 @@ async def snapshot_running(
             pass
         else:
             try:
-                return await _snapshot_layered(vm, base, tmp, dest, meta)
+                return await _snapshot_layered(vm, base, tmp, dest, meta, leave_paused)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -172,7 +176,8 @@ async def snapshot_running(
                 "cp", "--sparse=always", "--reflink=auto", str(current), str(tmp / "disk.qcow2")
             )
         finally:
-            await vm.resume()
+            if not leave_paused:
+                await vm.resume()
         paused = loop.time() - paused_at
         await helper.wait_incoming()
         await helper.save_state(tmp / "state", ignore_shared=True)
@@ -233,8 +238,25 @@ async def snapshot_disk(
         raise
 
 
+async def snapshot_stopped(disk: Path, dest: SnapshotDir, meta: dict[str, Any]) -> dict[str, Any]:
+    """A stopped VM's disk overlay (no QEMU holds it) as a snapshot without memory: what a
+    move ships of a stopped sandbox."""
+    tmp = _tmp_dir(dest)
+    try:
+        await _run("cp", "--sparse=always", "--reflink=auto", str(disk), str(tmp / "disk.qcow2"))
+        return await asyncio.to_thread(_finish, tmp, dest, {**meta, "memory": False})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 async def _snapshot_layered(
-    vm: QemuVM, base: Path, tmp: Path, dest: SnapshotDir, meta: dict[str, Any]
+    vm: QemuVM,
+    base: Path,
+    tmp: Path,
+    dest: SnapshotDir,
+    meta: dict[str, Any],
+    leave_paused: bool = False,
 ) -> tuple[dict[str, Any], float]:
     """The VM paused only while its device state, the pages it wrote since its restore and
     its disk overlay are copied out."""
@@ -261,7 +283,8 @@ async def _snapshot_layered(
             _run("cp", "--sparse=always", "--reflink=auto", str(disk), str(tmp / "disk.qcow2")),
         )
     finally:
-        await vm.resume()
+        if not leave_paused:
+            await vm.resume()
     paused = loop.time() - paused_at
     if pieces is not None:
         await asyncio.to_thread(ramdiff.write_layer, runs, pieces, tmp)

@@ -65,7 +65,7 @@ from cella.models import Snapshot as SnapshotInfo
 from cella.models import Volume as VolumeInfo
 from cella.models.checkpoints import NOW, Checkpoint, CheckpointDiff
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
-from cella.models.fleet import FleetStatus, Replica
+from cella.models.fleet import DrainReport, FleetStatus, MoveReport, Replica
 from cella.models.proctree import ExecTree, exec_trees
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
@@ -552,6 +552,20 @@ class AsyncClient:
         response = await self.request("GET", "/v1/fleet")
         return FleetStatus.model_validate(response.json())
 
+    async def drain(self, node: str) -> DrainReport:
+        """Cordons a fleet node and moves every sandbox on it to other nodes (admin): a
+        report of each move (from, to, the guest's pause, bytes shipped, or why it failed)."""
+        response = await self.request("POST", f"/v1/fleet/nodes/{node}/drain")
+        return DrainReport.model_validate(response.json())
+
+    async def cordon(self, node: str) -> None:
+        """Nothing new is placed on the fleet node; what runs there stays (admin)."""
+        await self.request("POST", f"/v1/fleet/nodes/{node}/cordon")
+
+    async def uncordon(self, node: str) -> None:
+        """New sandboxes may be placed on the fleet node again (admin)."""
+        await self.request("POST", f"/v1/fleet/nodes/{node}/uncordon")
+
     # -- eval runs -----------------------------------------------------------------------
 
     async def create_eval_run(
@@ -917,6 +931,15 @@ class AsyncSandbox:
         response = await self.client.request("POST", f"{self._path}/resume")
         self.info = SandboxInfo.model_validate(response.json())
         return self
+
+    async def move(self, node: str | None = None) -> MoveReport:
+        """Moves the sandbox to another node of a fleet (`node`, else one the gateway
+        picks): same id, files, memory and state; a running one's processes go on after a
+        pause. A failed move raises, the sandbox left where it was."""
+        body = {"node": node} if node is not None else None
+        response = await self.client.request("POST", f"{self._path}/move", json=body)
+        await self.refresh()
+        return MoveReport.model_validate(response.json())
 
     async def delete(self) -> None:
         await self.client.request("DELETE", self._path)

@@ -15,7 +15,7 @@ from cella.models import (
     SnapshotFromImage,
     SnapshotList,
 )
-from cella.models.fleet import ReplicaRecover, SnapshotExport, SnapshotImport
+from cella.models.fleet import SnapshotExport, SnapshotImport
 from cella.server.deps import Auth, DaemonDep, IdempotencyKey
 from cella.service.keys import require_admin
 from cella.service.transfer import NodeSource
@@ -155,13 +155,3 @@ async def import_snapshot(body: SnapshotImport, svc: DaemonDep, who: Auth) -> Sn
     export = await source.export(body.snapshot_id)
     row = await svc.shipping.take_in(export, source.export, source.pull)
     return Snapshot.model_validate(row)
-
-
-@router.post("/v1/snapshots/{snapshot_id}/recover", status_code=201, response_model=Sandbox)
-async def recover_replica(
-    snapshot_id: str, body: ReplicaRecover, svc: DaemonDep, who: Auth
-) -> Sandbox:
-    """A fleet's replica held here made into its sandbox again (the sandbox's node was
-    lost): same id, stopped, its files the replica's (admin: a fleet's gateway asks)."""
-    require_admin(who, "recover a sandbox from its replica")
-    return Sandbox.model_validate(await svc.replicas.recover(snapshot_id, body))

@@ -1,0 +1,277 @@
+"""Moves: a sandbox leaving this node for another one, or arriving from one, same id.
+
+The node primitive under a fleet's `move` and `drain` (the gateway drives it; any two node
+daemons can use it, with an admin key of the source):
+
+1. `export` on the source freezes the sandbox and snapshots it: a running one is snapshotted
+   with its memory and left paused (the guest is frozen at the snapshot's instant, so
+   nothing it does after is lost); a paused one likewise; a stopped one's disk overlay is
+   taken as a snapshot without memory. The answer (`SandboxExport`) carries the sandbox's
+   row as stored: id, name, tenant, spec, egress rules, secrets' bindings, exec policy,
+   labels, access delegation, so service URL host names and the like stay the same.
+2. `take_in` on the destination pulls that snapshot from the source (`shipping`, checked
+   against its manifest), writes the row under the same id and restores the VM from the
+   snapshot (running, or paused again), or lays out the disk of a stopped one.
+3. `finish` on the source, once the destination answers: the old VM and files go, the
+   snapshot with them; the row stays as `deleted` (a `moved` event says where it went).
+   Or `abort`: the sandbox runs on here as before (a paused or stopped one stays so).
+
+A daemon restarted between 1 and 3 finds the sandbox paused (its VM adopted) with the
+move's snapshot beside it; `abort` still resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Protocol
+
+from cella import errors
+from cella.models import SandboxState, SnapshotState
+from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported, SnapshotExport
+from cella.policy.access import Principal
+from cella.service.lifecycle import Lifecycle
+from cella.service.registry import Registry, error_text
+from cella.service.shipping import Shipping
+from cella.service.snapshots import Snapshots
+from cella.service.transfer import NodeSource
+from cella.store import SandboxRecord, SnapshotRecord, sandbox_columns
+
+S = SandboxState
+MOVABLE = (S.running, S.paused, S.stopped)
+
+
+class SnapshotSource(Protocol):
+    """Another node's snapshots: what `shipping` takes one in from (`NodeSource`)."""
+
+    async def export(self, snapshot_id: str) -> SnapshotExport: ...
+
+    async def pull(self, snapshot_id: str, name: str, dest: Path) -> None: ...
+
+
+def move_name(sandbox_id: str) -> str:
+    """The name of a move's snapshot (the tenant sees it among its snapshots meanwhile)."""
+    return f"move of {sandbox_id}"
+
+
+class Moves:
+    def __init__(
+        self, registry: Registry, lifecycle: Lifecycle, snapshots: Snapshots, shipping: Shipping
+    ) -> None:
+        self.registry = registry
+        self.store = registry.store
+        self.driver = registry.driver
+        self.events = registry.events
+        self.lifecycle = lifecycle
+        self.snapshots = snapshots
+        self.shipping = shipping
+        self._out: dict[str, SandboxExport] = {}  # sandbox id -> its export, until settled
+
+    # -- the source ----------------------------------------------------------------------
+
+    async def export(self, sandbox_id: str) -> SandboxExport:
+        """Freezes the sandbox and snapshots it for another node (see the module's doc)."""
+        row = self._row(sandbox_id)
+        if sandbox_id in self._out:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is being moved already")
+        if row.state not in MOVABLE:
+            raise errors.InvalidState(f"cannot move a sandbox that is {row.state}")
+        if row.volume_mounts:
+            raise errors.InvalidState(
+                f"sandbox {sandbox_id} mounts volumes lent to this node: it stays here"
+            )
+        was = row.state
+        who = Principal.service(row.tenant)
+        loop = asyncio.get_running_loop()
+        if was == S.stopped:
+            snap = await self.disk_snapshot(row, move_name(row.id))
+            paused = 0.0
+        else:
+            if was == S.paused:  # it runs for the snapshot's sync, then is frozen again
+                await self.lifecycle.resume(who, sandbox_id)
+            snap = await self.snapshots.snapshot(
+                who, sandbox_id, move_name(sandbox_id), leave_paused=True
+            )
+            self.registry.update(sandbox_id, state=S.paused)
+            paused = (snap.paused_ms or 0.0) / 1000
+        frozen = loop.time()
+        try:
+            await self.snapshots.flat(snap.id)  # nodes move whole RAM files
+            manifest = self.snapshots.directory(snap.id).manifest()
+        except BaseException:
+            await self._thaw(sandbox_id, was, snap.id)
+            raise
+        export = SandboxExport(
+            sandbox=sandbox_columns(self._row(sandbox_id)) | {"state": was.value},
+            state=was.value,  # type: ignore[arg-type]  # one of MOVABLE
+            snapshot_id=snap.id,
+            held_ms=round((paused + loop.time() - frozen) * 1000, 1) if paused else 0.0,
+            bytes=sum(int(n) for n in manifest.get("bytes", {}).values()),
+        )
+        self._out[sandbox_id] = export
+        self.events.emit(sandbox_id, "move_started", {"snapshot_id": snap.id, "state": was})
+        return export
+
+    async def abort(self, sandbox_id: str, reason: str = "") -> None:
+        """The move did not happen: the sandbox runs on here as it was (idempotent)."""
+        export = self._out.pop(sandbox_id, None)
+        if export is None:
+            return
+        await self._thaw(sandbox_id, S(export.state), export.snapshot_id)
+        self.events.emit(sandbox_id, "move_failed", {"error": reason or "aborted"})
+
+    async def finish(self, sandbox_id: str, node: str = "") -> None:
+        """The destination has it: this node's copy goes (VM, files, the move's snapshot)."""
+        export = self._out.pop(sandbox_id, None)
+        if export is None:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is not being moved from here")
+        async with self.registry.lock(sandbox_id):
+            await self.lifecycle.teardown(sandbox_id)
+            self.registry.update(sandbox_id, state=S.deleted, pid=None)
+        self.events.emit(sandbox_id, "moved", {"to": node})
+        self.registry.forget(sandbox_id)
+        await self._drop_snapshot(export.snapshot_id)
+
+    async def disk_snapshot(self, row: SandboxRecord, name: str) -> SnapshotRecord:
+        """A stopped sandbox's disk as a snapshot without memory (a move's, a replica's)."""
+        record = self.store.insert_snapshot(
+            SnapshotRecord(
+                id=f"snap-{os.urandom(8).hex()}",
+                tenant=row.tenant,
+                name=name,
+                sandbox_id=row.id,
+                parent_snapshot_id=row.base_snapshot_id,
+                state=SnapshotState.creating,
+                template=row.template,
+                vcpus=row.vcpus,
+                memory_mib=row.memory_mib,
+                memory=False,
+            )
+        )
+        async with self.registry.lock(row.id):
+            if self._row(row.id).state != S.stopped:
+                raise errors.InvalidState(f"sandbox {row.id} is no longer stopped")
+            try:
+                manifest = await self.driver.snapshot_stopped(
+                    self.registry.directory(row.id),
+                    self.snapshots.directory(record.id),
+                    vcpus=row.vcpus,
+                    memory_mib=row.memory_mib,
+                    template=row.template,
+                    sandbox_id=row.id,
+                )
+            except BaseException as exc:
+                self.store.update_snapshot(record.id, state="error", error=error_text(exc))
+                raise
+        size = sum(manifest["bytes"].values())
+        self.store.update_snapshot(record.id, state="ready", size_bytes=size, paused_ms=0.0)
+        return self.snapshots.get(row.tenant, record.id)
+
+    async def _thaw(self, sandbox_id: str, was: S, snapshot_id: str) -> None:
+        if was == S.running:
+            async with self.registry.lock(sandbox_id):
+                vm = self.registry.vm(sandbox_id)
+                if vm is not None:
+                    await vm.resume()
+                    self.registry.update(sandbox_id, state=S.running, stopped_at=None)
+        await self._drop_snapshot(snapshot_id)
+
+    async def _drop_snapshot(self, snapshot_id: str) -> None:
+        snap = self.store.get_snapshot(snapshot_id)
+        if snap is not None:
+            with contextlib.suppress(errors.CellaError):
+                await self.snapshots.delete(snap.tenant, snapshot_id)
+
+    # -- the destination -----------------------------------------------------------------
+
+    async def take_in(
+        self, body: SandboxImport, source: SnapshotSource | None = None
+    ) -> SandboxImported:
+        """Another node's exported sandbox made this node's, same id, in the state it had
+        there (running ones resume where they were frozen). `source`: where its snapshot
+        comes from, by default the node `body` names (over HTTPS)."""
+        export = body.export
+        sandbox_id = str(export.sandbox.get("id", ""))
+        have = self.store.get_sandbox(sandbox_id)
+        if have is not None and have.state != S.deleted:
+            raise errors.Conflict(f"this node already has sandbox {sandbox_id}")
+        state = S(export.state)
+        if source is None:
+            source = NodeSource(body.source_url, body.source_key, body.source_ca)
+        started = time.monotonic()
+        snap_export = await source.export(export.snapshot_id)
+        snap = await self.shipping.take_in(snap_export, source.export, source.pull)
+        transfer = time.monotonic() - started
+        if snap.tenant != export.sandbox.get("tenant"):
+            raise errors.InvalidArgument("the snapshot is not the sandbox's tenant's")
+        started = time.monotonic()
+        try:
+            await self._restore(export, snap, state)
+        except BaseException:
+            with contextlib.suppress(errors.CellaError):
+                await self.snapshots.delete(snap.tenant, snap.id)
+            raise
+        self.events.emit(sandbox_id, "moved_in", {"snapshot_id": snap.id, "state": state})
+        row = self.store.get_sandbox(sandbox_id)
+        assert row is not None
+        return SandboxImported(
+            sandbox=sandbox_columns(row),
+            transfer_ms=round(transfer * 1000, 1),
+            restore_ms=round((time.monotonic() - started) * 1000, 1),
+        )
+
+    async def _restore(self, export: SandboxExport, snap: SnapshotRecord, state: S) -> None:
+        columns = export.sandbox | {
+            "state": S.stopped if state == S.stopped else S.starting,
+            "pid": None,
+            "base_snapshot_id": snap.id,
+            "error": None,
+        }
+        live = state != S.stopped
+        admit = (
+            self.lifecycle.admission.admit(snap.tenant, snap.vcpus, snap.memory_mib)
+            if live
+            else contextlib.nullcontext()
+        )
+        async with admit:
+            row = self.store.replace_sandbox(columns)
+        sandbox_id = row.id
+        directory = self.registry.directory(sandbox_id)
+        snap_dir = self.snapshots.directory(snap.id)
+        async with self.registry.lock(sandbox_id):
+            if not live:
+                try:
+                    await self.driver.overlay_from(snap_dir, directory)
+                except BaseException as exc:
+                    self._undo(sandbox_id, exc)
+                    raise
+                return
+            vm = None
+            try:
+                vm = await self.lifecycle.restore_vm(snap_dir, sandbox_id)
+                await self.lifecycle.ready(vm, row)
+                if state == S.paused:
+                    await vm.pause()
+            except BaseException as exc:
+                if vm is not None:
+                    await self.driver.destroy(vm)
+                self.driver.remove_directory(directory)
+                self._undo(sandbox_id, exc)
+                raise
+            self.lifecycle.running(sandbox_id, vm)
+            if state == S.paused:
+                self.registry.update(sandbox_id, state=S.paused)
+
+    def _undo(self, sandbox_id: str, exc: BaseException) -> None:
+        """A failed take-in leaves no sandbox here (it is still the source's)."""
+        self.registry.update(sandbox_id, state=S.deleted, pid=None, error=error_text(exc))
+        self.registry.forget(sandbox_id)
+
+    def _row(self, sandbox_id: str) -> SandboxRecord:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None or row.state == S.deleted:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return row

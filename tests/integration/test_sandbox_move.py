@@ -1,0 +1,121 @@
+"""A sandbox moved from one node daemon to another under the same id (the node primitive a
+fleet's move and drain use): frozen and snapshotted on the source, taken in on the
+destination, its processes going on from where they were; a failed take-in leaves it
+running on the source."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx2
+import pytest
+
+from tests.daemon import Daemon, DaemonFactory
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /run/counter; sleep 0.2; done' >/dev/null 2>&1 &"
+)
+
+
+@pytest.fixture(scope="module")
+def nodes(module_daemon_factory: DaemonFactory) -> tuple[Daemon, Daemon]:
+    a = module_daemon_factory("move-a", pool_size="0")
+    b = module_daemon_factory("move-b", pool_size="0")
+    return a, b
+
+
+def post(node: Daemon, path: str, body: Any = None) -> httpx2.Response:
+    return httpx2.post(
+        f"{node.url}{path}",
+        headers={"authorization": f"Bearer {node.admin_key}"},
+        json=body,
+        timeout=300,
+    )
+
+
+def move(source: Daemon, dest: Daemon, sandbox_id: str) -> dict[str, Any]:
+    exported = post(source, f"/v1/sandboxes/{sandbox_id}/export")
+    assert exported.status_code == 200, exported.text
+    body = {"source_url": source.url, "source_key": source.admin_key, "export": exported.json()}
+    taken = post(dest, "/v1/sandboxes/import", body)
+    assert taken.status_code == 201, taken.text
+    done = post(source, f"/v1/sandboxes/{sandbox_id}/export/finish?node=dest")
+    assert done.status_code == 204, done.text
+    answer: dict[str, Any] = taken.json()
+    return answer
+
+
+def counter(sb: Any) -> int:
+    return int(sb.exec("cat /run/counter").stdout)
+
+
+def start_time(sb: Any) -> str:
+    """The kernel's start time of the counting process (field 22 of /proc/PID/stat): the
+    same value after a move means the same process, not a new one."""
+    out = sb.exec("cut -d' ' -f22 /proc/$(cat /run/counter.pid)/stat")
+    return str(out.stdout.decode().strip())
+
+
+def test_a_running_sandbox_moves_with_its_memory_and_files(nodes: tuple[Daemon, Daemon]) -> None:
+    a, b = nodes
+    with a.client() as ca, b.client() as cb:
+        sb = ca.create(name="mover", labels={"team": "x"})
+        sb.exec(COUNTER)
+        sb.files.write("/root/kept", "on disk")
+        time.sleep(1)
+        before = counter(sb)
+        started = start_time(sb)
+        assert before > 0
+        taken = move(a, b, sb.id)
+        assert taken["sandbox"]["id"] == sb.id and taken["sandbox"]["state"] == "running"
+        there = cb.get(sb.id)
+        assert there.state == "running" and there.info.name == "mover"
+        assert there.info.labels == {"team": "x"}
+        assert there.files.read("/root/kept") == b"on disk"
+        after = counter(there)
+        assert after >= before  # counted on from where it was, not from 1
+        time.sleep(1)
+        assert counter(there) > after  # and still counting
+        assert start_time(there) == started  # the same process
+        gone = httpx2.get(
+            f"{a.url}/v1/sandboxes/{sb.id}",
+            headers={"authorization": f"Bearer {a.admin_key}"},
+            timeout=30,
+        )
+        assert gone.status_code == 404 or gone.json()["state"] == "deleted"
+        # a stopped one: its disk moves, and it boots there with its files
+        there.stop()
+        back = move(b, a, sb.id)
+        assert back["sandbox"]["state"] == "stopped"
+        home = ca.get(sb.id)
+        assert home.state == "stopped"
+        home.resume()
+        assert home.files.read("/root/kept") == b"on disk"
+        home.delete()
+
+
+def test_a_failed_take_in_leaves_it_running_where_it_was(nodes: tuple[Daemon, Daemon]) -> None:
+    a, b = nodes
+    with a.client() as ca:
+        sb = ca.create()
+        sb.exec(COUNTER)
+        time.sleep(0.6)
+        exported = post(a, f"/v1/sandboxes/{sb.id}/export")
+        assert exported.status_code == 200, exported.text
+        assert ca.get(sb.id).state == "paused"  # frozen while it travels
+        body = {"source_url": a.url, "source_key": "not-the-key", "export": exported.json()}
+        refused = post(b, "/v1/sandboxes/import", body)
+        assert refused.status_code >= 400, refused.text
+        aborted = post(a, f"/v1/sandboxes/{sb.id}/export/abort?reason=refused")
+        assert aborted.status_code == 204, aborted.text
+        assert ca.get(sb.id).state == "running"
+        first = counter(sb)
+        time.sleep(0.6)
+        assert counter(sb) > first  # running on, here
+        with b.client() as cb:
+            assert sb.id not in {s.id for s in cb.list()}
+        # the control: the same export with the right key is taken in
+        sb.delete()
