@@ -27,7 +27,10 @@ async def test_a_copy_taken_in_elsewhere_is_the_sandbox_again(
 ) -> None:
     a, b = nodes
     made = await a.lifecycle.create(T, SandboxCreate(name="kept", labels={"k": "v"}))
+    a.registry._touched.pop(made.id, None)  # a touch now would be written
+    before = a.store.get_sandbox(made.id).last_active_at
     running = await a.replicas.take(made.id)  # it runs on meanwhile
+    assert a.store.get_sandbox(made.id).last_active_at == before  # not the tenant's use
     assert running.state == "stopped" and running.sandbox["id"] == made.id
     assert a.store.get_sandbox(made.id).state == S.running
     await ship(a, b, running)

@@ -71,8 +71,8 @@ class Replicas:
         row = self._row(sandbox_id)
         if row.state == S.running:
             who = Principal.service(row.tenant)
-            snap = await self.snapshots.snapshot(
-                who, sandbox_id, replica_name(sandbox_id), memory=False
+            snap = await self.snapshots.snapshot(  # not the tenant's use: no idle reset
+                who, sandbox_id, replica_name(sandbox_id), memory=False, activity=False
             )
         elif row.state == S.stopped:
             snap = await self.moves.disk_snapshot(row, replica_name(sandbox_id))
