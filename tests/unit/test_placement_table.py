@@ -49,6 +49,7 @@ def test_a_returning_node_does_not_take_back_a_sandbox_recovered_elsewhere(
     p.resync("n1", [body("a"), body("b")])
     p.lose("n1", "node n1 died")
     p.put("n2", body("a", state="stopped"))  # brought back on n2 from its replica
-    p.resync("n1", [body("a"), body("b")])  # n1 returns with its older copy of a
+    older = p.resync("n1", [body("a"), body("b")])  # n1 returns with its older copy of a
+    assert [b["id"] for b in older] == ["a"]  # the one to stop there
     assert p.get("a").node == "n2" and p.get("a").lost is None  # type: ignore[union-attr]
     assert p.get("b").node == "n1" and p.get("b").lost is None  # type: ignore[union-attr]

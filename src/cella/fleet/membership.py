@@ -128,7 +128,8 @@ class Membership:
             await self.on_join(node)
             await self._tell_fleet(node, await self._fleet_addresses(node))
             listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
-            self.placements.resync(name, listed["sandboxes"])
+            for older in self.placements.resync(name, listed["sandboxes"]):
+                await self._stop_older(node, older)
             old = self.nodes.get(name)
             self.nodes[name] = node
             self.failures.pop(name, None)
@@ -140,6 +141,19 @@ class Membership:
             log.warning("node %s could not join: %s", name, self.failures[name])
         finally:
             self._joining.discard(name)
+
+    async def _stop_older(self, node: Node, body: dict[str, Any]) -> None:
+        """A returning node's copy of a sandbox that lives on elsewhere now (recovered
+        from its replica meanwhile): stopped, so two copies never run; never routed to,
+        its files left for the operator."""
+        log.warning("node %s still had %s, which lives elsewhere now", node.name, body["id"])
+        if body.get("state") in ("running", "paused"):
+            who = Principal.service(str(body.get("tenant") or ""))
+            path = f"/v1/sandboxes/{body['id']}/stop"
+            try:  # its joining does not hang on it
+                await node.json("POST", path, who, json={"memory": False})
+            except errors.CellaError as exc:
+                log.warning("%s on node %s was not stopped: %s", body["id"], node.name, exc)
 
     def _lose(self, node: Node, reason: str) -> None:
         node.healthy, node.reason = False, self._lose_sandboxes(node.name, reason)
