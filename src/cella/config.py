@@ -215,6 +215,18 @@ class DaemonSettings(BaseSettings):
     )
     boot_timeout: float = Field(default=60.0, gt=0, description="seconds to agent ready")
     max_sandboxes_per_tenant: int = Field(default=100, ge=1, description="live sandboxes")
+    # a fleet gateway's replicas (cella.fleet.replicas)
+    replicate_tenants: list[str] = Field(
+        default_factory=list,
+        description="tenants every sandbox of which a fleet replicates, as if made with "
+        "`replicate: true`",
+    )
+    replica_interval_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how often a fleet refreshes the replica of a running replicated sandbox "
+        "(it is refreshed on every stop too)",
+    )
     max_volume_mib_per_tenant: int | None = Field(
         default=10240,
         ge=1,

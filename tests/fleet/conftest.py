@@ -28,6 +28,8 @@ NODES = ("n1", "n2", "n3")
 NODE_SETTINGS = {"pool_size": "0", "pool_spares": "0", "max_host_memory_mib": "768"}  # 3 of 256 MiB
 SHAPE = {"memory_mib": 256}
 QUOTA = 5  # the gateway's limit of live sandboxes per tenant, across nodes
+REPLICA_INTERVAL = 5  # seconds between refreshes of a running replicated sandbox's replica
+REPLICATING = "replicating"  # a tenant whose every sandbox is replicated
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -106,6 +108,8 @@ def fleet(outside: Outside) -> Iterator[Fleet]:
             root / "gateway",
             args=["--ray", cluster.address, "--node-root", str(root / "nodes")],
             max_sandboxes_per_tenant=str(QUOTA),
+            replica_interval_s=str(REPLICA_INTERVAL),
+            replicate_tenants=json.dumps([REPLICATING]),
         ).start(timeout=240)
         yield Fleet(cluster, gateway, root / "nodes")
     finally:

@@ -130,6 +130,15 @@ def test_revoked_key_stops_working(admin: Client, daemon: Daemon) -> None:
             temp.list()
 
 
+NO_EXPORT = {  # a replica this daemon does not hold
+    "sandbox": {"id": "sb-1"},
+    "state": "stopped",
+    "snapshot_id": "snap-0000000000000000",
+    "held_ms": 0,
+    "bytes": 0,
+}
+
+
 def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Daemon) -> None:
     before = [(s.id, s.state) for s in admin.list()]
     http = httpx2.Client(
@@ -145,11 +154,16 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(admin: Client, daemon: Dae
         ("POST", "/v1/sandboxes", {"labels": {"": "x"}}, 400, "invalid_argument"),
         ("GET", "/v1/sandboxes?state=bogus", None, 400, "invalid_argument"),
         ("GET", "/v1/no/such/route", None, 404, "not_found"),
+        # a replica needs a second node: one daemon says so instead of ignoring it
+        ("POST", "/v1/sandboxes", {"replicate": True}, 400, "invalid_argument"),
+        ("POST", "/v1/sandboxes/recover", {"export": NO_EXPORT}, 404, "not_found"),
     ]
     for method, path, body, status, code in cases:
         r = http.request(method, path, json=body)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), (path, body, r.text)
         assert r.json()["error"]["message"]
+    replicate = http.post("/v1/sandboxes", json={"replicate": True}).json()["error"]["message"]
+    assert "fleet" in replicate, replicate
     r = http.post(
         "/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}
     )

@@ -36,6 +36,7 @@ CHECKS = [
         "move_checks.py",
         "e2b_checks.py",
         "langsmith_checks.py",
+        "replica_checks.py",
     )
 ]
 

@@ -40,3 +40,16 @@ def test_deleted_sandboxes_stay_routable_but_are_never_lost_or_listed(tmp_path: 
     p.lose("n1", "gone")
     assert [x.sandbox_id for x in p.lost()] == ["b"]
     assert [x.sandbox_id for x in p.lost("other")] == []
+
+
+def test_a_returning_node_does_not_take_back_a_sandbox_recovered_elsewhere(
+    tmp_path: Path,
+) -> None:
+    p = Placements(tmp_path / "p.db")
+    p.resync("n1", [body("a"), body("b")])
+    p.lose("n1", "node n1 died")
+    p.put("n2", body("a", state="stopped"))  # brought back on n2 from its replica
+    older = p.resync("n1", [body("a"), body("b")])  # n1 returns with its older copy of a
+    assert [b["id"] for b in older] == ["a"]  # the one to stop there
+    assert p.get("a").node == "n2" and p.get("a").lost is None  # type: ignore[union-attr]
+    assert p.get("b").node == "n1" and p.get("b").lost is None  # type: ignore[union-attr]

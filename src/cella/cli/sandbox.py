@@ -142,6 +142,13 @@ def create(
             "tenant (every key of the tenant may exec in it); default: by the key's role"
         ),
     ] = None,
+    replicate: Annotated[
+        bool,
+        typer.Option(
+            help="on a fleet: keep a replica of its disk on a second node, from which it "
+            "comes back `recovered` if its node is lost"
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
@@ -173,6 +180,7 @@ def create(
             bucket_mounts=buckets or None,
             volume_mounts=volumes or None,
             visibility=visibility,
+            replicate=replicate or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))

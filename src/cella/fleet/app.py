@@ -23,7 +23,7 @@ from cella.fleet.registries import build_with
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
 from cella.models import Capacity, ForkRequest, KeyRotation, SnapshotFromImage
-from cella.models.fleet import FleetStatus
+from cella.models.fleet import FleetStatus, Replica
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.policy.rewrites import FLEET_REWRITE, PREFIX, TOKEN_HEADER
 from cella.server.app import build_app, routes
@@ -127,7 +127,7 @@ def router(gateway: Gateway) -> APIRouter:
             return [await gateway.launcher.create(who, body, request.headers.get(NODE_HINT))]
 
         made = await once(who, "sandboxes.create", idempotency_key, body, make)
-        return JSONResponse(made[0], status_code=201)
+        return JSONResponse(gateway.replicas.shown(made[0]), status_code=201)
 
     @api.get("/v1/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(request: Request, who: Auth) -> dict[str, Any]:
@@ -138,17 +138,50 @@ def router(gateway: Gateway) -> APIRouter:
     async def get_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
         where = await gateway.locator.placement(who, sandbox_id)
         if where.lost:
-            return JSONResponse(where.shown())
-        return await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
+            return JSONResponse(gateway.replicas.shown(where.shown()))
+        if not gateway.replicas.replicated(sandbox_id):
+            return await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
+        shown = await sandbox_json(who, sandbox_id)
+        return JSONResponse(gateway.replicas.shown(shown))
+
+    @api.get("/v1/sandboxes/{sandbox_id}/replica", response_model=Replica, tags=["fleet"])
+    async def get_replica(sandbox_id: str, who: Auth) -> Replica:
+        """Where the copy of a replicated sandbox's disk is, and how old."""
+        await gateway.locator.placement(who, sandbox_id)
+        return gateway.replicas.of(sandbox_id)
+
+    @api.post("/v1/sandboxes/{sandbox_id}/replica", response_model=Replica, tags=["fleet"])
+    async def refresh_replica(sandbox_id: str, who: Auth) -> Replica:
+        """The replica of a running replicated sandbox refreshed now."""
+        await gateway.locator.placement(who, sandbox_id)
+        gateway.replicas.of(sandbox_id)  # NotFound for one that is not replicated
+        return await gateway.replicas.refresh(sandbox_id)
+
+    @api.post("/v1/sandboxes/{sandbox_id}/stop", tags=["sandboxes"])
+    async def stop_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
+        """Relayed; a replicated sandbox's replica is refreshed right after the stop."""
+        node = await gateway.locator.node_of(who, sandbox_id)
+        if who.read_only or not gateway.replicas.replicated(sandbox_id):
+            return await forward(request, node, who)
+        sent = await request.body()
+        answer = await node.call(
+            "POST", request.url.path, who, content=sent,
+            headers={"content-type": "application/json"} if sent else {},
+        )  # fmt: skip
+        if answer.is_success and answer.json().get("state") == "stopped":
+            await gateway.replicas.after_stop(sandbox_id)
+        return Response(answer.content, answer.status_code, media_type="application/json")
 
     @api.delete("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def delete_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
         where = await gateway.locator.placement(who, sandbox_id)
         if where.lost:  # nothing is left of it to delete: forgotten
+            await gateway.replicas.forget(sandbox_id)
             gateway.locator.forget(sandbox_id)
             return Response(status_code=204)
         answer = await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
         if answer.status_code < 300:
+            await gateway.replicas.forget(sandbox_id)
             gateway.locator.deleted(sandbox_id)
         return answer
 

@@ -7,13 +7,15 @@ sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes
 them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
 tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
 registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
-`FleetVolumes` and `NamedTemplates` know the node each volume and named template lives on
-(`homes`); `FleetTemplates` builds templates on every node; `Growth` asks Ray's autoscaler
-for nodes when none has room and holds the nodes that have sandboxes; `FleetMoves` moves
-sandboxes between nodes and drains a node (`Cordons` keeps new ones off it); `Delegations`
-makes and checks the access delegation grants of the sandboxes it places. The gateway keeps
-its own keys, console sessions, registries and eval runs (what the routes it shares with a node
-daemon use: `cella.server.front`).
+`Replicas` keeps copies of replicated sandboxes' disks on second nodes and brings those
+sandboxes back from them when their node is lost; `FleetVolumes` and `NamedTemplates` know
+the node each volume and named template lives on (`homes`); `FleetTemplates` builds
+templates on every node; `Growth` asks Ray's autoscaler for nodes when none has room and
+holds the nodes that have sandboxes; `FleetMoves` moves sandboxes between nodes and drains a
+node (`Cordons` keeps new ones off it); `Delegations` makes and checks the access delegation
+grants of the sandboxes it places. The gateway keeps its own keys, console sessions,
+registries and eval runs (what the routes it shares with a node daemon use:
+`cella.server.front`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx2
 
@@ -39,6 +42,7 @@ from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
 from cella.fleet.planner import Planner
 from cella.fleet.quotas import Quotas
+from cella.fleet.replicas import Replicas
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.shared_secrets import SharedSecrets
 from cella.fleet.shared_webhooks import SharedWebhooks
@@ -118,15 +122,28 @@ class Gateway:
             self.volumes,
             self.growth,
         )
+        self.replicas = Replicas(
+            root / "replicas.db", settings, self.membership, self.locator, planner, self.snapshots
+        )
+        self.launcher.created = self._created
+        self.locator.shown = self.replicas.shown
+        self.snapshots.hidden = self.replicas.hidden
+        self.membership.on_lost = self.replicas.recover
 
     async def start(self) -> None:
         """Joins the cluster and every live node (and its daemon) before serving."""
         await self.membership.start()
         await self.growth.start()
+        self.replicas.start()
 
     async def shutdown(self) -> None:
+        await self.replicas.shutdown()
         await self.growth.shutdown()
         await self.membership.shutdown()
+
+    def _created(self, who: Principal, body: dict[str, Any], replicate: bool) -> None:
+        if self.replicas.wanted(who.tenant, replicate):
+            self.replicas.add(str(body["id"]), who.tenant)
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them

@@ -4,6 +4,7 @@ answers whenever the gateway has not seen a sandbox yet, and lists merged from e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cella import errors
@@ -18,6 +19,8 @@ class Locator:
     def __init__(self, membership: Membership, placements: Placements) -> None:
         self.membership = membership
         self.placements = placements
+        # a node's answer as the gateway shows it (what replicas add)
+        self.shown: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: body
 
     async def placement(self, who: Principal, sandbox_id: str) -> Placement:
         """The tenant's sandbox, wherever it is (nodes asked if the gateway has not seen it)."""
@@ -77,12 +80,12 @@ class Locator:
         for node, answer in await self.membership.each("GET", "/v1/sandboxes", who, params=params):
             for body in answer["sandboxes"]:
                 self.placements.put(node.name, body)
-                found.append(body)
+                found.append(self.shown(body))
         state = dict(params).get("state")
         if state in (None, "lost"):
             labels = [v for k, v in params if k == "label"]
             for lost in self.placements.lost(who.tenant):
-                shown = lost.shown()
+                shown = self.shown(lost.shown())
                 if not visible(who, shown):  # as its node would have listed it
                     continue
                 have = shown.get("labels") or {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +32,9 @@ class Membership:
         placements: Placements,
         on_join: Callable[[Node], Awaitable[None]],
     ) -> None:
+        # what follows a node's loss, given its name and the reason (replicas recovered)
+        self.on_lost: Callable[[str, str], Coroutine[Any, Any, object]] | None = None
+        self._after_loss: set[asyncio.Task[object]] = set()
         self.address = address
         self.allow_unauthenticated = allow_unauthenticated
         self.node_root = node_root
@@ -130,7 +133,8 @@ class Membership:
             await self.on_join(node)
             await self._tell_fleet(node, await self._fleet_addresses(node))
             listed = await node.json("GET", "/v1/sandboxes", params={"all_tenants": "true"})
-            self.placements.resync(name, listed["sandboxes"])
+            for older in self.placements.resync(name, listed["sandboxes"]):
+                await self._stop_older(node, older)
             old = self.nodes.get(name)
             self.nodes[name] = node
             self.failures.pop(name, None)
@@ -143,6 +147,19 @@ class Membership:
         finally:
             self._joining.discard(name)
 
+    async def _stop_older(self, node: Node, body: dict[str, Any]) -> None:
+        """A returning node's copy of a sandbox that lives on elsewhere now (recovered
+        from its replica meanwhile): stopped, so two copies never run; never routed to,
+        its files left for the operator."""
+        log.warning("node %s still had %s, which lives elsewhere now", node.name, body["id"])
+        if body.get("state") in ("running", "paused"):
+            who = Principal.service(str(body.get("tenant") or ""))
+            path = f"/v1/sandboxes/{body['id']}/stop"
+            try:  # its joining does not hang on it
+                await node.json("POST", path, who, json={"memory": False})
+            except errors.CellaError as exc:
+                log.warning("%s on node %s was not stopped: %s", body["id"], node.name, exc)
+
     def _lose(self, node: Node, reason: str) -> None:
         node.healthy, node.reason = False, self._lose_sandboxes(node.name, reason)
 
@@ -151,6 +168,12 @@ class Membership:
         dated = f"{reason} at {datetime.now(UTC).isoformat(timespec='seconds')}"
         count = self.placements.lose(name, dated)
         log.warning("%s; %d sandboxes lost", dated, count)
+        if count and self.on_lost is not None:
+            task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
+                self.on_lost(name, dated)
+            )
+            self._after_loss.add(task)
+            task.add_done_callback(self._after_loss.discard)
         return dated
 
     async def release(self, node: Node) -> None:

@@ -105,10 +105,21 @@ class Placements:
             )
             return cursor.rowcount
 
-    def resync(self, node: str, bodies: list[dict[str, Any]]) -> None:
+    def resync(self, node: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The node's own list replaces what was recorded for it (a returning node's
-        sandboxes are no longer lost; ones it no longer has are forgotten)."""
+        sandboxes are no longer lost; ones it no longer has are forgotten). A sandbox
+        recorded on another node, and not lost there, stays there: it was recovered from
+        its replica while this node was gone, and this node's copy is the older one.
+        Returns those older copies."""
         with self._lock:
+            elsewhere = {
+                r[0]
+                for r in self._db.execute(
+                    "SELECT sandbox_id FROM placements WHERE node != ? AND lost IS NULL", (node,)
+                )
+            }
+            stale = [b for b in bodies if b["id"] in elsewhere]
+            bodies = [b for b in bodies if b["id"] not in elsewhere]
             self._db.execute("BEGIN")
             self._db.execute(
                 "DELETE FROM placements WHERE node = ? AND json_extract(body, '$.state') != ?",
@@ -119,6 +130,7 @@ class Placements:
                 [(b["id"], b.get("tenant") or "", node, json.dumps(b)) for b in bodies],
             )
             self._db.execute("COMMIT")
+        return stale
 
     def _select(self, where: str, *args: object) -> list[Placement]:
         with self._lock:

@@ -58,7 +58,7 @@ class Planner:
         """node -> how many of the `count` sandboxes go there (`holders`: the nodes holding
         the snapshot they boot from; `prefer`: the node asked for; `only`: the one node
         they may go to, the home of the volumes they mount; `exclude`: nodes they may not
-        go to, besides the cordoned ones)."""
+        go to, besides the cordoned ones: a replica's never goes to its sandbox's own)."""
         if only is not None and self.cordons is not None and only in self.cordons:
             raise errors.InvalidState(f"node {only} is cordoned: nothing new is placed there")
         out = exclude | (self.cordons.names() if self.cordons is not None else set())

@@ -4,6 +4,7 @@ cached); found by asking the nodes, removed from all of them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cella import errors
@@ -15,6 +16,8 @@ from cella.service.keys import Principal
 class FleetSnapshots:
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
+        # the gateway's own snapshots, never listed (replicas)
+        self.hidden: Callable[[dict[str, Any]], bool] = lambda _: False
 
     async def resolve(self, who: Principal, ref: str) -> tuple[dict[str, Any], set[str]]:
         """The snapshot `ref` names (the newest answer if nodes differ), and the nodes
@@ -59,7 +62,8 @@ class FleetSnapshots:
         params = {"all_tenants": "true"} if all_tenants else {}
         for _, answer in await self.membership.each("GET", "/v1/snapshots", who, params=params):
             for body in answer["snapshots"]:
-                seen.setdefault(body["id"], body)
+                if not self.hidden(body):
+                    seen.setdefault(body["id"], body)
         return sorted(seen.values(), key=lambda b: str(b["created_at"]))
 
     async def delete(self, who: Principal, snapshot_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field
@@ -45,6 +46,17 @@ class SnapshotImport(BaseModel):
         description="PEM certificate to trust for an https source_url (a node's own)",
     )
     snapshot_id: str = Field(pattern=r"^snap-[0-9a-f]{16}$")
+
+
+class Replica(BaseModel):
+    """The copy of a replicated sandbox's disk a fleet keeps on a second node."""
+
+    sandbox_id: str
+    node: str | None = Field(default=None, description="where the copy is (none yet: null)")
+    taken_at: datetime | None = Field(default=None, description="when the disk was copied")
+    age_seconds: float | None = None
+    size_bytes: int | None = None
+    error: str | None = Field(default=None, description="why the last refresh failed")
 
 
 class FleetNode(BaseModel):
@@ -147,3 +159,12 @@ class DrainReport(BaseModel):
     node: str
     cordoned: bool
     moves: list[MoveReport]
+
+
+class ReplicaRecover(BaseModel):
+    """A node makes a replica it holds into the lost sandbox again, stopped, same id."""
+
+    model_config = {"extra": "forbid"}
+
+    export: SandboxExport = Field(description="what the sandbox's node answered for the copy")
+    event: dict[str, Any] = Field(default_factory=dict, description="the `recovered` event's")

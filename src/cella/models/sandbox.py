@@ -28,6 +28,9 @@ class SandboxState(StrEnum):
     deleted = "deleted"
     error = "error"
     lost = "lost"  # its fleet node died or left: only the gateway reports this
+    # brought back on another fleet node from its replica, stopped until it is resumed:
+    # only the gateway reports this
+    recovered = "recovered"
 
 
 ExpiryAction = Literal["stop", "pause", "delete"]
@@ -132,6 +135,12 @@ class SandboxCreate(BaseModel):
         default=False,
         description="a stop (asked for, or on idling) pauses the VM: processes and memory "
         "are kept for the next resume, and the host keeps holding its RAM",
+    )
+    replicate: bool = Field(
+        default=False,
+        description="fleet only: keep a copy of its disk on a second node, refreshed when it "
+        "stops and every `replica_interval_s`; when its node is lost it comes back there, "
+        "`recovered` (a single daemon refuses it: there is no second node)",
     )
     checkpoint_each_exec: bool = Field(
         default=False,
@@ -239,6 +248,17 @@ class SandboxUpdate(BaseModel):
     exec_defaults: ExecDefaults | None = None
 
 
+class Recovery(BaseModel):
+    """A sandbox brought back on another node of a fleet from its replica."""
+
+    from_node: str = Field(description="the node that was lost")
+    node: str = Field(description="the node it is on now, where its replica was")
+    replica_taken_at: datetime
+    replica_age_seconds: float = Field(description="how old the replica was when it came back")
+    at: datetime = Field(description="when it came back")
+    reason: str = Field(description="why its node was lost")
+
+
 class Sandbox(BaseModel):
     model_config = {"from_attributes": True}
 
@@ -289,7 +309,13 @@ class Sandbox(BaseModel):
     )
     parent_id: str | None = Field(default=None, description="sandbox this one was forked from")
     snapshot_id: str | None = Field(default=None, description="snapshot it was restored from")
-    created_from: str | None = Field(default=None, description="pool, restore, boot or fork")
+    created_from: str | None = Field(
+        default=None, description="pool, restore, boot, fork or recovered"
+    )
+    replicate: bool = Field(default=False, description="a fleet keeps a replica of it")
+    recovery: Recovery | None = Field(
+        default=None, description="how it was brought back from its replica (a fleet's)"
+    )
     created_at: datetime
     updated_at: datetime
 

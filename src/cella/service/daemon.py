@@ -51,6 +51,7 @@ from cella.service.proctrace import ProcessTrace
 from cella.service.reaper import Reaper
 from cella.service.recovery import Recovery
 from cella.service.registry import Registry
+from cella.service.replicas import Replicas
 from cella.service.rewrites import Rewrites
 from cella.service.sessions import Sessions
 from cella.service.sharing import Sharing
@@ -127,6 +128,7 @@ class Daemon:
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
         self.moves = Moves(self.registry, self.lifecycle, self.snapshots, self.shipping)
+        self.replicas = Replicas(self.registry, self.snapshots, self.shipping, self.moves)
         self.checkpoints = Checkpoints(
             self.registry, self.lifecycle, self.snapshots, self.background
         )

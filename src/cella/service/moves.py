@@ -104,7 +104,7 @@ class Moves:
         loop = asyncio.get_running_loop()
         lock = self.registry.lock(sandbox_id)
         if was == S.stopped:
-            snap = await self._disk_snapshot(row)
+            snap = await self.disk_snapshot(row, move_name(row.id))
             paused = 0.0
         else:
             if was == S.paused:  # it runs for the snapshot's sync, then is frozen again
@@ -171,13 +171,13 @@ class Moves:
         if lock is not None and lock.locked():
             lock.release()
 
-    async def _disk_snapshot(self, row: SandboxRecord) -> SnapshotRecord:
-        """A stopped sandbox's disk as a snapshot without memory."""
+    async def disk_snapshot(self, row: SandboxRecord, name: str) -> SnapshotRecord:
+        """A stopped sandbox's disk as a snapshot without memory (a move's, a replica's)."""
         record = self.store.insert_snapshot(
             SnapshotRecord(
                 id=f"snap-{os.urandom(8).hex()}",
                 tenant=row.tenant,
-                name=move_name(row.id),
+                name=name,
                 sandbox_id=row.id,
                 parent_snapshot_id=row.base_snapshot_id,
                 state=SnapshotState.creating,

@@ -124,16 +124,18 @@ class Snapshots:
         memory: bool = True,
         standalone: bool = False,
         leave_paused: bool = False,
+        activity: bool = True,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
         points at it once it is ready; with `into`, the snapshot is that row (made by
         `begin`); `standalone`: its disk is made one file of its own before it is ready
         (nothing of this node's images under it); `leave_paused`: the VM stays paused after
-        (a move ships it as it was then). Whoever may exec in the sandbox may copy it; the
-        snapshot is its tenant's, as every snapshot is."""
+        (a move ships it as it was then); `activity=False`: the daemon's own copy (a fleet's
+        replica), which keeps no sandbox from going idle. Whoever may exec in the sandbox
+        may copy it; the snapshot is its tenant's, as every snapshot is."""
         async with self.registry.lock(sandbox_id):
-            row, vm = self.registry.live(who, sandbox_id)
+            row, vm = self.registry.live(who, sandbox_id, activity=activity)
             tenant = row.tenant
             fields = {
                 "sandbox_id": sandbox_id,

@@ -65,7 +65,7 @@ from cella.models import Snapshot as SnapshotInfo
 from cella.models import Volume as VolumeInfo
 from cella.models.checkpoints import NOW, Checkpoint, CheckpointDiff
 from cella.models.evals import EvalResult, EvalRun, EvalRunCreate, EvalRunList
-from cella.models.fleet import DrainReport, FleetStatus, MoveReport
+from cella.models.fleet import DrainReport, FleetStatus, MoveReport, Replica
 from cella.models.proctree import ExecTree, exec_trees
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
@@ -177,6 +177,7 @@ class AsyncClient:
         checkpoint_each_exec: bool | None = None,
         idempotency_key: str | None = None,
         exec_policy: ExecPolicy | dict[str, Any] | None = None,
+        replicate: bool | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -218,6 +219,8 @@ class AsyncClient:
         (keys are kept a day).
         `exec_policy` (`{"default": "allow"|"deny", "rules": [{"path_glob"|"sha256": ...,
         "action": "allow"|"deny"}]}`) says which executables its guest's kernel lets run.
+        `replicate` (a fleet's gateway only) keeps a copy of its disk on a second node, from
+        which it comes back `recovered` if its node is lost (`replica()` says how fresh).
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -240,6 +243,7 @@ class AsyncClient:
             run_entrypoint=run_entrypoint or None,
             stop_keeps_memory=stop_keeps_memory,
             checkpoint_each_exec=checkpoint_each_exec,
+            replicate=replicate,
             restore_memory=restore_memory,
             access_delegation=access_delegation,
             visibility=visibility,
@@ -916,6 +920,12 @@ class AsyncSandbox:
         response = await self.client.request("POST", f"{self._path}/stop", json=body)
         self.info = SandboxInfo.model_validate(response.json())
         return self
+
+    async def replica(self) -> Replica:
+        """Where a fleet keeps the copy of this sandbox's disk (`replicate`) and how old it
+        is."""
+        response = await self.client.request("GET", f"{self._path}/replica")
+        return Replica.model_validate(response.json())
 
     async def resume(self) -> AsyncSandbox:
         response = await self.client.request("POST", f"{self._path}/resume")

@@ -1,13 +1,15 @@
 """Moving a sandbox between the nodes of a fleet, node side (admin keys: the gateway and
 node daemons): `export` freezes it here, `import` takes it in on another node under the
-same id, then `finish` removes this node's copy, or `abort` lets it run on here.
-See `cella.service.moves`."""
+same id, then `finish` removes this node's copy, or `abort` lets it run on here. A fleet's
+replicas use the same shapes: `replica` copies a sandbox's disk with its row, `recover`
+takes it in from a copy held here. See `cella.service.moves` and `cella.service.replicas`."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported
+from cella.models import Sandbox
+from cella.models.fleet import ReplicaRecover, SandboxExport, SandboxImport, SandboxImported
 from cella.server.deps import Auth, DaemonDep
 from cella.service.keys import require_admin
 
@@ -45,3 +47,19 @@ async def abort_export(sandbox_id: str, svc: DaemonDep, who: Auth, reason: str =
     require_admin(who, "move a sandbox")
     await svc.moves.abort(sandbox_id, reason)
     return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/recover", status_code=201, response_model=Sandbox)
+async def recover_sandbox(body: ReplicaRecover, svc: DaemonDep, who: Auth) -> Sandbox:
+    """A fleet's replica held here made its sandbox again (the sandbox's node was lost):
+    same id, stopped, its files the replica's."""
+    require_admin(who, "recover a sandbox from its replica")
+    return Sandbox.model_validate(await svc.replicas.recover(body.export, body.event))
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/replica", response_model=SandboxExport)
+async def take_replica(sandbox_id: str, svc: DaemonDep, who: Auth) -> SandboxExport:
+    """A copy of the sandbox's disk (a snapshot without memory) and its row, for a fleet's
+    replica on another node (any tenant's); it runs on, or stays stopped."""
+    require_admin(who, "copy a sandbox for its replica")
+    return await svc.replicas.take(sandbox_id)

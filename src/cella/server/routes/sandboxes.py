@@ -66,6 +66,8 @@ async def create_sandbox(
     """Boots a new sandbox from a template and returns it running (once per
     `Idempotency-Key`: a retry gets the same sandbox)."""
 
+    svc.replicas.refuse_here(body)  # a fleet's gateway keeps replicas, not a daemon
+
     async def make() -> list[str]:
         return [(await svc.create(who, body, fleet_grant=fleet_grant(request))).id]
 

@@ -1,0 +1,371 @@
+"""Replicas: a copy of a replicated sandbox's disk kept on a second node, so that the
+sandbox outlives its node.
+
+A sandbox is replicated when it was made with `replicate: true`, or its tenant is one of
+the gateway's `replicate_tenants`. Its replica is taken by its node (`POST
+/v1/sandboxes/{id}/replica`: a disk-only snapshot, the guest's writes synced first, with
+the sandbox's row, as a move exports it), shipped to another node the planner picks (the
+files copied over, checked against their manifest: it shares nothing with the original),
+then removed from the sandbox's own node; the copy before it is removed from its node
+once the new one is in. It is refreshed when the sandbox is stopped through the gateway
+(right after the stop), every `replica_interval_s` while it runs, and once after a stop
+the gateway did not see (its idle timeout). Memory is not kept: a stop ends the
+processes anyway, and a copy of RAM at each period would cost what a disk copy does many
+times over. The gateway records each replica (node, taken at, size, the export) here.
+
+When a node is lost, each replicated sandbox of it whose replica is on a node that is up
+is taken in there as a move's destination takes a sandbox in (`POST
+/v1/sandboxes/recover`, with the export kept here): same id, stopped, its files the
+replica's, with a `recovered` event naming the replica's age. The gateway shows it as
+`recovered` (with `recovery`: from which node, how old the replica was) until it is
+resumed; unreplicated sandboxes stay `lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cella import errors
+from cella.config import DaemonSettings
+from cella.fleet.locator import Locator
+from cella.fleet.membership import Membership
+from cella.fleet.node_client import Node
+from cella.fleet.planner import Planner, Shape
+from cella.fleet.snapshots import FleetSnapshots
+from cella.models.fleet import Replica
+from cella.service.keys import Principal
+from cella.service.replicas import replica_name
+
+log = logging.getLogger("cella.fleet.replicas")
+TICK_SECONDS = 1.0
+Json = dict[str, Any]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS replicas (
+    sandbox_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    node TEXT,
+    snapshot_id TEXT,
+    taken_at REAL,
+    size_bytes INTEGER,
+    error TEXT,
+    export TEXT
+);
+CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
+"""
+
+
+def iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+
+class Replicas:
+    def __init__(
+        self,
+        path: Path,
+        settings: DaemonSettings,
+        membership: Membership,
+        locator: Locator,
+        planner: Planner,
+        snapshots: FleetSnapshots,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(SCHEMA)
+        self.tenants = set(settings.replicate_tenants)
+        self.interval = settings.replica_interval_s
+        self.membership = membership
+        self.locator = locator
+        self.placements = locator.placements
+        self.planner = planner
+        self.snapshots = snapshots
+        self._busy: dict[str, asyncio.Lock] = {}
+        self._next: dict[str, float] = {}  # sandbox -> when the period next looks at it
+        self._loop: asyncio.Task[None] | None = None
+        self._recovering = asyncio.Lock()
+
+    # -- the record ----------------------------------------------------------------------
+
+    def wanted(self, tenant: str, asked: bool) -> bool:
+        return asked or tenant in self.tenants
+
+    def add(self, sandbox_id: str, tenant: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO replicas (sandbox_id, tenant) VALUES (?, ?)",
+                (sandbox_id, tenant),
+            )
+
+    def replicated(self, sandbox_id: str) -> bool:
+        return self._row(sandbox_id) is not None
+
+    def hidden(self, snapshot: Json) -> bool:
+        """A replica's snapshot (also one still being taken): the gateway's, not one a
+        tenant took."""
+        sandbox_id = str(snapshot.get("sandbox_id"))
+        if snapshot.get("name") == replica_name(sandbox_id) and self.replicated(sandbox_id):
+            return True
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
+            ).fetchone()
+        return row is not None
+
+    def of(self, sandbox_id: str) -> Replica:
+        row = self._row(sandbox_id)
+        if row is None:
+            raise errors.NotFound(f"sandbox {sandbox_id} is not replicated (create it with "
+                                  "replicate: true)")  # fmt: skip
+        node, _, taken_at, size, error = row
+        return Replica(
+            sandbox_id=sandbox_id,
+            node=node,
+            taken_at=datetime.fromtimestamp(taken_at, UTC) if taken_at else None,
+            age_seconds=round(time.time() - taken_at, 1) if taken_at else None,
+            size_bytes=size,
+            error=error,
+        )
+
+    def shown(self, body: Json) -> Json:
+        """A sandbox as the gateway shows it: `replicate` said, and `recovered` (with how)
+        while a sandbox brought back from its replica has not been resumed."""
+        sandbox_id = str(body.get("id"))
+        if not self.replicated(sandbox_id):
+            return body
+        body = {**body, "replicate": True}
+        with self._lock:
+            found = self._db.execute(
+                "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        if found is None:
+            return body
+        if body.get("state") != "stopped":  # resumed (or deleted): recovered no longer
+            with self._lock:
+                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+            return body
+        return {**body, "state": "recovered", "recovery": json.loads(found[0])}
+
+    def _row(self, sandbox_id: str) -> tuple[Any, ...] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT node, snapshot_id, taken_at, size_bytes, error FROM replicas "
+                "WHERE sandbox_id = ?",
+                (sandbox_id,),
+            ).fetchone()
+        return tuple(row) if row else None
+
+    def _export(self, sandbox_id: str) -> Json:
+        with self._lock:
+            found = self._db.execute(
+                "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        if not found or not found[0]:
+            raise errors.NotFound(f"sandbox {sandbox_id} has no replica")
+        export: Json = json.loads(found[0])
+        return export
+
+    def _set(self, sandbox_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._lock:
+            self._db.execute(
+                f"UPDATE replicas SET {sets} WHERE sandbox_id = ?", (*fields.values(), sandbox_id)
+            )
+
+    def _hide(self, snapshot_id: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO replica_snapshots VALUES (?)", (snapshot_id,))
+
+    # -- refreshing ----------------------------------------------------------------------
+
+    async def refresh(self, sandbox_id: str) -> Replica:
+        """A new replica of the running sandbox: its disk copied on its node, shipped to
+        another, the previous copy removed."""
+        async with self._busy.setdefault(sandbox_id, asyncio.Lock()):
+            try:
+                await self._refresh(sandbox_id)
+            except errors.CellaError as exc:
+                self._set(sandbox_id, error=f"{type(exc).__name__}: {exc}")
+                raise
+            self._next[sandbox_id] = time.monotonic() + self.interval
+        return self.of(sandbox_id)
+
+    async def _refresh(self, sandbox_id: str) -> None:
+        where = self.placements.get(sandbox_id)
+        if where is None or self._row(sandbox_id) is None:
+            raise errors.NotFound(f"no replicated sandbox {sandbox_id!r}")
+        node = self.locator.usable(where)
+        who = Principal.service(where.tenant)
+        export = await node.json("POST", f"/v1/sandboxes/{sandbox_id}/replica")
+        snapshot_id, row = str(export["snapshot_id"]), export["sandbox"]
+        self._hide(snapshot_id)
+        old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
+        try:
+            shape = Shape(int(row["vcpus"]), int(row["memory_mib"]), str(row["template"]))
+            away = frozenset({node.name})  # never the sandbox's own node
+            plan = await self.planner.plan(shape, 1, set(), prefer=old_node, exclude=away)
+            dest = self.membership.nodes[next(iter(plan))]
+            await self.snapshots.ship(snapshot_id, {node.name}, dest)
+        finally:  # the sandbox's own node keeps no copy: it is the one that may be lost
+            with contextlib.suppress(errors.CellaError):
+                await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", who)
+        self._set(
+            sandbox_id,
+            node=dest.name,
+            snapshot_id=snapshot_id,
+            taken_at=time.time(),
+            size_bytes=export.get("bytes"),
+            error=None,
+            export=json.dumps(export),
+        )
+        log.info("replica of %s on %s (%s)", sandbox_id, dest.name, snapshot_id)
+        if old_snapshot and old_node:
+            await self._drop(where.tenant, old_node, old_snapshot)
+
+    async def _drop(self, tenant: str, node_name: str, snapshot_id: str) -> None:
+        node = self.membership.up(node_name)
+        if node is None:
+            return
+        with contextlib.suppress(errors.CellaError):
+            await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", Principal.service(tenant))
+
+    async def after_stop(self, sandbox_id: str) -> None:
+        """A replicated sandbox just stopped: its replica refreshed from the disk as the
+        stop left it (a failure is recorded on the replica; the stop stands)."""
+        if not self.replicated(sandbox_id):
+            return
+        try:
+            await self.refresh(sandbox_id)
+        except errors.CellaError as exc:
+            log.warning("replica of %s after its stop: %s", sandbox_id, exc)
+
+    async def forget(self, sandbox_id: str) -> None:
+        """A deleted sandbox: its replica removed, nothing more kept."""
+        if not self.replicated(sandbox_id):
+            return
+        async with self._busy.setdefault(sandbox_id, asyncio.Lock()):  # a refresh ends first
+            row = self._row(sandbox_id)
+            where = self.placements.get(sandbox_id)
+            if row and row[0] and row[1] and where is not None:
+                await self._drop(where.tenant, row[0], row[1])
+            with self._lock:
+                self._db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
+                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+        self._next.pop(sandbox_id, None)
+        self._busy.pop(sandbox_id, None)
+
+    # -- the period ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.create_task(self._forever())
+
+    async def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+
+    async def _forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(TICK_SECONDS, self.interval))
+            try:
+                await self.tick()
+            except Exception:  # one failure must not end the period
+                log.exception("refreshing replicas failed")
+
+    async def tick(self) -> None:
+        """Refreshes the replica of each replicated sandbox that runs and whose period is
+        up, or that was stopped since its copy was taken (a stop the gateway did not see:
+        its idle timeout, its TTL)."""
+        now = time.monotonic()
+        with self._lock:
+            ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
+        for sandbox_id in ids:
+            if self._next.setdefault(sandbox_id, now + self.interval) > now:
+                continue
+            self._next[sandbox_id] = now + self.interval
+            where = self.placements.get(sandbox_id)
+            node = self.membership.up(where.node) if where and not where.lost else None
+            if node is None or where is None or where.body.get("state") == "deleted":
+                continue
+            try:
+                shown = await node.json(
+                    "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
+                )
+                if shown["state"] == "running" or self._stopped_since(sandbox_id, shown):
+                    await self.refresh(sandbox_id)
+            except errors.CellaError as exc:
+                log.warning("replica of %s: %s", sandbox_id, exc)
+
+    def _stopped_since(self, sandbox_id: str, shown: Json) -> bool:
+        if shown["state"] != "stopped" or not shown.get("stopped_at"):
+            return False
+        row = self._row(sandbox_id)
+        stopped = datetime.fromisoformat(str(shown["stopped_at"])).timestamp()
+        return row is not None and (not row[2] or stopped > row[2])
+
+    # -- recovery ------------------------------------------------------------------------
+
+    async def recover(self, lost_node: str, reason: str) -> int:
+        """Each replicated sandbox of the lost node whose replica is on a node that is up,
+        made again there (stopped, same id); returns how many."""
+        async with self._recovering:  # one loss at a time: a sandbox is taken in once
+            return await self._recover_all(lost_node, reason)
+
+    async def _recover_all(self, lost_node: str, reason: str) -> int:
+        count = 0
+        for placement in self.placements.on_node(lost_node):
+            if placement.lost is None or placement.body.get("state") == "deleted":
+                continue
+            row = self._row(placement.sandbox_id)
+            if row is None or not row[0] or not row[1] or row[0] == lost_node:
+                continue
+            node = self.membership.up(row[0])
+            if node is None:
+                continue
+            try:
+                await self._recover_on(node, lost_node, placement.sandbox_id, row[2], reason)
+                count += 1
+            except errors.CellaError as exc:
+                log.warning("%s stays lost: %s", placement.sandbox_id, exc)
+        return count
+
+    async def _recover_on(
+        self, node: Node, lost_node: str, sandbox_id: str, taken_at: float, reason: str
+    ) -> None:
+        export = self._export(sandbox_id)
+        now = time.time()
+        note = {
+            "from_node": lost_node,
+            "node": node.name,
+            "replica_taken_at": iso(taken_at),
+            "replica_age_seconds": round(now - taken_at, 1),
+            "at": iso(now),
+            "reason": reason,
+        }
+        made = await node.json(
+            "POST", "/v1/sandboxes/recover", json={"export": export, "event": note}
+        )
+        self.placements.put(node.name, made)  # no longer lost: it lives there now
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO recoveries VALUES (?, ?)", (sandbox_id, json.dumps(note))
+            )
+        # the copy is the sandbox's disk's base now: the next refresh makes a new one
+        self._set(
+            sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None, export=None
+        )
+        log.warning(
+            "%s recovered on %s from a replica %.0f s old", sandbox_id, node.name,
+            note["replica_age_seconds"],
+        )  # fmt: skip
