@@ -62,6 +62,6 @@ def fresh_database(url: str, name: str) -> str:
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as db:
-        db.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         db.execute(f'CREATE DATABASE "{name}"')
     return url.rsplit("/", 1)[0] + "/" + name

@@ -83,6 +83,12 @@ class DaemonSettings(BaseSettings):
         description="the group of files jailed QEMUs share; VMs get the uids and gids above it",
     )
     jail_ids: int = Field(default=65_536, ge=1, description="how many jailed VMs at most")
+    database_url: str | None = Field(
+        default=None,
+        description="a fleet gateway's state in PostgreSQL (postgresql://user@host/db), "
+        "shared by every gateway given the same URL (default: SQLite files in the data "
+        "directory, one gateway)",
+    )
     secrets_key_file: Path | None = Field(
         default=None,
         description="the 0600 file with the key that seals secret values in the database "

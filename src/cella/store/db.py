@@ -254,9 +254,7 @@ class Store(Observations):
         self._exec(f"UPDATE {table} SET {sets} WHERE id = ?", (*fields.values(), row_id))
 
     def _get(self, table: str, row_id: str) -> Any | None:
-        row: Any | None = self._exec(
-            f"SELECT * FROM {table} WHERE id = ?", (row_id,)
-        ).fetchone()
+        row: Any | None = self._exec(f"SELECT * FROM {table} WHERE id = ?", (row_id,)).fetchone()
         return row
 
     def _list(self, table: str, tenant: str | None, states: Iterable[str] | None) -> list[Any]:

@@ -26,8 +26,10 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 class Cursor(Protocol):
     """What a statement gives back (sqlite3's cursor, or PostgreSQL's in its clothes)."""
 
-    rowcount: int
-    lastrowid: int | None
+    @property
+    def rowcount(self) -> int: ...
+    @property
+    def lastrowid(self) -> int | None: ...
 
     def fetchone(self) -> Any: ...
     def fetchall(self) -> list[Any]: ...
@@ -43,6 +45,11 @@ def open_database(where: str | Path) -> Database:
     if is_postgres(where):
         return PostgresDatabase(str(where))
     return SqliteDatabase(Path(where))
+
+
+def database(where: str | Path | Database) -> Database:
+    """`where` open (a database given is used as it is)."""
+    return where if isinstance(where, Database) else open_database(where)
 
 
 def lock_key(name: str) -> int:
@@ -150,7 +157,7 @@ class Row(tuple[Any, ...]):
 
     names: tuple[str, ...] = ()
 
-    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):
             return super().__getitem__(self.names.index(key))
         return super().__getitem__(key)
