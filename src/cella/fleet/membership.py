@@ -76,7 +76,7 @@ class Membership:
         found = await asyncio.to_thread(cluster.nodes)
         leading = await asyncio.to_thread(self.lease.held)
         if leading != self.leading:
-            log.info("this gateway %s the fleet's losses", "writes" if leading else "leaves")
+            log.warning("this gateway %s the fleet's losses", "writes" if leading else "leaves")
             self.leading = leading
         alive = {n.name: n for n in found if n.alive}
         joins = []
