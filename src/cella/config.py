@@ -10,7 +10,7 @@ Nothing else in cella reads the environment for configuration. Every variable:
 | `CELLA_<SETTING>`     | daemon         | any field of `DaemonSettings`, e.g. `CELLA_LISTEN`    |
 | `CELLA_DEBIAN_MIRROR` | setup          | mirror for template builds (else the host's apt one)  |
 | `CELLA_EXTRA_CA_CERTIFICATES` | daemon | JSON list of PEM files host tools and guests trust |
-| `CELLA_URL`           | client         | daemon URL (else from `DATA_DIR/daemon.json`); gateways: `a,b` |
+| `CELLA_URL`           | client         | daemon URL (else `DATA_DIR/daemon.json`); gateways a,b |
 | `CELLA_API_KEY`       | client         | API key (else `DATA_DIR/admin.key`, owner-readable)   |
 
 Daemon settings come from, later ones winning: the defaults below, the TOML file, the
