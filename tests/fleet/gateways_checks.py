@@ -10,7 +10,10 @@ call, and the loop goes on through the other.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +66,19 @@ def pair(fleet: Fleet) -> Iterator[Pair]:
         finally:
             a.stop()
             b.stop()
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "cella.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def answers(url: str, key: str) -> int:
@@ -143,6 +159,11 @@ def test_a_client_loop_goes_on_when_its_gateway_is_killed(pair: Pair) -> None:
             assert found.info.state == "running"
             assert found.exec(["echo", "here"]).stdout.decode().strip() == "here"
         alone.close()
+        # the CLI too, given both (the dead one first)
+        env = {**os.environ, "CELLA_URL": f"{pair.a.url},{pair.b.url}", "CELLA_API_KEY": pair.key}
+        listed = cli(env, "sandbox", "ls", "--json")
+        assert all(box.id in listed for box in made), listed
+        assert cli(env, "sandbox", "exec", first.id, "--", "echo", "by-cli").strip() == "by-cli"
         # the losses of gone nodes are written by one gateway: b took that over from a
         deadline = time.monotonic() + 60
         while "writes the fleet's losses" not in pair.b.log.read_text():

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 Dialect = Literal["sqlite", "postgres"]
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+CONNECT_TIMEOUT = 10  # seconds: a database that does not answer is an error, not a hang
 
 
 class Cursor(Protocol):
@@ -227,7 +228,7 @@ class PostgresDatabase(Database):
     def _connect(self) -> Any:
         import psycopg  # only where PostgreSQL is used
 
-        return psycopg.connect(self.url, autocommit=True)
+        return psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
 
     def _run(self, sql: str, params: Any, many: bool = False) -> _PgCursor:
         import psycopg
@@ -328,7 +329,9 @@ class Lease:
 
         try:
             if self._db is None or self._db.closed:
-                self._db = psycopg.connect(self.url, autocommit=True)
+                self._db = psycopg.connect(
+                    self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT
+                )
                 row = self._db.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
                 if not row[0]:
                     self._db.close()
