@@ -4,7 +4,10 @@ every connection after reading the request) and a port nothing listens on."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +25,7 @@ class Seen(BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         self.rfile.read(length)
         self.requests.append((self.command, self.path, self.headers["host"]))
-        body = b'{"ok": true}'
+        body = b'{"sandboxes": []}' if self.path.split("?")[0] == "/v1/sandboxes" else b'{"ok": 1}'
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
@@ -108,3 +111,18 @@ async def test_the_async_client_passes_over_too(gateways: tuple) -> None:
     async with AsyncClient(url=[dead, live], api_key="k") as client:
         await client.request("GET", "/v1/z")
     assert [r[1] for r in seen] == ["/v1/z"]
+
+
+def test_the_cli_takes_several_urls(gateways: tuple) -> None:
+    dead, live, _, seen, _ = gateways
+    env = {**os.environ, "CELLA_URL": f"{dead},{live}", "CELLA_API_KEY": "k"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cella.cli", "sandbox", "ls", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r[1].split("?")[0] for r in seen] == ["/v1/sandboxes"]
