@@ -3,6 +3,7 @@ PostgreSQL server (Debian's, on loopback, started here) that several gateways sh
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import threading
@@ -17,12 +18,13 @@ from cella.config import DaemonSettings
 from cella.fleet.delegation import Delegations
 from cella.fleet.homes import Home, Homes
 from cella.fleet.placement_table import Placements
+from cella.service.idempotency import Idempotency
 from cella.service.keys import Keys
 from cella.store import IdempotencyRecord, KeyUse, RegistryRecord, SecretRecord, Store
 from cella.store.migrations import MIGRATIONS
 from cella.store.observe import WebhookRecord
 from cella.store.sealing import Sealer
-from cella.store.sql import Lease, open_database
+from cella.store.sql import Lease, Presence, open_database
 from tests.postgres import fresh_database, postgres_server
 
 KEY = os.urandom(32)
@@ -181,3 +183,43 @@ def test_one_lease_holder_and_its_successor(server: str, tmp_path: Path) -> None
 def test_a_postgres_url_opens_postgres_and_a_path_sqlite(server: str, tmp_path: Path) -> None:
     assert open_database(server).dialect == "postgres"
     assert open_database(tmp_path / "x.db").dialect == "sqlite"
+
+
+async def test_a_key_claimed_at_a_live_gateway_is_waited_for(server: str) -> None:
+    """A create retried at gateway b while gateway a still makes it gets a's sandbox; one
+    retried after a died (its presence gone) is made again at b."""
+    url = fresh_database(server, "keys")
+    a, b = Presence(url), Presence(url)
+    a.hold()
+    b.hold()
+    at_a = Idempotency(Store(url), owner=a.id, alive=a.alive)
+    at_b = Idempotency(Store(url), owner=b.id, alive=b.alive)
+    release = asyncio.Event()
+    made_at_b: list[str] = []
+
+    async def slow() -> list[str]:
+        await release.wait()
+        return ["sb-a"]
+
+    async def at_b_work() -> list[str]:
+        made_at_b.append("sb-b")
+        return ["sb-b"]
+
+    first = asyncio.create_task(at_a.once("acme", "create", "k1", {"x": 1}, slow))
+    await asyncio.sleep(0.2)  # a has claimed the key
+    retry = asyncio.create_task(at_b.once("acme", "create", "k1", {"x": 1}, at_b_work))
+    await asyncio.sleep(1.0)
+    assert not retry.done()  # waits for a, which lives
+    release.set()
+    assert await first == ["sb-a"] and await retry == ["sb-a"] and made_at_b == []
+
+    # a claims another key and dies during it: b makes it
+    stuck = asyncio.create_task(at_a.once("acme", "create", "k2", {"x": 2}, asyncio.Event().wait))
+    await asyncio.sleep(0.2)
+    retry = asyncio.create_task(at_b.once("acme", "create", "k2", {"x": 2}, at_b_work))
+    await asyncio.sleep(1.0)
+    assert not retry.done()
+    a.close()  # gateway a is gone
+    assert await asyncio.wait_for(retry, 60) == ["sb-b"] and made_at_b == ["sb-b"]
+    stuck.cancel()
+    b.close()

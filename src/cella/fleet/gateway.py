@@ -46,7 +46,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
 from cella.store.sealing import seal_store
-from cella.store.sql import Lease
+from cella.store.sql import Lease, Presence
 from cella.telemetry.prometheus import Exposition, merge
 
 log = logging.getLogger("cella.gateway")
@@ -67,6 +67,8 @@ class Gateway:
 
         self.shared = shared is not None
         self.store = Store(kept_in("gateway.db"))
+        self.presence = Presence(kept_in(""))  # that this gateway lives, to the others
+        self.presence.hold()
         secrets_key = seal_store(
             self.store,
             settings.secrets_key_file or root / "secrets.key",
@@ -118,6 +120,7 @@ class Gateway:
 
     async def shutdown(self) -> None:
         await self.membership.shutdown()
+        self.presence.close()
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them

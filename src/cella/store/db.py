@@ -716,10 +716,18 @@ class Store(Observations):
     def claim_idempotency(self, record: IdempotencyRecord) -> None:
         """Records a request about to run with its key (replacing one that never ended)."""
         self._exec(
-            "INSERT INTO idempotency_keys (tenant, route, key, body_hash, result, created_at) "
-            "VALUES (?, ?, ?, ?, NULL, ?) ON CONFLICT (tenant, route, key) DO UPDATE SET "
-            "body_hash = excluded.body_hash, result = NULL, created_at = excluded.created_at",
-            (record.tenant, record.route, record.key, record.body_hash, record.created_at),
+            "INSERT INTO idempotency_keys (tenant, route, key, body_hash, result, created_at, "
+            "owner) VALUES (?, ?, ?, ?, NULL, ?, ?) ON CONFLICT (tenant, route, key) DO UPDATE "
+            "SET body_hash = excluded.body_hash, result = NULL, "
+            "created_at = excluded.created_at, owner = excluded.owner",
+            (
+                record.tenant,
+                record.route,
+                record.key,
+                record.body_hash,
+                record.created_at,
+                record.owner,
+            ),
         )
 
     def idempotency(self, tenant: str, route: str, key: str) -> IdempotencyRecord | None:

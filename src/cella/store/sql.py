@@ -14,6 +14,7 @@ import contextlib
 import re
 import sqlite3
 import threading
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -349,3 +350,47 @@ class Lease:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+class Presence:
+    """That this process lives, as the others sharing a PostgreSQL database can tell: an
+    advisory lock on its own id, held by its session, which its death lets go. On SQLite
+    (one process) nobody asks."""
+
+    def __init__(self, where: str | Path) -> None:
+        self.url = str(where) if is_postgres(where) else None
+        self.id = uuid.uuid4().hex if self.url is not None else None
+        self._held: Any = None  # the session holding this process's own lock
+        self._asking: Any = None  # the one that asks about others
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        if self.url is None or self._held is not None:
+            return
+        import psycopg
+
+        self._held = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
+        self._held.execute("SELECT pg_advisory_lock(%s)", (lock_key(f"presence:{self.id}"),))
+
+    def alive(self, other: str) -> bool:
+        """Whether the process `other` still holds its lock (else it is gone)."""
+        if self.url is None:
+            return False
+        import psycopg
+
+        key = lock_key(f"presence:{other}")
+        with self._lock:
+            if self._asking is None or self._asking.closed:
+                self._asking = psycopg.connect(
+                    self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT
+                )
+            row = self._asking.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            if row[0]:  # nobody held it: gone (and not ours to keep)
+                self._asking.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            return not row[0]
+
+    def close(self) -> None:
+        for db in (self._held, self._asking):
+            if db is not None:
+                db.close()
+        self._held = self._asking = None
