@@ -44,11 +44,18 @@ def postgres_server() -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="cella-pg-"))
     shutil.chown(root, "postgres", "postgres")
     data = root / "data"
-    port = _free_port()
     _as_postgres(str(BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
-    options = f"-k {root} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"
-    _as_postgres(str(BIN / "pg_ctl"), "-D", str(data), "-o", options, "-w", "-l",
-                 str(root / "log"), "start")  # fmt: skip
+    for attempt in range(3):  # a free port found here may be taken before the server binds
+        port = _free_port()
+        options = f"-k {root} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"
+        try:
+            _as_postgres(str(BIN / "pg_ctl"), "-D", str(data), "-o", options, "-w", "-l",
+                         str(root / "log"), "start")  # fmt: skip
+            break
+        except subprocess.CalledProcessError:
+            log = (root / "log").read_text(errors="replace")[-2000:]
+            if attempt == 2:
+                raise RuntimeError(f"PostgreSQL did not start: {log}") from None
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
