@@ -10,7 +10,7 @@ Nothing else in cella reads the environment for configuration. Every variable:
 | `CELLA_<SETTING>`     | daemon         | any field of `DaemonSettings`, e.g. `CELLA_LISTEN`    |
 | `CELLA_DEBIAN_MIRROR` | setup          | mirror for template builds (else the host's apt one)  |
 | `CELLA_EXTRA_CA_CERTIFICATES` | daemon | JSON list of PEM files host tools and guests trust |
-| `CELLA_URL`           | client         | daemon URL (else from `DATA_DIR/daemon.json`)         |
+| `CELLA_URL`           | client         | daemon URL (else `DATA_DIR/daemon.json`); gateways a,b |
 | `CELLA_API_KEY`       | client         | API key (else `DATA_DIR/admin.key`, owner-readable)   |
 
 Daemon settings come from, later ones winning: the defaults below, the TOML file, the
@@ -83,6 +83,12 @@ class DaemonSettings(BaseSettings):
         description="the group of files jailed QEMUs share; VMs get the uids and gids above it",
     )
     jail_ids: int = Field(default=65_536, ge=1, description="how many jailed VMs at most")
+    database_url: str | None = Field(
+        default=None,
+        description="a fleet gateway's state in PostgreSQL (postgresql://user@host/db), "
+        "shared by every gateway given the same URL (default: SQLite files in the data "
+        "directory, one gateway)",
+    )
     secrets_key_file: Path | None = Field(
         default=None,
         description="the 0600 file with the key that seals secret values in the database "

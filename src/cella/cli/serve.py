@@ -69,6 +69,15 @@ def serve(
     except ValueError as exc:
         typer.echo(f"cella serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    if settings.database_url is not None and (
+        ray is None or not settings.database_url.startswith(("postgresql://", "postgres://"))
+    ):
+        typer.echo(
+            "cella serve: database_url is the shared state of fleet gateways (with --ray), "
+            "a postgresql:// URL; a single daemon keeps its own SQLite",
+            err=True,
+        )
+        raise typer.Exit(2)
     if settings.tls_cert is not None and not settings.proxy_api_port and ray is None:
         settings = settings.model_copy(update={"proxy_api_port": _free_loopback_port()})
     host, port = settings.host_port

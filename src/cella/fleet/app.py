@@ -67,7 +67,10 @@ def create_gateway_app(
 
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
-    idempotency = Idempotency(gateway.store)
+    # a key claimed at another gateway of the fleet is waited for while that one lives
+    idempotency = Idempotency(
+        gateway.store, owner=gateway.presence.id, alive=gateway.presence.alive
+    )
 
     async def once(
         who: Principal, route: str, key: str | None, body: Any, make: Any

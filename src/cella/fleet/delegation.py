@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import sqlite3
-import threading
 from pathlib import Path
 
 from cella import errors
@@ -20,12 +18,13 @@ from cella.fleet.placement_table import Placements
 from cella.models import AccessDelegation
 from cella.service import delegation
 from cella.service.keys import Grant, Keys, Principal
+from cella.store.sql import Database, database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS grants (
     sandbox_id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
-    grant TEXT NOT NULL
+    "grant" TEXT NOT NULL
 );
 """
 GONE = ("deleting", "deleted", "error")
@@ -33,14 +32,17 @@ GONE = ("deleting", "deleted", "error")
 
 class Delegations:
     def __init__(
-        self, path: Path, settings: DaemonSettings, placements: Placements, keys: Keys
+        self,
+        where: Path | str | Database,
+        settings: DaemonSettings,
+        placements: Placements,
+        keys: Keys,
     ) -> None:
         self.settings = settings
         self.placements = placements
         self.keys = keys
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.executescript(SCHEMA)
+        self._db = database(where)
+        self._db.ensure("grants", SCHEMA)
 
     def ask(self, who: Principal, asked: AccessDelegation | None) -> delegation.Json | None:
         """The grant for a create asking `asked` (None: no delegation), refused as a node
@@ -60,18 +62,17 @@ class Delegations:
         return {delegation.FLEET_GRANT: json.dumps(sent)}
 
     def made(self, sandbox_id: str, tenant: str, grant: delegation.Json) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO grants VALUES (?, ?, ?)",
-                (sandbox_id, tenant, json.dumps(grant)),
-            )
+        self._db.execute(
+            "INSERT INTO grants VALUES (?, ?, ?) ON CONFLICT (sandbox_id) DO UPDATE SET "
+            'tenant = excluded.tenant, "grant" = excluded."grant"',
+            (sandbox_id, tenant, json.dumps(grant)),
+        )
 
     def grant_of(self, sandbox_id: str) -> Grant | None:
         """The grant of a sandbox the gateway placed, while it lives (`Keys.delegated`)."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT tenant, grant FROM grants WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
+        row = self._db.execute(
+            'SELECT tenant, "grant" FROM grants WHERE sandbox_id = ?', (sandbox_id,)
+        ).fetchone()
         where = self.placements.get(sandbox_id)
         if row is None or where is None or where.lost or where.body.get("state") in GONE:
             return None

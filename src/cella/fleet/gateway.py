@@ -55,6 +55,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
 from cella.store.sealing import seal_store
+from cella.store.sql import Lease, Presence
 from cella.telemetry.prometheus import Exposition, merge
 
 log = logging.getLogger("cella.gateway")
@@ -67,17 +68,26 @@ class Gateway:
         self.prometheus = Exposition()  # the gateway's own requests; nodes count the rest
         root = settings.data_dir
         root.mkdir(parents=True, exist_ok=True)
-        self.store = Store(root / "gateway.db")
+        # one PostgreSQL database for several gateways, else SQLite files of this one
+        shared = settings.database_url
+
+        def kept_in(file: str) -> Path | str:
+            return shared or root / file
+
+        self.shared = shared is not None
+        self.store = Store(kept_in("gateway.db"))
+        self.presence = Presence(kept_in(""))  # that this gateway lives, to the others
+        self.presence.hold()
         secrets_key = seal_store(
             self.store,
             settings.secrets_key_file or root / "secrets.key",
             settings.secrets_key_command,
         )
-        self.placements = Placements(root / "placements.db")
+        self.placements = Placements(kept_in("placements.db"))
         # delegation tokens are checked against the grants the gateway made
         self.keys = Keys(self.store, grant_of=lambda sid: self.delegations.grant_of(sid))
         self.keys.ensure_admin_key(root)
-        self.delegations = Delegations(root / "grants.db", settings, self.placements, self.keys)
+        self.delegations = Delegations(kept_in("grants.db"), settings, self.placements, self.keys)
         self.sessions = Sessions(self.keys, root / "session.key")  # the web console's
         self.evals = Evals(  # eval runs are recorded here, not on a node
             self.store, lambda sid: where.tenant if (where := self.placements.get(sid)) else None
@@ -88,18 +98,19 @@ class Gateway:
             str(node_root or root / "nodes"),
             self.placements,
             on_join=self._joining,
+            lease=Lease(kept_in(""), "membership"),  # one gateway marks sandboxes lost
         )
         self.secrets = SharedSecrets(self.store, secrets_key, self.membership)
         self.image_registries = ImageRegistries(self.store)  # lent to a node for a pull
         self.webhooks = SharedWebhooks(self.store, self.membership)
-        homes = Homes(root / "homes.db")  # the node each volume and named template lives on
+        homes = Homes(kept_in("homes.db"))  # the node each volume and named template lives on
         self.volumes = FleetVolumes(self.membership, homes)
         self.template_homes = NamedTemplates(self.membership, homes)
-        self.templates = FleetTemplates(root / "templates.db", self.membership)
+        self.templates = FleetTemplates(kept_in("templates.db"), self.membership)
         self.locator = Locator(self.membership, self.placements)
         self.snapshots = FleetSnapshots(self.membership)
         self.rewrites = FleetRewrites(
-            root / "rewrites.db", root / "rewrites.key", self.locator, self.keys, self.delegations
+            kept_in("rewrites.db"), root / "rewrites.key", self.locator, self.keys, self.delegations
         )
         self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
         planner = Planner(self.membership, self.cordons)
@@ -140,6 +151,7 @@ class Gateway:
         await self.replicas.shutdown()
         await self.growth.shutdown()
         await self.membership.shutdown()
+        self.presence.close()
 
     def _created(self, who: Principal, body: dict[str, Any], replicate: bool) -> None:
         if self.replicas.wanted(who.tenant, replicate):

@@ -1,6 +1,7 @@
 """Which node daemons make up the fleet: found by polling Ray (`cluster.nodes()`, about once
 a second), joined (their daemons started where needed, told the fleet's own addresses), and
-lost when Ray reports them dead or gone (their sandboxes turn `lost`)."""
+lost when Ray reports them dead or gone (their sandboxes turn `lost`). Gateways sharing one
+database each keep their own view of the nodes; the one holding the lease writes the losses."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from cella.fleet.node_client import Node
 from cella.fleet.placement_table import Placements
 from cella.network.interfaces import host_addresses
 from cella.service.keys import Principal
+from cella.store.sql import Lease
 
 log = logging.getLogger("cella.fleet")
 POLL_SECONDS = 1.0
@@ -31,6 +33,7 @@ class Membership:
         node_root: str,
         placements: Placements,
         on_join: Callable[[Node], Awaitable[None]],
+        lease: Lease | None = None,
     ) -> None:
         # what follows a node's loss, given its name and the reason (replicas recovered)
         self.on_lost: Callable[[str, str], Coroutine[Any, Any, object]] | None = None
@@ -45,6 +48,8 @@ class Membership:
         self._joining: set[str] = set()
         self.released: set[str] = set()  # NodeIDs let go to the autoscaler: never joined
         self._poller: asyncio.Task[None] | None = None
+        self.lease = lease or Lease("", "membership")  # none given: this gateway alone
+        self.leading = False  # whether this gateway writes the losses (the lease's holder)
 
     async def start(self) -> None:
         """Joins the cluster and every live node (and its daemon) before serving."""
@@ -59,6 +64,7 @@ class Membership:
                 await self._poller
         for node in self.nodes.values():
             await node.close()
+        self.lease.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -72,6 +78,10 @@ class Membership:
         """Nodes Ray reports alive join (their daemons started where needed); known nodes
         that Ray reports dead or no longer lists are lost."""
         found = await asyncio.to_thread(cluster.nodes)
+        leading = await asyncio.to_thread(self.lease.held)
+        if leading != self.leading:
+            log.warning("this gateway %s the fleet's losses", "writes" if leading else "leaves")
+            self.leading = leading
         alive = {n.name: n for n in found if n.alive}
         joins = []
         for name, ray_node in alive.items():
@@ -96,8 +106,11 @@ class Membership:
                 self._lose(node, f"node {name} {'died' if dead else 'left the cluster'}")
         # nodes recorded before this gateway started that are gone from the cluster (the
         # gateway was down when they went): their sandboxes are lost all the same
-        for name in self.placements.holding() - alive.keys() - self.nodes.keys():
-            self.failures.setdefault(name, self._lose_sandboxes(name, f"node {name} is gone"))
+        # (or that went while another gateway held the lease and died before writing it)
+        for name in self.placements.holding() - alive.keys() if self.leading else ():
+            reason = self._lose_sandboxes(name, f"node {name} is gone")
+            if name not in self.nodes:
+                self.failures.setdefault(name, reason)
         if wait and joins:
             await asyncio.gather(*joins, return_exceptions=True)
         wanted = await self._fleet_addresses()
@@ -166,6 +179,9 @@ class Membership:
     def _lose_sandboxes(self, name: str, reason: str) -> str:
         """Marks the node's sandboxes lost; returns the reason with its time."""
         dated = f"{reason} at {datetime.now(UTC).isoformat(timespec='seconds')}"
+        if not self.leading:  # the gateway holding the lease writes it
+            log.warning("%s", dated)
+            return dated
         count = self.placements.lose(name, dated)
         log.warning("%s; %d sandboxes lost", dated, count)
         if count and self.on_lost is not None:

@@ -1,4 +1,5 @@
-"""Which node holds which sandbox, and what the gateway last saw of it (SQLite).
+"""Which node holds which sandbox, and what the gateway last saw of it (SQLite, or the
+gateways' shared PostgreSQL).
 
 The nodes are the truth: on start, and whenever a node joins, the gateway lists every
 node's sandboxes and writes them here. What this file adds is memory of nodes that are
@@ -8,11 +9,11 @@ gone: their sandboxes stay listed as `lost`, with the reason, across gateway res
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cella.store.sql import Database, database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS placements (
@@ -24,6 +25,10 @@ CREATE TABLE IF NOT EXISTS placements (
 );
 CREATE INDEX IF NOT EXISTS placements_node ON placements (node);
 """
+PUT = (
+    "INSERT INTO placements VALUES (?, ?, ?, ?, NULL) ON CONFLICT (sandbox_id) DO UPDATE "
+    "SET tenant = excluded.tenant, node = excluded.node, body = excluded.body, lost = NULL"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +47,13 @@ class Placement:
 
 
 class Placements:
-    def __init__(self, path: Path) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
+    def __init__(self, where: Path | str | Database) -> None:
+        self._db = database(where)
+        self._db.ensure("placements", SCHEMA)
+        self._live = f"{self._db.json_text('body', 'state')} != 'deleted'"
 
     def put(self, node: str, body: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, NULL)",
-                (body["id"], body.get("tenant") or "", node, json.dumps(body)),
-            )
+        self._db.execute(PUT, (body["id"], body.get("tenant") or "", node, json.dumps(body)))
 
     def get(self, sandbox_id: str) -> Placement | None:
         rows = self._select("WHERE sandbox_id = ?", sandbox_id)
@@ -61,16 +61,19 @@ class Placements:
 
     def deleted(self, sandbox_id: str) -> None:
         """Deleted on its node, which keeps its trace: still routed there, never listed."""
-        with self._lock:
-            self._db.execute(
-                "UPDATE placements SET body = json_set(body, '$.state', 'deleted') "
-                "WHERE sandbox_id = ?",
-                (sandbox_id,),
-            )
+        with self._db.transaction() as db:
+            row = db.execute(
+                "SELECT body FROM placements WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+            if row is not None:
+                body = {**json.loads(row[0]), "state": "deleted"}
+                db.execute(
+                    "UPDATE placements SET body = ? WHERE sandbox_id = ?",
+                    (json.dumps(body), sandbox_id),
+                )
 
     def forget(self, sandbox_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM placements WHERE sandbox_id = ?", (sandbox_id,))
+        self._db.execute("DELETE FROM placements WHERE sandbox_id = ?", (sandbox_id,))
 
     def of_tenant(self, tenant: str) -> list[Placement]:
         return self._select("WHERE tenant = ?", tenant)
@@ -80,30 +83,22 @@ class Placements:
 
     def lost(self, tenant: str | None = None) -> list[Placement]:
         if tenant is None:
-            return self._select(
-                "WHERE lost IS NOT NULL AND json_extract(body, '$.state') != 'deleted'"
-            )
-        return self._select(
-            "WHERE lost IS NOT NULL AND tenant = ? AND json_extract(body, '$.state') != 'deleted'",
-            tenant,
-        )
+            return self._select(f"WHERE lost IS NOT NULL AND {self._live}")
+        return self._select(f"WHERE lost IS NOT NULL AND tenant = ? AND {self._live}", tenant)
 
     def holding(self) -> set[str]:
         """The nodes that hold sandboxes not known to be lost."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT DISTINCT node FROM placements WHERE lost IS NULL "
-                "AND json_extract(body, '$.state') != 'deleted'"
-            ).fetchall()
+        rows = self._db.execute(
+            f"SELECT DISTINCT node FROM placements WHERE lost IS NULL AND {self._live}"
+        ).fetchall()
         return {r[0] for r in rows}
 
     def lose(self, node: str, reason: str) -> int:
         """Marks every sandbox of the node lost; returns how many."""
-        with self._lock:
-            cursor = self._db.execute(
-                "UPDATE placements SET lost = ? WHERE node = ? AND lost IS NULL", (reason, node)
-            )
-            return cursor.rowcount
+        cursor = self._db.execute(
+            "UPDATE placements SET lost = ? WHERE node = ? AND lost IS NULL", (reason, node)
+        )
+        return cursor.rowcount
 
     def resync(self, node: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The node's own list replaces what was recorded for it (a returning node's
@@ -111,30 +106,23 @@ class Placements:
         recorded on another node, and not lost there, stays there: it was recovered from
         its replica while this node was gone, and this node's copy is the older one.
         Returns those older copies."""
-        with self._lock:
-            elsewhere = {
-                r[0]
-                for r in self._db.execute(
-                    "SELECT sandbox_id FROM placements WHERE node != ? AND lost IS NULL", (node,)
-                )
-            }
-            stale = [b for b in bodies if b["id"] in elsewhere]
-            bodies = [b for b in bodies if b["id"] not in elsewhere]
-            self._db.execute("BEGIN")
-            self._db.execute(
-                "DELETE FROM placements WHERE node = ? AND json_extract(body, '$.state') != ?",
-                (node, "deleted"),
+        elsewhere = {
+            r[0]
+            for r in self._db.execute(
+                "SELECT sandbox_id FROM placements WHERE node != ? AND lost IS NULL", (node,)
+            ).fetchall()
+        }
+        stale = [b for b in bodies if b["id"] in elsewhere]
+        bodies = [b for b in bodies if b["id"] not in elsewhere]
+        with self._db.transaction() as db:
+            db.execute(f"DELETE FROM placements WHERE node = ? AND {self._live}", (node,))
+            db.executemany(
+                PUT, [(b["id"], b.get("tenant") or "", node, json.dumps(b)) for b in bodies]
             )
-            self._db.executemany(
-                "INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, NULL)",
-                [(b["id"], b.get("tenant") or "", node, json.dumps(b)) for b in bodies],
-            )
-            self._db.execute("COMMIT")
         return stale
 
     def _select(self, where: str, *args: object) -> list[Placement]:
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT sandbox_id, tenant, node, body, lost FROM placements {where}", args
-            ).fetchall()
+        rows = self._db.execute(
+            f"SELECT sandbox_id, tenant, node, body, lost FROM placements {where}", args
+        ).fetchall()
         return [Placement(r[0], r[1], r[2], json.loads(r[3]), r[4]) for r in rows]

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import sqlite3
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from cella.policy.delegation import sandbox_of, valid
 from cella.server.error_shapes import describe
 from cella.service.keys import Keys, Principal
 from cella.service.ports import load_key
+from cella.store.sql import Database, database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rewrites (
@@ -60,7 +59,7 @@ class Kept:
 class FleetRewrites:
     def __init__(
         self,
-        path: Path,
+        where: Path | str | Database,
         key_file: Path,
         locator: Locator,
         keys: Keys,
@@ -70,9 +69,8 @@ class FleetRewrites:
         self.keys = keys
         self.delegations = delegations  # where the nodes reach this gateway, and its pin
         self._secret = load_key(key_file)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.executescript(SCHEMA)
+        self._db = database(where)
+        self._db.ensure("rewrites", SCHEMA)
 
     def link(self, node: str) -> dict[str, Any] | None:
         """What `node` is told of this gateway (None: a gateway on no one address, which
@@ -109,10 +107,10 @@ class FleetRewrites:
             {"tenant": who.tenant, "key_id": who.key_id, "name": who.name,
              "roles": sorted(who.roles), "read_only": who.read_only}
         )  # fmt: skip
-        with self._lock:
-            self._db.execute("DELETE FROM rewrites WHERE sandbox_id = ?", (sandbox_id,))
+        with self._db.transaction() as db:
+            db.execute("DELETE FROM rewrites WHERE sandbox_id = ?", (sandbox_id,))
             for r in rules:
-                self._db.execute(
+                db.execute(
                     "INSERT INTO rewrites VALUES (?, ?, ?, ?, ?)",
                     (sandbox_id, str(r["host"]).lower(), r["to"]["sandbox"], r["to"]["port"],
                      setter),
@@ -120,9 +118,9 @@ class FleetRewrites:
 
     def inherit(self, sandbox_id: str, parent_id: str) -> None:
         """A fork's rules: its parent's as they were kept here, each with its setter."""
-        with self._lock:
-            self._db.execute("DELETE FROM rewrites WHERE sandbox_id = ?", (sandbox_id,))
-            self._db.execute(
+        with self._db.transaction() as db:
+            db.execute("DELETE FROM rewrites WHERE sandbox_id = ?", (sandbox_id,))
+            db.execute(
                 "INSERT INTO rewrites SELECT ?, host, target, port, setter FROM rewrites "
                 "WHERE sandbox_id = ?",
                 (sandbox_id, parent_id),
@@ -135,11 +133,10 @@ class FleetRewrites:
         fresh = where is not None and sandbox_of(token) == sandbox_id
         if where is None or not fresh or not valid(token, self._key(where.node)):
             raise errors.PermissionDenied("not a rewrite token of the sandbox's node")
-        with self._lock:
-            row = self._db.execute(
-                "SELECT target, port, setter FROM rewrites WHERE sandbox_id = ? AND host = ?",
-                (sandbox_id, host.lower()),
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT target, port, setter FROM rewrites WHERE sandbox_id = ? AND host = ?",
+            (sandbox_id, host.lower()),
+        ).fetchone()
         if row is None:
             raise errors.NotFound(f"sandbox {sandbox_id} has no rewrite for {host}")
         kept = Kept(str(row[0]), int(row[1]), self._setter(json.loads(row[2]), host))

@@ -17,8 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import sqlite3
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
@@ -29,20 +27,22 @@ from cella import errors
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node, raise_for
 from cella.models import TemplateBuild
+from cella.store.sql import Database, database
 
 log = logging.getLogger("cella.fleet.templates")
-SCHEMA = "CREATE TABLE IF NOT EXISTS template_builds (name TEXT PRIMARY KEY, body TEXT NOT NULL)"
+SCHEMA = "CREATE TABLE IF NOT EXISTS {table} (name TEXT PRIMARY KEY, body TEXT NOT NULL)"
 Json = dict[str, Any]
 # one node's build: the request made there, streamed
 Send = Callable[[Node], Awaitable[httpx2.Response]]
 
 
 class FleetTemplates:
-    def __init__(self, path: Path, membership: Membership) -> None:
+    def __init__(self, where: Path | str | Database, membership: Membership) -> None:
         self.membership = membership
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.executescript(SCHEMA)
+        self._db = database(where)
+        # a database shared with the store names it apart from the store's template builds
+        self._table = "template_builds" if self._db.dialect == "sqlite" else "fleet_templates"
+        self._db.ensure(self._table, SCHEMA.format(table=self._table))
         self._tasks: set[asyncio.Task[Any]] = set()  # builds outlive their callers
 
     # -- builds -------------------------------------------------------------------------------
@@ -50,11 +50,11 @@ class FleetTemplates:
     def build_image(self, body: TemplateBuild) -> AsyncIterator[bytes]:
         """An image build on every healthy node, kept for nodes that join later."""
         sent = body.model_dump(mode="json", exclude_unset=True)
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO template_builds VALUES (?, ?)",
-                (body.name, json.dumps(sent)),
-            )
+        self._db.execute(
+            f"INSERT INTO {self._table} VALUES (?, ?) "
+            "ON CONFLICT (name) DO UPDATE SET body = excluded.body",
+            (body.name, json.dumps(sent)),
+        )
 
         def send(node: Node) -> Awaitable[httpx2.Response]:
             request = node.client.build_request(
@@ -64,8 +64,7 @@ class FleetTemplates:
 
         def kept(built: bool) -> None:
             if not built:  # a build that failed is not one for joining nodes to repeat
-                with self._lock:
-                    self._db.execute("DELETE FROM template_builds WHERE name = ?", (body.name,))
+                self._db.execute(f"DELETE FROM {self._table} WHERE name = ?", (body.name,))
 
         return self._everywhere(send, kept)
 
@@ -162,8 +161,7 @@ class FleetTemplates:
     async def push_to(self, node: Node) -> None:
         """A joining node builds, in the background, the image templates built through the
         gateway that it lacks."""
-        with self._lock:
-            kept = self._db.execute("SELECT name, body FROM template_builds").fetchall()
+        kept = self._db.execute(f"SELECT name, body FROM {self._table}").fetchall()
         if not kept:
             return
         listed = await node.json("GET", "/v1/templates")
@@ -210,7 +208,6 @@ class FleetTemplates:
                 continue
             raise_for(answer, node.name)
             found = True
-        with self._lock:
-            kept = self._db.execute("DELETE FROM template_builds WHERE name = ?", (name,))
+        kept = self._db.execute(f"DELETE FROM {self._table} WHERE name = ?", (name,))
         if not found and not kept.rowcount:
             raise errors.NotFound(f"no template {name!r}")

@@ -43,7 +43,7 @@ def command_wait(timeout: float, command_timeout: float | None) -> httpx2.Timeou
     return httpx2.Timeout(timeout, connect=CONNECT_TIMEOUT, read=read)
 
 
-def resolve(url: str | None, api_key: str | None) -> tuple[str, str]:
+def resolve(url: str | list[str] | None, api_key: str | None) -> tuple[str, str]:
     """The daemon's URL and the API key to use: the arguments, else `CELLA_URL` and
     `CELLA_API_KEY`, else the local daemon's `daemon.json` and `admin.key` in `CELLA_DATA_DIR`
     (default /var/lib/cella). See `cella.config`."""
@@ -55,6 +55,8 @@ def resolve(url: str | None, api_key: str | None) -> tuple[str, str]:
             f"{settings.data_dir / ADMIN_KEY_FILE} is readable (set CELLA_DATA_DIR if the "
             "daemon uses another data directory)"
         )
+    if isinstance(url, list):
+        url = ",".join(url)
     return url.rstrip("/") if url else settings.daemon_url(), key
 
 
@@ -148,3 +150,32 @@ def tar_directory(path: str | os.PathLike[str]) -> bytes:
         for item in sorted(root.iterdir()):
             tar.add(item, arcname=item.name)
     return buf.getvalue()
+
+
+# methods that do the same when sent twice: a retry after a reset cannot do it twice
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
+def split_urls(url: str | list[str]) -> list[str]:
+    """Several gateways' URLs, from a list or a comma-separated string (`CELLA_URL`)."""
+    items = url if isinstance(url, list) else url.split(",")
+    urls = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not urls:
+        raise ValueError("no URL given")
+    return urls
+
+
+def retryable(request: httpx2.Request, exc: httpx2.TransportError) -> bool:
+    """Whether a request that failed with `exc` may go to another gateway: one that never
+    reached this one (refused, unreachable), or one that a reset cut off that is safe to
+    repeat (an idempotent method, or sent with an Idempotency-Key); its body must be one
+    that can be sent again (not a stream already consumed)."""
+    try:
+        request.content  # noqa: B018 (raises for a streamed body)
+    except httpx2.RequestNotRead:
+        return False
+    if isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout):
+        return True
+    if not isinstance(exc, httpx2.ReadError | httpx2.WriteError | httpx2.RemoteProtocolError):
+        return False
+    return request.method in IDEMPOTENT_METHODS or "idempotency-key" in request.headers

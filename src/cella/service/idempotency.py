@@ -6,7 +6,9 @@ something the caller did not ask for. A retry gets what the first request made (
 its sandboxes or snapshot, read again as they are now); one sent while the first still
 runs waits for it and gets the same. A first request that failed leaves nothing behind, so
 its retry runs afresh; so does one the daemon was stopped during (written before it runs,
-never finished). Keys are kept `KEEP_SECONDS`.
+never finished). Keys are kept `KEEP_SECONDS`. Gateways sharing one database say who
+claimed a key (`owner`) and whether that one still lives (`alive`): a retry on another
+gateway waits for the first while its gateway lives, and runs afresh once it is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ KEEP_SECONDS = 86400.0
 MAX_KEY = 255
 HEADER = "Idempotency-Key"
 Work = Callable[[], Awaitable[list[str]]]
+WAIT_SECONDS = 0.5  # how often a request waiting on another gateway's looks again
 
 
 def body_hash(body: Any) -> str:
@@ -45,9 +48,17 @@ def check_key(key: str) -> str:
 
 
 class Idempotency:
-    def __init__(self, store: Store, keep_seconds: float = KEEP_SECONDS) -> None:
+    def __init__(
+        self,
+        store: Store,
+        keep_seconds: float = KEEP_SECONDS,
+        owner: str | None = None,
+        alive: Callable[[str], bool] | None = None,
+    ) -> None:
         self.store = store
         self.keep_seconds = keep_seconds
+        self.owner = owner  # this process, among those sharing the store (None: alone)
+        self.alive = alive  # whether the process that claimed a key still lives
         # requests running now, by (tenant, route, key): their body's hash and outcome
         self._running: dict[tuple[str, str, str], tuple[str, asyncio.Future[list[str]]]] = {}
 
@@ -70,10 +81,13 @@ class Idempotency:
         seen = self.store.idempotency(tenant, route, key)
         if seen is not None:
             self._same_body(seen.body_hash, digest)
-            if seen.result is not None:
+            if seen.result is None and self._elsewhere(seen):
+                seen = await self._finished_elsewhere(seen)
+            if seen is not None and seen.result is not None:
                 return seen.result
             # written but never finished: the daemon stopped during it; it runs again
-        self.store.claim_idempotency(IdempotencyRecord(tenant, route, key, digest, None, now))
+        claim = IdempotencyRecord(tenant, route, key, digest, None, now, self.owner)
+        self.store.claim_idempotency(claim)
         outcome: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         outcome.add_done_callback(_retrieved)
         self._running[name] = (digest, outcome)
@@ -91,6 +105,20 @@ class Idempotency:
         self.store.finish_idempotency(tenant, route, key, result)
         outcome.set_result(result)
         return result
+
+    def _elsewhere(self, seen: IdempotencyRecord) -> bool:
+        """Whether another process that still lives runs the request now."""
+        other = seen.owner
+        return other is not None and other != self.owner and bool(self.alive and self.alive(other))
+
+    async def _finished_elsewhere(self, seen: IdempotencyRecord) -> IdempotencyRecord | None:
+        """The key's record once the other process finished it (None: it failed, nothing
+        left), or as it is when that process is gone (it runs here again)."""
+        while True:
+            await asyncio.sleep(WAIT_SECONDS)
+            now = self.store.idempotency(seen.tenant, seen.route, seen.key)
+            if now is None or now.result is not None or not self._elsewhere(now):
+                return now
 
     @staticmethod
     def _same_body(first: str, this: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
-import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -37,6 +36,7 @@ from cella.store.records import (
     VolumeRecord,
 )
 from cella.store.sealing import Sealer
+from cella.store.sql import Cursor, Database, open_database
 
 AUDIT_TRIM_EVERY = 1000
 
@@ -48,31 +48,30 @@ def now() -> str:
 class Store(Observations):
     """Small, synchronous and fast: every call is one short transaction."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, where: Path | str | Database) -> None:
+        """`where`: an SQLite file, a `postgresql://` URL (the gateways' shared state), or
+        a database already open."""
         self._sealer: Sealer | None = None  # set by `seal_with` before secrets are used
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._migrate()
+        self._db = where if isinstance(where, Database) else open_database(where)
+        self.path = getattr(self._db, "path", None)
+        self._lock = self._db.lock
+        if self._db.dialect == "sqlite":
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.migrate("store", MIGRATIONS)
 
-    def _migrate(self) -> None:
-        with self._lock:
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            for i, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version = {i};\nCOMMIT;")
+    @property
+    def database(self) -> Database:
+        return self._db
 
     @property
     def schema_version(self) -> int:
-        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        return self._db.version("store")
 
     def close(self) -> None:
         self._db.close()
 
-    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Cursor:
         with self._lock:
             return self._db.execute(sql, args)
 
@@ -199,23 +198,29 @@ class Store(Observations):
         result: str,
     ) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO eval_results (run_id, task_id, sandbox_id, passed, error, "
-            "result, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO eval_results (run_id, task_id, sandbox_id, passed, error, result, "
+            "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, task_id) DO UPDATE "
+            "SET sandbox_id = excluded.sandbox_id, passed = excluded.passed, "
+            "error = excluded.error, result = excluded.result, "
+            "recorded_at = excluded.recorded_at",
             (run_id, task_id, sandbox_id, int(passed), error, result, now()),
         )
 
     def eval_counts(self, run_id: str) -> tuple[int, int, int]:
         """(passed, failed, errors) of a run's recorded results."""
         row = self._exec(
-            "SELECT COALESCE(SUM(passed), 0), COALESCE(SUM(NOT passed AND error IS NULL), 0), "
-            "COALESCE(SUM(error IS NOT NULL), 0) FROM eval_results WHERE run_id = ?",
+            "SELECT COALESCE(SUM(passed), 0), "
+            "COALESCE(SUM(CASE WHEN passed = 0 AND error IS NULL THEN 1 ELSE 0 END), 0), "
+            "COALESCE(SUM(CASE WHEN error IS NOT NULL THEN 1 ELSE 0 END), 0) "
+            "FROM eval_results WHERE run_id = ?",
             (run_id,),
         ).fetchone()
         return int(row[0]), int(row[1]), int(row[2])
 
     def eval_results(self, run_id: str) -> list[str]:
         rows = self._exec(
-            "SELECT result FROM eval_results WHERE run_id = ? ORDER BY rowid", (run_id,)
+            "SELECT result FROM eval_results WHERE run_id = ? ORDER BY recorded_at, task_id",
+            (run_id,),
         ).fetchall()
         return [r[0] for r in rows]
 
@@ -248,10 +253,8 @@ class Store(Observations):
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._exec(f"UPDATE {table} SET {sets} WHERE id = ?", (*fields.values(), row_id))
 
-    def _get(self, table: str, row_id: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self._exec(
-            f"SELECT * FROM {table} WHERE id = ?", (row_id,)
-        ).fetchone()
+    def _get(self, table: str, row_id: str) -> Any | None:
+        row: Any | None = self._exec(f"SELECT * FROM {table} WHERE id = ?", (row_id,)).fetchone()
         return row
 
     def _list(self, table: str, tenant: str | None, states: Iterable[str] | None) -> list[Any]:
@@ -553,7 +556,7 @@ class Store(Observations):
             ).fetchall()
         return [self._secret(r) for r in rows]
 
-    def _secret(self, row: sqlite3.Row) -> SecretRecord:
+    def _secret(self, row: Any) -> SecretRecord:
         value = self._sealing().open(row["value"], _owner(row))
         fields = {**dict(row), "value": value, "hosts": json.loads(row["hosts"])}
         return SecretRecord(**fields | {"metadata": json.loads(row["metadata"])})
@@ -600,7 +603,7 @@ class Store(Observations):
         ).fetchall()
         return [self._registry(r) for r in rows]
 
-    def _registry(self, row: sqlite3.Row) -> RegistryRecord:
+    def _registry(self, row: Any) -> RegistryRecord:
         data = dict(row)
         sealed = data.pop("value")
         password = None if sealed is None else self._sealing().open(sealed, _registry_owner(row))
@@ -729,9 +732,18 @@ class Store(Observations):
     def claim_idempotency(self, record: IdempotencyRecord) -> None:
         """Records a request about to run with its key (replacing one that never ended)."""
         self._exec(
-            "INSERT OR REPLACE INTO idempotency_keys (tenant, route, key, body_hash, result, "
-            "created_at) VALUES (?, ?, ?, ?, NULL, ?)",
-            (record.tenant, record.route, record.key, record.body_hash, record.created_at),
+            "INSERT INTO idempotency_keys (tenant, route, key, body_hash, result, created_at, "
+            "owner) VALUES (?, ?, ?, ?, NULL, ?, ?) ON CONFLICT (tenant, route, key) DO UPDATE "
+            "SET body_hash = excluded.body_hash, result = NULL, "
+            "created_at = excluded.created_at, owner = excluded.owner",
+            (
+                record.tenant,
+                record.route,
+                record.key,
+                record.body_hash,
+                record.created_at,
+                record.owner,
+            ),
         )
 
     def idempotency(self, tenant: str, route: str, key: str) -> IdempotencyRecord | None:
@@ -816,7 +828,7 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sandbox(row: sqlite3.Row | dict[str, Any]) -> SandboxRecord:
+def _sandbox(row: Any) -> SandboxRecord:
     out = dict(row)
     out["labels"] = json.loads(out["labels"])
     out["shares"] = json.loads(out["shares"])
@@ -840,26 +852,26 @@ def _sandbox(row: sqlite3.Row | dict[str, Any]) -> SandboxRecord:
     return SandboxRecord(**out)
 
 
-def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
+def _snapshot(row: Any) -> SnapshotRecord:
     out = dict(row)
     out["state"] = SnapshotState(out["state"])
     out["memory"] = bool(out["memory"])
     return SnapshotRecord(**out)
 
 
-def _owner(row: sqlite3.Row) -> str:
+def _owner(row: Any) -> str:
     """What a sealed value is bound to: its row."""
     return f"{row['tenant']}/{row['name']}"
 
 
-def _registry_owner(row: sqlite3.Row | RegistryRecord) -> str:
+def _registry_owner(row: Any | RegistryRecord) -> str:
     """A registry's password is bound to its tenant and id (never a secret's row)."""
     if isinstance(row, RegistryRecord):
         return f"registry:{row.tenant}/{row.id}"
     return f"registry:{row['tenant']}/{row['id']}"
 
 
-def _key(row: sqlite3.Row) -> KeyRecord:
+def _key(row: Any) -> KeyRecord:
     return KeyRecord(
         **{
             **dict(row),

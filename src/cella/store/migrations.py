@@ -316,4 +316,9 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN exec_policy TEXT;
     """,
+    # which process claimed an Idempotency-Key (gateways sharing a database: one retried
+    # on another waits for the first while that one lives); NULL: this daemon
+    """
+    ALTER TABLE idempotency_keys ADD COLUMN owner TEXT;
+    """,
 ]

@@ -5,7 +5,6 @@ log of their deliveries."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cella.store.sealing import Sealer
+    from cella.store.sql import Cursor
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class Observations:
 
     if TYPE_CHECKING:
 
-        def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor: ...
+        def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Cursor: ...
 
         def _sealing(self) -> Sealer: ...
 
@@ -158,7 +158,7 @@ class Observations:
         self._exec("DELETE FROM webhook_deliveries WHERE webhook_id = ?", (webhook_id,))
         return cur.rowcount > 0
 
-    def _webhook(self, row: sqlite3.Row) -> WebhookRecord:
+    def _webhook(self, row: Any) -> WebhookRecord:
         data = dict(row)
         sealed = data.pop("value")
         secret = self._sealing().open(sealed, webhook_owner(row["tenant"], row["id"]))
@@ -217,5 +217,5 @@ class Observations:
         )
 
 
-def _delivery(row: sqlite3.Row) -> DeliveryRecord:
+def _delivery(row: Any) -> DeliveryRecord:
     return DeliveryRecord(**{**dict(row), "attempts": json.loads(row["attempts"])})

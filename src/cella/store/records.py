@@ -299,3 +299,4 @@ class IdempotencyRecord:
     body_hash: str
     result: list[str] | None = None
     created_at: float = 0.0
+    owner: str | None = None  # the gateway that claimed it (None: this daemon)

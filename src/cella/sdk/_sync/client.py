@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import json
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -78,8 +79,10 @@ from cella.sdk._base import (
     network_body,
     raise_for,
     resolve,
+    split_urls,
     tar_directory,
 )
+from cella.sdk._sync.failover import Failover
 
 
 class Client:
@@ -88,7 +91,7 @@ class Client:
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | builtins.list[str] | None = None,
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         headers: dict[str, str] | None = None,
@@ -98,15 +101,29 @@ class Client:
         waits as long as the command may run (`exec(timeout=...)`). `headers` go with every
         request (e.g. `X-Cella-Node`, a fleet placement hint). `transport`, if given,
         carries the requests instead of the network (an httpx2 transport, e.g. one that
-        calls the daemon's app in this process)."""
-        self.url, self.api_key = resolve(url, api_key)
+        calls the daemon's app in this process). `url` may name several gateways of one
+        fleet (a list, or comma-separated as in `CELLA_URL`): a request goes on to the next
+        when one does not answer, if it never reached it or is safe to repeat; creates,
+        forks and snapshots then send an Idempotency-Key of their own when given none, so
+        a create retried on another gateway makes one sandbox."""
+        given, self.api_key = resolve(url, api_key)
+        self.urls = split_urls(given)
+        self.url = self.urls[0]
         self.timeout = timeout
+        if len(self.urls) > 1:  # gateways of one fleet: the next when one does not answer
+            transport = Failover(self.urls, transport)
+        self._failover = len(self.urls) > 1
         self._http = httpx2.Client(
             base_url=self.url,
             headers={**(headers or {}), "Authorization": f"Bearer {self.api_key}"},
             timeout=client_timeout(timeout),
             transport=transport,
         )
+
+    def keyed(self, key: str | None) -> dict[str, str]:
+        """The Idempotency-Key header: the caller's, else with several gateways one made
+        here (a retry on another gateway must not make it twice)."""
+        return idempotency(key or (str(uuid.uuid4()) if self._failover else None))
 
     def __enter__(self) -> Client:
         return self
@@ -272,7 +289,7 @@ class Client:
             volume_mounts=[m.model_dump() for m in volume_mounts] if volume_mounts else None,
         )
         response = self.request(
-            "POST", "/v1/sandboxes", json=body, headers=idempotency(idempotency_key)
+            "POST", "/v1/sandboxes", json=body, headers=self.keyed(idempotency_key)
         )
         return Sandbox(self, SandboxInfo.model_validate(response.json()))
 
@@ -857,7 +874,7 @@ class Sandbox:
         `idempotency_key` gets the same snapshot."""
         body = {"name": name, "memory": memory}
         response = self.client.request(
-            "POST", f"{self._path}/snapshots", json=body, headers=idempotency(idempotency_key)
+            "POST", f"{self._path}/snapshots", json=body, headers=self.client.keyed(idempotency_key)
         )
         return Snapshot(self.client, SnapshotInfo.model_validate(response.json()))
 
@@ -898,7 +915,7 @@ class Sandbox:
             "POST",
             f"{self._path}/fork",
             json={"count": count},
-            headers=idempotency(idempotency_key),
+            headers=self.client.keyed(idempotency_key),
         )
         return self.client._sandboxes(response)
 
