@@ -58,6 +58,11 @@ class DaemonSettings(BaseSettings):
     image_dir: Path = Field(
         default_factory=_default_image_dir, description="kernel and template cache (shared)"
     )
+    template_dir: Path | None = Field(
+        default=None,
+        description="templates built from images, kept apart from the shared cache (a "
+        "fleet's node on a host whose cache other nodes share; default: the cache's)",
+    )
     debian_mirror: str | None = Field(
         default=None, description="Debian mirror for template builds (default: the host's)"
     )

@@ -96,11 +96,12 @@ class Gateway:
             self.membership,
             self.locator,
             Quotas(self.membership, settings.max_sandboxes_per_tenant),
-            Planner(self.membership),
+            Planner(self.membership, self.templates.shippable),
             self.snapshots,
             self.delegations,
             self.rewrites,
             self.volumes,
+            self.templates,
         )
 
     async def start(self) -> None:
@@ -113,7 +114,7 @@ class Gateway:
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them
         await self.webhooks.push_to(node)  # and its events go to every webhook
-        await self.templates.push_to(node)  # templates built here: built there too, later
+        await self.templates.push_to(node)  # templates built through here: shipped there
         link = self.rewrites.link(node.name)  # its rewrites are decided here
         if link is not None:
             await node.json("PUT", "/v1/fleet/link", json=link)

@@ -1,8 +1,8 @@
 """New sandboxes on the fleet, by one pipeline whatever makes them (a create, a fork of a
 snapshot, a LangSmith box): admitted against the tenant's quota (its name held), the
-snapshot they boot from found, nodes planned and reserved, the snapshot shipped to each
-planned node that lacks it, then made there by the caller's `make` and recorded where they
-are. Made on several nodes, they are all made or none is."""
+snapshot they boot from found, nodes planned and reserved, the snapshot (or the template)
+shipped to each planned node that lacks it, then made there by the caller's `make` and
+recorded where they are. Made on several nodes, they are all made or none is."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from cella.fleet.planner import Planner, Shape
 from cella.fleet.quotas import Quotas
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.snapshots import FleetSnapshots
+from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
 from cella.models import SandboxCreate
 from cella.server.error_shapes import describe
@@ -47,6 +48,7 @@ class Launcher:
         delegations: Delegations,
         rewrites: FleetRewrites,
         volumes: FleetVolumes,
+        templates: FleetTemplates,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -57,6 +59,7 @@ class Launcher:
         self.delegations = delegations
         self.rewrites = rewrites
         self.volumes = volumes  # lends a sandbox's node the volumes it mounts
+        self.templates = templates  # ships a template to a node that lacks it
 
     async def launch(
         self,
@@ -81,13 +84,16 @@ class Launcher:
                 snap, found = await self.snapshots.resolve(who, source)
                 snapshot_id, held = snap["id"], held | found
                 source = Shape(snap["vcpus"], snap["memory_mib"], snap["template"])
-            plan = await self.planner.plan(source, count, held, prefer, only)
-            with self.planner.reserve(plan, source):
+            shape = source
+            plan = await self.planner.plan(shape, count, held, prefer, only)
+            with self.planner.reserve(plan, shape):
 
                 async def part(name: str, n: int) -> tuple[Node, list[Json]]:
                     node = self.membership.nodes[name]
                     if snapshot_id is not None and name not in held:
                         await self.snapshots.ship(snapshot_id, held, node)
+                    elif snapshot_id is None:
+                        await self.templates.ensure_on(shape.template, node)
                     made = await make(node, n, snapshot_id)
                     for body in made:
                         self.placements.put(name, body)

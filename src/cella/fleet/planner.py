@@ -1,11 +1,12 @@
 """Which nodes new sandboxes go to: each healthy node's report (capacity, warm pool, built
-templates) less what is being placed there right now, given to the placement policy."""
+templates) less what is being placed there right now, given to the placement policy; a
+template the gateway can ship (`shippable`) counts as placeable on every node."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cella import errors
@@ -24,8 +25,11 @@ class Shape:
 
 
 class Planner:
-    def __init__(self, membership: Membership) -> None:
+    def __init__(
+        self, membership: Membership, shippable: Callable[[str], bool] = lambda _: False
+    ) -> None:
         self.membership = membership
+        self.shippable = shippable
         self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
 
     @contextlib.contextmanager
@@ -62,6 +66,7 @@ class Planner:
             *(n.json("GET", "/v1/templates") for n in nodes),
         )
         vcpus, memory_mib, template = shape.vcpus, shape.memory_mib, shape.template
+        ships = self.shippable(template)
         candidates = []
         for i, node in enumerate(nodes):
             capacity = Capacity.model_validate(reports[i])
@@ -77,7 +82,8 @@ class Planner:
                     holds_snapshot=node.name in holders,
                     pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
                     preferred=node.name == prefer,
-                    has_template=template in built,
+                    has_template=template in built or ships,
+                    ships_template=template not in built and ships,
                 )
             )
         plan = spread(candidates, vcpus, memory_mib, count)
