@@ -119,7 +119,7 @@ class Paths:
     def default(cls) -> Paths:
         """The directories of the daemon settings (`cella.config.DaemonSettings`)."""
         settings = DaemonSettings()
-        return cls(settings.data_dir, settings.image_dir, settings.template_dir)
+        return cls(settings.data_dir, settings.image_dir, settings.own_template_dir())
 
     @property
     def images(self) -> Path:

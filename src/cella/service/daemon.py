@@ -230,7 +230,7 @@ class Daemon:
         the configured runtime, whose VMs outlive the daemon (a restart, or a crash,
         re-adopts them)."""
         os.umask(0o077)  # everything the daemon (and QEMU, the proxy) makes is its own
-        paths = Paths(settings.data_dir, settings.image_dir, settings.template_dir)
+        paths = Paths(settings.data_dir, settings.image_dir, settings.own_template_dir())
         paths.ensure()
         vm_group = settings.jail_id_base if settings.jail else None
         for tree in {paths.root, paths.images}:  # made before, by setup or an older daemon
