@@ -52,7 +52,7 @@ def relay_to(fleet: Fleet, node: str) -> Iterator[dict[str, Any]]:
     state: dict[str, Any] = {"tamper": False, "flipped": 0}
 
     class Relay(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             headers = {"authorization": self.headers.get("authorization", "")}
             got = httpx2.get(upstream + self.path, headers=headers, verify=verify, timeout=120)
             body = bytearray(got.content)
@@ -85,7 +85,9 @@ def test_a_template_is_built_once_and_shipped_by_digest(
     own = fleet.node_root / OWN / "templates"
     login = {"value": f"{USER}:{PASSWORD}", "hosts": [outside.registry.addr]}
     try:
-        wait_for(lambda: node_info(fleet, OWN)["healthy"], 180, f"{OWN} to join")
+        wait_for(lambda: any(n["name"] == OWN and n["healthy"]
+                             for n in fleet.admin.get("/v1/fleet").json()["nodes"]),
+                 180, f"{OWN} to join")  # fmt: skip
         assert fleet.admin.put("/v1/secrets/fleet-ship-registry", json=login).status_code == 200
         image = outside.image.replace(REGISTRY, outside.registry.addr)
         body = {"name": NAME, "image": image, "registry_secret": "fleet-ship-registry"}
