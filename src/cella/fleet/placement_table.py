@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS placements (
 );
 CREATE INDEX IF NOT EXISTS placements_node ON placements (node);
 CREATE INDEX IF NOT EXISTS placements_tenant ON placements (tenant);
+CREATE INDEX IF NOT EXISTS placements_lost ON placements (tenant) WHERE lost IS NOT NULL;
 """
 
 
@@ -93,9 +94,10 @@ class Placements:
         return self._select("WHERE node = ?", node)
 
     def lost(self, tenant: str | None = None) -> list[Placement]:
-        if tenant is None:
+        if tenant is None:  # through the partial index: as many as are lost
             return self._select(
-                "WHERE lost IS NOT NULL AND json_extract(body, '$.state') != 'deleted'"
+                "INDEXED BY placements_lost WHERE lost IS NOT NULL "
+                "AND json_extract(body, '$.state') != 'deleted'"
             )
         return self._select(
             "WHERE lost IS NOT NULL AND tenant = ? AND json_extract(body, '$.state') != 'deleted'",
@@ -104,10 +106,13 @@ class Placements:
 
     def holding(self) -> set[str]:
         """The nodes that hold sandboxes not known to be lost."""
+        # each node's rows looked at until one is live (the poll asks every second: a
+        # scan of every row's body grows with the sandboxes, this with the nodes)
         with self._lock:
             rows = self._db.execute(
-                "SELECT DISTINCT node FROM placements WHERE lost IS NULL "
-                "AND json_extract(body, '$.state') != 'deleted'"
+                "SELECT n.node FROM (SELECT DISTINCT node FROM placements) AS n WHERE EXISTS "
+                "(SELECT 1 FROM placements AS p WHERE p.node = n.node AND p.lost IS NULL "
+                "AND json_extract(p.body, '$.state') != 'deleted')"
             ).fetchall()
         return {r[0] for r in rows}
 
