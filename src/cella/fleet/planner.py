@@ -1,18 +1,23 @@
 """Which nodes new sandboxes go to: each healthy node's report (capacity, warm pool, built
 templates) less what is being placed there right now, given to the placement policy; a
-template the gateway can ship (`shippable`) counts as placeable on every node."""
+template the gateway can ship (`shippable`) counts as placeable on every node. A large
+fleet is sampled: a placement asks 64 nodes (and those it must see), not every node."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cella import errors
 from cella.fleet.membership import Membership
+from cella.fleet.node_client import Node
 from cella.fleet.placement_policy import Candidate, spread
 from cella.models import Capacity
+
+SAMPLE = 64  # nodes asked for their reports per placement, at most (past the wanted ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,22 @@ class Planner:
             raise errors.NodeUnavailable(
                 "no node of the fleet is up" if only is None else f"node {only} is down"
             )
+        asked = sample(nodes, SAMPLE, {*holders, prefer or ""})
+        plan = await self._plan(asked, shape, count, holders, prefer)
+        if plan is None and len(asked) < len(nodes):  # not in the sample: every node asked
+            plan = await self._plan(nodes, shape, count, holders, prefer)
+        if not plan:
+            raise errors.CapacityExceeded(
+                f"the fleet has no room for {count} sandbox(es) of {shape.vcpus} vCPUs and "
+                f"{shape.memory_mib} MiB"
+            )
+        return plan
+
+    async def _plan(
+        self, nodes: list[Node], shape: Shape, count: int, holders: set[str], prefer: str | None
+    ) -> dict[str, int] | None:
+        """The plan over `nodes` from their reports; None if none of them has room, or
+        none has the template built where the gateway cannot ship it."""
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),
             *(n.json("GET", "/v1/health") for n in nodes),
@@ -86,10 +107,18 @@ class Planner:
                     ships_template=template not in built and ships,
                 )
             )
-        plan = spread(candidates, vcpus, memory_mib, count)
-        if not plan:
-            raise errors.CapacityExceeded(
-                f"the fleet has no room for {count} sandbox(es) of {vcpus} vCPUs and "
-                f"{memory_mib} MiB"
-            )
-        return plan
+        if not any(c.has_template for c in candidates):
+            return None  # maybe built on a node not asked
+        return spread(candidates, vcpus, memory_mib, count) or None
+
+
+def sample(nodes: list[Node], most: int, wanted: set[str]) -> list[Node]:
+    """The nodes a placement asks: every one up to `most`, else the `wanted` ones (asked
+    for, holding the snapshot) and a random sample of the rest: a create's cost stays
+    flat as the fleet grows, and the freest of 64 random nodes is among the freest few
+    percent of the fleet (every node is asked when the sample has no room)."""
+    if len(nodes) <= most:
+        return nodes
+    must = [n for n in nodes if n.name in wanted]
+    rest = [n for n in nodes if n.name not in wanted]
+    return must + random.sample(rest, max(0, min(len(rest), most - len(must))))
