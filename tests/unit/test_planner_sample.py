@@ -65,3 +65,9 @@ def test_a_template_on_one_node_outside_the_sample_is_found() -> None:
     asked.clear()
     hinted = asyncio.run(planner.plan(Shape(1, 512, "default"), 1, set(), prefer="n060"))
     assert hinted == {"n060": 1} and len(asked) <= 3 * SAMPLE
+
+
+def test_a_template_no_node_has_goes_by_room_for_the_node_to_refuse() -> None:
+    nodes = [node(f"n{i:03d}", ["default"], []) for i in range(3)]
+    planner = Planner(Members(nodes))  # type: ignore[arg-type]
+    assert len(asyncio.run(planner.plan(Shape(1, 512, "nowhere"), 1, set()))) == 1

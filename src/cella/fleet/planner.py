@@ -66,9 +66,10 @@ class Planner:
                 "no node of the fleet is up" if only is None else f"node {only} is down"
             )
         asked = sample(nodes, SAMPLE, {*holders, prefer or ""})
-        plan = await self._plan(asked, shape, count, holders, prefer)
-        if plan is None and len(asked) < len(nodes):  # not in the sample: every node asked
-            plan = await self._plan(nodes, shape, count, holders, prefer)
+        whole = len(asked) == len(nodes)
+        plan = await self._plan(asked, shape, count, holders, prefer, whole)
+        if plan is None and not whole:  # not in the sample: every node asked
+            plan = await self._plan(nodes, shape, count, holders, prefer, True)
         if not plan:
             raise errors.CapacityExceeded(
                 f"the fleet has no room for {count} sandbox(es) of {shape.vcpus} vCPUs and "
@@ -77,10 +78,18 @@ class Planner:
         return plan
 
     async def _plan(
-        self, nodes: list[Node], shape: Shape, count: int, holders: set[str], prefer: str | None
+        self,
+        nodes: list[Node],
+        shape: Shape,
+        count: int,
+        holders: set[str],
+        prefer: str | None,
+        whole: bool,
     ) -> dict[str, int] | None:
         """The plan over `nodes` from their reports; None if none of them has room, or
-        none has the template built where the gateway cannot ship it."""
+        (a sample, not the `whole` fleet) none has the template built where the gateway
+        cannot ship it. Where no node of the fleet has it, it goes by room, and the node
+        says what is missing."""
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),
             *(n.json("GET", "/v1/health") for n in nodes),
@@ -107,7 +116,7 @@ class Planner:
                     ships_template=template not in built and ships,
                 )
             )
-        if not any(c.has_template for c in candidates):
+        if not whole and not any(c.has_template for c in candidates):
             return None  # maybe built on a node not asked
         return spread(candidates, vcpus, memory_mib, count) or None
 
