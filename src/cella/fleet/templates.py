@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS fleet_templates (
     name TEXT PRIMARY KEY,
     node TEXT NOT NULL,
     builds INTEGER NOT NULL DEFAULT 0,
-    ships INTEGER NOT NULL DEFAULT 0
+    ships INTEGER NOT NULL DEFAULT 0,
+    sha256 TEXT
 );
 """
 Json = dict[str, Any]
@@ -75,12 +76,22 @@ class FleetTemplates:
     def shippable(self, name: str) -> bool:
         return self.source_of(name) is not None
 
-    def _built(self, name: str, node: str) -> None:
+    def digest_of(self, name: str) -> str | None:
+        """The SHA-256 of the template's base as last built (a node holding another, an
+        older build's, is shipped this one)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT sha256 FROM fleet_templates WHERE name = ?", (name,)
+            ).fetchone()
+        return str(row[0]) if row and row[0] else None
+
+    def _built(self, name: str, node: str, sha256: str | None) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO fleet_templates (name, node, builds) VALUES (?, ?, 1) "
-                "ON CONFLICT (name) DO UPDATE SET node = excluded.node, builds = builds + 1",
-                (name, node),
+                "INSERT INTO fleet_templates (name, node, builds, sha256) VALUES (?, ?, 1, ?) "
+                "ON CONFLICT (name) DO UPDATE SET node = excluded.node, builds = builds + 1, "
+                "sha256 = excluded.sha256",
+                (name, node, sha256),
             )
 
     # -- builds -------------------------------------------------------------------------------
@@ -174,7 +185,8 @@ class FleetTemplates:
                 end = await outcome()
                 done = end["type"] == "done"
                 if done:
-                    self._built(str(end["template"]["name"]), node.name)
+                    built = end["template"]
+                    self._built(str(built["name"]), node.name, built.get("sha256"))
                     end = {**end, "template": {**end["template"], "nodes": [node.name]}}
                 else:
                     end = {**end, "message": f"node {node.name}: {end.get('message')}"}
@@ -206,8 +218,11 @@ class FleetTemplates:
         lock = self._shipping.setdefault((name, node.name), asyncio.Lock())
         async with lock:  # creates placed there at once: one ship
             answer = await node.call("GET", f"/v1/templates/{name}")
-            if answer.status_code == 200 and answer.json().get("built"):
-                return
+            want = self.digest_of(name)
+            if answer.status_code == 200:
+                held = answer.json()
+                if held.get("built") and want in (None, held.get("sha256")):
+                    return
             await self.ship(name, node)
 
     async def ship(self, name: str, dest: Node) -> Json:
