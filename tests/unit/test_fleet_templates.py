@@ -93,3 +93,19 @@ def test_a_template_not_built_through_the_gateway_is_not_shipped(tmp_path: Path)
     assert dest.asked == []
     with pytest.raises(errors.NotFound):
         asyncio.run(templates.ship_ahead("default", None))
+
+
+def test_a_joining_node_and_one_asked_for_are_shipped_ahead(tmp_path: Path) -> None:
+    templates, dest, target = fleet(tmp_path, bad=set())
+
+    async def join() -> None:
+        await templates.push_to(target)
+        await asyncio.gather(*templates._tasks)
+
+    asyncio.run(join())
+    assert dest.asked == ["n1"] and dest.held == NEW
+    dest.held = None
+    asyncio.run(templates.ship_ahead("t", ["d"]))
+    assert dest.asked == ["n1", "n1"] and dest.held == NEW
+    with pytest.raises(errors.NodeUnavailable, match="nowhere"):
+        asyncio.run(templates.ship_ahead("t", ["nowhere"]))
