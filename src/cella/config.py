@@ -58,6 +58,12 @@ class DaemonSettings(BaseSettings):
     image_dir: Path = Field(
         default_factory=_default_image_dir, description="kernel and template cache (shared)"
     )
+    template_dir: Path | None = Field(  # read through `own_template_dir()`
+        default=None,
+        description="templates built from images, kept apart from the shared cache (a "
+        "fleet's node on a host whose cache other nodes share; relative: under the data "
+        "directory; default: the cache's)",
+    )
     debian_mirror: str | None = Field(
         default=None, description="Debian mirror for template builds (default: the host's)"
     )
@@ -346,6 +352,13 @@ class DaemonSettings(BaseSettings):
         "every guest trust besides the usual roots: TLS inspection, internal mirrors and "
         "registries (env: a JSON list)",
     )
+
+    def own_template_dir(self) -> Path | None:
+        """`template_dir`, a relative one under the data directory (a node's label cannot
+        hold a path)."""
+        if self.template_dir is None:
+            return None
+        return self.data_dir / self.template_dir
 
     def extra_ca_pem(self) -> bytes:
         """The extra CA certificates as one PEM bundle (empty without any)."""

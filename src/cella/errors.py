@@ -12,7 +12,8 @@ matching class, so callers can catch by type on either side of the wire:
     │   │   QuotaExceeded (429)
     │   ├── SandboxLost (410): its fleet node died or left
     │   └── Conflict (409): AlreadyExists, IsADirectory, NotADirectory,
-    │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt, InUse, CapacityExceeded
+    │       DirectoryNotEmpty, InvalidState, SnapshotCorrupt (TemplateCorrupt), InUse,
+    │       CapacityExceeded
     ├── SandboxError: the guest or its VM (5xx)
     │   ├── GuestError (500): PortClosed (502)
     │   └── Timeout (504), SandboxCrashed (502), AgentUnavailable (502),
@@ -63,6 +64,7 @@ __all__ = [
     "SandboxLost",
     "SandboxUnavailable",
     "SnapshotCorrupt",
+    "TemplateCorrupt",
     "Timeout",
     "Unauthenticated",
     "UnknownUser",
@@ -216,6 +218,12 @@ class SnapshotCorrupt(Conflict):
     """A snapshot's files do not match their manifest: it is never restored."""
 
     code = "snapshot_corrupt"
+
+
+class TemplateCorrupt(SnapshotCorrupt):
+    """A template's copy does not match its digest: it is refused and deleted."""
+
+    code = "template_corrupt"
 
 
 class InUse(Conflict):

@@ -113,12 +113,13 @@ def default_image_dir() -> Path:
 class Paths:
     root: Path
     image_dir: Path | None = None
+    template_dir: Path | None = None  # templates built from images, if not the cache's
 
     @classmethod
     def default(cls) -> Paths:
         """The directories of the daemon settings (`cella.config.DaemonSettings`)."""
         settings = DaemonSettings()
-        return cls(settings.data_dir, settings.image_dir)
+        return cls(settings.data_dir, settings.image_dir, settings.own_template_dir())
 
     @property
     def images(self) -> Path:
@@ -131,6 +132,19 @@ class Paths:
     @property
     def templates(self) -> Path:
         return self.images / "templates"
+
+    @property
+    def image_templates(self) -> Path:
+        """Templates built from images (records and bases): the image cache's unless the
+        daemon keeps its own (a fleet's node whose cache other nodes share)."""
+        return self.template_dir or self.templates
+
+    def warm_snapshots(self, builtin: bool) -> Path:
+        """Where a template's warm snapshots live: beside its base when the daemon keeps
+        its own templates (their disks sit on it), else in the shared cache."""
+        if builtin or self.template_dir is None:
+            return self.images / "snapshots"
+        return self.template_dir / "warm"
 
     @property
     def vms(self) -> Path:
@@ -146,5 +160,7 @@ class Paths:
         return self.images / "tmp"
 
     def ensure(self) -> None:
-        for d in (self.images, self.kernel, self.templates, self.vms, self.tmp, self.build_tmp):
+        dirs = (self.images, self.kernel, self.templates, self.image_templates, self.vms,
+                self.tmp, self.build_tmp)  # fmt: skip
+        for d in dirs:
             d.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # run in one session: first the autoscaler's checks on a cluster of their own (gone before
 # the next one starts), then on one cluster: the fleet's own checks, what its nodes share
 # (volumes, webhooks, templates), moves, then E2B's SDK's, then the LangSmith SDK's (whose
-# last check has the gateway serve TLS), replicas, then two more gateways sharing PostgreSQL
+# last check has the gateway serve TLS), a template shipped by digest to a node that joins
+# for it, replicas, then two more gateways sharing PostgreSQL
 # (one killed: they leave the nodes pointing at a gateway that is gone, so they run last)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
@@ -37,6 +38,7 @@ CHECKS = [
         "move_checks.py",
         "e2b_checks.py",
         "langsmith_checks.py",
+        "template_ship_checks.py",
         "replica_checks.py",
         "gateways_checks.py",
     )

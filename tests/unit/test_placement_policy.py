@@ -51,3 +51,12 @@ def test_only_nodes_with_the_template_built_take_it_when_any_has() -> None:
     # no node has it (yet): placed by room, and the node says what is missing
     nobody = [node("big", 8192, has_template=False), node("small", 1024, has_template=False)]
     assert [c.name for c in ranked(nobody, 1, 512)] == ["big", "small"]
+
+
+def test_a_node_that_holds_the_template_beats_one_it_would_be_shipped_to() -> None:
+    nodes = [node("big", 8192, ships_template=True), node("small", 1024)]
+    assert [c.name for c in ranked(nodes, 1, 512)] == ["small", "big"]
+    full = [node("big", 8192, ships_template=True), node("small", 256)]
+    assert [c.name for c in ranked(full, 1, 512)] == ["big"]  # shipped where there is room
+    hinted = [node("big", 8192, ships_template=True, preferred=True), node("small", 1024)]
+    assert ranked(hinted, 1, 512)[0].name == "big"

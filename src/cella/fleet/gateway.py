@@ -113,7 +113,7 @@ class Gateway:
             kept_in("rewrites.db"), root / "rewrites.key", self.locator, self.keys, self.delegations
         )
         self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
-        planner = Planner(self.membership, self.cordons)
+        planner = Planner(self.membership, self.cordons, self.templates.shippable)
         self.growth = Growth(
             self.membership,
             planner,
@@ -132,6 +132,7 @@ class Gateway:
             self.rewrites,
             self.volumes,
             self.growth,
+            self.templates,
         )
         self.replicas = Replicas(
             root / "replicas.db", settings, self.membership, self.locator, planner, self.snapshots
@@ -160,7 +161,7 @@ class Gateway:
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them
         await self.webhooks.push_to(node)  # and its events go to every webhook
-        await self.templates.push_to(node)  # templates built here: built there too, later
+        await self.templates.push_to(node)  # templates built through here: shipped there
         link = self.rewrites.link(node.name)  # its rewrites are decided here
         if link is not None:
             await node.json("PUT", "/v1/fleet/link", json=link)

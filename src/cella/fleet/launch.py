@@ -1,8 +1,8 @@
 """New sandboxes on the fleet, by one pipeline whatever makes them (a create, a fork of a
 snapshot, a LangSmith box): admitted against the tenant's quota (its name held), the
-snapshot they boot from found, nodes planned and reserved, the snapshot shipped to each
-planned node that lacks it, then made there by the caller's `make` and recorded where they
-are. Made on several nodes, they are all made or none is."""
+snapshot they boot from found, nodes planned and reserved, the snapshot (or the template)
+shipped to each planned node that lacks it, then made there by the caller's `make` and
+recorded where they are. Made on several nodes, they are all made or none is."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from cella.fleet.planner import Planner, Shape
 from cella.fleet.quotas import Quotas
 from cella.fleet.rewrites import FleetRewrites
 from cella.fleet.snapshots import FleetSnapshots
+from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
 from cella.models import SandboxCreate
 from cella.server.error_shapes import describe
@@ -49,6 +50,7 @@ class Launcher:
         rewrites: FleetRewrites,
         volumes: FleetVolumes,
         growth: Growth,
+        templates: FleetTemplates,
     ) -> None:
         self.membership = membership
         self.locator = locator
@@ -62,6 +64,7 @@ class Launcher:
         self.growth = growth  # waits for a node when none has room, holds nodes in use
         # a sandbox just made by a create, and whether it asked for a replica
         self.created: Callable[[Principal, Json, bool], None] = lambda _who, _body, _r: None
+        self.templates = templates  # ships a template to a node that lacks it
 
     async def launch(
         self,
@@ -97,6 +100,8 @@ class Launcher:
                     node = self.membership.nodes[name]
                     if snapshot_id is not None and name not in held:
                         await self.snapshots.ship(snapshot_id, held, node)
+                    elif snapshot_id is None:
+                        await self.templates.ensure_on(shape.template, node)
                     made = await make(node, n, snapshot_id)
                     for body in made:
                         self.placements.put(name, body)

@@ -78,9 +78,9 @@ class Locator:
     async def list_sandboxes(self, who: Principal, params: list[tuple[str, str]]) -> list[Any]:
         found: list[dict[str, Any]] = []
         for node, answer in await self.membership.each("GET", "/v1/sandboxes", who, params=params):
-            for body in answer["sandboxes"]:
-                self.placements.put(node.name, body)
-                found.append(self.shown(body))
+            if answer["sandboxes"]:  # one transaction per node's list
+                self.placements.put_many(node.name, answer["sandboxes"])
+                found.extend(map(self.shown, answer["sandboxes"]))
         state = dict(params).get("state")
         if state in (None, "lost"):
             labels = [v for k, v in params if k == "label"]

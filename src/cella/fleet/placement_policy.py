@@ -1,10 +1,12 @@
 """Where a new sandbox goes: the pure decision, from what each node reports.
 
 A node must have room (free RAM and vCPUs after what it has committed and what the gateway
-is placing there right now) and, where any node has it, the template built. Among those,
-the node the caller asked for wins (an eval task forks on the node it runs on), then a node
-that already holds the snapshot (no files to move), then one with a warm pool of the
-template, then the one with the most free memory, so creates spread over equal nodes.
+is placing there right now) and, where any node has it, the template built or shippable
+there (one built through the gateway is shipped by digest). Among those, the node the
+caller asked for wins (an eval task forks on the node it runs on), then a node that already
+holds the snapshot (no files to move), then one that holds the template (no base to ship),
+then one with a warm pool of the template, then the one with the most free memory, so
+creates spread over equal nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ class Candidate:
     holds_snapshot: bool = False
     pooled_template: bool = False
     preferred: bool = False  # the caller asked for this node (`X-Cella-Node`)
-    has_template: bool = True  # its template is built there (nodes build their own)
+    has_template: bool = True  # its template is built there, or can be shipped there
+    ships_template: bool = False  # ... but only after it is shipped there
 
     def fits(self, vcpus: int, memory_mib: int) -> int:
         """How many sandboxes of this shape fit here."""
@@ -38,6 +41,7 @@ def ranked(candidates: list[Candidate], vcpus: int, memory_mib: int) -> list[Can
         key=lambda c: (
             not c.preferred,
             not c.holds_snapshot,
+            c.ships_template,
             not c.pooled_template,
             -c.memory_mib_free,
             c.name,

@@ -24,6 +24,8 @@ CREATE TABLE IF NOT EXISTS placements (
     lost TEXT
 );
 CREATE INDEX IF NOT EXISTS placements_node ON placements (node);
+CREATE INDEX IF NOT EXISTS placements_tenant ON placements (tenant);
+CREATE INDEX IF NOT EXISTS placements_lost ON placements (tenant) WHERE lost IS NOT NULL;
 """
 PUT = (
     "INSERT INTO placements VALUES (?, ?, ?, ?, NULL) ON CONFLICT (sandbox_id) DO UPDATE "
@@ -54,6 +56,13 @@ class Placements:
 
     def put(self, node: str, body: dict[str, Any]) -> None:
         self._db.execute(PUT, (body["id"], body.get("tenant") or "", node, json.dumps(body)))
+
+    def put_many(self, node: str, bodies: list[dict[str, Any]]) -> None:
+        """A node's answers recorded in one transaction (a list of thousands is one write)."""
+        with self._db.transaction() as db:
+            db.executemany(
+                PUT, [(b["id"], b.get("tenant") or "", node, json.dumps(b)) for b in bodies]
+            )
 
     def get(self, sandbox_id: str) -> Placement | None:
         rows = self._select("WHERE sandbox_id = ?", sandbox_id)
@@ -88,8 +97,12 @@ class Placements:
 
     def holding(self) -> set[str]:
         """The nodes that hold sandboxes not known to be lost."""
+        # each node's rows looked at until one is live (the poll asks every second: a
+        # scan of every row's body grows with the sandboxes, this with the nodes)
+        live = self._live.replace("body", "p.body")
         rows = self._db.execute(
-            f"SELECT DISTINCT node FROM placements WHERE lost IS NULL AND {self._live}"
+            "SELECT n.node FROM (SELECT DISTINCT node FROM placements) AS n WHERE EXISTS "
+            f"(SELECT 1 FROM placements AS p WHERE p.node = n.node AND p.lost IS NULL AND {live})"
         ).fetchall()
         return {r[0] for r in rows}
 

@@ -1,18 +1,24 @@
 """Which nodes new sandboxes go to: each healthy node's report (capacity, warm pool, built
-templates) less what is being placed there right now, given to the placement policy."""
+templates) less what is being placed there right now, given to the placement policy; a
+template the gateway can ship (`shippable`) counts as placeable on every node. A large
+fleet is sampled: a placement asks 64 nodes (and those it must see), not every node."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cella import errors
 from cella.fleet.cordons import Cordons
 from cella.fleet.membership import Membership
+from cella.fleet.node_client import Node
 from cella.fleet.placement_policy import Candidate, spread
 from cella.models import Capacity
+
+SAMPLE = 64  # nodes asked for their reports per placement, at most (past the wanted ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +31,15 @@ class Shape:
 
 
 class Planner:
-    def __init__(self, membership: Membership, cordons: Cordons | None = None) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        cordons: Cordons | None = None,
+        shippable: Callable[[str], bool] = lambda _: False,
+    ) -> None:
         self.membership = membership
         self.cordons = cordons  # nodes that take nothing new
+        self.shippable = shippable  # templates the gateway can ship to a node lacking them
         self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
 
     @contextlib.contextmanager
@@ -73,12 +85,38 @@ class Planner:
                 if only is None
                 else f"node {only} is down"
             )
+        asked = sample(nodes, SAMPLE, {*holders, prefer or ""})
+        whole = len(asked) == len(nodes)
+        plan = await self._plan(asked, shape, count, holders, prefer, whole)
+        if plan is None and not whole:  # not in the sample: every node asked
+            plan = await self._plan(nodes, shape, count, holders, prefer, True)
+        if not plan:
+            raise errors.CapacityExceeded(
+                f"the fleet has no room for {count} sandbox(es) of {shape.vcpus} vCPUs and "
+                f"{shape.memory_mib} MiB"
+            )
+        return plan
+
+    async def _plan(
+        self,
+        nodes: list[Node],
+        shape: Shape,
+        count: int,
+        holders: set[str],
+        prefer: str | None,
+        whole: bool,
+    ) -> dict[str, int] | None:
+        """The plan over `nodes` from their reports; None if none of them has room, or
+        (a sample, not the `whole` fleet) none has the template built where the gateway
+        cannot ship it. Where no node of the fleet has it, it goes by room, and the node
+        says what is missing."""
         reports = await asyncio.gather(
             *(n.json("GET", "/v1/capacity") for n in nodes),
             *(n.json("GET", "/v1/health") for n in nodes),
             *(n.json("GET", "/v1/templates") for n in nodes),
         )
         vcpus, memory_mib, template = shape.vcpus, shape.memory_mib, shape.template
+        ships = self.shippable(template)
         candidates = []
         for i, node in enumerate(nodes):
             capacity = Capacity.model_validate(reports[i])
@@ -94,13 +132,22 @@ class Planner:
                     holds_snapshot=node.name in holders,
                     pooled_template=pool.get(f"{template}/{vcpus}/{memory_mib}", 0) > 0,
                     preferred=node.name == prefer,
-                    has_template=template in built,
+                    has_template=template in built or ships,
+                    ships_template=template not in built and ships,
                 )
             )
-        plan = spread(candidates, vcpus, memory_mib, count)
-        if not plan:
-            raise errors.CapacityExceeded(
-                f"the fleet has no room for {count} sandbox(es) of {vcpus} vCPUs and "
-                f"{memory_mib} MiB"
-            )
-        return plan
+        if not whole and not any(c.has_template for c in candidates):
+            return None  # maybe built on a node not asked
+        return spread(candidates, vcpus, memory_mib, count) or None
+
+
+def sample(nodes: list[Node], most: int, wanted: set[str]) -> list[Node]:
+    """The nodes a placement asks: every one up to `most`, else the `wanted` ones (asked
+    for, holding the snapshot) and a random sample of the rest: a create's cost stays
+    flat as the fleet grows, and the freest of 64 random nodes is among the freest few
+    percent of the fleet (every node is asked when the sample has no room)."""
+    if len(nodes) <= most:
+        return nodes
+    must = [n for n in nodes if n.name in wanted]
+    rest = [n for n in nodes if n.name not in wanted]
+    return must + random.sample(rest, max(0, min(len(rest), most - len(must))))

@@ -25,7 +25,7 @@ class Quotas:
         self._inflight: dict[str, int] = {}  # tenant -> sandboxes being made
         # (tenant, creator, name) of creates under way
         self._naming: set[tuple[str, str, str]] = set()
-        self._lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}  # per tenant: tenants do not wait on others
 
     @contextlib.asynccontextmanager
     async def admitted(
@@ -35,7 +35,7 @@ class Quotas:
         `name` must be free across the fleet (and is held meanwhile)."""
         creator = who.principal or None
         naming = (who.tenant, who.principal, name or "")
-        async with self._lock:
+        async with self._locks.setdefault(who.tenant, asyncio.Lock()):
             live = 0  # sandboxes being made are counted once: as this gateway's, in flight
             for _, answer in await self.membership.each("GET", "/v1/sandboxes", who):
                 live += sum(1 for b in answer["sandboxes"] if b["state"] in LIVE - {"creating"})

@@ -1,6 +1,7 @@
 """The gateway's cella routes for what nodes share: volumes (on their home node,
 `fleet/volumes.py`), webhooks (kept here and on every node, `fleet/shared_webhooks.py`) and
-templates (built on every node, `fleet/templates.py`). Installed before the gateway's
+templates (built once, shipped by digest to the nodes that need them:
+`fleet/templates.py`). Installed before the gateway's
 catch-all, which would send them to any one node."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from cella import errors
 from cella.fleet.gateway import Gateway
 from cella.fleet.node_client import Node
-from cella.fleet.relay import METHODS, forward
+from cella.fleet.relay import METHODS, NODE_HINT, forward
 from cella.models import (
     TemplateBuild,
     Volume,
@@ -27,6 +28,7 @@ from cella.models import (
     WebhookList,
     WebhookUpdate,
 )
+from cella.models.fleet import TemplateShip
 from cella.server.deps import Auth
 from cella.server.error_shapes import describe
 from cella.server.routes.templates import spool_body
@@ -126,8 +128,9 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/templates", tags=["templates"])
     async def build_template(request: Request, who: Auth) -> StreamingResponse:
-        """Built on every node at once (progress lines name their node); `done` once every
-        node has it. Nodes that join later build it too."""
+        """Built once, on one node (`X-Cella-Node`, else the first; progress lines name
+        it); shipped by digest to the nodes its sandboxes are placed on, and to nodes that
+        join later."""
         require_admin(who, "build templates")
         try:
             body = TemplateBuild.model_validate(await request.json())
@@ -135,15 +138,24 @@ def router(gateway: Gateway) -> APIRouter:
             raise errors.InvalidArgument(describe(exc.errors())) from None
         except ValueError:
             raise errors.InvalidArgument("the body is not JSON") from None
-        return StreamingResponse(templates.build_image(body), media_type=NDJSON)
+        prefer = request.headers.get(NODE_HINT)
+        return StreamingResponse(templates.build_image(body, prefer), media_type=NDJSON)
 
     @api.post("/v1/templates/{name}/dockerfile", tags=["templates"])
     async def build_dockerfile(name: str, request: Request, who: Auth) -> StreamingResponse:
-        """Built on every node from the same context (spooled here first)."""
+        """Built once, on one node, from the context (spooled here first)."""
         require_admin(who, "build templates")
         spool = await spool_body(request, gateway.settings.max_upload_mib << 20)
-        built = templates.build_dockerfile(name, request.url.query, spool)
+        prefer = request.headers.get(NODE_HINT)
+        built = templates.build_dockerfile(name, request.url.query, spool, prefer)
         return StreamingResponse(built, media_type=NDJSON)
+
+    @api.post("/v1/templates/{name}/ship", tags=["templates"])
+    async def ship_template(name: str, body: TemplateShip, who: Auth) -> dict[str, Any]:
+        """Shipped ahead of time to `nodes` (default: every healthy node) that lack it,
+        each copy checked against the template's digest on arrival."""
+        require_admin(who, "ship templates")
+        return {"nodes": await templates.ship_ahead(name, body.nodes)}
 
     @api.put("/v1/templates/uploads/{template_id}/{files_hash}", include_in_schema=False)
     async def upload_files(template_id: str, files_hash: str, request: Request) -> Response:

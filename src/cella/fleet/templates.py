@@ -1,19 +1,20 @@
-"""Templates on a fleet: one built through the gateway is built on every node, so that a
-sandbox of it may be placed on any.
+"""Templates on a fleet: built once, on one node, and shipped by content digest to the
+nodes that need them; never built again.
 
-An image build (`POST /v1/templates`) goes to every healthy node at once, their progress
-streamed back as one JSON Lines stream (each line naming its node), `done` once every node
-has it (a build that fails on one node is removed from the others: all or none). Its
-request is kept here, and a node that joins later builds the ones it lacks in the
-background (the planner places sandboxes of a template only on nodes that have it built,
-where any has). A Dockerfile build's context is spooled here and sent to every node alike
-(not kept: a node that joins later does not build it). The list is every node's, a
-template built where any node built it; a removal is every node's."""
+An image build (`POST /v1/templates`) or a Dockerfile build runs on one healthy node (the
+one asked for with `X-Cella-Node`, else the first), its progress streamed back as JSON
+Lines naming that node; once it is `done` the gateway records the node as the template's
+source. A sandbox of it placed on a node that lacks it has the template shipped there first
+(`ensure_on`: the node pulls the base from a node that holds it and checks it against its
+SHA-256; a copy that does not match is deleted there and the next holder is tried, else the
+create fails with `template_corrupt`); `POST /v1/templates/{name}/ship` ships it ahead of
+time, and a node that joins later is shipped every template recorded here in the
+background. The list is every node's, a template built where any node holds it; a removal
+is every node's."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -30,9 +31,17 @@ from cella.models import TemplateBuild
 from cella.store.sql import Database, database
 
 log = logging.getLogger("cella.fleet.templates")
-SCHEMA = "CREATE TABLE IF NOT EXISTS {table} (name TEXT PRIMARY KEY, body TEXT NOT NULL)"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS fleet_templates (
+    name TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    builds INTEGER NOT NULL DEFAULT 0,
+    ships INTEGER NOT NULL DEFAULT 0,
+    sha256 TEXT
+);
+"""
 Json = dict[str, Any]
-# one node's build: the request made there, streamed
+# the build on the node chosen: the request made there, streamed
 Send = Callable[[Node], Awaitable[httpx2.Response]]
 
 
@@ -40,21 +49,51 @@ class FleetTemplates:
     def __init__(self, where: Path | str | Database, membership: Membership) -> None:
         self.membership = membership
         self._db = database(where)
-        # a database shared with the store names it apart from the store's template builds
-        self._table = "template_builds" if self._db.dialect == "sqlite" else "fleet_templates"
-        self._db.ensure(self._table, SCHEMA.format(table=self._table))
+        self._db.ensure("fleet_templates", SCHEMA)
         self._tasks: set[asyncio.Task[Any]] = set()  # builds outlive their callers
+        self._shipping: dict[tuple[str, str], asyncio.Lock] = {}  # (template, node)
+
+    # -- the record ---------------------------------------------------------------------------
+
+    def source_of(self, name: str) -> str | None:
+        """The node a template built through the gateway was built on (None: not one)."""
+        row = self._db.execute(
+            "SELECT node FROM fleet_templates WHERE name = ?", (name,)
+        ).fetchone()
+        return str(row[0]) if row else None
+
+    def counts(self, name: str) -> tuple[int, int]:
+        """How many times the template was built, and shipped, through the gateway."""
+        row = self._db.execute(
+            "SELECT builds, ships FROM fleet_templates WHERE name = ?", (name,)
+        ).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    def shippable(self, name: str) -> bool:
+        return self.source_of(name) is not None
+
+    def digest_of(self, name: str) -> str | None:
+        """The SHA-256 of the template's base as last built (a node holding another, an
+        older build's, is shipped this one)."""
+        row = self._db.execute(
+            "SELECT sha256 FROM fleet_templates WHERE name = ?", (name,)
+        ).fetchone()
+        return str(row[0]) if row and row[0] else None
+
+    def _built(self, name: str, node: str, sha256: str | None) -> None:
+        self._db.execute(
+            "INSERT INTO fleet_templates (name, node, builds, sha256) VALUES (?, ?, 1, ?) "
+            "ON CONFLICT (name) DO UPDATE SET node = excluded.node, "
+            "builds = fleet_templates.builds + 1, "
+            "sha256 = excluded.sha256",
+            (name, node, sha256),
+        )
 
     # -- builds -------------------------------------------------------------------------------
 
-    def build_image(self, body: TemplateBuild) -> AsyncIterator[bytes]:
-        """An image build on every healthy node, kept for nodes that join later."""
+    def build_image(self, body: TemplateBuild, prefer: str | None = None) -> AsyncIterator[bytes]:
+        """An image build on one node, recorded as the template's source once done."""
         sent = body.model_dump(mode="json", exclude_unset=True)
-        self._db.execute(
-            f"INSERT INTO {self._table} VALUES (?, ?) "
-            "ON CONFLICT (name) DO UPDATE SET body = excluded.body",
-            (body.name, json.dumps(sent)),
-        )
 
         def send(node: Node) -> Awaitable[httpx2.Response]:
             request = node.client.build_request(
@@ -62,17 +101,15 @@ class FleetTemplates:
             )
             return node.client.send(request, stream=True)
 
-        def kept(built: bool) -> None:
-            if not built:  # a build that failed is not one for joining nodes to repeat
-                self._db.execute(f"DELETE FROM {self._table} WHERE name = ?", (body.name,))
+        return self._once(self._builder(prefer), send, lambda _: None)
 
-        return self._everywhere(send, kept)
-
-    def build_dockerfile(self, name: str, query: str, spool: IO[bytes]) -> AsyncIterator[bytes]:
-        """A Dockerfile build on every healthy node, each sent the spooled context."""
+    def build_dockerfile(
+        self, name: str, query: str, spool: IO[bytes], prefer: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """A Dockerfile build on one node, sent the spooled context."""
 
         async def context() -> AsyncIterator[bytes]:
-            offset = 0  # each node's own (pread: the file's offset is shared)
+            offset = 0  # pread: the file's offset is not ours alone
             while chunk := await asyncio.to_thread(os.pread, spool.fileno(), 1 << 20, offset):
                 offset += len(chunk)
                 yield chunk
@@ -87,19 +124,30 @@ class FleetTemplates:
             )
             return node.client.send(request, stream=True)
 
-        return self._everywhere(send, lambda _: spool.close())
+        try:
+            node = self._builder(prefer)
+        except BaseException:
+            spool.close()
+            raise
+        return self._once(node, send, lambda _: spool.close())
 
-    def _everywhere(self, send: Send, on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
-        """The build `send` starts on each healthy node, run as the gateway's own task (a
-        client that goes away does not stop it); its progress, then one outcome: `done`
-        with the first node's template once every node has it, else the first error."""
+    def _builder(self, prefer: str | None) -> Node:
         nodes = self.membership.healthy()
         if not nodes:
-            on_end(False)
             raise errors.NodeUnavailable("no node of the fleet is up")
+        if prefer is not None:
+            chosen = [n for n in nodes if n.name == prefer]
+            if not chosen:
+                raise errors.NodeUnavailable(f"node {prefer} is not up")
+            return chosen[0]
+        return min(nodes, key=lambda n: n.name)
+
+    def _once(self, node: Node, send: Send, on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
+        """The build `send` starts on `node`, run as the gateway's own task (a client that
+        goes away does not stop it); its progress, then its outcome (`done` recorded)."""
         queue: asyncio.Queue[Json | None] = asyncio.Queue()
 
-        async def on(node: Node) -> Json:
+        async def outcome() -> Json:
             try:
                 answer = await send(node)
             except httpx2.TransportError as exc:
@@ -127,22 +175,19 @@ class FleetTemplates:
                 await answer.aclose()
 
         async def run() -> None:
-            failed: list[tuple[Node, Json]] = [(nodes[0], {})]
+            done = False
             try:
-                ends = await asyncio.gather(*(on(n) for n in nodes))
-                failed = [(n, e) for n, e in zip(nodes, ends, strict=True) if e["type"] != "done"]
-                if failed:
-                    node, end = failed[0]
-                    queue.put_nowait({**end, "message": f"node {node.name}: {end.get('message')}"})
-                    for built, done in zip(nodes, ends, strict=True):  # all or none
-                        if done["type"] == "done":
-                            with contextlib.suppress(errors.CellaError, httpx2.HTTPError):
-                                name = done["template"]["name"]
-                                await built.call("DELETE", f"/v1/templates/{name}")
+                end = await outcome()
+                done = end["type"] == "done"
+                if done:
+                    built = end["template"]
+                    self._built(str(built["name"]), node.name, built.get("sha256"))
+                    end = {**end, "template": {**end["template"], "nodes": [node.name]}}
                 else:
-                    queue.put_nowait(ends[0])
+                    end = {**end, "message": f"node {node.name}: {end.get('message')}"}
+                queue.put_nowait(end)
             finally:
-                on_end(not failed)
+                on_end(done)
                 queue.put_nowait(None)
 
         self._start(run())
@@ -158,37 +203,96 @@ class FleetTemplates:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def push_to(self, node: Node) -> None:
-        """A joining node builds, in the background, the image templates built through the
-        gateway that it lacks."""
-        kept = self._db.execute(f"SELECT name, body FROM {self._table}").fetchall()
-        if not kept:
+    # -- shipping -----------------------------------------------------------------------------
+
+    async def ensure_on(self, name: str, node: Node) -> None:
+        """A template built through the gateway, shipped to `node` unless it holds it
+        (built-in templates are every node's own; E2B's named ones stay on their home)."""
+        if not self.shippable(name):
             return
-        listed = await node.json("GET", "/v1/templates")
-        built = {t["name"] for t in listed["templates"] if t["built"]}
-        missing = [(name, body) for name, body in kept if name not in built]
+        lock = self._shipping.setdefault((name, node.name), asyncio.Lock())
+        async with lock:  # creates placed there at once: one ship
+            answer = await node.call("GET", f"/v1/templates/{name}")
+            want = self.digest_of(name)
+            if answer.status_code == 200:
+                held = answer.json()
+                if held.get("built") and want in (None, held.get("sha256")):
+                    return
+            await self.ship(name, node)
 
-        async def build() -> None:
-            for name, body in missing:
-                try:
-                    sent, headers = json.loads(body), node.headers(None)
-                    async with node.client.stream(
-                        "POST", "/v1/templates", json=sent, headers=headers
-                    ) as answer:
-                        async for _ in answer.aiter_lines():
-                            pass
-                    log.info("template %s built on joining node %s", name, node.name)
-                except Exception as exc:  # it is placed on the others meanwhile
-                    log.warning("template %s on node %s: %s", name, node.name, exc)
+    async def ship(self, name: str, dest: Node) -> Json:
+        """`dest` pulls the template from a node that holds it (its source first), checked
+        against its digest there; a source whose copy is refused is followed by the next."""
+        source = self.source_of(name)
+        if source is None:
+            raise errors.NotFound(f"no template {name!r} built through the fleet's gateway")
+        nodes = sorted(
+            (n for n in self.membership.healthy() if n.name != dest.name),
+            key=lambda n: (n.name != source, n.name),
+        )
+        failure: errors.CellaError = errors.NodeUnavailable(
+            f"no node holding template {name!r} is up"
+        )
+        for holder in nodes:
+            try:
+                got = await dest.json(
+                    "POST",
+                    "/v1/templates/import",
+                    json={
+                        "source_url": holder.url,
+                        "source_key": holder.key,
+                        "source_ca": holder.ca_pem or None,
+                        "source_node": holder.name,
+                        "name": name,
+                    },
+                )
+            except (errors.NotFound, errors.ImageMissing, errors.NodeUnavailable) as exc:
+                failure = exc if holder.name == source else failure
+                continue
+            except errors.TemplateCorrupt as exc:
+                log.error("template %s from %s refused by %s: %s", name, holder.name,
+                          dest.name, exc.message)  # fmt: skip
+                failure = exc
+                continue
+            self._db.execute("UPDATE fleet_templates SET ships = ships + 1 WHERE name = ?", (name,))
+            log.info("template %s shipped from %s to %s", name, holder.name, dest.name)
+            return dict(got)
+        raise failure
 
+    async def ship_ahead(self, name: str, nodes: list[str] | None) -> list[Json]:
+        """Shipped now to `nodes` (None: every healthy node) that lack it."""
+        if self.source_of(name) is None:
+            raise errors.NotFound(f"no template {name!r} built through the fleet's gateway")
+        healthy = {n.name: n for n in self.membership.healthy()}
+        missing = [n for n in nodes or [] if n not in healthy]
         if missing:
-            self._start(build())
+            raise errors.NodeUnavailable(f"node {', '.join(missing)} is not up")
+        targets = [healthy[n] for n in nodes] if nodes else list(healthy.values())
+        for node in targets:
+            await self.ensure_on(name, node)
+        return [{"node": n.name, "built": True} for n in targets]
+
+    async def push_to(self, node: Node) -> None:
+        """A joining node is shipped, in the background, the templates recorded here."""
+        names = [r[0] for r in self._db.execute("SELECT name FROM fleet_templates")]
+        if not names:
+            return
+
+        async def ship() -> None:
+            for name in names:
+                try:
+                    await self.ensure_on(name, node)
+                except Exception as exc:  # shipped on placement instead
+                    log.warning("template %s to joining node %s: %s", name, node.name, exc)
+
+        self._start(ship())
 
     # -- the list, and removal ---------------------------------------------------------------
 
     async def listed(self, tenant: str | None) -> list[Json]:
         """Every node's templates (a tenant's own and the shared ones), each once: built
-        where any node built it, with the nodes that have it."""
+        where any node holds it, with the nodes that hold it (and, for one built through
+        the gateway, the node it was built on and how often it was built and shipped)."""
         seen: dict[str, Json] = {}
         for node, answer in await self.membership.each("GET", "/v1/templates", None):
             for t in answer["templates"]:
@@ -196,7 +300,13 @@ class FleetTemplates:
                     continue
                 have = seen.setdefault(t["name"], {**t, "built": False, "nodes": []})
                 if t["built"]:
-                    have.update({**t, "built": True, "nodes": [*have["nodes"], node.name]})
+                    fields = {k: v for k, v in t.items() if k != "shipped_from"}
+                    have.update({**fields, "built": True, "nodes": [*have["nodes"], node.name]})
+        for name, t in seen.items():
+            if (source := self.source_of(name)) is not None:
+                builds, ships = self.counts(name)
+                t.update({"built_on": source, "builds": builds, "ships": ships})
+            t.pop("shipped_from", None)
         return sorted(seen.values(), key=lambda t: str(t["name"]))
 
     async def delete(self, name: str) -> None:
@@ -208,6 +318,6 @@ class FleetTemplates:
                 continue
             raise_for(answer, node.name)
             found = True
-        kept = self._db.execute(f"DELETE FROM {self._table} WHERE name = ?", (name,))
+        kept = self._db.execute("DELETE FROM fleet_templates WHERE name = ?", (name,))
         if not found and not kept.rowcount:
             raise errors.NotFound(f"no template {name!r}")

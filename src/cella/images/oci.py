@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -87,10 +88,14 @@ class TemplateMeta(BaseModel):
     start: StartCommand | None = Field(
         default=None, description="started before its warm snapshot (in every sandbox of it)"
     )
+    sha256: str | None = Field(default=None, description="of the base image's bytes")
+    shipped_from: str | None = Field(
+        default=None, description="the node it was shipped from (None: built here)"
+    )
 
 
 def meta_path(paths: Paths, name: str) -> Path:
-    return paths.templates / f"{name}.template.json"
+    return paths.image_templates / f"{name}.template.json"
 
 
 def read_meta(paths: Paths, name: str) -> TemplateMeta | None:
@@ -108,7 +113,7 @@ def owner_of(paths: Paths, name: str) -> str | None:
 
 def list_meta(paths: Paths) -> list[TemplateMeta]:
     out = []
-    for file in sorted(paths.templates.glob("*.template.json")):
+    for file in sorted(paths.image_templates.glob("*.template.json")):
         with_meta = read_meta(paths, file.name.removesuffix(".template.json"))
         if with_meta is not None:
             out.append(with_meta)
@@ -170,7 +175,7 @@ def build_from_image(
         )  # fmt: skip
         if (meta.kind, meta.tenant, meta.start) != (kind, tenant, start):  # a cache hit
             meta = meta.model_copy(update={"kind": kind, "tenant": tenant, "start": start})
-            _write_meta(paths, meta)
+            write_meta(paths, meta)
         return meta
 
 
@@ -284,7 +289,7 @@ def _build(
             progress(f"template {name}: {digest[:19]} is built already (cache hit)")
             if same.name != name:  # another template has this image: share its base
                 same = same.model_copy(update={"name": name, "source": label})
-                _write_meta(paths, same)
+                write_meta(paths, same)
             return same
         _check(blobs, limits)
         return _make(
@@ -400,7 +405,7 @@ def _built_before(
         if (
             meta.digest == digest
             and disk_mib in (None, meta.disk_mib)
-            and (paths.templates / meta.image).exists()
+            and (paths.image_templates / meta.image).exists()
         ):
             return meta
     return None
@@ -439,6 +444,7 @@ def _make(
         qcow = stage / "base.qcow2"
         run(["qemu-img", "convert", "-O", "qcow2", raw, qcow])
         qcow.chmod(0o400)
+        sha256 = file_sha256(qcow)  # what a fleet ships it by, and checks on arrival
         timings["filesystem"] = time.monotonic() - started
         meta = TemplateMeta(
             name=name,
@@ -448,16 +454,40 @@ def _make(
             config=config,
             disk_mib=size,
             seconds={k: round(v, 2) for k, v in timings.items()},
+            sha256=sha256,
         )
-        qcow.rename(paths.templates / image)
-        _write_meta(paths, meta)  # the template exists from here on
+        place(qcow, paths.image_templates / image)
+        write_meta(paths, meta)  # the template exists from here on
         progress(f"template {name} built from {ref} ({digest[:19]})")
         return meta
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _write_meta(paths: Paths, meta: TemplateMeta) -> None:
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def place(staged: Path, dest: Path) -> None:
+    """`staged` moved to `dest` whole (a copy first when they are on different file
+    systems: a daemon's own template directory need not be on the cache's)."""
+    try:
+        staged.rename(dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}")
+        shutil.copy2(staged, partial)
+        partial.rename(dest)
+        staged.unlink()
+
+
+def write_meta(paths: Paths, meta: TemplateMeta) -> None:
+    """The template exists from here on (written whole)."""
     tmp = meta_path(paths, meta.name).with_suffix(".tmp")
     tmp.write_text(meta.model_dump_json(indent=2))
     tmp.rename(meta_path(paths, meta.name))
@@ -465,7 +495,7 @@ def _write_meta(paths: Paths, meta: TemplateMeta) -> None:
 
 def record_seconds(paths: Paths, meta: TemplateMeta, **seconds: float) -> None:
     """Adds timings of later steps (the warm snapshot) to the template's record."""
-    _write_meta(paths, meta.model_copy(update={"seconds": {**meta.seconds, **seconds}}))
+    write_meta(paths, meta.model_copy(update={"seconds": {**meta.seconds, **seconds}}))
 
 
 def auth_json(registry: str, credentials: str) -> str:

@@ -134,7 +134,7 @@ def find_template(paths: Paths, name: str) -> Path:
         meta = read_meta(paths, name)
         if meta is None:
             raise errors.NotFound(f"unknown template {name!r}")
-        return paths.templates / meta.image
+        return paths.image_templates / meta.image
     image = template_image(paths, specs[name])
     if not image.exists():
         raise errors.ImageMissing(f"template {name!r} is not built: run `cella setup`")

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, BaseModel, Field
 
 from cella.models.host import Capacity
 from cella.models.sandbox import SandboxCreate, Snapshot
+from cella.models.templates import TEMPLATE_NAME
 
 
 class SecretBinding(BaseModel):
@@ -30,6 +31,43 @@ class SnapshotExport(BaseModel):
     )
     backing_path: str | None = Field(
         default=None, description="else on this image file (a template base, content-addressed)"
+    )
+
+
+class TemplateExport(BaseModel):
+    """What another node needs to take in a template built from an image: its record and
+    its base image's digest and size, checked on arrival."""
+
+    template: dict[str, Any] = Field(description="the template's record on its node")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+
+class TemplateImport(BaseModel):
+    """Pull a template (its record and base image) from another node daemon."""
+
+    model_config = {"extra": "forbid"}
+
+    source_url: str = Field(pattern=r"^https?://", description="the node daemon holding it")
+    source_key: str = Field(min_length=1, description="an admin key of that daemon")
+    source_ca: str | None = Field(
+        default=None,
+        max_length=65536,
+        description="PEM certificate to trust for an https source_url (a node's own)",
+    )
+    source_node: str | None = Field(
+        default=None, max_length=128, description="the source's node name, recorded"
+    )
+    name: str = Field(pattern=TEMPLATE_NAME)
+
+
+class TemplateShip(BaseModel):
+    """Ship a template built through the gateway to nodes ahead of their first sandbox."""
+
+    model_config = {"extra": "forbid"}
+
+    nodes: list[str] | None = Field(
+        default=None, max_length=1000, description="node names (default: every healthy node)"
     )
 
 

@@ -63,6 +63,12 @@ class Template(BaseModel):
     seconds: dict[str, float] = Field(
         default_factory=dict, description="time per build step (fetch, unpack, filesystem, ...)"
     )
+    sha256: str | None = Field(
+        default=None, description="of its base image's bytes (what a fleet ships it by)"
+    )
+    shipped_from: str | None = Field(
+        default=None, description="the node of a fleet it was shipped from (None: built here)"
+    )
 
 
 class TemplateList(BaseModel):

@@ -60,6 +60,7 @@ from cella.service.signing import Signer, SigningKey
 from cella.service.snapshots import Snapshots
 from cella.service.template_builds import TemplateBuilds
 from cella.service.template_files import TemplateFiles
+from cella.service.template_shipping import TemplateShipping
 from cella.service.templates import Templates
 from cella.service.trace import Trace
 from cella.service.usage import Usage
@@ -175,6 +176,7 @@ class Daemon:
             self.files,
         )
         self.dockerfiles = Dockerfiles(self.templates)
+        self.template_shipping = TemplateShipping(driver.paths, self.templates)
         self.template_files = TemplateFiles(
             store,
             driver.paths.root / "template-files",
@@ -232,7 +234,7 @@ class Daemon:
         the configured runtime, whose VMs outlive the daemon (a restart, or a crash,
         re-adopts them)."""
         os.umask(0o077)  # everything the daemon (and QEMU, the proxy) makes is its own
-        paths = Paths(settings.data_dir, settings.image_dir)
+        paths = Paths(settings.data_dir, settings.image_dir, settings.own_template_dir())
         paths.ensure()
         vm_group = settings.jail_id_base if settings.jail else None
         for tree in {paths.root, paths.images}:  # made before, by setup or an older daemon

@@ -104,13 +104,15 @@ class Templates:
             kind=meta.kind,
             source=meta.source,
             digest=meta.digest,
-            built=(self.paths.templates / meta.image).exists(),
+            built=(self.paths.image_templates / meta.image).exists(),
             disk_mib=meta.disk_mib,
             config=meta.config,
             start=meta.start,
             tenant=meta.tenant,
             built_at=datetime.fromtimestamp(meta.built_at, UTC).isoformat(),
             seconds=meta.seconds,
+            sha256=meta.sha256,
+            shipped_from=meta.shipped_from,
         )
 
     def disk_mib(self, name: str) -> int:
@@ -228,10 +230,10 @@ class Templates:
         async with self.lock(name):
             await self.pool.forget(name)
             oci.meta_path(self.paths, name).unlink(missing_ok=True)
-            for warm in (self.paths.images / "snapshots").glob(f"{name}-*"):
+            for warm in self.paths.warm_snapshots(builtin=False).glob(f"{name}-*"):
                 shutil.rmtree(warm, ignore_errors=True)
             if all(m.image != meta.image for m in oci.list_meta(self.paths)):
-                (self.paths.templates / meta.image).unlink(missing_ok=True)
+                (self.paths.image_templates / meta.image).unlink(missing_ok=True)
 
     async def delete_owned(self, tenant: str, name: str) -> None:
         """Removes one of `tenant`'s own templates once nothing is built on it (nothing

@@ -1,5 +1,6 @@
-"""Pulling a snapshot's files from another node daemon, node to node over HTTPS (what a
-node's `POST /v1/snapshots/import` does; the `shipping` room takes them in).
+"""Pulling a snapshot's files (or a template's base image) from another node daemon, node to
+node over HTTPS (what a node's `POST /v1/snapshots/import` and `POST /v1/templates/import`
+do; the `shipping` and `template_shipping` rooms take them in).
 
 Files are streamed to disk as they arrive; all-zero pieces are not written, so a RAM file
 stays about as sparse as it was on the source. The destination checks every file against the
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx2
 
 from cella import errors
-from cella.models.fleet import SnapshotExport
+from cella.models.fleet import SnapshotExport, TemplateExport
 
 BLOCK = 64 << 10
 TIMEOUT = httpx2.Timeout(30.0, read=300.0)
@@ -49,23 +50,33 @@ class NodeSource:
     async def export(self, snapshot_id: str) -> SnapshotExport:
         async with self._client() as client:
             response = await client.get(f"/v1/snapshots/{snapshot_id}/export")
-        _raise_for(response, snapshot_id)
+        _raise_for(response, f"snapshot {snapshot_id}")
         return SnapshotExport.model_validate_json(response.content)
 
     async def pull(self, snapshot_id: str, name: str, dest: Path) -> None:
         # in a thread, with the blocking client: a few times faster for hundreds of MiB
         # than the event loop's, and the daemon's loop stays free meanwhile
-        await asyncio.to_thread(self._pull, snapshot_id, name, dest)
+        path = f"/v1/snapshots/{snapshot_id}/files/{name}"
+        await asyncio.to_thread(self._pull, path, snapshot_id, dest)
 
-    def _pull(self, snapshot_id: str, name: str, dest: Path) -> None:
+    async def template_export(self, name: str) -> TemplateExport:
+        async with self._client() as client:
+            response = await client.get(f"/v1/templates/{name}/export")
+        _raise_for(response, f"template {name}")
+        return TemplateExport.model_validate_json(response.content)
+
+    async def pull_template(self, name: str, dest: Path) -> None:
+        """A template's base image, to `dest` (checked by the caller against its digest)."""
+        await asyncio.to_thread(self._pull, f"/v1/templates/{name}/base", f"template {name}", dest)
+
+    def _pull(self, path: str, what: str, dest: Path) -> None:
         headers = {"authorization": f"Bearer {self.key}"}
-        url = f"{self.url}/v1/snapshots/{snapshot_id}/files/{name}"
         with httpx2.stream(
-            "GET", url, headers=headers, timeout=TIMEOUT, verify=self._verify()
+            "GET", f"{self.url}{path}", headers=headers, timeout=TIMEOUT, verify=self._verify()
         ) as response:
             if response.status_code != 200:
                 response.read()
-                _raise_for(response, snapshot_id)
+                _raise_for(response, what)
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 offset = 0
@@ -87,7 +98,7 @@ def _write_sparse(fd: int, data: bytes, offset: int) -> int:
     return offset + len(data)
 
 
-def _raise_for(response: httpx2.Response, snapshot_id: str) -> None:
+def _raise_for(response: httpx2.Response, what: str) -> None:
     if response.status_code == 200:
         return
     try:
@@ -95,5 +106,5 @@ def _raise_for(response: httpx2.Response, snapshot_id: str) -> None:
     except (ValueError, KeyError, TypeError):
         message = response.text[:200]
     if response.status_code == 404:
-        raise errors.NotFound(f"the source node has no snapshot {snapshot_id}: {message}")
+        raise errors.NotFound(f"the source node has no {what}: {message}")
     raise errors.CellaError(f"the source node answered {response.status_code}: {message}")

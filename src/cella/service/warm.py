@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
+from cella.images.templates import builtin_templates
 from cella.runtime.contract import VM, Driver
 from cella.storage.snapshots import SnapshotDir
 
@@ -52,7 +53,9 @@ class WarmSnapshots:
         if shape in self._where:
             return self._where[shape]
         key = self.driver.warm_key(shape.template, shape.vcpus, shape.memory_mib)
-        where = SnapshotDir(self.driver.paths.images / "snapshots" / f"{shape.template}-{key}")
+        builtin = shape.template in builtin_templates()
+        root = self.driver.paths.warm_snapshots(builtin)
+        where = SnapshotDir(root / f"{shape.template}-{key}")
         self._where[shape] = where
         return where
 

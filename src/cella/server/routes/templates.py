@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
 
 from cella import errors
 from cella.models import BuildEvent, StartCommand, Template, TemplateBuild, TemplateList
+from cella.models.fleet import TemplateExport, TemplateImport
 from cella.server.deps import Auth, DaemonDep, jsonl
 from cella.service.background import Background
 from cella.service.dockerfiles import DockerfileBuild
 from cella.service.keys import require_admin
+from cella.service.transfer import NodeSource
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
 PROGRESS: dict[int | str, dict[str, Any]] = {
@@ -97,6 +100,40 @@ async def upload_files(
     an hour."""
     await svc.template_builds.receive(token, template_id, files_hash, request.stream())
     return Response(status_code=200)
+
+
+# -- between the nodes of a fleet (admin keys: node daemons and their gateway) --------------
+
+
+@router.post("/import", status_code=201, response_model=Template)
+async def import_template(body: TemplateImport, svc: DaemonDep, who: Auth) -> Template:
+    """Takes in another node's template built from an image: its base pulled and checked
+    against its digest (a copy that does not match is deleted, 409 template_corrupt); a
+    template already here with that digest is returned as it is."""
+    require_admin(who, "import a template")
+    source = NodeSource(body.source_url, body.source_key, body.source_ca)
+    export = await source.template_export(body.name)
+    if export.template.get("name") != body.name:
+        raise errors.InvalidArgument(f"the source answered for another template than {body.name}")
+
+    async def pull(dest: Path) -> None:
+        await source.pull_template(body.name, dest)
+
+    return await svc.template_shipping.take_in(export, pull, body.source_node)
+
+
+@router.get("/{name}/export", response_model=TemplateExport)
+async def export_template(name: str, svc: DaemonDep, who: Auth) -> TemplateExport:
+    """What another node needs to take the template in: its record, its base's digest."""
+    require_admin(who, "export a template")
+    return await svc.template_shipping.export(name)
+
+
+@router.get("/{name}/base", response_class=FileResponse)
+async def template_base(name: str, svc: DaemonDep, who: Auth) -> FileResponse:
+    """The template's base image (qcow2), for another node to pull."""
+    require_admin(who, "read a template's base image")
+    return FileResponse(svc.template_shipping.base(name))
 
 
 @router.delete("/{name}", status_code=204)
