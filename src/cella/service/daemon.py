@@ -202,6 +202,7 @@ class Daemon:
             ),
             "cella_pool_ready": ("Warm VMs ready, by shape.", "shape", self.pool.status()),
             "cella_pool_spares": ("Spare QEMUs started, by shape.", "shape", self.pool.spares()),
+            "cella_pool_work": ("The warm pool's work since start.", "kind", dict(self.pool.work)),
             "cella_host_vcpus": (
                 "The host's vCPU commitment: its limit, committed, free.",
                 "kind",

@@ -34,6 +34,17 @@ S = SandboxState
 MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
 
 
+def spans_ms(began: float, admitted: float, restored: float, readied: float) -> dict[str, float]:
+    """Where a create's time went in the daemon: waiting for admission, getting its VM
+    (a pooled one's claim, or a restore), readying it (egress, identity, exec policy)."""
+    return {
+        "admission_ms": round((admitted - began) * 1000, 1),
+        "vm_ms": round((restored - admitted) * 1000, 1),
+        "ready_ms": round((readied - restored) * 1000, 1),
+        "daemon_ms": round((readied - began) * 1000, 1),
+    }
+
+
 class Unset:
     """An argument left out (None means "no limit")."""
 
@@ -88,7 +99,9 @@ class Lifecycle:
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         req = req.model_copy(update={"network": self.egress.check_policy(who, req.network)})
         self.egress.check_policy(who, rules_of(req))  # and its bucket mounts' rules
+        began = time.perf_counter()  # the create's own spans, in its `created` event
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
+            admitted = time.perf_counter()
             self.registry.check_name(tenant, who.principal or None, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
             spare = self.pool.claim_spare(shape) if vm is None else None
@@ -106,6 +119,7 @@ class Lifecycle:
                     vm = await self.driver.restore(snap, directory, spare=waiting)
                 elif vm is None:  # the pool is empty: restore, never cold-boot
                     vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
+                restored = time.perf_counter()
                 await self.ready(vm, row)
                 if req.disk_mib is not None:
                     await vm.grow_disk(req.disk_mib)
@@ -126,6 +140,7 @@ class Lifecycle:
                     "from": origin,
                     "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                    **spans_ms(began, admitted, restored, time.perf_counter()),
                 },
             )
         if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
