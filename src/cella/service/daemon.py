@@ -109,9 +109,9 @@ class Daemon:
         owners = ConnectionOwners(self.procs)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites, owners)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
+        self.pool = WarmPool.of(driver, self.warm, settings)
         self.kernels = Kernels(driver, self.warm)
-        self.admission = Admission(settings, self.registry, self.pool.committed)
+        self.admission = Admission(settings, self.registry, self.pool)
         self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
             settings,

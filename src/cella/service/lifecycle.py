@@ -28,7 +28,7 @@ from cella.service.sandbox_rows import new_record
 from cella.service.start_commands import StartCommands
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
-from cella.store import SandboxRecord
+from cella.store import SandboxRecord, SecretRef
 
 S = SandboxState
 MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
@@ -99,6 +99,21 @@ class Lifecycle:
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         req = req.model_copy(update={"network": self.egress.check_policy(who, req.network)})
         self.egress.check_policy(who, rules_of(req))  # and its bucket mounts' rules
+        with self.pool.creating(shape):  # the pool refills after, and sizes to, bursts
+            row = await self._create(who, req, shape, secret_refs, delegation)
+        if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
+            self.pool.watch(shape)  # a template in use gets a pool of the default shape
+        return self.registry.get(who, row.id)
+
+    async def _create(
+        self,
+        who: Principal,
+        req: SandboxCreate,
+        shape: Shape,
+        secret_refs: dict[str, SecretRef],
+        delegation: dict[str, Any] | None,
+    ) -> SandboxRecord:
+        tenant = who.tenant
         began = time.perf_counter()  # the create's own spans, in its `created` event
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
             admitted = time.perf_counter()
@@ -143,9 +158,7 @@ class Lifecycle:
                     **spans_ms(began, admitted, restored, time.perf_counter()),
                 },
             )
-        if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
-            self.pool.watch(shape)  # a template in use gets a pool of the default shape
-        return self.registry.get(who, sandbox_id)
+        return row
 
     async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
         """A VM restored for a sandbox (readied by `ready`)."""
@@ -199,6 +212,7 @@ class Lifecycle:
             if vm is not None:
                 await vm.stop()
             self.registry.update(sandbox_id, state=S.stopped, pid=None, stopped_at=iso(time.time()))
+            self.admission.released()
             self.events.emit(sandbox_id, "stopped")
         return self.registry.get(who, sandbox_id)
 
@@ -324,6 +338,7 @@ class Lifecycle:
             self.registry.update(sandbox_id, state=S.deleting)
             await self.teardown(sandbox_id)
             self.registry.update(sandbox_id, state=S.deleted, pid=None)
+            self.admission.released()
             self.events.emit(sandbox_id, "deleted")
         self.registry.forget(sandbox_id)
 
