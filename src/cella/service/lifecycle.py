@@ -10,6 +10,7 @@ is built in `sandbox_rows`, shared with forks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
@@ -34,12 +35,15 @@ S = SandboxState
 MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
 
 
-def spans_ms(began: float, admitted: float, restored: float, readied: float) -> dict[str, float]:
-    """Where a create's time went in the daemon: waiting for admission, getting its VM
-    (a pooled one's claim, or a restore), readying it (egress, identity, exec policy)."""
+def spans_ms(*at: float) -> dict[str, float]:
+    """Where a create's time went in the daemon, from the instants it began, was admitted,
+    got its turn to restore, had its VM (a pooled one's claim, or a restore) and had readied
+    it (egress, identity, exec policy)."""
+    began, admitted, gated, restored, readied = at
     return {
         "admission_ms": round((admitted - began) * 1000, 1),
-        "vm_ms": round((restored - admitted) * 1000, 1),
+        "restore_wait_ms": round((gated - admitted) * 1000, 1),
+        "vm_ms": round((restored - gated) * 1000, 1),
         "ready_ms": round((readied - restored) * 1000, 1),
         "daemon_ms": round((readied - began) * 1000, 1),
     }
@@ -51,6 +55,7 @@ class Unset:
 
 UNSET = Unset()
 POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
+RESTORE_PARALLEL = 4  # restores (and their readying) at once: more only queue for the cores
 
 
 class Lifecycle:
@@ -74,6 +79,8 @@ class Lifecycle:
         self.warm = warm
         self.pool = pool
         self.start_commands = StartCommands(self.driver.paths, self.events)
+        # one gate for the host's creates and forks: a burst's first sandboxes answer first
+        self.restoring = asyncio.Semaphore(RESTORE_PARALLEL)
 
     # -- create --------------------------------------------------------------------------
 
@@ -128,14 +135,16 @@ class Lifecycle:
             )
         async with self.registry.lock(sandbox_id):
             try:
-                if spare is not None:  # a QEMU waiting for the warm snapshot's state
-                    snap, waiting = spare
-                    directory = self.registry.directory(sandbox_id)
-                    vm = await self.driver.restore(snap, directory, spare=waiting)
-                elif vm is None:  # the pool is empty: restore, never cold-boot
-                    vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
-                restored = time.perf_counter()
-                await self.ready(vm, row)
+                async with self.restoring if vm is None else contextlib.nullcontext():
+                    gated = time.perf_counter()
+                    if spare is not None:  # a QEMU waiting for the warm snapshot's state
+                        snap, waiting = spare
+                        directory = self.registry.directory(sandbox_id)
+                        vm = await self.driver.restore(snap, directory, spare=waiting)
+                    elif vm is None:  # the pool is empty: restore, never cold-boot
+                        vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
+                    restored = time.perf_counter()
+                    await self.ready(vm, row)
                 if req.disk_mib is not None:
                     await vm.grow_disk(req.disk_mib)
             except BaseException as exc:
@@ -155,7 +164,7 @@ class Lifecycle:
                     "from": origin,
                     "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
-                    **spans_ms(began, admitted, restored, time.perf_counter()),
+                    **spans_ms(began, admitted, gated, restored, time.perf_counter()),
                 },
             )
         return row
