@@ -64,6 +64,10 @@ async def settle(url: str, timeout: float = 120) -> None:
         await asyncio.sleep(0.1)
 
 
+def load_per_core() -> float:
+    return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+
+
 def ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
 
@@ -219,7 +223,8 @@ async def measure(
     finally:
         if src:
             os.environ["PYTHONPATH"] = old or ""
-    out: dict[str, float] = {}
+    # the shared host's load when the phases start: 1.0 = both cores busy with others' work
+    out: dict[str, float] = {"host factor (load per core at start)": load_per_core()}
     try:
         async with AsyncClient(d.url, d.admin_key, timeout=900) as c:
             await (await c.create(**SHAPE)).delete()  # the pool of this shape is watched
