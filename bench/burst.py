@@ -68,6 +68,15 @@ def load_per_core() -> float:
     return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
 
 
+async def gone(sb: Any) -> None:
+    """Deletes a sandbox; once more if the connection dropped under it (a kept-alive
+    connection the server closed as it was reused)."""
+    try:
+        await sb.delete()
+    except httpx2.TransportError:
+        await sb.delete()
+
+
 def ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
 
@@ -116,7 +125,7 @@ async def burst(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
                         spans.setdefault(k, []).append(float(v))
             elif e.type == "exec":
                 exec_ms.append(float(e.data["duration_ms"]))
-    await asyncio.gather(*(sb.delete() for sb in made))
+    await asyncio.gather(*(gone(sb) for sb in made))
     if errors:
         print(f"burst {n}: {len(errors)} errors, e.g. {errors[0]}")
     row = {
@@ -153,7 +162,7 @@ async def sustained(c: AsyncClient, seconds: float, workers: int) -> dict[str, f
             try:
                 sb = await c.create(**SHAPE)
                 await sb.exec(["true"])
-                await sb.delete()
+                await gone(sb)
                 done += 1
             except Exception:
                 failed += 1
@@ -173,7 +182,7 @@ async def cpu_per_call(c: AsyncClient, d: Daemon, n: int = 10) -> dict[str, floa
         await sb.exec(["true"])
     cpu2 = cpu_seconds(d.proc.pid)
     for sb in made:
-        await sb.delete()
+        await gone(sb)
     return {"per create (ms)": ms((cpu1 - cpu0) / n), "per first exec (ms)": ms((cpu2 - cpu1) / n)}
 
 
@@ -186,7 +195,7 @@ async def forks(c: AsyncClient, n: int) -> dict[str, float]:
     took = time.perf_counter() - t
     results = await asyncio.gather(*(b.exec(["true"]) for b in branches), return_exceptions=True)
     answering = sum(1 for r in results if not isinstance(r, BaseException) and r.exit_code == 0)
-    await asyncio.gather(*(b.delete() for b in branches))
+    await asyncio.gather(*(gone(b) for b in branches))
     await snap.delete()
     return {"total (ms)": ms(took), "per clone (ms)": ms(took / n), "answering": answering}
 
@@ -229,19 +238,20 @@ async def measure(
         async with AsyncClient(d.url, d.admin_key, timeout=900) as c:
             await (await c.create(**SHAPE)).delete()  # the pool of this shape is watched
             await settle(d.url)
-            for k, v in (await cpu_per_call(c, d)).items():
-                out[f"daemon CPU {k}"] = v
-            for n in bursts:
+            phases: list[tuple[str, Any]] = [("daemon CPU", lambda: cpu_per_call(c, d))]
+            phases += [(f"burst {n}:", lambda n=n: burst(c, d, n)) for n in bursts]
+            phases.append(
+                ("sustained create+exec+delete, 4 clients:", lambda: sustained(c, seconds, 4))
+            )
+            phases += [(f"fork {n} of a snapshot:", lambda n=n: forks(c, n)) for n in fork_counts]
+            for name, phase in phases:
                 await settle(d.url)
-                for k, v in (await burst(c, d, n)).items():
-                    out[f"burst {n}: {k}"] = v
-            await settle(d.url)
-            for k, v in (await sustained(c, seconds, 4)).items():
-                out[f"sustained create+exec+delete, 4 clients: {k}"] = v
-            for n in fork_counts:
-                await settle(d.url)
-                for k, v in (await forks(c, n)).items():
-                    out[f"fork {n} of a snapshot: {k}"] = v
+                try:
+                    for k, v in (await phase()).items():
+                        out[f"{name} {k}"] = v
+                except Exception as exc:  # one phase's failure is a figure too
+                    print(f"{name} failed: {exc!r}"[:300])
+                    out[f"{name} failed"] = 1
             await asyncio.sleep(1)
             out["left behind (VM dirs + QEMUs beyond the pool)"] = leftovers(d)
     finally:
