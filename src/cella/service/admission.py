@@ -33,6 +33,7 @@ class Admission:
     ) -> None:
         self.settings = settings
         self.registry = registry
+        self.pool = pool
         self.pooled = pool.committed  # (vCPUs, MiB) held by the warm pool
         self.give_back = pool.give_back  # the pool's VMs beyond its size, destroyed for room
         self._lock = asyncio.Lock()
@@ -90,9 +91,11 @@ class Admission:
         self._freed = asyncio.Event()
 
     def capacity(self) -> Capacity:
-        """The host's commitment limits and what is committed (live sandboxes, the pool)."""
+        """The host's commitment limits and what is committed (live sandboxes, the pool up
+        to its size: a grown pool's other VMs give their room back to any request, so a
+        fleet's planner counts it free)."""
         live = self.registry.live_rows()
-        pooled_cpus, pooled_memory = self.pooled()
+        pooled_cpus, pooled_memory = self.pool.committed(lent=False)
         return Capacity(
             memory_mib=self.settings.max_host_memory_mib,
             memory_mib_committed=sum(r.memory_mib for r in live) + pooled_memory,

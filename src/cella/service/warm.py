@@ -343,9 +343,13 @@ class WarmPool:
             pool.ready.clear()
             pool.spares.clear()
 
-    def committed(self) -> tuple[int, int]:
-        """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity."""
-        vms = [(p.shape, len(p.ready)) for p in self._pools.values()]
+    def committed(self, lent: bool = True) -> tuple[int, int]:
+        """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity; without
+        `lent`, only up to each pool's `size` (those beyond it are given back on demand)."""
+        vms = [
+            (p.shape, len(p.ready) if lent else min(len(p.ready), self.size))
+            for p in self._pools.values()
+        ]
         return (sum(s.vcpus * n for s, n in vms), sum(s.memory_mib * n for s, n in vms))
 
     def status(self) -> dict[str, int]:
