@@ -223,6 +223,7 @@ async def measure(
     settings = {
         "pool_spares": "1",  # the daemon's defaults (the test daemon's are 0)
         "admission_wait_seconds": "2",
+        "pool_max_size": "16",
         "max_host_memory_mib": str((largest + 8) * SHAPE["memory_mib"]),
         "max_sandboxes_per_tenant": str(largest + 8),
     }
