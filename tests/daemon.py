@@ -45,8 +45,14 @@ class Daemon:
             else None
         )
         self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
-        # no spare QEMUs unless a test asks: fewer processes idling beside the ones it counts
-        self.settings = {"pool_spares": "0", **settings}
+        # unless a test asks: no spare QEMUs and no pool grown past its size (fewer
+        # processes idling beside the ones it counts), a refusal at once (no queue for room)
+        self.settings = {
+            "pool_spares": "0",
+            "pool_max_size": "0",
+            "admission_wait_seconds": "0",
+            **settings,
+        }
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "daemon.log"
 

@@ -260,6 +260,14 @@ class DaemonSettings(BaseSettings):
         default_factory=lambda: 200 * (os.cpu_count() or 1),
         description="vCPUs all sandboxes may commit together (idle sandboxes cost little CPU)",
     )
+    admission_wait_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        le=600,
+        description="how long a create, fork or resume that does not fit the host's "
+        "commitment or the tenant's live sandboxes waits for room before it is refused (a "
+        "burst's arrivals are queued briefly, not bounced; 0: refused at once)",
+    )
     default_max_pids: int = Field(default=4096, ge=16, description="guest processes per sandbox")
     reaper_interval: float = Field(default=0.5, gt=0, description="seconds between TTL checks")
     metrics_interval: float = Field(
@@ -287,6 +295,17 @@ class DaemonSettings(BaseSettings):
         le=64,
         description="QEMUs started ahead per pool shape, waiting for a restore's state: a "
         "create that finds the pool empty only loads the state",
+    )
+    pool_max_size: int = Field(
+        default=16,
+        ge=0,
+        le=256,
+        description="warm VMs a pool may grow to after a burst of creates of its shape at once "
+        "(back to pool_size after pool_shrink_seconds without one, or when admission needs "
+        "the room)",
+    )
+    pool_shrink_seconds: float = Field(
+        default=120.0, gt=0, description="seconds without a burst before a grown pool shrinks"
     )
     pool_template: str = Field(default="default", description="template of the warm pool")
     log_level: str = Field(default="info", description="uvicorn log level")

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -576,3 +577,55 @@ async def test_a_snapshot_without_memory_is_booted_from(daemon: Daemon) -> None:
     await daemon.lifecycle.delete(T, row.id)
     await daemon.create(T, SandboxCreate(snapshot=full.id, restore_memory="never"))
     assert driver.cold_boots == 2
+
+
+async def test_a_pool_grows_to_a_burst_lends_its_extra_room_and_shrinks_back(
+    tmp_path: Path,
+) -> None:
+    """A burst of creates: the pool keeps three ready afterwards (its max), the two
+    beyond its size are not reported as committed (they give their room back), and with no
+    burst for `pool_shrink_seconds` it is back to its size."""
+    settings = DaemonSettings(
+        data_dir=tmp_path,
+        image_dir=tmp_path / "images",
+        pool_size=1,
+        pool_spares=0,
+        pool_max_size=3,
+        pool_shrink_seconds=1,
+        max_host_memory_mib=8192,
+        max_host_vcpus=8,
+    )
+    driver = FakeDriver(tmp_path)
+    instant = driver.restore
+
+    async def restore(*args: Any, **kwargs: Any) -> Any:  # takes a moment, as a real one
+        await asyncio.sleep(0.05)
+        return await instant(*args, **kwargs)
+
+    driver.restore = restore  # type: ignore[method-assign]
+    d = Daemon(settings, Store(tmp_path / "cella.db"), driver)
+    shape = Shape("default", *POOLED_SHAPE)
+    try:
+        d.pool.watch(shape)
+        async with asyncio.timeout(10):
+            while d.pool.ready(shape) < 1:
+                await asyncio.sleep(0.01)
+        # four at once (the pooled one's create needs no restore: it is done first)
+        rows = await asyncio.gather(*(d.lifecycle.create(T, SandboxCreate()) for _ in range(4)))
+        async with asyncio.timeout(10):
+            while d.pool.ready(shape) < 3:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert d.pool.ready(shape) == 3  # its max
+        assert d.pool.committed() == (3, 3 * 512)  # admission counts them all ...
+        assert d.admission.capacity().memory_mib_committed == 4 * 512 + 512  # ... not lent
+        for row in rows:
+            await d.lifecycle.delete(T, row.id)
+        async with asyncio.timeout(10):
+            while d.pool.ready(shape) > 1:
+                await asyncio.sleep(0.05)
+        assert d.pool.ready(shape) == 1
+    finally:
+        await d.pool.close()
+        await d.registry.detach_all()
+        d.store.close()

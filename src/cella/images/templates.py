@@ -9,6 +9,7 @@ and is renamed into the cache only when complete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -75,7 +76,14 @@ class TemplateSpec(BaseModel):
 
 def builtin_templates() -> dict[str, TemplateSpec]:
     """The templates shipped with cella. Their `files_from` name files of this package
-    (e.g. a guest program kept as checked Python) that become `files`, content and all."""
+    (e.g. a guest program kept as checked Python) that become `files`, content and all.
+    Read once: they are files of the installed package (a create asks for its shape); the
+    specs are shared, to read, not to change."""
+    return dict(_shipped())
+
+
+@functools.cache
+def _shipped() -> dict[str, TemplateSpec]:
     specs = {}
     package = resources.files("cella.images")
     for entry in package.joinpath("templates").iterdir():

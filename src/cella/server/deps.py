@@ -160,11 +160,52 @@ def key_or_session(
     return principal(request, authorization, x_cella_tenant)
 
 
-Auth = Annotated[Principal, Depends(principal)]
-KeyOrSession = Annotated[Principal, Depends(key_or_session)]
-Caller = Annotated[Principal, Depends(api_key_caller)]
-DaemonDep = Annotated[Daemon, Depends(daemon)]
-FrontDep = Annotated[Front, Depends(front_of)]
+# FastAPI runs a plain function dependency in a worker thread: a hop per dependency of
+# every request. These are quick (app state, a key's row by its hash), so they run on the
+# event loop instead, as coroutines.
+
+
+async def _principal(
+    request: HTTPConnection,
+    authorization: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[
+        str | None,
+        Header(description="an admin key acts as this tenant (e.g. a fleet gateway's calls)"),
+    ] = None,
+) -> Principal:
+    return principal(request, authorization, x_cella_tenant)
+
+
+async def _key_or_session(
+    request: HTTPConnection,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
+    return key_or_session(request, authorization, x_api_key, x_cella_tenant)
+
+
+async def _api_key_caller(
+    request: HTTPConnection,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_cella_tenant: Annotated[str | None, Header()] = None,
+) -> Principal:
+    return api_key_caller(request, x_api_key, x_cella_tenant)
+
+
+async def _daemon(request: HTTPConnection) -> Daemon:
+    return daemon(request)
+
+
+async def _front(conn: HTTPConnection) -> Front:
+    return front_of(conn)
+
+
+Auth = Annotated[Principal, Depends(_principal)]
+KeyOrSession = Annotated[Principal, Depends(_key_or_session)]
+Caller = Annotated[Principal, Depends(_api_key_caller)]
+DaemonDep = Annotated[Daemon, Depends(_daemon)]
+FrontDep = Annotated[Front, Depends(_front)]
 IdempotencyKey = Annotated[
     str | None,
     Header(

@@ -112,9 +112,9 @@ class Daemon:
         owners = ConnectionOwners(self.procs)
         self.egress = SandboxEgress(settings, self.registry, self.rewrites, owners)
         self.warm = WarmSnapshots(driver, settings.boot_timeout)
-        self.pool = WarmPool(driver, self.warm, settings.pool_size, settings.pool_spares)
+        self.pool = WarmPool.of(driver, self.warm, settings)
         self.kernels = Kernels(driver, self.warm)
-        self.admission = Admission(settings, self.registry, self.pool.committed)
+        self.admission = Admission(settings, self.registry, self.pool)
         self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
             settings,
@@ -208,6 +208,7 @@ class Daemon:
             ),
             "cella_pool_ready": ("Warm VMs ready, by shape.", "shape", self.pool.status()),
             "cella_pool_spares": ("Spare QEMUs started, by shape.", "shape", self.pool.spares()),
+            "cella_pool_work": ("The warm pool's work since start.", "kind", dict(self.pool.work)),
             "cella_host_vcpus": (
                 "The host's vCPU commitment: its limit, committed, free.",
                 "kind",

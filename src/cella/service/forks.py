@@ -29,8 +29,6 @@ from cella.service.warm import new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
 from cella.store import SandboxRecord, SnapshotRecord
 
-FORK_PARALLEL = 4  # restores at once: more only queue for the same cores
-
 
 class Forks:
     def __init__(
@@ -126,10 +124,9 @@ class Forks:
                 )
                 for _ in range(count)
             ]
-        gate = asyncio.Semaphore(FORK_PARALLEL)
 
         async def one(row: SandboxRecord) -> str:
-            async with gate:
+            async with self.lifecycle.restoring:  # shared with creates
                 return await self._restore_fork(snap_row, snap, row, memory)
 
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)

@@ -10,6 +10,7 @@ is built in `sandbox_rows`, shared with forks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
@@ -28,10 +29,24 @@ from cella.service.sandbox_rows import new_record
 from cella.service.start_commands import StartCommands
 from cella.service.warm import Shape, WarmPool, WarmSnapshots, new_sandbox_id
 from cella.storage.snapshots import SnapshotDir
-from cella.store import SandboxRecord
+from cella.store import SandboxRecord, SecretRef
 
 S = SandboxState
 MANAGE = Permission.manage  # stop, pause, delete, change: the sandbox's creator's kind of use
+
+
+def spans_ms(*at: float) -> dict[str, float]:
+    """Where a create's time went in the daemon, from the instants it began, was admitted,
+    got its turn to restore, had its VM (a pooled one's claim, or a restore) and had readied
+    it (egress, identity, exec policy)."""
+    began, admitted, gated, restored, readied = at
+    return {
+        "admission_ms": round((admitted - began) * 1000, 1),
+        "restore_wait_ms": round((gated - admitted) * 1000, 1),
+        "vm_ms": round((restored - gated) * 1000, 1),
+        "ready_ms": round((readied - restored) * 1000, 1),
+        "daemon_ms": round((readied - began) * 1000, 1),
+    }
 
 
 class Unset:
@@ -40,6 +55,7 @@ class Unset:
 
 UNSET = Unset()
 POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
+RESTORE_PARALLEL = 4  # restores (and their readying) at once: more only queue for the cores
 
 
 class Lifecycle:
@@ -63,6 +79,8 @@ class Lifecycle:
         self.warm = warm
         self.pool = pool
         self.start_commands = StartCommands(self.driver.paths, self.events)
+        # one gate for the host's creates and forks: a burst's first sandboxes answer first
+        self.restoring = asyncio.Semaphore(RESTORE_PARALLEL)
 
     # -- create --------------------------------------------------------------------------
 
@@ -88,7 +106,24 @@ class Lifecycle:
         secret_refs = self.egress.bind_secrets(tenant, req.secrets)
         req = req.model_copy(update={"network": self.egress.check_policy(who, req.network)})
         self.egress.check_policy(who, rules_of(req))  # and its bucket mounts' rules
+        with self.pool.creating(shape):  # the pool refills after, and sizes to, bursts
+            row = await self._create(who, req, shape, secret_refs, delegation)
+        if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
+            self.pool.watch(shape)  # a template in use gets a pool of the default shape
+        return self.registry.get(who, row.id)
+
+    async def _create(
+        self,
+        who: Principal,
+        req: SandboxCreate,
+        shape: Shape,
+        secret_refs: dict[str, SecretRef],
+        delegation: dict[str, Any] | None,
+    ) -> SandboxRecord:
+        tenant = who.tenant
+        began = time.perf_counter()  # the create's own spans, in its `created` event
         async with self.admission.admit(tenant, req.vcpus, req.memory_mib):
+            admitted = time.perf_counter()
             self.registry.check_name(tenant, who.principal or None, req.name)
             vm = self.pool.claim(shape) if req.disk_mib is None else None
             spare = self.pool.claim_spare(shape) if vm is None else None
@@ -100,13 +135,16 @@ class Lifecycle:
             )
         async with self.registry.lock(sandbox_id):
             try:
-                if spare is not None:  # a QEMU waiting for the warm snapshot's state
-                    snap, waiting = spare
-                    directory = self.registry.directory(sandbox_id)
-                    vm = await self.driver.restore(snap, directory, spare=waiting)
-                elif vm is None:  # the pool is empty: restore, never cold-boot
-                    vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
-                await self.ready(vm, row)
+                async with self.restoring if vm is None else contextlib.nullcontext():
+                    gated = time.perf_counter()
+                    if spare is not None:  # a QEMU waiting for the warm snapshot's state
+                        snap, waiting = spare
+                        directory = self.registry.directory(sandbox_id)
+                        vm = await self.driver.restore(snap, directory, spare=waiting)
+                    elif vm is None:  # the pool is empty: restore, never cold-boot
+                        vm = await self.restore_vm(await self.warm.ensure(shape), sandbox_id)
+                    restored = time.perf_counter()
+                    await self.ready(vm, row)
                 if req.disk_mib is not None:
                     await vm.grow_disk(req.disk_mib)
             except BaseException as exc:
@@ -126,11 +164,10 @@ class Lifecycle:
                     "from": origin,
                     "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                    **spans_ms(began, admitted, gated, restored, time.perf_counter()),
                 },
             )
-        if (shape.vcpus, shape.memory_mib) == POOLED_SHAPE:
-            self.pool.watch(shape)  # a template in use gets a pool of the default shape
-        return self.registry.get(who, sandbox_id)
+        return row
 
     async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
         """A VM restored for a sandbox (readied by `ready`)."""
@@ -184,6 +221,7 @@ class Lifecycle:
             if vm is not None:
                 await vm.stop()
             self.registry.update(sandbox_id, state=S.stopped, pid=None, stopped_at=iso(time.time()))
+            self.admission.released()
             self.events.emit(sandbox_id, "stopped")
         return self.registry.get(who, sandbox_id)
 
@@ -309,6 +347,7 @@ class Lifecycle:
             self.registry.update(sandbox_id, state=S.deleting)
             await self.teardown(sandbox_id)
             self.registry.update(sandbox_id, state=S.deleted, pid=None)
+            self.admission.released()
             self.events.emit(sandbox_id, "deleted")
         self.registry.forget(sandbox_id)
 

@@ -1,7 +1,11 @@
 """Fast starts: a warm snapshot per template and shape, and a pool of VMs restored from it.
 
 A create claims a pooled VM (already restored, agent connected) when one fits; otherwise it
-restores from the warm snapshot; it never cold-boots. The pool refills in the background.
+restores from the warm snapshot; it never cold-boots. The pool refills in the background,
+when creates have gone quiet (a refill shares the cores with the creates and their first
+commands), a few restores at once. It grows with demand: after a burst of N creates at once
+it keeps up to N ready (at most `max_size`), and shrinks back to `size` once no burst came
+for `shrink_seconds`, or at once when admission needs the room.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
+from cella.config import DaemonSettings
 from cella.images.templates import builtin_templates
 from cella.runtime.contract import VM, Driver
 from cella.storage.snapshots import SnapshotDir
@@ -26,7 +32,8 @@ WARM_UP = (
 )
 
 
-REFILL_GRACE = 0.25  # seconds a pool that still has VMs waits before restoring more
+QUIET = 0.5  # seconds without a create before the pool restores more: a burst's first
+# commands run on the cores before its refills do
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,8 @@ class _Pool:
     spares: list[tuple[SnapshotDir, VM]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    target: int = 0  # VMs to keep ready: `size`, more after a burst
+    grown_at: float = 0.0  # when demand last raised the target
 
 
 class WarmPool:
@@ -127,21 +136,80 @@ class WarmPool:
         snapshots: WarmSnapshots,
         size: int,
         spares: int = 0,
+        *,
+        max_size: int | None = None,
+        shrink_seconds: float = 120.0,
+        refill_concurrency: int = 2,
     ) -> None:
         self.driver = driver
         self.snapshots = snapshots
         self.size = size
+        # a pool of no VMs (the operator's choice) stays so
+        self.max_size = size if max_size is None or size <= 0 else max(size, max_size)
+        self.shrink_seconds = shrink_seconds
+        self.refill_concurrency = max(1, refill_concurrency)
         self.spare_count = spares
         self._pools: dict[Shape, _Pool] = {}
+        self._creating = 0  # creates under way, of any shape: they share the cores
+        self._last_create = 0.0
+        self._demand: dict[Shape, int] = {}
+        self._peak: dict[Shape, int] = {}  # of a shape with no pool yet
+        # what the pool did, for /metrics: VMs restored into it and the seconds those took
+        # (the work that shares the cores with creates), creates it served and missed
+        self.work = {"refills": 0.0, "refill_seconds": 0.0, "claimed": 0.0, "missed": 0.0}
         self._reaping: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def of(cls, driver: Driver, snapshots: WarmSnapshots, settings: DaemonSettings) -> WarmPool:
+        """The pool as the daemon's settings size it."""
+        return cls(
+            driver,
+            snapshots,
+            settings.pool_size,
+            settings.pool_spares,
+            max_size=settings.pool_max_size,
+            shrink_seconds=settings.pool_shrink_seconds,
+        )
 
     def watch(self, shape: Shape) -> None:
         """Keeps a pool of `size` VMs of this shape, and its spares (filled in the
         background)."""
         if (self.size <= 0 and self.spare_count <= 0) or shape in self._pools:
             return
-        pool = self._pools[shape] = _Pool(shape)
+        # a burst before the pool existed sizes it too
+        target = min(self.max_size, max(self.size, self._peak.pop(shape, 0)))
+        pool = self._pools[shape] = _Pool(shape, target=target, grown_at=time.monotonic())
         pool.task = asyncio.create_task(self._refill(pool), name=f"pool-{shape.template}")
+
+    @contextlib.contextmanager
+    def creating(self, shape: Shape) -> Iterator[None]:
+        """Marks a create under way: refills wait until creates go quiet, and a burst's
+        size (creates of a shape at once) becomes the pool's target."""
+        self._creating += 1
+        self._demand[shape] = self._demand.get(shape, 0) + 1
+        pool = self._pools.get(shape)
+        if pool is None:
+            self._peak[shape] = max(self._peak.get(shape, 0), self._demand[shape])
+        elif self._demand[shape] > pool.target:
+            pool.target = min(self.max_size, self._demand[shape])
+            pool.grown_at = time.monotonic()
+        try:
+            yield
+        finally:
+            self._creating -= 1
+            self._demand[shape] -= 1
+            self._last_create = time.monotonic()
+
+    def give_back(self) -> bool:
+        """Destroys ready VMs beyond each pool's `size` (admission needs their room);
+        whether there were any."""
+        dropped = False
+        for pool in self._pools.values():
+            pool.target = self.size
+            while len(pool.ready) > self.size:
+                self._reap(pool.ready.pop())
+                dropped = True
+        return dropped
 
     def ready(self, shape: Shape) -> int:
         pool = self._pools.get(shape)
@@ -155,9 +223,12 @@ class WarmPool:
         while pool is not None and pool.ready:
             vm = pool.ready.pop(0)
             if vm.usable:
+                self.work["claimed"] += 1
                 return vm
             self._reap(vm)
             pool.wake.set()  # no claimant to make room for: replace it now
+        if pool is not None:
+            self.work["missed"] += 1
         return None
 
     def _reap(self, vm: VM) -> None:
@@ -189,15 +260,29 @@ class WarmPool:
             while self.ready(shape) < self.size:
                 await asyncio.sleep(0.02)
 
+    def _shrink(self, pool: _Pool) -> None:
+        """Back to `size` once no burst came for `shrink_seconds`."""
+        if pool.target > self.size and time.monotonic() - pool.grown_at > self.shrink_seconds:
+            pool.target = self.size
+        while len(pool.ready) > pool.target:
+            self._reap(pool.ready.pop())
+
+    async def _quiet(self) -> None:
+        """Until no create has been under way for `QUIET` seconds."""
+        while self._creating or time.monotonic() - self._last_create < QUIET:
+            await asyncio.sleep(QUIET if self._creating else QUIET / 5)
+
     async def _refill(self, pool: _Pool) -> None:
         failures = 0
         while True:
-            if len(pool.ready) >= self.size and len(pool.spares) >= self.spare_count:
+            self._shrink(pool)
+            if len(pool.ready) >= pool.target and len(pool.spares) >= self.spare_count:
                 pool.wake.clear()
-                await pool.wake.wait()
-                if pool.ready or pool.spares:  # no hurry: let the claimant's first calls run
-                    await asyncio.sleep(REFILL_GRACE)
+                wait = self.shrink_seconds / 2 if pool.target > self.size else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(pool.wake.wait(), wait)
                 continue
+            await self._quiet()
             try:
                 snap = await self.snapshots.ensure(pool.shape)
                 if len(pool.spares) < self.spare_count:  # cheap, and what an empty pool uses
@@ -205,21 +290,14 @@ class WarmPool:
                     pool.spares.append((snap, await self.driver.prespawn(snap, directory)))
                     failures = 0
                     continue
-                directory = self.driver.paths.vms / new_sandbox_id()
-                vm = await self.driver.restore(snap, directory)
-                try:
-                    # run the usual first commands once, so this VM's translation cache is
-                    # warm before anyone claims it (a first exec is otherwise much slower);
-                    # an image without a shell simply skips it
-                    with contextlib.suppress(errors.NotFound, errors.GuestError):
-                        await vm.agent.exec(WARM_UP, timeout=60)
-                    await vm.agent.set_identity(
-                        hostname="pool", time_ns=time.time_ns(), seed=os.urandom(64)
-                    )
-                except BaseException:
-                    await self.driver.destroy(vm)
-                    raise
-                pool.ready.append(vm)
+                n = min(self.refill_concurrency, pool.target - len(pool.ready))
+                made = await asyncio.gather(
+                    *(self._warm_vm(snap) for _ in range(n)), return_exceptions=True
+                )
+                pool.ready.extend(vm for vm in made if not isinstance(vm, BaseException))
+                for exc in made:
+                    if isinstance(exc, BaseException):
+                        raise exc
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -227,6 +305,25 @@ class WarmPool:
                 failures += 1
                 log.exception("warm pool refill failed")
                 await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+
+    async def _warm_vm(self, snap: SnapshotDir) -> VM:
+        """A VM restored for the pool, its translation cache warmed."""
+        started = time.perf_counter()
+        vm = await self.driver.restore(snap, self.driver.paths.vms / new_sandbox_id())
+        try:
+            # run the usual first commands once, so this VM's translation cache is warm
+            # before anyone claims it (a first exec is otherwise much slower); an image
+            # without a shell simply skips it
+            with contextlib.suppress(errors.NotFound, errors.GuestError):
+                await vm.agent.exec(WARM_UP, timeout=60)
+            seed = os.urandom(64)
+            await vm.agent.set_identity(hostname="pool", time_ns=time.time_ns(), seed=seed)
+        except BaseException:
+            await self.driver.destroy(vm)
+            raise
+        self.work["refills"] += 1
+        self.work["refill_seconds"] += time.perf_counter() - started
+        return vm
 
     async def forget(self, template: str) -> None:
         """Drops the pools of a template that changed; its pooled VMs are destroyed."""
@@ -249,9 +346,13 @@ class WarmPool:
             pool.ready.clear()
             pool.spares.clear()
 
-    def committed(self) -> tuple[int, int]:
-        """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity."""
-        vms = [(p.shape, len(p.ready)) for p in self._pools.values()]
+    def committed(self, lent: bool = True) -> tuple[int, int]:
+        """(vCPUs, MiB) held by pooled VMs, counted against the host's capacity; without
+        `lent`, only up to each pool's `size` (those beyond it are given back on demand)."""
+        vms = [
+            (p.shape, len(p.ready) if lent else min(len(p.ready), self.size))
+            for p in self._pools.values()
+        ]
         return (sum(s.vcpus * n for s, n in vms), sum(s.memory_mib * n for s, n in vms))
 
     def status(self) -> dict[str, int]:
