@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx2
 
 from cella.config import DaemonSettings
+from cella.fleet.backups import GatewayBackups
 from cella.fleet.delegation import Delegations
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
@@ -40,6 +41,7 @@ from cella.fleet.shared_webhooks import SharedWebhooks
 from cella.fleet.snapshots import FleetSnapshots
 from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
+from cella.service.background import Background
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
@@ -65,6 +67,8 @@ class Gateway:
             settings.secrets_key_command,
         )
         self.placements = Placements(root / "placements.db")
+        self.background = Background()  # backups, which run on if their caller leaves
+        self.backups = GatewayBackups(root, self.store, lambda: secrets_key)
         # delegation tokens are checked against the grants the gateway made
         self.keys = Keys(self.store, grant_of=lambda sid: self.delegations.grant_of(sid))
         self.keys.ensure_admin_key(root)
@@ -108,6 +112,7 @@ class Gateway:
         await self.membership.start()
 
     async def shutdown(self) -> None:
+        await self.background.close()
         await self.membership.shutdown()
 
     async def _joining(self, node: Node) -> None:
