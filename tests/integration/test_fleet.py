@@ -24,10 +24,16 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # run in one session, on one cluster: the fleet's own checks, what its nodes share (volumes,
 # webhooks, templates), then E2B's SDK's, then the LangSmith SDK's (whose last check has the
-# gateway serve TLS)
+# gateway serve TLS), then the operator's: safe retries and backups of the gateway
 CHECKS = [
     ROOT / "tests" / "fleet" / name
-    for name in ("fleet_checks.py", "shared_checks.py", "e2b_checks.py", "langsmith_checks.py")
+    for name in (
+        "fleet_checks.py",
+        "shared_checks.py",
+        "e2b_checks.py",
+        "langsmith_checks.py",
+        "ops_checks.py",
+    )
 ]
 
 

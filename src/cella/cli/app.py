@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Annotated, Any, TypeVar
 
@@ -119,18 +120,31 @@ def setup(
             raise typer.BadParameter(f"unknown template {name!r}; known: {', '.join(specs)}")
     if any(specs[n].kernel_modules for n in names) and kernel_mode == "auto":
         kernel_mode = "tuned"  # such a template carries the tuned kernel's module index
-    kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
     if kernel_only:
+        kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
         if json_:
             emit_json({"kernel": kernel.version, "kernel_kind": kernel.kind, "steps": steps})
         return
-    boot = step("agent and initramfs", lambda: ensure_boot(paths, show))
-    step("egress proxy", lambda: ensure_proxy(paths, show))
-    images = {}
-    for name in names:
-        images[name] = str(
-            step(f"template {name}", partial(build_template, paths, specs[name], show))
-        )
+    # the templates (the longest step) build while other threads get the kernel, the agent
+    # and initramfs, and the egress proxy's virtualenv (pip): a first start waits for the
+    # longest of them, not their sum
+    with ThreadPoolExecutor(2, thread_name_prefix="setup") as pool:
+        proxy = pool.submit(step, "egress proxy", lambda: ensure_proxy(paths, show))
+
+        def kernel_and_boot() -> tuple[Any, int | None, Any]:
+            kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
+            return kernel, building, step("agent and initramfs", lambda: ensure_boot(paths, show))
+
+        booting = pool.submit(kernel_and_boot)
+        if any(specs[n].kernel_modules for n in names):
+            booting.result()  # the template installs the kernel's modules: it goes first
+        images = {}
+        for name in names:
+            images[name] = str(
+                step(f"template {name}", partial(build_template, paths, specs[name], show))
+            )
+        kernel, building, boot = booting.result()
+        proxy.result()
     show("probing the accelerator")
     choice = step(
         "accelerator probe",
