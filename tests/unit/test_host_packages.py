@@ -33,7 +33,7 @@ def test_setup_waits_for_the_bootstrap_apt_get(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(host.BOOTSTRAP_APT_PID, str(job.pid))
     told: list[str] = []
     started = time.monotonic()
-    host._await_bootstrap(told.append)
+    assert host._await_bootstrap(told.append)
     assert job.poll() is not None or time.monotonic() - started >= 0.5
     assert told == ["waiting for the host packages scripts/bootstrap is installing"]
     job.wait()
@@ -42,7 +42,7 @@ def test_setup_waits_for_the_bootstrap_apt_get(monkeypatch: pytest.MonkeyPatch) 
     try:
         monkeypatch.setenv(host.BOOTSTRAP_APT_PID, str(other.pid))
         told.clear()
-        host._await_bootstrap(told.append)
+        assert not host._await_bootstrap(told.append)
         assert told == [] and other.poll() is None
     finally:
         other.kill()

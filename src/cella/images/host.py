@@ -61,8 +61,9 @@ def ensure_host_packages(
     progress: Progress = quiet, packages: tuple[str, ...] = HOST_PACKAGES
 ) -> list[str]:
     """Installs whatever of `packages` is missing; returns what was installed."""
-    _await_bootstrap(progress)
     missing = missing_packages(packages)
+    if missing and _await_bootstrap(progress):
+        missing = missing_packages(packages)  # what bootstrap's apt-get did not install
     if not missing:
         progress("host packages: all present")
         return []
@@ -81,26 +82,27 @@ def ensure_host_packages(
     return missing
 
 
-def _await_bootstrap(progress: Progress) -> None:
+def _await_bootstrap(progress: Progress) -> bool:
     """Waits for the apt-get that `scripts/bootstrap` started in the background, if it
-    still runs (apt allows one at a time; what it installs need not be installed again)."""
+    still runs (apt allows one at a time; what it installs need not be installed again);
+    whether there was one."""
     pid = os.environ.get(BOOTSTRAP_APT_PID, "")
     if not pid.isdigit():
-        return
+        return False
     stat = Path(f"/proc/{pid}/stat")
     try:
         if b"bootstrap" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return  # gone, its pid another process's now
+            return False  # gone, its pid another process's now
     except OSError:
-        return
+        return False
     told = False
     while True:
         try:  # its state is the field after the parenthesised name; Z: exited, not reaped
             state = stat.read_text().rpartition(")")[2].split()[0]
         except (OSError, IndexError):
-            return
+            return True
         if state in ("Z", "X"):
-            return
+            return True
         if not told:
             progress("waiting for the host packages scripts/bootstrap is installing")
             told = True
