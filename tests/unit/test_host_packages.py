@@ -30,6 +30,9 @@ def test_the_lists_load_with_the_standard_library_alone() -> None:
 
 def test_setup_waits_for_the_bootstrap_apt_get(monkeypatch: pytest.MonkeyPatch) -> None:
     job = subprocess.Popen(["sh", "-c", "sleep 1", "bootstrap"])  # "bootstrap" in its cmdline
+    cmdline = Path(f"/proc/{job.pid}/cmdline")
+    while b"bootstrap" not in cmdline.read_bytes():  # until the fork has exec'd sh
+        time.sleep(0.01)
     monkeypatch.setenv(host.BOOTSTRAP_APT_PID, str(job.pid))
     told: list[str] = []
     started = time.monotonic()
