@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +89,7 @@ def setup(
     Idempotent: what is already in place is kept.
     """
     from cella.images.boot import ensure_boot
-    from cella.images.host import FIRST_PACKAGES, ensure_host_packages
+    from cella.images.host import FIRST_PACKAGES, ensure_host_packages, missing_packages
     from cella.images.templates import build_template, builtin_templates
     from cella.network.install import ensure_proxy
     from cella.runtime.qemu.accel import choose_accel
@@ -131,6 +132,8 @@ def setup(
     # the egress proxy's virtualenv (pip): a first start waits for the longest of them, not
     # their sum
     installed = step("first packages", lambda: ensure_host_packages(show, FIRST_PACKAGES))
+    if os.geteuid() != 0 and (missing := missing_packages()):  # fail now, not after the template
+        raise errors.PermissionDenied(f"installing {' '.join(missing)} needs root")
     with ThreadPoolExecutor(2, thread_name_prefix="setup") as pool:
         proxy = pool.submit(step, "egress proxy", lambda: ensure_proxy(paths, show))
 
