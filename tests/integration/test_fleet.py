@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the next one starts), then on one cluster: the fleet's own checks, what its nodes share
 # (volumes, webhooks, templates), moves, then E2B's SDK's, then the LangSmith SDK's (whose
 # last check has the gateway serve TLS), a template shipped by digest to a node that joins
-# for it, replicas, then two more gateways sharing PostgreSQL
-# (one killed: they leave the nodes pointing at a gateway that is gone, so they run last)
+# for it, the operator's (safe retries, backups of the gateway), replicas, then two more
+# gateways sharing PostgreSQL (one killed: they leave the nodes pointing at a gateway that
+# is gone, so they run last)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
     for name in (
@@ -39,6 +40,7 @@ CHECKS = [
         "e2b_checks.py",
         "langsmith_checks.py",
         "template_ship_checks.py",
+        "ops_checks.py",
         "replica_checks.py",
         "gateways_checks.py",
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cella import errors
-from cella.service.backups import DATA, FORMAT, MANIFEST, Backups, _quiet
+from cella.service.backups import DATA, FORMAT, MANIFEST, _quiet, checksums
 from cella.service.restore import restore
 from cella.store import SecretRecord, Store
 from cella.store.sealing import Sealer, new_key
@@ -31,7 +31,7 @@ def backup(tmp_path: Path, key: bytes) -> Path:
     store.put_secret(SecretRecord("acme", "token", "s3cr3t", ["example.com"]))
     store.close()
     (dest / DATA / "admin.key").write_text("ck_admin\n")
-    files = Backups._checksums(dest, _quiet)
+    files = checksums(dest, _quiet)
     manifest = {
         "format": FORMAT,
         "version": "0.2.0",

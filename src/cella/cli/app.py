@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Annotated, Any, TypeVar
 
@@ -87,7 +89,7 @@ def setup(
     Idempotent: what is already in place is kept.
     """
     from cella.images.boot import ensure_boot
-    from cella.images.host import ensure_host_packages
+    from cella.images.host import FIRST_PACKAGES, ensure_host_packages, missing_packages
     from cella.images.templates import build_template, builtin_templates
     from cella.network.install import ensure_proxy
     from cella.runtime.qemu.accel import choose_accel
@@ -107,8 +109,8 @@ def setup(
 
     if kernel_mode not in ("auto", "tuned", "stock"):
         raise typer.BadParameter("--kernel must be auto, tuned or stock")
-    installed = step("host packages", lambda: ensure_host_packages(show))
     if packages_only:
+        installed = step("host packages", lambda: ensure_host_packages(show))
         if json_:
             emit_json({"installed_packages": installed, "steps": steps})
         return
@@ -119,18 +121,37 @@ def setup(
             raise typer.BadParameter(f"unknown template {name!r}; known: {', '.join(specs)}")
     if any(specs[n].kernel_modules for n in names) and kernel_mode == "auto":
         kernel_mode = "tuned"  # such a template carries the tuned kernel's module index
-    kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
     if kernel_only:
+        step("host packages", lambda: ensure_host_packages(show))
+        kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
         if json_:
             emit_json({"kernel": kernel.version, "kernel_kind": kernel.kind, "steps": steps})
         return
-    boot = step("agent and initramfs", lambda: ensure_boot(paths, show))
-    step("egress proxy", lambda: ensure_proxy(paths, show))
-    images = {}
-    for name in names:
-        images[name] = str(
-            step(f"template {name}", partial(build_template, paths, specs[name], show))
-        )
+    # the templates (the longest step) build as soon as their tools are in, while other
+    # threads install the other host packages, get the kernel, the agent and initramfs, and
+    # the egress proxy's virtualenv (pip): a first start waits for the longest of them, not
+    # their sum
+    installed = step("first packages", lambda: ensure_host_packages(show, FIRST_PACKAGES))
+    if os.geteuid() != 0 and (missing := missing_packages()):  # fail now, not after the template
+        raise errors.PermissionDenied(f"installing {' '.join(missing)} needs root")
+    with ThreadPoolExecutor(2, thread_name_prefix="setup") as pool:
+        proxy = pool.submit(step, "egress proxy", lambda: ensure_proxy(paths, show))
+
+        def kernel_and_boot() -> tuple[Any, int | None, Any]:
+            installed.extend(step("host packages", lambda: ensure_host_packages(show)))
+            kernel, building = step("guest kernel", lambda: choose_kernel(paths, kernel_mode, show))
+            return kernel, building, step("agent and initramfs", lambda: ensure_boot(paths, show))
+
+        booting = pool.submit(kernel_and_boot)
+        if any(specs[n].kernel_modules for n in names):
+            booting.result()  # the template installs the kernel's modules: it goes first
+        images = {}
+        for name in names:
+            images[name] = str(
+                step(f"template {name}", partial(build_template, paths, specs[name], show))
+            )
+        kernel, building, boot = booting.result()
+        proxy.result()
     show("probing the accelerator")
     choice = step(
         "accelerator probe",

@@ -47,7 +47,8 @@ def backup(
 ) -> None:
     """Back up the daemon's data directory while it runs: its databases (SQLite's backup
     API), keys, snapshots, every sandbox's disk (a running one paused for the copy) and
-    volumes, with a manifest of checksums."""
+    volumes, with a manifest of checksums. Against a fleet gateway: the gateway's own
+    databases and keys (its nodes are backed up each on its own)."""
     from cella.sdk import Client
 
     with Client() as client, _progress(json_) as progress:
@@ -59,9 +60,14 @@ def backup(
         return
     for warning in report["warnings"]:
         console.print(f"[yellow]warning[/yellow] {warning}", highlight=False)
+    what = (
+        "the fleet gateway (its sandboxes and snapshots are on its nodes: back those up there)"
+        if report.get("kind") == "gateway"
+        else f"{len(report['sandboxes'])} sandbox(es), {len(report['snapshots'])} snapshot(s)"
+    )
     console.print(
-        f"backed up {len(report['sandboxes'])} sandbox(es), {len(report['snapshots'])} "
-        f"snapshot(s): {report['files']} files, {report['bytes'] >> 20} MiB in {report['dest']}",
+        f"backed up {what}: {report['files']} files, {report['bytes'] >> 20} MiB in "
+        f"{report['dest']}",
         highlight=False,
     )
     if report["secrets_key"] == "excluded" and report["sealed_values"]:
@@ -101,9 +107,15 @@ def restore(
     if json_:
         emit_json(report)
         return
+    gateway = report["kind"] == "gateway"
+    what = (
+        "a fleet gateway"
+        if gateway
+        else f"{len(report['sandboxes'])} sandbox(es) and {len(report['snapshots'])} snapshot(s)"
+    )
+    serve = "cella serve --ray ADDRESS" if gateway else "cella serve"
     console.print(
-        f"restored {len(report['sandboxes'])} sandbox(es) and {len(report['snapshots'])} "
-        f"snapshot(s) of cella {report['version']} into {report['data_dir']} (secrets key: "
-        f"{report['secrets_key']}); start `cella serve --data-dir {report['data_dir']}`",
+        f"restored {what} of cella {report['version']} into {report['data_dir']} (secrets "
+        f"key: {report['secrets_key']}); start `{serve} --data-dir {report['data_dir']}`",
         highlight=False,
     )

@@ -7,11 +7,12 @@ call on a sandbox is streamed to and from its node as is (bodies, JSON Lines, We
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response, WebSocket
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from cella import __version__, errors
 from cella.config import DaemonSettings
@@ -22,7 +23,7 @@ from cella.fleet.node_client import Node
 from cella.fleet.registries import build_with
 from cella.fleet.relay import METHODS, NODE_HINT, forward, relay_websocket
 from cella.fleet.status import fleet_capacity, fleet_status
-from cella.models import Capacity, ForkRequest, KeyRotation, SnapshotFromImage
+from cella.models import BackupRequest, Capacity, ForkRequest, KeyRotation, SnapshotFromImage
 from cella.models.fleet import FleetStatus, Replica
 from cella.models.network import Secret, SecretList, SecretPut
 from cella.policy.rewrites import FLEET_REWRITE, PREFIX, TOKEN_HEADER
@@ -31,6 +32,7 @@ from cella.server.deps import Auth, IdempotencyKey, KeyOrSession
 from cella.server.front import serve
 from cella.server.routes import evals, keys, registries
 from cella.server.routes.egress import SecretName
+from cella.server.routes.host import backup_stream
 from cella.server.sockets import bearer, opened
 from cella.service.idempotency import Idempotency
 from cella.service.keys import Principal, require_admin
@@ -361,6 +363,19 @@ def router(gateway: Gateway) -> APIRouter:
         """The gateway's secrets key and every node's, each sealing its own copy (admin)."""
         require_admin(who, "rotate the secrets key")
         return KeyRotation(resealed=await gateway.secrets.rotate_key())
+
+    @api.post(
+        "/v1/backups",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}}},
+        tags=["meta"],
+    )
+    async def backup(body: BackupRequest, who: Auth) -> StreamingResponse:
+        """The gateway's own data directory (keys, sealed secrets, placements), written on
+        its host; the sandboxes and snapshots are backed up on their nodes (admin)."""
+        require_admin(who, "back up the gateway")
+        start = partial(gateway.background.start, name="backup")
+        return backup_stream(gateway.backups, body, start)
 
     @api.api_route("/v1/{rest:path}", methods=METHODS, include_in_schema=False)
     async def anywhere(rest: str, request: Request, who: Auth) -> Response:

@@ -29,6 +29,7 @@ from typing import Any
 import httpx2
 
 from cella.config import DaemonSettings
+from cella.fleet.backups import GatewayBackups
 from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
 from cella.fleet.growth import Growth
@@ -49,6 +50,7 @@ from cella.fleet.shared_webhooks import SharedWebhooks
 from cella.fleet.snapshots import FleetSnapshots
 from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
+from cella.service.background import Background
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
 from cella.service.keys import Keys, Principal
@@ -84,6 +86,8 @@ class Gateway:
             settings.secrets_key_command,
         )
         self.placements = Placements(kept_in("placements.db"))
+        self.background = Background()  # backups, which run on if their caller leaves
+        self.backups = GatewayBackups(root, self.store, lambda: secrets_key)
         # delegation tokens are checked against the grants the gateway made
         self.keys = Keys(self.store, grant_of=lambda sid: self.delegations.grant_of(sid))
         self.keys.ensure_admin_key(root)
@@ -151,6 +155,7 @@ class Gateway:
     async def shutdown(self) -> None:
         await self.replicas.shutdown()
         await self.growth.shutdown()
+        await self.background.close()
         await self.membership.shutdown()
         self.presence.close()
 

@@ -1,9 +1,16 @@
-"""Host packages cella needs, installed through apt (idempotent)."""
+"""Host packages cella needs, installed through apt (idempotent).
+
+This module is standard library only: `scripts/bootstrap` reads the lists with the system's
+python3 before any virtualenv exists, installs `FIRST_PACKAGES` at once and the rest in the
+background (its pid in `BOOTSTRAP_APT_PID`, which `ensure_host_packages` waits for).
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
+from pathlib import Path
 
 from cella import errors
 from cella._proc import Progress, quiet, run
@@ -31,6 +38,11 @@ HOST_PACKAGES = (
 )
 
 
+# what a first start needs before the rest: the template's tools, the proxy's virtualenv
+FIRST_PACKAGES = ("mmdebstrap", "e2fsprogs", "qemu-utils", "ca-certificates", "python3-venv")
+BOOTSTRAP_APT_PID = "CELLA_BOOTSTRAP_APT_PID"
+
+
 def missing_packages(packages: tuple[str, ...] = HOST_PACKAGES) -> list[str]:
     missing = []
     for pkg in packages:
@@ -45,9 +57,13 @@ def missing_packages(packages: tuple[str, ...] = HOST_PACKAGES) -> list[str]:
     return missing
 
 
-def ensure_host_packages(progress: Progress = quiet) -> list[str]:
-    """Installs whatever is missing; returns what was installed."""
-    missing = missing_packages()
+def ensure_host_packages(
+    progress: Progress = quiet, packages: tuple[str, ...] = HOST_PACKAGES
+) -> list[str]:
+    """Installs whatever of `packages` is missing; returns what was installed."""
+    missing = missing_packages(packages)
+    if missing and _await_bootstrap(progress):
+        missing = missing_packages(packages)  # what bootstrap's apt-get did not install
     if not missing:
         progress("host packages: all present")
         return []
@@ -64,3 +80,30 @@ def ensure_host_packages(progress: Progress = quiet) -> list[str]:
         ),
     )
     return missing
+
+
+def _await_bootstrap(progress: Progress) -> bool:
+    """Waits for the apt-get that `scripts/bootstrap` started in the background, if it
+    still runs (apt allows one at a time; what it installs need not be installed again);
+    whether there was one."""
+    pid = os.environ.get(BOOTSTRAP_APT_PID, "")
+    if not pid.isdigit():
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        if b"bootstrap" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False  # gone, its pid another process's now
+    except OSError:
+        return False
+    told = False
+    while True:
+        try:  # its state is the field after the parenthesised name; Z: exited, not reaped
+            state = stat.read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if not told:
+            progress("waiting for the host packages scripts/bootstrap is installing")
+            told = True
+        time.sleep(0.5)

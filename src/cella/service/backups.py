@@ -98,9 +98,104 @@ class BackupReport:
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    kind: str = "daemon"  # or "gateway" (a fleet gateway's: no sandbox, no snapshot)
+    store: str = "cella.db"  # the database the sealed values are in
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def new_report(
+    dest: Path,
+    schema_version: int,
+    key: KeyFile | None,
+    with_secrets_key: bool,
+    kind: str = "daemon",
+    store: str = "cella.db",
+) -> BackupReport:
+    """A backup's report as it starts: this release's, and where its secrets key goes."""
+    where = "command" if key is None else "included" if with_secrets_key else "excluded"
+    return BackupReport(str(dest), __version__, schema_version, where, 0, kind=kind, store=store)
+
+
+def check_destination(root: Path, dest: Path, running: asyncio.Lock) -> Path:
+    """`dest` resolved, if a backup of `root` may go there: an absolute path to a new or
+    empty directory outside it, while no other backup runs (`running` held)."""
+    if not dest.is_absolute():
+        raise errors.InvalidArgument(f"the backup's destination {dest} is not absolute")
+    dest = dest.resolve()
+    if dest == root or root in dest.parents:
+        raise errors.InvalidArgument("a backup cannot go inside the data directory")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise errors.InvalidArgument(f"{dest} is not an empty directory")
+    if running.locked():
+        raise errors.Conflict("a backup is already under way")
+    return dest
+
+
+def copy_databases(root: Path, data: Path, main: str) -> sqlite3.Connection:
+    """Every SQLite database of `root`, each one consistent state (SQLite's backup API);
+    returns a connection to the copy of `main`, which the caller may write into."""
+    for db in sorted(root.glob("*.db")):
+        source = sqlite3.connect(db)
+        target = sqlite3.connect(data / db.name)
+        try:
+            source.backup(target)
+        finally:
+            source.close()
+            target.close()
+    copy = sqlite3.connect(data / main, isolation_level=None, check_same_thread=False)
+    copy.row_factory = sqlite3.Row
+    copy.execute("PRAGMA journal_mode=DELETE")  # one file: nothing beside it to carry
+    return copy
+
+
+def is_state_file(name: str) -> bool:
+    """A top-level file worth keeping: keys and the like, not the databases (copied apart),
+    their journals, the secrets key (only on request) or what is written anew."""
+    skip = name in NOT_STATE or name.startswith(SECRETS_KEY)
+    return not (skip or name.endswith((".db", ".db-wal", ".db-shm", ".tmp", ".log")))
+
+
+def copy_key_files(root: Path, data: Path, key: KeyFile | None) -> None:
+    """The keys of `root` (API, session, signing, the egress CA guests trust), and the
+    secrets key when given."""
+    for entry in sorted(root.iterdir()):
+        if entry.is_file() and not entry.is_symlink() and is_state_file(entry.name):
+            copy_file(entry, data / entry.name)
+    for name in KEY_DIRS:
+        if (root / name).is_dir():
+            for file in sorted((root / name).rglob("*")):
+                if file.is_file():
+                    copy_file(file, data / file.relative_to(root))
+    for file in sorted((root / "egress").glob(f"{EGRESS_KEEP}*")):
+        copy_file(file, data / "egress" / file.name)
+    if key is not None:
+        copy_file(key.path, data / SECRETS_KEY)
+
+
+def checksums(dest: Path, progress: Progress) -> dict[str, dict[str, Any]]:
+    files = sorted(p for p in (dest / DATA).rglob("*") if p.is_file())
+    out: dict[str, dict[str, Any]] = {}
+    for done, path in enumerate(files):
+        progress("checksums", done, len(files))
+        out[str(path.relative_to(dest))] = {"sha256": sha256_of(path), "bytes": path.stat().st_size}
+    progress("checksums", len(files), len(files))
+    return out
+
+
+def finish(dest: Path, report: BackupReport, started: float, progress: Progress) -> None:
+    """Checksums every file and writes the manifest, last: a backup without it is
+    incomplete."""
+    files = checksums(dest, progress)
+    report.files = len(files)
+    report.bytes = sum(f["bytes"] for f in files.values())
+    report.seconds = round(time.monotonic() - started, 3)
+    manifest = {"format": FORMAT, **report.to_json(), "files": files}
+    tmp = dest / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    tmp.rename(dest / MANIFEST)
+    log.info("backup to %s: %d files, %d bytes", dest, report.files, report.bytes)
 
 
 class Backups:
@@ -113,16 +208,7 @@ class Backups:
     def check(self, dest: Path) -> Path:
         """Where a backup may go: an absolute path to a new or empty directory outside the
         data directory, while no other backup runs (checked before one starts)."""
-        if not dest.is_absolute():
-            raise errors.InvalidArgument(f"the backup's destination {dest} is not absolute")
-        dest = dest.resolve()
-        if dest == self.root or self.root in dest.parents:
-            raise errors.InvalidArgument("a backup cannot go inside the data directory")
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise errors.InvalidArgument(f"{dest} is not an empty directory")
-        if self._running.locked():
-            raise errors.Conflict("a backup is already under way")
-        return dest
+        return check_destination(self.root, dest, self._running)
 
     async def backup(
         self, dest: Path, *, with_secrets_key: bool = False, progress: Progress = _quiet
@@ -133,18 +219,12 @@ class Backups:
         async with self._running:
             started = time.monotonic()
             key = self.secrets_key()
-            report = BackupReport(
-                str(dest),
-                __version__,
-                self.registry.store.schema_version,
-                "command" if key is None else "included" if with_secrets_key else "excluded",
-                0,
-            )
+            report = new_report(dest, self.registry.store.schema_version, key, with_secrets_key)
             data = dest / DATA
             data.mkdir(parents=True, exist_ok=True)
             dest.chmod(0o700)
             progress("databases", 0, 1)
-            copy = await asyncio.to_thread(self._databases, data)
+            copy = await asyncio.to_thread(copy_databases, self.root, data, "cella.db")
             try:
                 report.sealed_values = sealed_values(copy)
                 await self._snapshots(copy, data, report, progress)
@@ -152,36 +232,14 @@ class Backups:
             finally:
                 copy.close()
             progress("keys and volumes", 0, 1)
-            await asyncio.to_thread(self._keys, data, key if with_secrets_key else None)
+            await asyncio.to_thread(
+                copy_key_files, self.root, data, key if with_secrets_key else None
+            )
             await asyncio.to_thread(self._volumes, data)
-            files = await asyncio.to_thread(self._checksums, dest, progress)
-            report.files = len(files)
-            report.bytes = sum(f["bytes"] for f in files.values())
-            report.seconds = round(time.monotonic() - started, 3)
-            manifest = {"format": FORMAT, **report.to_json(), "files": files}
-            tmp = dest / f"{MANIFEST}.tmp"
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            tmp.rename(dest / MANIFEST)  # last: a backup without it is incomplete
-            log.info("backup to %s: %d files, %d bytes", dest, report.files, report.bytes)
+            await asyncio.to_thread(finish, dest, report, started, progress)
             return report
 
     # -- the parts ------------------------------------------------------------------------
-
-    def _databases(self, data: Path) -> sqlite3.Connection:
-        """Every SQLite database of the directory, each one consistent state; returns a
-        connection to the copy of `cella.db`, which the rest writes into."""
-        for db in sorted(self.root.glob("*.db")):
-            source = sqlite3.connect(db)
-            target = sqlite3.connect(data / db.name)
-            try:
-                source.backup(target)
-            finally:
-                source.close()
-                target.close()
-        copy = sqlite3.connect(data / "cella.db", isolation_level=None, check_same_thread=False)
-        copy.row_factory = sqlite3.Row
-        copy.execute("PRAGMA journal_mode=DELETE")  # one file: nothing beside it to carry
-        return copy
 
     async def _snapshots(
         self, copy: sqlite3.Connection, data: Path, report: BackupReport, progress: Progress
@@ -274,27 +332,6 @@ class Backups:
                 raise errors.InvalidState(f"it was {row.state}")
             return str(row.state)
 
-    def _keys(self, data: Path, key: KeyFile | None) -> None:
-        for entry in sorted(self.root.iterdir()):
-            if entry.is_file() and not entry.is_symlink() and self._is_state_file(entry.name):
-                copy_file(entry, data / entry.name)
-        for name in KEY_DIRS:
-            if (self.root / name).is_dir():
-                for file in sorted((self.root / name).rglob("*")):
-                    if file.is_file():
-                        copy_file(file, data / file.relative_to(self.root))
-        for file in sorted((self.root / "egress").glob(f"{EGRESS_KEEP}*")):
-            copy_file(file, data / "egress" / file.name)
-        if key is not None:
-            copy_file(key.path, data / SECRETS_KEY)
-
-    @staticmethod
-    def _is_state_file(name: str) -> bool:
-        """A top-level file worth keeping: keys and the like, not the databases (copied
-        apart), their journals, the secrets key (only on request) or what is written anew."""
-        skip = name in NOT_STATE or name.startswith(SECRETS_KEY)
-        return not (skip or name.endswith((".db", ".db-wal", ".db-shm", ".tmp", ".log")))
-
     def _volumes(self, data: Path) -> None:
         volumes = self.root / "volumes"
         if not volumes.is_dir():
@@ -303,16 +340,3 @@ class Backups:
             rel = file.relative_to(self.root)
             if file.is_file() and not file.is_symlink() and ".tmp" not in rel.parts:
                 copy_file(file, data / rel)
-
-    @staticmethod
-    def _checksums(dest: Path, progress: Progress) -> dict[str, dict[str, Any]]:
-        files = sorted(p for p in (dest / DATA).rglob("*") if p.is_file())
-        out: dict[str, dict[str, Any]] = {}
-        for done, path in enumerate(files):
-            progress("checksums", done, len(files))
-            out[str(path.relative_to(dest))] = {
-                "sha256": sha256_of(path),
-                "bytes": path.stat().st_size,
-            }
-        progress("checksums", len(files), len(files))
-        return out

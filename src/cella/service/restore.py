@@ -30,6 +30,7 @@ class RestoreReport:
     snapshots: list[str] = field(default_factory=list)
     secrets_key: str = "none needed"  # from the backup, from a file, a command's, none needed
     files: int = 0
+    kind: str = "daemon"  # or "gateway": a fleet gateway's data directory
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -78,6 +79,7 @@ def restore(
         manifest.get("snapshots", []),
         key_source,
         len(files),
+        manifest.get("kind", "daemon"),
     )
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     if force:
@@ -134,7 +136,8 @@ def _secrets_key(
         )
     else:
         return None, "none needed"
-    if sealed and not _opens(src / DATA / "cella.db", key):
+    store = manifest.get("store", "cella.db")  # a gateway's are in gateway.db
+    if sealed and not _opens(src / DATA / store, key):
         raise errors.InvalidArgument(
             f"the secrets key {source.removeprefix('from ')} does not open the backup's "
             "sealed secrets: it is not the key they were sealed with"
@@ -157,7 +160,7 @@ def _read_key(path: Path) -> bytes:
 def _opens(db: Path, key: bytes) -> bool:
     """Whether `key` opens the sealed values of a copy of `db` (the backup stays as is)."""
     with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / "cella.db"
+        copy = Path(tmp) / db.name
         source, target = sqlite3.connect(db), sqlite3.connect(copy)
         try:
             source.backup(target)

@@ -4,9 +4,9 @@ backups of its data directory."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from cella import errors
 from cella.models import BackupRequest, Capacity
 from cella.server.deps import Auth, DaemonDep, jsonl
+from cella.service.backups import BackupReport, Progress
 from cella.service.keys import require_admin
 
 router = APIRouter(prefix="/v1", tags=["meta"])
@@ -36,7 +37,27 @@ async def backup(body: BackupRequest, svc: DaemonDep, who: Auth) -> StreamingRes
     keys): progress as JSON Lines (`{"step", "done", "total"}`), then `{"backup": report}`,
     or `{"error": {code, message}}` if it failed on the way."""
     require_admin(who, "back up the daemon")
-    dest = svc.backups.check(Path(body.dest))  # a bad destination fails before streaming
+    return backup_stream(svc.backups, body, lambda run: svc.background.start(run, "backup"))
+
+
+class BackupWriter(Protocol):
+    """A node daemon's backups (`service/backups.py`) or a gateway's (`fleet/backups.py`)."""
+
+    def check(self, dest: Path) -> Path: ...
+
+    async def backup(
+        self, dest: Path, *, with_secrets_key: bool, progress: Progress
+    ) -> BackupReport: ...
+
+
+def backup_stream(
+    backups: BackupWriter,
+    body: BackupRequest,
+    start: Callable[[Coroutine[Any, Any, None]], object],
+) -> StreamingResponse:
+    """The backup's progress as JSON Lines; `start` runs it on its own, so it goes on if
+    the caller goes away."""
+    dest = backups.check(Path(body.dest))  # a bad destination fails before streaming
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def progress(step: str, done: int, total: int) -> None:
@@ -44,7 +65,7 @@ async def backup(body: BackupRequest, svc: DaemonDep, who: Auth) -> StreamingRes
 
     async def run() -> None:
         try:
-            report = await svc.backups.backup(
+            report = await backups.backup(
                 dest, with_secrets_key=body.with_secrets_key, progress=progress
             )
             queue.put_nowait({"backup": report.to_json()})
@@ -56,7 +77,7 @@ async def backup(body: BackupRequest, svc: DaemonDep, who: Auth) -> StreamingRes
             queue.put_nowait(None)
 
     async def lines() -> AsyncIterator[bytes]:
-        svc.background.start(run(), "backup")  # runs on if the caller goes away
+        start(run())
         while (item := await queue.get()) is not None:
             yield jsonl(item)
 
