@@ -117,14 +117,9 @@ class Daemon:
         self.admission = Admission(settings, self.registry, self.pool)
         self.exec_policies = ExecPolicies(self.registry)
         self.lifecycle = Lifecycle(
-            settings,
-            self.registry,
-            self.admission,
-            self.egress,
-            self.warm,
-            self.pool,
+            settings, self.registry, self.admission, self.egress, self.warm, self.pool,
             self.exec_policies,
-        )
+        )  # fmt: skip
         self.snapshots = Snapshots(self.registry)
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
@@ -185,13 +180,9 @@ class Daemon:
             keep_seconds=settings.template_files_keep_hours * 3600,
         )
         self.template_builds = TemplateBuilds(
-            store,
-            self.templates,
-            self.dockerfiles,
-            self.background,
-            self.signer,
+            store, self.templates, self.dockerfiles, self.background, self.signer,
             self.template_files,
-        )
+        )  # fmt: skip
         self.images = ImageSnapshots(
             self.templates, self.lifecycle, self.snapshots, self.image_registries, self.background
         )
