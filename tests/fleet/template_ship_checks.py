@@ -146,4 +146,13 @@ def test_a_template_is_built_once_and_shipped_by_digest(
         fleet.admin.delete("/v1/secrets/fleet-ship-registry")
         fleet.cluster.kill(OWN)
         tenant.close()
+        # the checks after these find the fleet as it was: the gateway no longer asks OWN
+        wait_for(
+            lambda: all(
+                fleet.admin.get(path).status_code == 200
+                for path in ("/v1/sandboxes", "/v1/snapshots")
+            ),
+            timeout=120,
+            what=f"the gateway to stop asking {OWN}",
+        )
     assert list(own.glob("*.qcow2")) == []  # removed from every node
