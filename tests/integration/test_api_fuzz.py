@@ -66,9 +66,18 @@ def fuzz(small_daemon: Daemon, examples: int, seed: int) -> None:
             "delete_sandbox_v1_sandboxes__sandbox_id__delete",
             "--exclude-operation-id",
             "stop_sandbox_v1_sandboxes__sandbox_id__stop_post",
-            # it pulls from the URL it is given: fuzzing it would send traffic anywhere
+            # they pull from the URL they are given: fuzzing them would send traffic anywhere
             "--exclude-operation-id",
             "import_snapshot_v1_snapshots_import_post",
+            "--exclude-operation-id",
+            "import_sandbox_v1_sandboxes_import_post",
+            "--exclude-operation-id",
+            "import_template_v1_templates_import_post",
+            # a move's export freezes the target and its finish removes it
+            "--exclude-operation-id",
+            "export_sandbox_v1_sandboxes__sandbox_id__export_post",
+            "--exclude-operation-id",
+            "finish_export_v1_sandboxes__sandbox_id__export_finish_post",
             # a webhook's URL is looked up when it is set: fuzzing it would ask DNS anything
             "--exclude-operation-id",
             "create_webhook_v1_webhooks_post",
