@@ -92,7 +92,8 @@ def fuzz(small_daemon: Daemon, examples: int, seed: int) -> None:
         timeout=1100,
         env={"PATH": "/usr/bin:/bin", "CELLA_FUZZ_SANDBOX": target.id},
     )
-    report = result.stdout[-6000:] + result.stderr[-2000:]
+    failures = result.stdout.find("FAILURES")  # the failing calls first, whole
+    report = result.stdout[max(0, failures) :][:12000] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert "passed" in result.stdout.lower()
     with small_daemon.client() as client:
