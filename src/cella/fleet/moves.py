@@ -138,9 +138,7 @@ class FleetMoves:
                     "POST",
                     "/v1/sandboxes/import",
                     json={
-                        "source_url": source.url,
-                        "source_key": source.key,
-                        "source_ca": source.ca_pem or None,
+                        **source.as_source(),
                         "export": export,
                     },
                 )

@@ -67,6 +67,10 @@ class Node:
         """A client context trusting the node's certificate (None: plain HTTP)."""
         return trusting(self.ca_pem) if self.ca_pem else None
 
+    def as_source(self) -> dict[str, str | None]:
+        """How another node reaches this one to pull from it (an import's `source_*`)."""
+        return {"source_url": self.url, "source_key": self.key, "source_ca": self.ca_pem or None}
+
     def headers(self, who: Principal | None, langsmith: bool = False) -> dict[str, str]:
         """The node's admin key (as the LangSmith API takes keys, with `langsmith`), acting
         for `who`."""

@@ -50,9 +50,7 @@ class FleetSnapshots:
             "POST",
             "/v1/snapshots/import",
             json={
-                "source_url": source.url,
-                "source_key": source.key,
-                "source_ca": source.ca_pem or None,
+                **source.as_source(),
                 "snapshot_id": snapshot_id,
             },
         )

@@ -239,9 +239,7 @@ class FleetTemplates:
                     "POST",
                     "/v1/templates/import",
                     json={
-                        "source_url": holder.url,
-                        "source_key": holder.key,
-                        "source_ca": holder.ca_pem or None,
+                        **holder.as_source(),
                         "source_node": holder.name,
                         "name": name,
                     },

@@ -43,8 +43,8 @@ class TemplateExport(BaseModel):
     bytes: int = Field(ge=0)
 
 
-class TemplateImport(BaseModel):
-    """Pull a template (its record and base image) from another node daemon."""
+class FromNode(BaseModel):
+    """Where an import pulls from: another node daemon, with its admin key."""
 
     model_config = {"extra": "forbid"}
 
@@ -55,6 +55,11 @@ class TemplateImport(BaseModel):
         max_length=65536,
         description="PEM certificate to trust for an https source_url (a node's own)",
     )
+
+
+class TemplateImport(FromNode):
+    """Pull a template (its record and base image) from another node daemon."""
+
     source_node: str | None = Field(
         default=None, max_length=128, description="the source's node name, recorded"
     )
@@ -71,18 +76,9 @@ class TemplateShip(BaseModel):
     )
 
 
-class SnapshotImport(BaseModel):
+class SnapshotImport(FromNode):
     """Pull a snapshot (and the snapshots its disk sits on) from another node daemon."""
 
-    model_config = {"extra": "forbid"}
-
-    source_url: str = Field(pattern=r"^https?://", description="the node daemon holding it")
-    source_key: str = Field(min_length=1, description="an admin key of that daemon")
-    source_ca: str | None = Field(
-        default=None,
-        max_length=65536,
-        description="PEM certificate to trust for an https source_url (a node's own)",
-    )
     snapshot_id: str = Field(pattern=r"^snap-[0-9a-f]{16}$")
 
 
@@ -146,15 +142,10 @@ class SandboxExport(BaseModel):
     bytes: int = Field(description="the snapshot's files, as shipped")
 
 
-class SandboxImport(BaseModel):
+class SandboxImport(FromNode):
     """Take in a sandbox another node exported, under the same id (`POST
     /v1/sandboxes/import`): its snapshot pulled from that node, then restored."""
 
-    model_config = {"extra": "forbid"}
-
-    source_url: str = Field(pattern=r"^https?://", description="the node daemon holding it")
-    source_key: str = Field(min_length=1, description="an admin key of that daemon")
-    source_ca: str | None = Field(default=None, max_length=65536)
     export: SandboxExport
 
 
