@@ -43,6 +43,7 @@ from cella.fleet.planner import Planner, Shape
 from cella.fleet.snapshots import FleetSnapshots
 from cella.models.fleet import Replica
 from cella.service.keys import Principal
+from cella.service.periodic import Periodic
 from cella.service.replicas import replica_name
 
 log = logging.getLogger("cella.fleet.replicas")
@@ -92,7 +93,9 @@ class Replicas:
         self.snapshots = snapshots
         self._busy: dict[str, asyncio.Lock] = {}
         self._next: dict[str, float] = {}  # sandbox -> when the period next looks at it
-        self._loop: asyncio.Task[None] | None = None
+        self._period = Periodic(
+            "refreshing replicas", self.tick, lambda: min(TICK_SECONDS, self.interval), log
+        )
         self._recovering = asyncio.Lock()
 
     # -- the record ----------------------------------------------------------------------
@@ -267,21 +270,10 @@ class Replicas:
     # -- the period ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop = asyncio.create_task(self._forever())
+        self._period.start()
 
     async def shutdown(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
-
-    async def _forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(TICK_SECONDS, self.interval))
-            try:
-                await self.tick()
-            except Exception:  # one failure must not end the period
-                log.exception("refreshing replicas failed")
+        await self._period.close()
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
