@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -128,6 +129,23 @@ def kill_vms_of(data_dir: object) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def clear_data_of(data_dir: Path) -> None:
+    """Everything but the logs goes once a test's daemon has stopped: the suite's disks and
+    snapshots add up to more than a shared machine's disk may have free. A directory with
+    something still mounted under it is left alone."""
+    root = str(data_dir.resolve())
+    with open("/proc/self/mounts") as mounts:
+        if any(line.split()[1].startswith(root + "/") for line in mounts):
+            return
+    for entry in data_dir.iterdir() if data_dir.is_dir() else []:
+        if entry.suffix == ".log":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
 class DaemonFactory:
     """Starts daemons, each in a data directory of its own, for a test or a module; at the
     end stops every one and kills its VMs (Firecracker's `microvm_factory` is the model)."""
@@ -135,6 +153,7 @@ class DaemonFactory:
     def __init__(self, tmp: pytest.TempPathFactory) -> None:
         self.tmp = tmp
         self.started: list[Daemon] = []
+        self.made: list[Path] = []  # the data directories this factory made (and clears)
 
     def __call__(
         self,
@@ -148,7 +167,10 @@ class DaemonFactory:
     ) -> Daemon:
         """A running daemon: in `data_dir`, else a new directory named after `name`;
         `settings` are its `CELLA_*` settings (lower case, without the prefix)."""
-        daemon = Daemon(data_dir or self.tmp.mktemp(name), wrap, args, **settings)
+        if data_dir is None:
+            data_dir = self.tmp.mktemp(name)
+            self.made.append(data_dir)
+        daemon = Daemon(data_dir, wrap, args, **settings)
         self.started.append(daemon)  # before it starts: one that hangs is stopped too
         return daemon.start(timeout)
 
@@ -159,6 +181,8 @@ class DaemonFactory:
         for daemon in reversed(self.started):
             daemon.stop()
             kill_vms_of(daemon.data_dir)
+        for data_dir in self.made:
+            clear_data_of(data_dir)
 
 
 class SandboxFactory:

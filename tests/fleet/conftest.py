@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import ssl
 import tempfile
@@ -119,6 +120,7 @@ def fleet(outside: Outside) -> Iterator[Fleet]:
         time.sleep(0.5)
         for name in os.listdir(root / "nodes") if (root / "nodes").exists() else []:
             kill_vms_of(root / "nodes" / name)
+        shutil.rmtree(root, ignore_errors=True)  # the nodes' disks and snapshots
 
 
 @pytest.fixture(scope="session")

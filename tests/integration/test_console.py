@@ -178,7 +178,9 @@ def test_list_shows_a_new_sandbox_within_a_second(
     sb = alpha.create(name="fresh-one", labels={"purpose": "list-test"})
     try:
         created = time.monotonic()
-        page.wait_for_selector(f"#sandboxes tr[data-id='{sb.id}']", timeout=1000)
+        # its row may show `creating` first (the events come in order): running within 1 s
+        row_running = f"#sandboxes tr[data-id='{sb.id}']:has-text('running')"
+        page.wait_for_selector(row_running, timeout=1000)
         print(f"shown {1000 * (time.monotonic() - created):.0f} ms after the create returned")
         row = page.inner_text(f"#sandboxes tr[data-id='{sb.id}']")
         assert "fresh-one" in row and "running" in row and "purpose=list-test" in row
