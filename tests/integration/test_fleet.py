@@ -77,10 +77,13 @@ def test_the_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
     output = proc.stdout[max(0, failures) :][:30000] + proc.stderr[-5000:]
     assert report.exists(), output
     cases = ET.parse(report).getroot().iter("testcase")
-    outcomes = {}
+    outcomes, seconds = {}, {}
     for case in cases:
+        seconds[case.get("name")] = float(case.get("time") or 0)
         failed = case.find("failure") is not None or case.find("error") is not None
         skipped = case.find("skipped") is not None
         outcomes[case.get("name")] = "failed" if failed else "skipped" if skipped else "passed"
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:15]
+    print("slowest fleet checks:", *(f"{t:7.1f} s  {name}" for name, t in slowest), sep="\n")
     assert outcomes == dict.fromkeys(check_names(), "passed"), output
     assert proc.returncode == 0, output
