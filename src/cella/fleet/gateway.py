@@ -130,7 +130,7 @@ class Gateway:
         self.launcher = Launcher(
             self.membership,
             self.locator,
-            Quotas(self.membership, settings.max_sandboxes_per_tenant),
+            Quotas(self.placements, self.membership, settings.max_sandboxes_per_tenant),
             planner,
             self.snapshots,
             self.delegations,

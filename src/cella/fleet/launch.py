@@ -86,7 +86,7 @@ class Launcher:
         it besides those that answer for it), on the nodes that fit them best (`prefer`:
         the node asked for; `only`: the one node they may go to; `replicate`: asked for a
         replica, which a tenant of `replicate_tenants` gets without asking)."""
-        async with self.quotas.admitted(who, count, name):
+        async with self.quotas.admitted(who, count, name) as hold:
             snapshot_id = None
             held = set(holders or ())
             if isinstance(source, str):
@@ -109,6 +109,7 @@ class Launcher:
                     made = await make(node, n, snapshot_id)
                     for body in made:
                         self.placements.put(name, body)
+                    hold.placed(len(made))  # counted from their records now
                     return node, made
 
                 parts = await asyncio.gather(
