@@ -12,11 +12,13 @@ from typing import Any, cast
 import pytest
 
 from cella import errors
+from cella.fleet.holds import Holds
 from cella.fleet.membership import Membership
 from cella.fleet.placement_table import Placements
 from cella.fleet.quotas import Quotas
 from cella.service.keys import Principal
-from tests.unit.test_shared_state import place, server, where  # noqa: F401
+from tests.postgres import fresh_database
+from tests.unit.test_shared_state import NAMES, place, server, where  # noqa: F401
 
 LIMIT = 3
 ACME = Principal.service("acme")
@@ -106,7 +108,7 @@ async def test_creates_at_once_hold_their_share_until_recorded(where: str) -> No
     refused = [o for o in outcomes if isinstance(o, errors.QuotaExceeded)]
     assert len(done) == 2 and len(refused) == 2, outcomes  # 1 live + 2 = the limit
     assert "being made" in str(refused[0])
-    assert quotas.live("acme") == LIMIT and quotas._held == {"acme": 0}
+    assert quotas.live("acme") == LIMIT and quotas.holds.making("acme") == 0
 
 
 async def test_a_lost_node_does_not_count_and_a_recovered_sandbox_does(where: str) -> None:  # noqa: F811
@@ -166,3 +168,29 @@ async def test_a_name_is_taken_by_a_record_unless_its_node_deleted_it(where: str
     placements.lose("n2", "gone")
     async with quotas.admitted(ACME, 1, "db"):  # a lost sandbox's name is free
         pass
+
+
+async def test_two_gateways_hold_one_tenants_limit_together(server: str) -> None:  # noqa: F811
+    """Two gateways sharing PostgreSQL: what one is making counts at the other while that
+    one lives; once it is gone, its holds are dropped."""
+    url = fresh_database(server, f"q{next(NAMES)}")
+    living = {"a", "b"}
+    fleet = Fleet()
+
+    def gateway_of(owner: str) -> tuple[Quotas, Placements]:
+        placements = Placements(url)
+        holds = Holds(placements.db, owner, lambda other: other in living)
+        return Quotas(placements, cast(Membership, fleet), LIMIT, holds), placements
+
+    (a, at_a), (b, _) = gateway_of("a"), gateway_of("b")
+    await made(a, at_a, fleet, "n1", "x")
+    async with a.admitted(ACME, 2, "web"):  # a is making two, one named
+        with pytest.raises(errors.QuotaExceeded, match="2 being made"):
+            async with b.admitted(ACME, 1):
+                pass
+        with pytest.raises(errors.AlreadyExists, match="being made"):
+            async with b.admitted(ACME, 0, "web"):
+                pass
+        living.discard("a")  # gateway a died while it made them
+        async with b.admitted(ACME, 1):  # its holds are dropped: room
+            pass

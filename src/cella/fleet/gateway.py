@@ -33,6 +33,7 @@ from cella.fleet.backups import GatewayBackups
 from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
 from cella.fleet.growth import Growth
+from cella.fleet.holds import Holds
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
@@ -130,7 +131,13 @@ class Gateway:
         self.launcher = Launcher(
             self.membership,
             self.locator,
-            Quotas(self.placements, self.membership, settings.max_sandboxes_per_tenant),
+            Quotas(
+                self.placements,
+                self.membership,
+                settings.max_sandboxes_per_tenant,
+                # what every gateway is making: a gateway that is gone holds nothing
+                Holds(self.placements.db, self.presence.id, self.presence.alive),
+            ),
             planner,
             self.snapshots,
             self.delegations,

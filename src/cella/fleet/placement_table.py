@@ -61,6 +61,7 @@ class Placement:
 class Placements:
     def __init__(self, where: Path | str | Database) -> None:
         self._db = database(where)
+        self.db = self._db  # what else the gateway keeps beside it (quota holds)
         self._db.ensure("placements", SCHEMA)
         self._live = f"{self._db.json_text('body', 'state')} != 'deleted'"
 

@@ -4,8 +4,9 @@ across the fleet as on one node (among its creator's and those the tenant sees:
 
 Both are read from the gateway's own placement records, so a create asks no node: what the
 gateways placed and the states they last saw (a resume they relayed is recorded), plus what
-this gateway is making for the tenant right now (held from admission until its node has
-made it and it is recorded). A lost node's sandboxes do not count (nor clash); one recovered
+the gateways are making for the tenant right now (`holds.py`: held from admission until its
+node has made it and it is recorded, where every gateway sees it; admissions of one tenant
+one at a time across the gateways). A lost node's sandboxes do not count (nor clash); one recovered
 from its replica counts again, from the node it lives on now. A stopped sandbox that wakes
 by itself on traffic (`auto_resume`) counts as live. Records can only say too much (a node
 stopped or deleted a sandbox on its own: its idle timeout, its TTL): before a create is
@@ -21,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 from cella import errors
+from cella.fleet.holds import Holds
 from cella.fleet.locator import access_shown
 from cella.fleet.membership import Membership
 from cella.fleet.placement_table import Placements, Standing
@@ -40,28 +42,32 @@ def counts(sandbox: Standing) -> bool:
 class Hold:
     """Sandboxes of a tenant admitted and not yet recorded where they were made."""
 
-    def __init__(self, book: dict[str, int], tenant: str, count: int) -> None:
-        self._book, self.tenant, self.left = book, tenant, count
-        book[tenant] = book.get(tenant, 0) + count
+    def __init__(self, holds: Holds, hold_id: str, count: int) -> None:
+        self._holds, self.id, self.left = holds, hold_id, count
 
     def placed(self, count: int) -> None:
         """`count` of them are recorded now: counted from the records, no longer here."""
         count = min(count, self.left)
-        self.left -= count
-        self._book[self.tenant] -= count
+        if count:
+            self.left -= count
+            self._holds.placed(self.id, count)
 
     def release(self) -> None:
-        self.placed(self.left)
+        self._holds.drop(self.id)
 
 
 class Quotas:
-    def __init__(self, placements: Placements, membership: Membership, max_per_tenant: int) -> None:
+    def __init__(
+        self,
+        placements: Placements,
+        membership: Membership,
+        max_per_tenant: int,
+        holds: Holds | None = None,
+    ) -> None:
         self.placements = placements
         self.membership = membership  # asked only to confirm a refusal
         self.max_per_tenant = max_per_tenant
-        self._held: dict[str, int] = {}  # tenant -> sandboxes being made, not yet recorded
-        # (tenant, creator, name) of creates under way
-        self._naming: set[tuple[str, str, str]] = set()
+        self.holds = holds or Holds(placements.db)  # what the gateways are making
         self._locks: dict[str, asyncio.Lock] = {}  # per tenant: tenants do not wait on others
 
     def live(self, tenant: str) -> int:
@@ -75,31 +81,32 @@ class Quotas:
         """Holds `count` of the tenant's cluster-wide quota while they are being made (the
         hold shrinks as they are recorded: `Hold.placed`); a `name` must be free across
         the fleet (and is held meanwhile)."""
-        naming = (who.tenant, who.principal, name or "")
-        async with self._locks.setdefault(who.tenant, asyncio.Lock()):
+        tenant, limit = who.tenant, self.max_per_tenant
+        async with self._locks.setdefault(tenant, asyncio.Lock()):  # this gateway's, first
             if name:
                 await self._name_free(who, name)
-                if naming in self._naming:
-                    raise errors.AlreadyExists(f"a sandbox named {name!r} is being made")
-            limit = self.max_per_tenant
-            live, making = self.live(who.tenant), self._held.get(who.tenant, 0)
-            if live + making + count > limit:  # the records may say too much: asked
-                await self._confirm(who.tenant, self.placements.standing(who.tenant))
-                live = self.live(who.tenant)
-            if live + making + count > limit:
+            hold = None
+            for confirmed in (False, True):
+                with self.holds.locked(tenant):  # then every gateway's
+                    if name and self.holds.naming(tenant, who.principal, name):
+                        raise errors.AlreadyExists(f"a sandbox named {name!r} is being made")
+                    live, making = self.live(tenant), self.holds.making(tenant)
+                    if live + making + count <= limit:
+                        made = self.holds.take(tenant, count, who.principal, name or "")
+                        hold = Hold(self.holds, made, count)
+                        break
+                if not confirmed:  # the records may say too much: asked, then counted again
+                    await self._confirm(tenant, self.placements.standing(tenant))
+            if hold is None:
                 raise errors.QuotaExceeded(
-                    f"tenant {who.tenant} has {live} live sandboxes in the fleet"
+                    f"tenant {tenant} has {live} live sandboxes in the fleet"
                     + (f" and {making} being made" if making else "")
                     + f"; the limit is {limit}"
                 )
-            hold = Hold(self._held, who.tenant, count)
-            if name:
-                self._naming.add(naming)
         try:
             yield hold
         finally:
             hold.release()
-            self._naming.discard(naming)
 
     async def _name_free(self, who: Principal, name: str) -> None:
         creator = who.principal or None
