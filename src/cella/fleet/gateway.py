@@ -2,8 +2,9 @@
 
 `Membership` knows which node daemons exist (from Ray) and loses the sandboxes of nodes that
 go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from the nodes when
-one joins); `Quotas` holds tenants' limits across the fleet; `Planner` decides where new
-sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes and ships
+one joins); `Quotas` holds tenants' limits across the fleet (from the placement records,
+with what every gateway is making: `holds`); `Planner` decides where new sandboxes go
+(`placement_policy`; nodes that do not answer left out for a while: `answering`); `FleetSnapshots` finds snapshots on the nodes and ships
 them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
 tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
 registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
