@@ -96,7 +96,8 @@ class Quotas:
                         hold = Hold(self.holds, made, count)
                         break
                 if not confirmed:  # the records may say too much: asked, then counted again
-                    await self._confirm(tenant, self.placements.standing(tenant))
+                    counted = [s for s in self.placements.standing(tenant) if counts(s)]
+                    await self._confirm(tenant, counted)
             if hold is None:
                 raise errors.QuotaExceeded(
                     f"tenant {tenant} has {live} live sandboxes in the fleet"
