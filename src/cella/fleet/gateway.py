@@ -4,19 +4,19 @@
 go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from the nodes when
 one joins); `Quotas` holds tenants' limits across the fleet (from the placement records,
 with what every gateway is making: `holds`); `Planner` decides where new sandboxes go
-(`placement_policy`; nodes that do not answer left out for a while: `answering`); `FleetSnapshots` finds snapshots on the nodes and ships
-them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
-tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
-registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
-`Replicas` keeps copies of replicated sandboxes' disks on second nodes and brings those
-sandboxes back from them when their node is lost; `FleetVolumes` and `NamedTemplates` know
-the node each volume and named template lives on (`homes`); `FleetTemplates` builds
-templates on every node; `Growth` asks Ray's autoscaler for nodes when none has room and
-holds the nodes that have sandboxes; `FleetMoves` moves sandboxes between nodes and drains a
-node (`Cordons` keeps new ones off it); `Delegations` makes and checks the access delegation
-grants of the sandboxes it places. The gateway keeps its own keys, console sessions,
-registries and eval runs (what the routes it shares with a node daemon use:
-`cella.server.front`).
+(`placement_policy`; nodes that do not answer left out for a while: `answering`);
+`FleetSnapshots` finds snapshots on the nodes and ships them; `Launcher` runs one pipeline
+for every create and fork; `SharedSecrets` keeps the tenants' secrets here and on every
+node, `SharedWebhooks` their webhooks; their image registries are kept here alone
+(`fleet/registries.py` lends a node one for a pull); `Replicas` keeps copies of replicated
+sandboxes' disks on second nodes and brings those sandboxes back from them when their node
+is lost; `FleetVolumes` and `NamedTemplates` know the node each volume and named template
+lives on (`homes`); `FleetTemplates` builds templates on every node; `Growth` asks Ray's
+autoscaler for nodes when none has room and holds the nodes that have sandboxes;
+`FleetMoves` moves sandboxes between nodes and drains a node (`Cordons` keeps new ones off
+it); `Delegations` makes and checks the access delegation grants of the sandboxes it places.
+The gateway keeps its own keys, console sessions, registries and eval runs (what the routes
+it shares with a node daemon use: `cella.server.front`).
 """
 
 from __future__ import annotations
