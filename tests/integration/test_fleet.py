@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the next one starts), then on one cluster: the fleet's own checks, what its nodes share
 # (volumes, webhooks, templates), moves, then E2B's SDK's, then the LangSmith SDK's (whose
 # last check has the gateway serve TLS), a template shipped by digest to a node that joins
-# for it, the operator's (safe retries, backups of the gateway), replicas, then two more
+# for it, the operator's (safe retries, backups of the gateway), replicas, placement around a
+# silent node and replication through E2B's SDK, then two more
 # gateways sharing PostgreSQL (one killed: they leave the nodes pointing at a gateway that
 # is gone, so they run last)
 CHECKS = [
@@ -42,6 +43,7 @@ CHECKS = [
         "template_ship_checks.py",
         "ops_checks.py",
         "replica_checks.py",
+        "placement_checks.py",
         "gateways_checks.py",
     )
 ]

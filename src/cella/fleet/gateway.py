@@ -2,20 +2,21 @@
 
 `Membership` knows which node daemons exist (from Ray) and loses the sandboxes of nodes that
 go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from the nodes when
-one joins); `Quotas` holds tenants' limits across the fleet; `Planner` decides where new
-sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes and ships
-them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
-tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
-registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
-`Replicas` keeps copies of replicated sandboxes' disks on second nodes and brings those
-sandboxes back from them when their node is lost; `FleetVolumes` and `NamedTemplates` know
-the node each volume and named template lives on (`homes`); `FleetTemplates` builds
-templates on every node; `Growth` asks Ray's autoscaler for nodes when none has room and
-holds the nodes that have sandboxes; `FleetMoves` moves sandboxes between nodes and drains a
-node (`Cordons` keeps new ones off it); `Delegations` makes and checks the access delegation
-grants of the sandboxes it places. The gateway keeps its own keys, console sessions,
-registries and eval runs (what the routes it shares with a node daemon use:
-`cella.server.front`).
+one joins); `Quotas` holds tenants' limits across the fleet (from the placement records,
+with what every gateway is making: `holds`); `Planner` decides where new sandboxes go
+(`placement_policy`; nodes that do not answer left out for a while: `answering`);
+`FleetSnapshots` finds snapshots on the nodes and ships them; `Launcher` runs one pipeline
+for every create and fork; `SharedSecrets` keeps the tenants' secrets here and on every
+node, `SharedWebhooks` their webhooks; their image registries are kept here alone
+(`fleet/registries.py` lends a node one for a pull); `Replicas` keeps copies of replicated
+sandboxes' disks on second nodes and brings those sandboxes back from them when their node
+is lost; `FleetVolumes` and `NamedTemplates` know the node each volume and named template
+lives on (`homes`); `FleetTemplates` builds templates on every node; `Growth` asks Ray's
+autoscaler for nodes when none has room and holds the nodes that have sandboxes;
+`FleetMoves` moves sandboxes between nodes and drains a node (`Cordons` keeps new ones off
+it); `Delegations` makes and checks the access delegation grants of the sandboxes it places.
+The gateway keeps its own keys, console sessions, registries and eval runs (what the routes
+it shares with a node daemon use: `cella.server.front`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cella.fleet.backups import GatewayBackups
 from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
 from cella.fleet.growth import Growth
+from cella.fleet.holds import Holds
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
@@ -57,7 +59,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
 from cella.store.sealing import seal_store
-from cella.store.sql import Lease, Presence
+from cella.store.sql import Lease, Locks, Presence
 from cella.telemetry.prometheus import Exposition, merge
 
 log = logging.getLogger("cella.gateway")
@@ -116,7 +118,8 @@ class Gateway:
         self.rewrites = FleetRewrites(
             kept_in("rewrites.db"), root / "rewrites.key", self.locator, self.keys, self.delegations
         )
-        self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
+        # nodes that take nothing new (an older gateway kept them in a file of its own)
+        self.cordons = Cordons(kept_in("cordons.db"), legacy=root / "cordoned.json")
         planner = Planner(self.membership, self.cordons, self.templates.shippable)
         self.growth = Growth(
             self.membership,
@@ -129,7 +132,13 @@ class Gateway:
         self.launcher = Launcher(
             self.membership,
             self.locator,
-            Quotas(self.membership, settings.max_sandboxes_per_tenant),
+            Quotas(
+                self.placements,
+                self.membership,
+                settings.max_sandboxes_per_tenant,
+                # what every gateway is making: a gateway that is gone holds nothing
+                Holds(self.placements.db, self.presence.id, self.presence.alive),
+            ),
             planner,
             self.snapshots,
             self.delegations,
@@ -139,7 +148,16 @@ class Gateway:
             self.templates,
         )
         self.replicas = Replicas(
-            root / "replicas.db", settings, self.membership, self.locator, planner, self.snapshots
+            kept_in("replicas.db"),
+            settings,
+            self.membership,
+            self.locator,
+            planner,
+            self.snapshots,
+            # records an older gateway kept in its own file, before it shared a database
+            legacy=root / "replicas.db" if self.shared else None,
+            locks=Locks(kept_in("")),  # one gateway refreshes a replica at a time
+            lease=Lease(kept_in(""), "replicas"),  # one runs the period
         )
         self.launcher.created = self._created
         self.locator.shown = self.replicas.shown

@@ -11,7 +11,10 @@ once the new one is in. It is refreshed when the sandbox is stopped through the 
 (right after the stop), every `replica_interval_s` while it runs, and once after a stop
 the gateway did not see (its idle timeout). Memory is not kept: a stop ends the
 processes anyway, and a copy of RAM at each period would cost what a disk copy does many
-times over. The gateway records each replica (node, taken at, size, the export) here.
+times over. The gateway records each replica (node, taken at, size, the export) in its
+database (SQLite, or the gateways' shared PostgreSQL: a replica recorded through one gateway
+is known to all), and one gateway at a time refreshes a given replica (an advisory lock
+named after the sandbox; the period runs on the holder of the `replicas` lease).
 
 When a node is lost, each replicated sandbox of it whose replica is on a node that is up
 is taken in there as a move's destination takes a sandbox in (`POST
@@ -27,8 +30,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sqlite3
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,9 +48,11 @@ from cella.models.fleet import Replica
 from cella.service.keys import Principal
 from cella.service.periodic import Periodic
 from cella.service.replicas import replica_name
+from cella.store.sql import Database, Lease, Locks, database
 
 log = logging.getLogger("cella.fleet.replicas")
 TICK_SECONDS = 1.0
+LOCK_POLL_SECONDS = 0.5  # how often a refresh asks again for a replica another one holds
 Json = dict[str, Any]
 
 SCHEMA = """
@@ -64,6 +69,24 @@ CREATE TABLE IF NOT EXISTS replicas (
 CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
 """
+TABLES = {"replicas": 8, "replica_snapshots": 1, "recoveries": 2}  # and their columns
+
+
+def take_in(db: Database, legacy: Path) -> None:
+    """The records an older gateway kept in a file of its own (`replicas.db`), copied
+    into the gateway's database once; the file is renamed so that it is not read again."""
+    old = sqlite3.connect(legacy)
+    try:
+        old.executescript(SCHEMA)  # a table it never made is read as empty
+        with db.transaction():
+            for table, width in TABLES.items():
+                rows = old.execute(f"SELECT * FROM {table}").fetchall()
+                marks = ", ".join("?" * width)
+                db.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", rows)
+    finally:
+        old.close()
+    os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
+    log.info("replica records moved from %s into the gateway's database", legacy)
 
 
 def iso(at: float) -> str:
@@ -73,17 +96,22 @@ def iso(at: float) -> str:
 class Replicas:
     def __init__(
         self,
-        path: Path,
+        where: Path | str | Database,
         settings: DaemonSettings,
         membership: Membership,
         locator: Locator,
         planner: Planner,
         snapshots: FleetSnapshots,
+        legacy: Path | None = None,
+        locks: Locks | None = None,
+        lease: Lease | None = None,
     ) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
+        self._db = database(where)
+        self._db.ensure("replicas", SCHEMA)
+        if legacy is not None and legacy.exists():
+            take_in(self._db, legacy)
+        self._locks = locks or Locks("")  # one gateway refreshes a replica at a time
+        self._lease = lease or Lease("", "replicas")  # and one runs the period
         self.tenants = set(settings.replicate_tenants)
         self.interval = settings.replica_interval_s
         self.membership = membership
@@ -104,11 +132,10 @@ class Replicas:
         return asked or tenant in self.tenants
 
     def add(self, sandbox_id: str, tenant: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO replicas (sandbox_id, tenant) VALUES (?, ?)",
-                (sandbox_id, tenant),
-            )
+        self._db.execute(
+            "INSERT OR IGNORE INTO replicas (sandbox_id, tenant) VALUES (?, ?)",
+            (sandbox_id, tenant),
+        )
 
     def replicated(self, sandbox_id: str) -> bool:
         return self._row(sandbox_id) is not None
@@ -119,10 +146,9 @@ class Replicas:
         sandbox_id = str(snapshot.get("sandbox_id"))
         if snapshot.get("name") == replica_name(sandbox_id) and self.replicated(sandbox_id):
             return True
-        with self._lock:
-            row = self._db.execute(
-                "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
+        ).fetchone()
         return row is not None
 
     def of(self, sandbox_id: str) -> Replica:
@@ -147,32 +173,28 @@ class Replicas:
         if not self.replicated(sandbox_id):
             return body
         body = {**body, "replicate": True}
-        with self._lock:
-            found = self._db.execute(
-                "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
+        found = self._db.execute(
+            "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
+        ).fetchone()
         if found is None:
             return body
         if body.get("state") != "stopped":  # resumed (or deleted): recovered no longer
-            with self._lock:
-                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+            self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
             return body
         return {**body, "state": "recovered", "recovery": json.loads(found[0])}
 
     def _row(self, sandbox_id: str) -> tuple[Any, ...] | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT node, snapshot_id, taken_at, size_bytes, error FROM replicas "
-                "WHERE sandbox_id = ?",
-                (sandbox_id,),
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT node, snapshot_id, taken_at, size_bytes, error FROM replicas "
+            "WHERE sandbox_id = ?",
+            (sandbox_id,),
+        ).fetchone()
         return tuple(row) if row else None
 
     def _export(self, sandbox_id: str) -> Json:
-        with self._lock:
-            found = self._db.execute(
-                "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
+        found = self._db.execute(
+            "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
+        ).fetchone()
         if not found or not found[0]:
             raise errors.NotFound(f"sandbox {sandbox_id} has no replica")
         export: Json = json.loads(found[0])
@@ -180,26 +202,32 @@ class Replicas:
 
     def _set(self, sandbox_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self._lock:
-            self._db.execute(
-                f"UPDATE replicas SET {sets} WHERE sandbox_id = ?", (*fields.values(), sandbox_id)
-            )
+        self._db.execute(
+            f"UPDATE replicas SET {sets} WHERE sandbox_id = ?", (*fields.values(), sandbox_id)
+        )
 
     def _hide(self, snapshot_id: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO replica_snapshots VALUES (?)", (snapshot_id,))
+        self._db.execute("INSERT OR IGNORE INTO replica_snapshots VALUES (?)", (snapshot_id,))
 
     # -- refreshing ----------------------------------------------------------------------
 
-    async def refresh(self, sandbox_id: str) -> Replica:
+    async def refresh(self, sandbox_id: str, wait: bool = True) -> Replica:
         """A new replica of the running sandbox: its disk copied on its node, shipped to
-        another, the previous copy removed."""
+        another, the previous copy removed. While another gateway refreshes it, waited
+        for (`wait`), else left to that one."""
+        name = f"replica:{sandbox_id}"
         async with self._busy.setdefault(sandbox_id, asyncio.Lock()):
+            while not await asyncio.to_thread(self._locks.try_hold, name):
+                if not wait:
+                    return self.of(sandbox_id)
+                await asyncio.sleep(LOCK_POLL_SECONDS)
             try:
                 await self._refresh(sandbox_id)
             except errors.CellaError as exc:
                 self._set(sandbox_id, error=f"{type(exc).__name__}: {exc}")
                 raise
+            finally:
+                await asyncio.to_thread(self._locks.release, name)
             self._next[sandbox_id] = time.monotonic() + self.interval
         return self.of(sandbox_id)
 
@@ -261,9 +289,9 @@ class Replicas:
             where = self.placements.get(sandbox_id)
             if row and row[0] and row[1] and where is not None:
                 await self._drop(where.tenant, row[0], row[1])
-            with self._lock:
-                self._db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
-                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+            with self._db.transaction() as db:
+                db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
+                db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
         self._next.pop(sandbox_id, None)
         self._busy.pop(sandbox_id, None)
 
@@ -274,14 +302,17 @@ class Replicas:
 
     async def shutdown(self) -> None:
         await self._period.close()
+        self._lease.close()
+        self._locks.close()
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
         up, or that was stopped since its copy was taken (a stop the gateway did not see:
-        its idle timeout, its TTL)."""
+        its idle timeout, its TTL). Gateways sharing a database: the lease's holder."""
+        if not await asyncio.to_thread(self._lease.held):
+            return
         now = time.monotonic()
-        with self._lock:
-            ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
+        ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
         for sandbox_id in ids:
             if self._next.setdefault(sandbox_id, now + self.interval) > now:
                 continue
@@ -295,7 +326,7 @@ class Replicas:
                     "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
                 )
                 if shown["state"] == "running" or self._stopped_since(sandbox_id, shown):
-                    await self.refresh(sandbox_id)
+                    await self.refresh(sandbox_id, wait=False)
             except errors.CellaError as exc:
                 log.warning("replica of %s: %s", sandbox_id, exc)
 
@@ -349,10 +380,11 @@ class Replicas:
             "POST", "/v1/sandboxes/recover", json={"export": export, "event": note}
         )
         self.placements.put(node.name, made)  # no longer lost: it lives there now
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO recoveries VALUES (?, ?)", (sandbox_id, json.dumps(note))
-            )
+        self._db.execute(
+            "INSERT INTO recoveries VALUES (?, ?) "
+            "ON CONFLICT (sandbox_id) DO UPDATE SET note = excluded.note",
+            (sandbox_id, json.dumps(note)),
+        )
         # the copy is the sandbox's disk's base now: the next refresh makes a new one
         self._set(
             sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None, export=None
