@@ -49,6 +49,12 @@ def spans_ms(*at: float) -> dict[str, float]:
     }
 
 
+def restore_spans_ms(vm: VM) -> dict[str, float]:
+    """The steps of a VM's restore (its overlay, QEMU's start, the state's load, the
+    guest's first answer), as the driver timed them, in ms."""
+    return {f"{k}_ms": round(v * 1000, 1) for k, v in vm.restore_spans.items()}
+
+
 class Unset:
     """An argument left out (None means "no limit")."""
 
@@ -165,6 +171,7 @@ class Lifecycle:
                     "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
                     **spans_ms(began, admitted, gated, restored, time.perf_counter()),
+                    **(restore_spans_ms(vm) if origin == "restore" else {}),
                 },
             )
         return row

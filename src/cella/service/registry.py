@@ -162,6 +162,9 @@ class Registry:
     def insert(self, record: SandboxRecord) -> SandboxRecord:
         return self.store.insert_sandbox(record)
 
+    def insert_many(self, records: list[SandboxRecord]) -> list[SandboxRecord]:
+        return self.store.insert_sandboxes(records)
+
     def update(self, sandbox_id: str, **fields: Any) -> None:
         """Writes fields of a row (a state is written before it is acted on). A sandbox
         that comes to be paused or stopped starts a hold, and one that runs again adds the

@@ -271,9 +271,15 @@ class Store(Observations):
 
     def insert_sandbox(self, record: SandboxRecord) -> SandboxRecord:
         """Stores a new sandbox; its timestamps are set here."""
-        record.created_at = record.updated_at = now()
-        self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
-        return record
+        return self.insert_sandboxes([record])[0]
+
+    def insert_sandboxes(self, records: list[SandboxRecord]) -> list[SandboxRecord]:
+        """Stores new sandboxes (a fork's branches) in one transaction: all or none."""
+        with self._lock, self._db.transaction():
+            for record in records:
+                record.created_at = record.updated_at = now()
+                self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
+        return records
 
     def replace_sandbox(self, columns: dict[str, Any]) -> SandboxRecord:
         """A sandbox's row as another node stored it (`sandbox_columns`), kept as it was
