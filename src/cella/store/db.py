@@ -320,6 +320,19 @@ class Store(Observations):
         """Sandboxes, oldest first; `states=None` means all (the deleted ones too)."""
         return [_sandbox(r) for r in self._list("sandboxes", tenant, states)]
 
+    def usage_by_tenant(self, states: Iterable[str]) -> dict[str, tuple[int, int, int]]:
+        """(sandboxes, vCPUs, MiB) per tenant of the sandboxes in `states`: what admission
+        weighs on every create, summed here rather than by decoding each live row (which
+        made a burst's admission grow with the square of its size)."""
+        states = list(states)
+        marks = ", ".join("?" for _ in states)
+        rows = self._exec(
+            "SELECT tenant, COUNT(*), COALESCE(SUM(vcpus), 0), COALESCE(SUM(memory_mib), 0) "
+            f"FROM sandboxes WHERE state IN ({marks}) GROUP BY tenant",
+            tuple(states),
+        ).fetchall()
+        return {str(t): (int(n), int(c), int(m)) for t, n, c, m in rows}
+
     def count_sandboxes_by_state(self) -> dict[str, int]:
         rows = self._exec("SELECT state, COUNT(*) FROM sandboxes GROUP BY state", ()).fetchall()
         return {str(state): int(n) for state, n in rows}
