@@ -186,14 +186,18 @@ class Lifecycle:
         if self.egress.intercepts(row) and not self._trusted_before(row):
             await self.egress.trust_ca(vm)  # only then is any of its TLS opened
         self.egress.attach(vm, row)
-        await vm.agent.set_identity(
-            hostname=row.id,
-            time_ns=time.time_ns(),
-            seed=os.urandom(64),
-            sandbox_id=row.id,
-            pids_max=row.max_pids or self.settings.default_max_pids,
+        # both asked at once (a fork's guest may hold its parent's exec policy): the guest
+        # answers them in one wake-up, not one after the other's round trip
+        await asyncio.gather(
+            vm.agent.set_identity(
+                hostname=row.id,
+                time_ns=time.time_ns(),
+                seed=os.urandom(64),
+                sandbox_id=row.id,
+                pids_max=row.max_pids or self.settings.default_max_pids,
+            ),
+            self.exec_policies.apply(vm, row, clean=row.snapshot_id is None),
         )
-        await self.exec_policies.apply(vm, row, clean=row.snapshot_id is None)
 
     def _trusted_before(self, row: SandboxRecord) -> bool:
         """A fork's guest is its parent's copy: it trusts the CA if the parent did."""
