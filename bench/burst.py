@@ -190,13 +190,19 @@ async def cpu_per_call(c: AsyncClient, d: Daemon, n: int = 10) -> dict[str, floa
     return {"per create (ms)": ms((cpu1 - cpu0) / n), "per first exec (ms)": ms((cpu2 - cpu1) / n)}
 
 
-async def forks(c: AsyncClient, n: int) -> dict[str, float]:
+async def forks(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
+    """fork(N) of a snapshot; the CPU it took in the daemon and in the branches' QEMUs
+    (their start, state load and first guest answers: the emulation's bound)."""
+    assert d.proc is not None
     parent = await c.create(**SHAPE)
     snap = await parent.snapshot("burst")
     await parent.delete()
+    cpu0 = cpu_seconds(d.proc.pid)
     t = time.perf_counter()
     branches = await snap.fork(n)
     took = time.perf_counter() - t
+    daemon_cpu = cpu_seconds(d.proc.pid) - cpu0
+    guest = [cpu_seconds(qemu_of(b.id)) for b in branches]
     results = await asyncio.gather(*(b.exec(["true"]) for b in branches), return_exceptions=True)
     answering = sum(1 for r in results if not isinstance(r, BaseException) and r.exit_code == 0)
     spans: dict[str, list[float]] = {}  # where a clone's time went, from its `forked` event
@@ -207,7 +213,14 @@ async def forks(c: AsyncClient, n: int) -> dict[str, float]:
                     spans.setdefault(k, []).append(float(v))
     await asyncio.gather(*(gone(b) for b in branches))
     await snap.delete()
-    row = {"total (ms)": ms(took), "per clone (ms)": ms(took / n), "answering": answering}
+    row = {
+        "total (ms)": ms(took),
+        "per clone (ms)": ms(took / n),
+        "answering": answering,
+        "daemon CPU per clone (ms)": ms(daemon_cpu / n),
+        "QEMU CPU per clone p50 (ms)": ms(statistics.median(guest)),
+        "all QEMU CPU / cores, per clone (ms)": ms(sum(guest) / (os.cpu_count() or 1) / n),
+    }
     for k, values in spans.items():
         row[f"daemon: {k.removesuffix('_ms')} p50 (ms)"] = median(values)
     return row
@@ -260,7 +273,9 @@ async def measure(
             phases.append(
                 ("sustained create+exec+delete, 4 clients:", lambda: sustained(c, seconds, 4))
             )
-            phases += [(f"fork {n} of a snapshot:", lambda n=n: forks(c, n)) for n in fork_counts]
+            phases += [
+                (f"fork {n} of a snapshot:", lambda n=n: forks(c, d, n)) for n in fork_counts
+            ]
             for name, phase in phases:
                 await settle(d.url)
                 try:
