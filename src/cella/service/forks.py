@@ -89,9 +89,11 @@ class Forks:
             )
         memory = snap_row.memory and restore_memory != "never"
         snap = self.snapshots.directory(snapshot_id)
+        flat_began = time.perf_counter()
         if count > 1 and memory:  # one shared RAM file beats a copy of the layer in every branch
             with contextlib.suppress(errors.SnapshotCorrupt):
                 await self.snapshots.flat(snap_row.id)  # if it cannot be, the layer restores
+        flat_wait = round((time.perf_counter() - flat_began) * 1000, 1)
         snap.verify()  # refuse a corrupted snapshot before creating anything
         inherited = None
         if spec is None:  # the same placeholders: the parent's env is copied with its memory
@@ -129,7 +131,7 @@ class Forks:
         async def one(row: SandboxRecord) -> str:
             began = time.perf_counter()
             async with self.lifecycle.restoring:  # shared with creates
-                return await self._restore_fork(snap_row, snap, row, memory, began)
+                return await self._restore_fork(snap_row, snap, row, memory, began, flat_wait)
 
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -147,6 +149,7 @@ class Forks:
         row: SandboxRecord,
         memory: bool,
         began: float,
+        flat_wait_ms: float = 0.0,
     ) -> str:
         async with self.registry.lock(row.id):
             gated = time.perf_counter()
@@ -182,7 +185,9 @@ class Forks:
                     "snapshot_id": snap_row.id,
                     "memory": memory,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
-                    # where its time went: the gate, the VM (by step), readying it
+                    # where its time went: the fork's wait for the snapshot's flat RAM
+                    # file, the gate, the VM (by step), readying it
+                    "flat_wait_ms": flat_wait_ms,
                     "restore_wait_ms": round((gated - began) * 1000, 1),
                     "vm_ms": round((restored - gated) * 1000, 1),
                     "ready_ms": round((readied - restored) * 1000, 1),
