@@ -114,3 +114,17 @@ async def test_with_no_node_answering_the_create_is_refused_plainly() -> None:
     for daemon in daemons.values():  # all left out: the next create asks them all again
         daemon.mode = "answers"
     assert await planner.plan(SHAPE, 1, set()) == {"n1": 1}
+
+
+async def test_what_is_held_for_creates_in_flight_is_not_counted_twice() -> None:
+    """A create admitted at its node but not yet answered is in the node's report and in the
+    planner's holds: the node's room decides, so a burst is not refused room it has. A node
+    with no room by its own report is still refused (the control)."""
+    planner, daemons = fleet(Clock())
+    daemons["n2"].memory_mib = daemons["n3"].memory_mib = 0  # only n1 has room: 8192 MiB
+    with planner.reserve({"n1": 12}, SHAPE):  # 12 of 512 MiB in flight (6 GiB) held...
+        daemons["n1"].memory_mib = 2048  # ...and in n1's report already: 2 GiB free
+        assert await planner.plan(SHAPE, 2, set()) == {"n1": 2}
+        daemons["n1"].memory_mib = 0
+        with pytest.raises(errors.CapacityExceeded):
+            await planner.plan(SHAPE, 1, set())

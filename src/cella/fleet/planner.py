@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cella import errors
@@ -133,7 +133,7 @@ class Planner:
             raise errors.NodeUnavailable(f"no node of the fleet answered ({reasons})")
         vcpus, memory_mib, template = shape.vcpus, shape.memory_mib, shape.template
         ships = self.shippable(template)
-        candidates = []
+        candidates, unheld = [], []
         for node, (capacity, health, templates) in answered:
             pool: dict[str, int] = health.get("pool") or {}
             built = {t["name"] for t in templates["templates"] if t["built"]}
@@ -151,9 +151,23 @@ class Planner:
                     ships_template=template not in built and ships,
                 )
             )
+            unheld.append(
+                replace(
+                    candidates[-1],
+                    memory_mib_free=capacity.memory_mib_free,
+                    vcpus_free=capacity.vcpus_free,
+                )
+            )
         if not whole and not any(c.has_template for c in candidates):
             return None  # maybe built on a node not asked
-        return spread(candidates, vcpus, memory_mib, count) or None
+        # What is held for creates in flight may be in the node's report already (admitted
+        # there, not yet answered): counted twice, a burst would be refused room it has. So
+        # without the holds, the node's own admission decides (it queues briefly or refuses).
+        return (
+            spread(candidates, vcpus, memory_mib, count)
+            or spread(unheld, vcpus, memory_mib, count)
+            or None
+        )
 
     async def _report(self, node: Node) -> tuple[Capacity, Any, Any] | None:
         """The node's capacity, health and templates; None if it did not answer in time
