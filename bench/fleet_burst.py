@@ -74,7 +74,9 @@ def merge(rounds: list[dict[str, float]]) -> dict[str, float]:
     """The median of each figure over the rounds (`answered`: the fewest)."""
     keys = rounds[0].keys()
     return {
-        k: min(r[k] for r in rounds) if k == "answered" else statistics.median(r[k] for r in rounds)
+        k: min(r[k] for r in rounds)
+        if k == "answered"
+        else round(statistics.median(r[k] for r in rounds), 1)
         for k in keys
     }
 
