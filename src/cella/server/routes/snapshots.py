@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from cella import errors
 from cella.models import (
@@ -18,6 +18,7 @@ from cella.models import (
 from cella.models.fleet import SnapshotExport, SnapshotImport
 from cella.server.deps import Auth, DaemonDep, IdempotencyKey
 from cella.service.keys import require_admin
+from cella.service.shipping import PIECES
 from cella.service.transfer import NodeSource
 
 router = APIRouter(tags=["snapshots"])
@@ -140,9 +141,14 @@ async def export_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> Snapsh
 
 
 @router.get("/v1/snapshots/{snapshot_id}/files/{name}", response_class=FileResponse)
-async def snapshot_file(snapshot_id: str, name: str, svc: DaemonDep, who: Auth) -> FileResponse:
-    """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work."""
+async def snapshot_file(
+    snapshot_id: str, name: str, svc: DaemonDep, who: Auth, extents: bool = False
+) -> Response:
+    """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work.
+    `extents`: only its non-zero pieces, with their offsets (`cella.storage.sparse`)."""
     require_admin(who, "read a snapshot's files")
+    if extents:
+        return StreamingResponse(svc.shipping.pieces(snapshot_id, name), media_type=PIECES)
     return BigChunks(svc.shipping.file(snapshot_id, name))
 
 
