@@ -406,7 +406,9 @@ class QemuVM:
         paused). The overlay's file is left for the caller to remove."""
         assert self.qmp is not None
         nodes: Any = await self.qmp.execute("query-named-block-nodes", {"flat": True})
-        found = [n["node-name"] for n in nodes if n.get("file") == str(base)]
+        found = [  # its qcow2 node (the file node below it has the same name)
+            n["node-name"] for n in nodes if n.get("file") == str(base) and n.get("drv") == "qcow2"
+        ]
         if not found:
             raise errors.CellaError(f"QEMU has no disk {base} below the overlay")
         await self.qmp.execute(
