@@ -46,6 +46,9 @@ async def ahead(sandbox_id: str, source: Node, dest: Node) -> Ahead | None:
                 "POST", f"/v1/sandboxes/{sandbox_id}/export/abort", params={"reason": reason}
             )
         await undo(sandbox_id, dest)
+        if isinstance(exc, errors.CellaError):
+            message = f"moving {sandbox_id} to {dest.name} failed in its pre-copy: {reason}"
+            raise type(exc)(message) from None
         raise
     return Ahead(ms=round((loop.time() - started) * 1000, 1), bytes=int(taken["bytes"]))
 
