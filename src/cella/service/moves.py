@@ -261,7 +261,8 @@ class Moves:
         started = time.monotonic()
         snap_export = export.snapshot or await source.export(export.snapshot_id)
         pulled = 0
-        pull = self.precopy.pull(sandbox_id, snap_export, source.pull)
+        self.precopy.expect(sandbox_id, snap_export)
+        pull = self.precopy.pull(sandbox_id, source.pull)
 
         async def counted(snapshot_id: str, name: str, dest: Path) -> object:
             nonlocal pulled

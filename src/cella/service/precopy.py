@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
@@ -68,6 +68,8 @@ class Staged:
     snapshot_id: str | None = None
     ram_sha256: str | None = None
     directory: Path | None = None
+    # snapshot id -> the digest of the RAM file under its layer, as its export says
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 class Precopies:
@@ -220,18 +222,7 @@ class Precopies:
         staged = self._staged[sandbox_id] = Staged()
         started = time.monotonic()
         sent = 0
-
-        async def counting(snapshot_id: str, name: str, dest: Path) -> object:
-            nonlocal sent
-            got = await source.pull(snapshot_id, name, dest)
-            sent += got if isinstance(got, int) else 0
-            return got
-
-        if offer.snapshot_id is not None:
-            export = await source.export(offer.snapshot_id)
-            snap = await self.shipping.take_in(export, source.export, counting)
-            staged.snapshot_id = snap.id
-        if offer.ram_sha256 is not None:
+        if offer.ram_sha256 is not None:  # first: snapshots below may sit on the same file
             staged.directory = self.snapshots.root / f".precopy-{sandbox_id}"
             shutil.rmtree(staged.directory, ignore_errors=True)
             staged.directory.mkdir(parents=True)
@@ -245,22 +236,46 @@ class Precopies:
                 )
             ram.chmod(0o400)
             staged.ram_sha256 = offer.ram_sha256
+        pull = self.pull(sandbox_id, source.pull)
+
+        async def counting(snapshot_id: str, name: str, dest: Path) -> object:
+            nonlocal sent
+            got = await pull(snapshot_id, name, dest)
+            sent += got if isinstance(got, int) else 0
+            return got
+
+        async def fetch(snapshot_id: str) -> SnapshotExport:
+            # the snapshots its disk sits on as they are: a move's earlier one (a RAM layer)
+            # is not flattened under the running sandbox that maps its RAM file
+            export = await source.export(snapshot_id, layers=True)
+            self.expect(sandbox_id, export)
+            return export
+
+        if offer.snapshot_id is not None:
+            snap = await self.shipping.take_in(await fetch(offer.snapshot_id), fetch, counting)
+            staged.snapshot_id = snap.id
         return PrecopyTaken(bytes=sent, pull_ms=round((time.monotonic() - started) * 1000, 1))
 
-    def pull(self, sandbox_id: str, export: SnapshotExport, pull: Pull) -> Pull:
-        """`pull` for the move's snapshot: the RAM file under its layer taken from what was
-        staged ahead when its digest is the manifest's (a link: no byte travels)."""
+    def expect(self, sandbox_id: str, export: SnapshotExport) -> None:
+        """Notes the RAM file a snapshot taken in for the sandbox's move sits on."""
         staged = self._staged.get(sandbox_id)
         wanted = export.manifest.get("sha256", {}).get("ram.base")
+        if staged is not None and wanted:
+            staged.digests[export.snapshot.id] = wanted
+
+    def pull(self, sandbox_id: str, pull: Pull) -> Pull:
+        """`pull` for the snapshots of the sandbox's move: the RAM file under a layer is
+        taken from what was staged ahead when its digest is the one that snapshot's export
+        names (`expect`): a link, no byte travels."""
 
         async def pulling(snapshot_id: str, name: str, dest: Path) -> object:
+            staged = self._staged.get(sandbox_id)
             if (
                 staged is not None
                 and staged.directory is not None
                 and name == "ram.base"
-                and snapshot_id == export.snapshot.id
-                and wanted is not None
-                and wanted == staged.ram_sha256
+                and staged.ram_sha256 is not None
+                and staged.digests.get(snapshot_id) == staged.ram_sha256
             ):
                 os.link(staged.directory / "ram.base", dest)
                 return 0

@@ -50,9 +50,12 @@ class NodeSource:
             verify=self._verify(),
         )
 
-    async def export(self, snapshot_id: str) -> SnapshotExport:
+    async def export(self, snapshot_id: str, layers: bool = False) -> SnapshotExport:
+        """What the source says of a snapshot; `layers`: a layered one as it is (not
+        flattened first: its layer and the RAM file under it are pulled)."""
+        params = {"layers": "true"} if layers else None
         async with self._client() as client:
-            response = await client.get(f"/v1/snapshots/{snapshot_id}/export")
+            response = await client.get(f"/v1/snapshots/{snapshot_id}/export", params=params)
         _raise_for(response, f"snapshot {snapshot_id}")
         return SnapshotExport.model_validate_json(response.content)
 

@@ -134,9 +134,15 @@ class BigChunks(FileResponse):
 
 
 @router.get("/v1/snapshots/{snapshot_id}/export", response_model=SnapshotExport)
-async def export_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> SnapshotExport:
-    """What another node needs to take the snapshot in (any tenant's)."""
+async def export_snapshot(
+    snapshot_id: str, svc: DaemonDep, who: Auth, layers: bool = False
+) -> SnapshotExport:
+    """What another node needs to take the snapshot in (any tenant's); a layered one is
+    flattened first unless `layers` (then it travels as its layer and the RAM file under
+    it)."""
     require_admin(who, "export a snapshot")
+    if layers:
+        return svc.shipping.describe(snapshot_id)
     return await svc.shipping.export(snapshot_id)
 
 
