@@ -47,7 +47,14 @@ def move(source: Daemon, dest: Daemon, sandbox_id: str) -> dict[str, Any]:
     done = post(source, f"/v1/sandboxes/{sandbox_id}/export/finish?node=dest")
     assert done.status_code == 204, done.text
     answer: dict[str, Any] = taken.json()
+    answer["export"] = exported.json()
     return answer
+
+
+def exported_manifest(taken: dict[str, Any]) -> dict[str, Any]:
+    """What the source said of the move's snapshot (its files' sizes, whether layered)."""
+    manifest = taken["export"]["snapshot"]["manifest"]
+    return {"bytes": manifest["bytes"], "layered": manifest.get("layered")}
 
 
 def precopy(source: Daemon, dest: Daemon, sandbox_id: str) -> dict[str, Any]:
@@ -139,6 +146,7 @@ BIG = 50 << 20
 # written past the guest's page cache (O_DIRECT): on its disk, not in its memory, so what
 # the freeze ships of its RAM stays small and the disk's share is what the numbers show
 WRITE_BIG = "dd if=/dev/urandom of=/root/big bs=1M count=50 oflag=direct status=none"
+READ_BIG = "dd if=/root/big bs=1M iflag=direct status=none | md5sum"  # read past it too
 
 
 def test_a_move_sends_the_disk_written_before_the_freeze_ahead(
@@ -149,7 +157,7 @@ def test_a_move_sends_the_disk_written_before_the_freeze_ahead(
         sb = ca.create()
         try:
             sb.exec(WRITE_BIG)
-            digest = sb.exec("md5sum < /root/big").stdout
+            digest = sb.exec(READ_BIG).stdout
             sb.exec(COUNTER.replace("sh -c '", "sh -c 'echo $$ > /run/counter.pid; "))
             time.sleep(0.6)
             started, before = start_time(sb), counter(sb)
@@ -161,16 +169,17 @@ def test_a_move_sends_the_disk_written_before_the_freeze_ahead(
             taken = move(a, b, sb.id)
             assert taken["sandbox"]["state"] == "running"
             # what the freeze shipped: the RAM the guest wrote, its devices, the new overlay
-            assert 0 < taken["bytes"] < BIG // 3, taken
+            manifest = exported_manifest(taken)
+            assert 0 < taken["bytes"] < BIG // 3, (taken["bytes"], manifest)
 
             there = cb.get(sb.id)
-            assert there.exec("md5sum < /root/big").stdout == digest
+            assert there.exec(READ_BIG).stdout == digest
             assert there.files.read("/root/after") == b"written while the disk was split"
             assert start_time(there) == started and counter(there) >= before
             # the disk alone holds both (booted from it, not restored)
             there.stop()
             there.resume()
-            assert there.exec("md5sum < /root/big").stdout == digest
+            assert there.exec(READ_BIG).stdout == digest
             assert there.files.read("/root/after") == b"written while the disk was split"
         finally:
             for client in (ca, cb):
@@ -208,7 +217,7 @@ def test_a_move_that_fails_during_its_precopy_leaves_it_running_whole(
             # running on here, its disk one file again, the pre-copy's snapshot gone
             assert ca.get(sb.id).state == "running"
             assert not (vm_dir / "disk.top.qcow2").exists()
-            assert not [s for s in ca.snapshots() if sb.id in s.name]
+            assert not [s for s in ca.snapshots() if sb.id in s.info.name]
             sb.files.write("/root/after", "after the merge")
             # the merged disk alone holds all three (booted from it, not restored)
             sb.stop()
