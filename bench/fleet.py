@@ -2,6 +2,7 @@
 nodes, how fast snapshots move between nodes, and what moving a running sandbox costs.
 
     .venv/bin/python -m bench.fleet [--calls 40] [--tasks 24] [--json] [--moves-only]
+                                    [--compare /tmp/base/src]
 
 Runs inside a loopback-only network namespace (it re-executes itself under `unshare -n`).
 A head and up to three `cella_node` nodes (`tests/raycluster.py`), one gateway. Through the
@@ -11,11 +12,20 @@ same cluster (nodes added between runs; each run twice: first a new node pulls t
 then it is cached), and a 512 MiB snapshot (200 MB of it random) pulled by one node daemon
 from another. Every node shares this host's 2 cores, so the eval figure shows that tasks
 spread over nodes and what the gateway and Ray add, not the scaling of separate hosts.
+
+Moves: a running sandbox whose guest wrote 10 or 200 MiB into its memory (`/dev/shm`) and
+as much to its disk (past its page cache), moved n1 -> n2 -> n1, each move as the gateway
+reports it: the pre-copy (its time, the guest running, and what it sent), the guest's pause
+and what the freeze shipped. `--compare SRC` (with `--moves-only`) first runs the same moves
+on a cluster and gateway from another checkout's `src` (e.g. `git worktree add /tmp/base
+main`), in a process of its own, and prints each figure beside this checkout's with their
+ratio: the host is shared, so only figures of one run are compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -37,6 +47,7 @@ from tests.raycluster import LocalCluster, quiet_ray_env
 
 MEMORY = 256  # MiB per sandbox
 NODE = {"pool_size": "0", "max_host_memory_mib": "4096"}
+READ_DISK = "dd if=/root/disk bs=1M iflag=direct status=none | md5sum"
 
 
 def loopback_only() -> bool:
@@ -133,8 +144,9 @@ def shipping(fleet_root: Path, urls: dict[str, str], snapshot_id: str) -> dict[s
 
 
 def moves(gw: Client, runs: int = 2) -> dict[str, dict[str, Any]]:
-    """A running sandbox on n1, its guest having dirtied `mib` of memory, moved to n2 and
-    back (`runs` moves each way round), as the gateway reports each move."""
+    """A running sandbox on n1, its guest having dirtied `mib` of memory and written as much
+    to its disk, moved to n2 and back (`runs` moves each way round), as the gateway reports
+    each move."""
     rows: dict[str, dict[str, Any]] = {}
     for mib in (10, 200):
         sb = gw.get(
@@ -144,24 +156,49 @@ def moves(gw: Client, runs: int = 2) -> dict[str, dict[str, Any]]:
         )
         try:
             sb.exec(f"head -c {mib << 20} /dev/urandom > /dev/shm/fill")
-            pauses, transfers, shipped = [], [], []
+            sb.exec(f"dd if=/dev/urandom of=/root/disk bs=1M count={mib} oflag=direct status=none")
+            # read past its page cache too: the guest's RAM holds the `mib` of /dev/shm only
+            digest = sb.exec(READ_DISK).stdout
+            pauses, transfers, shipped, ahead_ms, ahead = [], [], [], [], []
             for i in range(runs):
                 report = sb.move("n2" if i % 2 == 0 else "n1")
                 assert report.ok and report.paused_ms and report.bytes, report
                 pauses.append(report.paused_ms)
                 transfers.append(report.transfer_ms or 0.0)
                 shipped.append(report.bytes)
+                # a checkout before the pre-copy reports none
+                ahead_ms.append(getattr(report, "precopy_ms", None) or 0.0)
+                ahead.append(getattr(report, "precopy_bytes", None) or 0)
                 assert sb.exec("wc -c < /dev/shm/fill").stdout.strip() == str(mib << 20).encode()
-            rows[f"{mib} MiB dirtied, running, 512 MiB VM"] = {
+                assert sb.exec(READ_DISK).stdout == digest
+            rows[f"{mib} MiB dirtied + {mib} MiB on disk, running, 512 MiB VM"] = {
                 "moves": runs,
+                "pre-copy ms p50": round(statistics.median(ahead_ms), 1),
+                "MiB before freeze": round(statistics.median(ahead) / (1 << 20), 1),
                 "pause ms p50": round(statistics.median(pauses), 1),
                 "pause ms max": round(max(pauses), 1),
                 "transfer ms p50": round(statistics.median(transfers), 1),
-                "MiB shipped": round(statistics.median(shipped) / (1 << 20), 1),
+                "MiB shipped frozen": round(statistics.median(shipped) / (1 << 20), 1),
             }
         finally:
             sb.delete()
     return rows
+
+
+def compared(base: dict[str, dict[str, Any]], this: dict[str, dict[str, Any]]) -> Tables:
+    """Each figure of this checkout beside the other's, with this/base."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, figures in this.items():
+        for figure, value in figures.items():
+            if figure == "moves":
+                continue
+            b = base.get(name, {}).get(figure)
+            rows[f"{name}: {figure}"] = {
+                "base": "" if b is None else b,
+                "this": value,
+                "this/base": round(value / b, 3) if b else "",
+            }
+    return {"moving a running sandbox, n1 <-> n2, this checkout against base": rows}
 
 
 Tables = dict[str, dict[str, dict[str, Any]]]
@@ -234,13 +271,29 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=24, help="eval tasks per run")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--moves-only", action="store_true", help="only the sandbox moves")
+    parser.add_argument("--compare", help="another checkout's src: its moves measured first")
+    parser.add_argument("--rows-to", help=argparse.SUPPRESS)  # the moves' rows, as JSON
     args = parser.parse_args()
     if not loopback_only():
         inner = f"ip link set lo up && exec {sys.executable} -m bench.fleet " + " ".join(
             sys.argv[1:]
         )
         os.execvp("unshare", ["unshare", "--net", "--", "sh", "-c", inner])
-    for title, rows in measure(args.calls, args.tasks, args.moves_only).items():
+    if args.compare:  # the other checkout's cluster and gateway, in a process of their own
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = {**os.environ, "PYTHONPATH": args.compare}
+            argv = [sys.executable, "-m", "bench.fleet", "--moves-only", "--rows-to", out.name]
+            subprocess.run(argv, env=env, check=True)
+            base = json.loads(Path(out.name).read_text())
+        this = measure(args.calls, args.tasks, moves_only=True)
+        moved = this["moving a running sandbox, n1 <-> n2"]
+        for title, rows in compared(base, moved).items():
+            report(f"fleet: {title}", rows, args.json)
+        return
+    tables = measure(args.calls, args.tasks, args.moves_only)
+    if args.rows_to:
+        Path(args.rows_to).write_text(json.dumps(tables["moving a running sandbox, n1 <-> n2"]))
+    for title, rows in tables.items():
         report(f"fleet: {title}", rows, args.json)
 
 

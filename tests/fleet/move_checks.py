@@ -85,6 +85,8 @@ def test_a_drain_moves_a_running_sandbox_with_its_memory_and_files(
         assert moved["from"] == "n1" and moved["to"] not in (None, "n1"), moved
         assert moved["state"] == "running"
         assert moved["paused_ms"] > 0 and moved["bytes"] > 0 and moved["transfer_ms"] > 0
+        # its disk so far and the RAM under its memory went ahead, while it ran
+        assert moved["precopy_ms"] > 0 and moved["precopy_bytes"] > 0, moved
         # the CLI exits 1 if any sandbox of n1 stayed (each says why)
         stayed = [m for m in report["moves"] if not m["ok"]]
         assert drained.returncode == (1 if stayed else 0), drained.stderr
@@ -136,6 +138,7 @@ def test_a_stopped_sandbox_moves_and_boots_there_with_its_files(
         report = sb.move("n1")  # open again: the last check uncordoned it
         assert report.ok and report.source == "n2" and report.to == "n1"
         assert report.state == "stopped" and report.paused_ms is None
+        assert report.precopy_ms is None  # nothing runs: its disk goes in one piece
         assert sb.refresh().state == "stopped"
         assert fleet.node_of(sb.id) == "n1"
         sb.resume()

@@ -320,6 +320,15 @@ class FakeDriver:
         meta = {"vcpus": vcpus, "memory_mib": memory_mib, "memory": False, **boot, **meta}
         return dest.seal(meta)
 
+    async def split_disk(self, vm: Any) -> None:
+        (vm.directory / "disk.top").write_text("split")
+
+    def memory_base(self, vm: Any) -> Path | None:
+        return None
+
+    async def merge_disk(self, directory: Path, vm: Any = None) -> None:
+        (directory / "disk.top").unlink(missing_ok=True)
+
     async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
         snap.verify()
         directory.mkdir(parents=True)

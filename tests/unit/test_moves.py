@@ -146,3 +146,51 @@ async def test_a_paused_sandbox_stays_paused_and_a_broken_one_stays(
     assert b.store.get_sandbox(made.id).state == S.running
     with pytest.raises(errors.NotFound):
         await a.moves.export("sb-nope")
+
+
+async def test_a_precopy_holds_the_sandbox_and_its_abort_merges_and_lets_go(
+    nodes: tuple[Daemon, Daemon],
+) -> None:
+    a, _ = nodes
+    made = await a.lifecycle.create(T, SandboxCreate())
+    offer = await a.moves.precopy.start(made.id)
+    assert offer.snapshot_id and offer.ram_sha256 is None  # the fake VM's RAM is its own
+    split = a.registry.directory(made.id) / "disk.top"
+    assert split.exists() and not vm_of(a, made.id).paused  # split, running on
+    pre = a.store.get_snapshot(offer.snapshot_id)
+    assert pre.state == "ready" and not pre.memory
+    with pytest.raises(errors.InvalidState):  # once at a time
+        await a.moves.precopy.start(made.id)
+    with pytest.raises(TimeoutError):  # nothing stops or snapshots it while it is split
+        await asyncio.wait_for(a.lifecycle.stop(T, made.id), 0.2)
+
+    await a.moves.abort(made.id, "the destination refused")
+    assert not split.exists()  # merged back
+    assert a.store.get_snapshot(offer.snapshot_id).state == "deleted"
+    assert a.store.get_sandbox(made.id).state == S.running
+    assert "move_failed" in [e.type for e in a.store.events(made.id)]
+    # its lock is free again: a snapshot goes through
+    snap = await a.snapshots.snapshot(T, made.id, "after")
+    assert snap.state == "ready"
+
+
+async def test_an_export_that_fails_after_a_precopy_leaves_it_running_merged(
+    nodes: tuple[Daemon, Daemon],
+) -> None:
+    a, _ = nodes
+    made = await a.lifecycle.create(T, SandboxCreate())
+    offer = await a.moves.precopy.start(made.id)
+
+    async def broken(sandbox_id: str, snap: object) -> None:
+        raise errors.CellaError("the snapshot's disk could not be rebased")
+
+    a.moves.precopy.freeze = broken  # type: ignore[method-assign]
+    with pytest.raises(errors.CellaError, match="rebased"):
+        await a.moves.export(made.id)
+    assert not vm_of(a, made.id).paused  # thawed at once
+    await a.moves.abort(made.id, "export failed")
+    assert not (a.registry.directory(made.id) / "disk.top").exists()
+    assert a.store.get_snapshot(offer.snapshot_id).state == "deleted"
+    assert a.store.get_sandbox(made.id).state == S.running
+    await a.lifecycle.stop(T, made.id)  # its lock is free again
+    assert a.store.get_sandbox(made.id).state == S.stopped

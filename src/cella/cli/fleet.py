@@ -105,8 +105,8 @@ def uncordon(node: str) -> None:
 
 def show_moves(moves: list[MoveReport]) -> None:
     table = Listing(
-        "sandbox", "from", "to", "state", "pause ms", "MiB shipped", "transfer ms", "error",
-        ids=("sandbox",), give_way={"error": 20},
+        "sandbox", "from", "to", "state", "pre-copy ms", "MiB before", "pause ms",
+        "MiB frozen", "transfer ms", "error", ids=("sandbox",), give_way={"error": 20},
     )  # fmt: skip
     for m in moves:
         table.add_row(
@@ -114,6 +114,8 @@ def show_moves(moves: list[MoveReport]) -> None:
             escape(m.source),
             escape(m.to or ""),
             m.state,
+            "" if m.precopy_ms is None else f"{m.precopy_ms:.0f}",
+            "" if m.precopy_bytes is None else f"{m.precopy_bytes / (1 << 20):.1f}",
             "" if m.paused_ms is None else f"{m.paused_ms:.0f}",
             "" if m.bytes is None else f"{m.bytes / (1 << 20):.1f}",
             "" if m.transfer_ms is None else f"{m.transfer_ms:.0f}",

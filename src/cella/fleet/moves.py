@@ -7,18 +7,22 @@ same id (`import`), and only once the destination answers for it does the placem
 point there and the source drop its copy (`finish`). Any failure before that has the
 source let it run on as it was (`abort`), and the move says why.
 
-The guest's pause is measured from its freeze on the source (the source's own count of
-how long it has held it) plus the gateway's wait for the destination's restore: an upper
-bound that includes the calls' round trips.
+A running sandbox's move starts with a pre-copy (`precopy.py`): its disk so far and the RAM
+file under its memory go to the destination while the guest runs, so the freeze ships
+only what changed since. The guest's pause is measured from its freeze on the source (the
+source's own count of how long it has held it) plus the gateway's wait for the
+destination's restore: an upper bound that includes the calls' round trips.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
 from cella import errors
+from cella.fleet import precopy
 from cella.fleet.cordons import Cordons
 from cella.fleet.growth import Growth
 from cella.fleet.locator import Locator
@@ -128,7 +132,15 @@ class FleetMoves:
         shape = Shape(int(body["vcpus"]), int(body["memory_mib"]), str(body["template"]))
         if self.growth is not None:
             await self.growth.hold([dest.name])
-        export = await source.json("POST", f"/v1/sandboxes/{sandbox_id}/export")
+        ahead = await precopy.ahead(sandbox_id, source, dest)
+        try:
+            export = await source.json("POST", f"/v1/sandboxes/{sandbox_id}/export")
+        except BaseException:
+            if ahead is not None:  # the source merges its disk back; the destination drops
+                with contextlib.suppress(errors.CellaError):
+                    await source.json("POST", f"/v1/sandboxes/{sandbox_id}/export/abort")
+                await precopy.undo(sandbox_id, dest)
+            raise
         loop = asyncio.get_running_loop()
         frozen = loop.time()
         state = str(export["state"])
@@ -155,6 +167,8 @@ class FleetMoves:
                 )
             except errors.CellaError as undo:  # the source itself is gone: nothing to resume
                 log.error("sandbox %s: the move's undo failed: %s", sandbox_id, undo.message)
+            if ahead is not None:
+                await precopy.undo(sandbox_id, dest)
             if isinstance(exc, errors.CellaError):
                 raise type(exc)(f"moving {sandbox_id} to {dest.name} failed: {reason}") from None
             raise
@@ -177,6 +191,8 @@ class FleetMoves:
             state=state,
             ok=True,
             paused_ms=paused_ms,
-            bytes=int(export["bytes"]),
+            bytes=int(taken.get("bytes") if taken.get("bytes") is not None else export["bytes"]),
             transfer_ms=float(taken["transfer_ms"]),
+            precopy_ms=ahead.ms if ahead is not None else None,
+            precopy_bytes=ahead.bytes if ahead is not None else None,
         )

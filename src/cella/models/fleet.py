@@ -140,6 +140,11 @@ class SandboxExport(BaseModel):
     snapshot_id: str
     held_ms: float = Field(description="how long the guest has been paused so far")
     bytes: int = Field(description="the snapshot's files, as shipped")
+    snapshot: SnapshotExport | None = Field(
+        default=None,
+        description="what the destination needs to take the snapshot in (else it asks); a "
+        "running sandbox's is a RAM layer over the file its memory sits on",
+    )
 
 
 class SandboxImport(FromNode):
@@ -155,6 +160,34 @@ class SandboxImported(BaseModel):
     sandbox: dict[str, Any]
     transfer_ms: float = Field(description="pulling and checking the snapshot's files")
     restore_ms: float = Field(description="its VM restored (or its disk laid out) here")
+    bytes: int | None = Field(
+        default=None, description="bytes pulled for it (what a pre-copy sent is not)"
+    )
+
+
+class PrecopyOffer(BaseModel):
+    """What a running sandbox's node lets another pull before the sandbox freezes for its
+    move (`POST /v1/sandboxes/{id}/precopy`): its disk as written so far, frozen as a
+    snapshot without memory (the guest writes a new overlay on it meanwhile), and the RAM
+    file its memory sits on (a restored VM's), by digest."""
+
+    sandbox_id: str
+    snapshot_id: str | None = Field(default=None, description="its disk so far, frozen")
+    ram_sha256: str | None = Field(
+        default=None, description="the RAM file under its memory (`GET .../precopy/ram`)"
+    )
+    split_ms: float = Field(default=0.0, description="the disk split and frozen copy made")
+
+
+class PrecopyTake(FromNode):
+    """Pull what a sandbox's node offers ahead of its move (`POST /v1/sandboxes/precopy`)."""
+
+    offer: PrecopyOffer
+
+
+class PrecopyTaken(BaseModel):
+    bytes: int = Field(description="bytes that travelled")
+    pull_ms: float = Field(description="pulling and checking them")
 
 
 class MoveRequest(BaseModel):
@@ -179,8 +212,18 @@ class MoveReport(BaseModel):
     paused_ms: float | None = Field(
         default=None, description="the guest's pause, from its freeze to its restore there"
     )
-    bytes: int | None = Field(default=None, description="bytes of snapshot shipped")
-    transfer_ms: float | None = None
+    bytes: int | None = Field(
+        default=None, description="bytes shipped while the guest was frozen (after a pre-copy)"
+    )
+    transfer_ms: float | None = Field(
+        default=None, description="the destination pulling and checking them"
+    )
+    precopy_ms: float | None = Field(
+        default=None, description="the pre-copy, before the freeze: the guest ran meanwhile"
+    )
+    precopy_bytes: int | None = Field(
+        default=None, description="bytes shipped before the freeze (the disk and RAM so far)"
+    )
     error: str | None = None
 
 

@@ -291,6 +291,24 @@ class Driver(Protocol):
         snapshot without memory in `dest`; returns the manifest."""
         ...
 
+    async def split_disk(self, vm: VM) -> None:
+        """A new, empty overlay over the disk the VM writes: the disk file in its
+        directory keeps what the guest wrote so far and is not written again until
+        `merge_disk` (`snapshot_stopped` of the directory copies it while the VM runs: a
+        move's disk pre-copy). Snapshots of the VM are not taken while it is split."""
+        ...
+
+    def memory_base(self, vm: VM) -> Path | None:
+        """The file a restored VM's memory sits on (its snapshot's RAM, mapped
+        copy-on-write: the VM holds only the pages it wrote as its own); None when its RAM
+        is all its own. The file does not change while the VM maps it."""
+        ...
+
+    async def merge_disk(self, directory: Path, vm: VM | None = None) -> None:
+        """Undoes `split_disk` (the VM running or not; with `vm=None`, no process holds
+        the disk); nothing to do if the disk in `directory` is not split."""
+        ...
+
     async def overlay_from(self, snap: SnapshotDir, directory: Path) -> None:
         """A new VM directory holding an overlay on the snapshot's disk (checked first),
         booted later by `start`: a stopped sandbox made from a disk snapshot."""

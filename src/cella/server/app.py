@@ -33,6 +33,7 @@ from cella.server.routes import (
     metrics,
     moves,
     ports,
+    precopy,
     registries,
     rewrites,
     sandboxes,
@@ -48,6 +49,7 @@ from cella.service.daemon import Daemon
 Door = Callable[[FastAPI], None]  # installs a set of routes (and what they need) on an app
 API = (
     moves,  # before sandboxes: POST /v1/sandboxes/import is not a sandbox's id
+    precopy,  # and POST /v1/sandboxes/precopy
     sandboxes,
     ports,
     snapshots,

@@ -16,8 +16,14 @@ daemons can use it, with an admin key of the source):
    snapshot with them; the row stays as `deleted` (a `moved` event says where it went).
    Or `abort`: the sandbox runs on here as before (a paused or stopped one stays so).
 
-A daemon restarted between 1 and 3 finds the sandbox paused (its VM adopted) with the
-move's snapshot beside it; `abort` still resumes it.
+A running sandbox's move starts with a pre-copy (`cella.service.precopy`): its disk so far
+and the RAM file under its memory go to the destination while the guest runs, so the
+freeze ships only its RAM layer, device state and the disk written since. The move's
+snapshot travels as it is (a RAM layer is not flattened first), as its non-zero pieces.
+
+A daemon restarted between 1 and 3 finds the sandbox paused (its VM adopted, its disk
+merged back if a pre-copy had split it) with the move's snapshot beside it; `abort` still
+resumes it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from cella.models import SandboxState, SnapshotState
 from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported, SnapshotExport
 from cella.policy.access import Principal
 from cella.service.lifecycle import Lifecycle
+from cella.service.precopy import Precopies
 from cella.service.registry import Registry, error_text
 from cella.service.shipping import Shipping
 from cella.service.snapshots import Snapshots
@@ -49,7 +56,7 @@ class SnapshotSource(Protocol):
 
     async def export(self, snapshot_id: str) -> SnapshotExport: ...
 
-    async def pull(self, snapshot_id: str, name: str, dest: Path) -> None: ...
+    async def pull(self, snapshot_id: str, name: str, dest: Path) -> object: ...
 
 
 def move_name(sandbox_id: str) -> str:
@@ -68,6 +75,7 @@ class Moves:
         self.lifecycle = lifecycle
         self.snapshots = snapshots
         self.shipping = shipping
+        self.precopy = Precopies(registry, snapshots, shipping)
         self._out: dict[str, SandboxExport] = {}  # sandbox id -> its export, until settled
         self._busy: set[str] = set()  # being exported
         self._held: dict[str, asyncio.Lock] = {}  # their locks, held until settled
@@ -103,6 +111,7 @@ class Moves:
         who = Principal.service(row.tenant)
         loop = asyncio.get_running_loop()
         lock = self.registry.lock(sandbox_id)
+        pre_lock = self.precopy.holds(sandbox_id)  # a pre-copy split its disk: held since
         if was == S.stopped:
             snap = await self.disk_snapshot(row, move_name(row.id))
             paused = 0.0
@@ -111,14 +120,20 @@ class Moves:
                 await self.lifecycle.resume(who, sandbox_id)
             try:
                 snap = await self.snapshots.snapshot(
-                    who, sandbox_id, move_name(sandbox_id), leave_paused=True
+                    who,
+                    sandbox_id,
+                    move_name(sandbox_id),
+                    leave_paused=True,
+                    held=pre_lock is not None,
+                    flatten=False,  # it travels as its layer
                 )
             except BaseException:  # a failed snapshot may leave the VM paused
                 if (vm := self.registry.vm(sandbox_id)) is not None:
                     await vm.resume()
                 raise
             paused = (snap.paused_ms or 0.0) / 1000
-        await lock.acquire()
+        if pre_lock is None:
+            await lock.acquire()
         frozen = loop.time()
         try:
             now = self._row(sandbox_id).state
@@ -126,12 +141,15 @@ class Moves:
                 raise errors.InvalidState(f"sandbox {sandbox_id} became {now} during the move")
             if was != S.stopped:
                 self.registry.update(sandbox_id, state=S.paused)
-            await self.snapshots.flat(snap.id)  # nodes move whole RAM files
+            await self.precopy.freeze(sandbox_id, snap)
             manifest = self.snapshots.directory(snap.id).manifest()
+            described = self.shipping.describe(snap.id)
         except BaseException:
             await self._thaw(sandbox_id, was, snap.id)
-            lock.release()
+            if pre_lock is None:  # else the pre-copy's abort releases it
+                lock.release()
             raise
+        self.precopy.hand_over(sandbox_id)
         self._held[sandbox_id] = lock
         return SandboxExport(
             sandbox=sandbox_columns(self._row(sandbox_id)) | {"state": was.value},
@@ -139,15 +157,19 @@ class Moves:
             snapshot_id=snap.id,
             held_ms=round((paused + loop.time() - frozen) * 1000, 1) if paused else 0.0,
             bytes=sum(int(n) for n in manifest.get("bytes", {}).values()),
+            snapshot=described,
         )
 
     async def abort(self, sandbox_id: str, reason: str = "") -> None:
         """The move did not happen: the sandbox runs on here as it was (idempotent)."""
         export = self._out.pop(sandbox_id, None)
-        if export is None:
+        if export is None:  # failed before its export (or after a restart): a pre-copy?
+            if await self.precopy.abort(sandbox_id):
+                self.events.emit(sandbox_id, "move_failed", {"error": reason or "aborted"})
             return
         try:
             await self._thaw(sandbox_id, S(export.state), export.snapshot_id)
+            await self.precopy.abort(sandbox_id)  # its disk merged back, under the lock
         finally:
             self._release(sandbox_id)
         self.events.emit(sandbox_id, "move_failed", {"error": reason or "aborted"})
@@ -165,6 +187,7 @@ class Moves:
         self.events.emit(sandbox_id, "moved", {"to": node})
         self.registry.forget(sandbox_id)
         await self._drop_snapshot(export.snapshot_id)
+        await self.precopy.finish(sandbox_id)
 
     def _release(self, sandbox_id: str) -> None:
         lock = self._held.pop(sandbox_id, None)
@@ -236,8 +259,22 @@ class Moves:
         if source is None:
             source = NodeSource(body.source_url, body.source_key, body.source_ca)
         started = time.monotonic()
-        snap_export = await source.export(export.snapshot_id)
-        snap = await self.shipping.take_in(snap_export, source.export, source.pull)
+        snap_export = export.snapshot or await source.export(export.snapshot_id)
+        pulled = 0
+        self.precopy.expect(sandbox_id, snap_export)
+        pull = self.precopy.pull(sandbox_id, source.pull)
+
+        async def counted(snapshot_id: str, name: str, dest: Path) -> object:
+            nonlocal pulled
+            got = await pull(snapshot_id, name, dest)
+            pulled += got if isinstance(got, int) else 0
+            return got
+
+        try:
+            snap = await self.shipping.take_in(snap_export, source.export, counted)
+        except BaseException:
+            await self.precopy.drop(sandbox_id)
+            raise
         transfer = time.monotonic() - started
         started = time.monotonic()
         try:
@@ -247,7 +284,9 @@ class Moves:
         except BaseException:
             with contextlib.suppress(errors.CellaError):
                 await self.snapshots.delete(snap.tenant, snap.id)
+            await self.precopy.drop(sandbox_id)
             raise
+        self.precopy.settled(sandbox_id)
         self.events.emit(sandbox_id, "moved_in", {"snapshot_id": snap.id, "state": state})
         row = self.store.get_sandbox(sandbox_id)
         assert row is not None
@@ -255,6 +294,7 @@ class Moves:
             sandbox=sandbox_columns(row),
             transfer_ms=round(transfer * 1000, 1),
             restore_ms=round((time.monotonic() - started) * 1000, 1),
+            bytes=pulled,
         )
 
     async def _restore(self, export: SandboxExport, snap: SnapshotRecord, state: S) -> None:

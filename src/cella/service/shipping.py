@@ -4,7 +4,8 @@ The sending node says what a snapshot is (`export`: its row, manifest, how its s
 made, what its disk sits on) and hands out its files; the receiving node takes it in
 (`take_in`): the snapshots its disk sits on first, every file checked against the manifest
 before a ready row of the same id and tenant appears. Nodes move whole RAM files: a layered
-snapshot is flattened before it is exported.
+snapshot is flattened before it is exported, except a move's (`describe`), which travels as
+its layer and the RAM file under it. Files travel as their non-zero pieces.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import json
 import os
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from cella import errors
@@ -21,8 +22,11 @@ from cella.models import Snapshot, SnapshotState
 from cella.models.fleet import SecretBinding, SnapshotExport
 from cella.service.registry import Registry
 from cella.service.snapshots import Snapshots
+from cella.storage import sparse
 from cella.storage.snapshots import SnapshotDir, files_of, has_memory
 from cella.store import SnapshotRecord
+
+PIECES = sparse.MEDIA_TYPE  # the media type of a file sent as its non-zero pieces
 
 
 class Shipping:
@@ -40,6 +44,11 @@ class Shipping:
         layered snapshot is flattened first (nodes move whole RAM files)."""
         self.snapshots.ready(snapshot_id)
         await self.snapshots.flat(snapshot_id)
+        return self._export(snapshot_id)
+
+    def describe(self, snapshot_id: str) -> SnapshotExport:
+        """What another node needs to take this snapshot in, as it is: a layered one as
+        its layer and the RAM file under it (`ram.base`), which the receiver pulls too."""
         return self._export(snapshot_id)
 
     def _export(self, snapshot_id: str) -> SnapshotExport:
@@ -62,6 +71,10 @@ class Shipping:
             backing_path=None if on_snapshot else backing,
         )
 
+    def pieces(self, snapshot_id: str, name: str) -> Iterator[bytes]:
+        """One of a ready snapshot's files as its non-zero pieces (`PIECES`), to send."""
+        return sparse.encode(self.file(snapshot_id, name))
+
     def file(self, snapshot_id: str, name: str) -> Path:
         """One of a ready snapshot's files, to send to another node."""
         self.snapshots.ready(snapshot_id)
@@ -74,12 +87,13 @@ class Shipping:
         self,
         export: SnapshotExport,
         fetch: Callable[[str], Awaitable[SnapshotExport]],
-        pull: Callable[[str, str, Path], Awaitable[None]],
+        pull: Callable[[str, str, Path], Awaitable[object]],
     ) -> SnapshotRecord:
         """Another node's snapshot made local: the snapshots its disk sits on first
         (`fetch` gets their exports), its files pulled (`pull(snapshot id, file name,
         destination)`) and checked against its manifest, then a ready row of the same id and
-        tenant. A snapshot already here is kept as it is: taken in once, then cached."""
+        tenant. A snapshot already here is kept as it is: taken in once, then cached. A
+        layered one stays layered (its `ram.base` pulled like its other files)."""
         meta = export.snapshot
         async with self.registry.lock(meta.id):
             have = self.store.get_snapshot(meta.id)

@@ -125,6 +125,8 @@ class Snapshots:
         standalone: bool = False,
         leave_paused: bool = False,
         activity: bool = True,
+        held: bool = False,
+        flatten: bool = True,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
@@ -132,9 +134,12 @@ class Snapshots:
         `begin`); `standalone`: its disk is made one file of its own before it is ready
         (nothing of this node's images under it); `leave_paused`: the VM stays paused after
         (a move ships it as it was then); `activity=False`: the daemon's own copy (a fleet's
-        replica), which keeps no sandbox from going idle. Whoever may exec in the sandbox
-        may copy it; the snapshot is its tenant's, as every snapshot is."""
-        async with self.registry.lock(sandbox_id):
+        replica), which keeps no sandbox from going idle; `held`: the caller holds the
+        sandbox's lock already (a move's pre-copy); `flatten=False`: a RAM layer stays one
+        (a move ships it as such). Whoever may exec in the sandbox may copy it; the
+        snapshot is its tenant's, as every snapshot is."""
+        lock = contextlib.nullcontext() if held else self.registry.lock(sandbox_id)
+        async with lock:
             row, vm = self.registry.live(who, sandbox_id, activity=activity)
             tenant = row.tenant
             fields = {
@@ -184,7 +189,7 @@ class Snapshots:
                 size_bytes=sum(manifest["bytes"].values()),
                 paused_ms=paused_ms,
             )
-            if dest.is_layered(manifest):
+            if flatten and dest.is_layered(manifest):
                 self._flatten_soon(record.id)
             if tag:
                 self.store.set_tag(tenant, name, tag, record.id)

@@ -2,9 +2,11 @@
 node over HTTPS (what a node's `POST /v1/snapshots/import` and `POST /v1/templates/import`
 do; the `shipping` and `template_shipping` rooms take them in).
 
-Files are streamed to disk as they arrive; all-zero pieces are not written, so a RAM file
-stays about as sparse as it was on the source. The destination checks every file against the
-manifest's checksums before it uses any of them.
+Files are streamed to disk as they arrive, as their non-zero pieces only where the source
+sends them so (`cella.storage.sparse`: a RAM file's holes and zero pages never travel);
+otherwise all-zero pieces are not written, so a RAM file stays about as sparse as it was on
+the source. The destination checks every file against the manifest's checksums before it
+uses any of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx2
 
 from cella import errors
 from cella.models.fleet import SnapshotExport, TemplateExport
+from cella.storage import sparse
 
 BLOCK = 64 << 10
 TIMEOUT = httpx2.Timeout(30.0, read=300.0)
@@ -47,17 +50,25 @@ class NodeSource:
             verify=self._verify(),
         )
 
-    async def export(self, snapshot_id: str) -> SnapshotExport:
+    async def export(self, snapshot_id: str, layers: bool = False) -> SnapshotExport:
+        """What the source says of a snapshot; `layers`: a layered one as it is (not
+        flattened first: its layer and the RAM file under it are pulled)."""
+        params = {"layers": "true"} if layers else None
         async with self._client() as client:
-            response = await client.get(f"/v1/snapshots/{snapshot_id}/export")
+            response = await client.get(f"/v1/snapshots/{snapshot_id}/export", params=params)
         _raise_for(response, f"snapshot {snapshot_id}")
         return SnapshotExport.model_validate_json(response.content)
 
-    async def pull(self, snapshot_id: str, name: str, dest: Path) -> None:
+    async def pull(self, snapshot_id: str, name: str, dest: Path) -> int:
+        """One of the snapshot's files to `dest`; returns the bytes that travelled."""
         # in a thread, with the blocking client: a few times faster for hundreds of MiB
         # than the event loop's, and the daemon's loop stays free meanwhile
-        path = f"/v1/snapshots/{snapshot_id}/files/{name}"
-        await asyncio.to_thread(self._pull, path, snapshot_id, dest)
+        path = f"/v1/snapshots/{snapshot_id}/files/{name}?extents=true"
+        return await asyncio.to_thread(self._pull, path, snapshot_id, dest)
+
+    async def pull_path(self, path: str, what: str, dest: Path) -> int:
+        """A file another route of the source serves (as its non-zero pieces if it can)."""
+        return await asyncio.to_thread(self._pull, path, what, dest)
 
     async def template_export(self, name: str) -> TemplateExport:
         async with self._client() as client:
@@ -69,7 +80,7 @@ class NodeSource:
         """A template's base image, to `dest` (checked by the caller against its digest)."""
         await asyncio.to_thread(self._pull, f"/v1/templates/{name}/base", f"template {name}", dest)
 
-    def _pull(self, path: str, what: str, dest: Path) -> None:
+    def _pull(self, path: str, what: str, dest: Path) -> int:
         headers = {"authorization": f"Bearer {self.key}"}
         with httpx2.stream(
             "GET", f"{self.url}{path}", headers=headers, timeout=TIMEOUT, verify=self._verify()
@@ -77,15 +88,24 @@ class NodeSource:
             if response.status_code != 200:
                 response.read()
                 _raise_for(response, what)
+            pieces = response.headers.get("content-type", "").startswith(sparse.MEDIA_TYPE)
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                offset = 0
-                for chunk in response.iter_raw():
-                    offset = _write_sparse(fd, chunk, offset)
-                os.ftruncate(fd, offset)
+                if pieces:  # its non-zero pieces, where they go
+                    receiver = sparse.Receiver(fd)
+                    for chunk in response.iter_raw():
+                        receiver.feed(chunk)
+                    receiver.close()
+                    sent = receiver.received
+                else:  # the whole file (an older node, or a template's base)
+                    sent = 0
+                    for chunk in response.iter_raw():
+                        sent = _write_sparse(fd, chunk, sent)
+                    os.ftruncate(fd, sent)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        return sent
 
 
 def _write_sparse(fd: int, data: bytes, offset: int) -> int:

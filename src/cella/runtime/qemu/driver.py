@@ -41,6 +41,7 @@ from cella.storage.snapshots import SnapshotDir
 
 MIN_MEMORY_MIB = 128  # the shape of an adopted VM whose command line says nothing
 DISK = "disk.qcow2"
+TOP = "disk.top.qcow2"  # the overlay a move's pre-copy puts over DISK (`split_disk`)
 _RAM_FILE = re.compile(r"memory-backend-file,[^ ]*mem-path=([^, ]+),share=(on|off)")
 
 
@@ -179,6 +180,7 @@ class QemuDriver:
         if self._boot is None or self._accel is None:
             await self.prepare()
         assert self._boot is not None and self._accel is not None
+        await self.merge_disk(directory)  # left split by a move that did not end
         config = self._config(directory, vcpus, memory_mib)
         config = dataclasses.replace(config, disk=directory / disk)
         vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
@@ -212,7 +214,49 @@ class QemuDriver:
             vm.exit_hooks.append(lambda: jail.release(config.name))
         vm.accel_reason = self._accel.reason if self._accel else ""
         vm.exit_hooks.append(lambda: self.cpu.remove(vm.config.name))
+        if (directory / TOP).exists():  # split by a move the earlier daemon did not end
+            vm.config = dataclasses.replace(vm.config, disk=directory / TOP)
+            await self.merge_disk(directory, vm)
         return vm
+
+    # -- a move's disk pre-copy -------------------------------------------------------------
+
+    async def split_disk(self, vm: VM) -> None:
+        """A new, empty overlay over the disk the VM writes: its directory's disk file
+        keeps what the guest wrote so far and is not written again until `merge_disk`
+        (a move copies it while the guest runs)."""
+        assert isinstance(vm, QemuVM) and vm.directory is not None
+        if vm.config.disk != vm.directory / DISK:
+            raise errors.InvalidState(f"the disk of {vm.name} is split already")
+        (vm.directory / TOP).unlink(missing_ok=True)
+        await vm.split_disk(vm.directory / TOP)
+
+    def memory_base(self, vm: VM) -> Path | None:
+        """The RAM file a restored VM maps privately, if it still has that name."""
+        assert isinstance(vm, QemuVM)
+        ram = vm.config.ram_file
+        if ram is None or vm.config.ram_shared or vm.pid is None:
+            return None
+        try:
+            ramdiff.ram_mapping(vm.pid, ram)  # the file by that name is the one mapped
+        except (OSError, FileNotFoundError):
+            return None
+        return ram
+
+    async def merge_disk(self, directory: Path, vm: VM | None = None) -> None:
+        """Undoes `split_disk`: the overlay written back into the disk below (live through
+        QEMU with `vm`, else with `qemu-img commit`) and removed. Nothing to do if the disk
+        is not split."""
+        top = directory / TOP
+        if not top.exists():
+            return
+        if vm is not None:
+            assert isinstance(vm, QemuVM)
+            if vm.config.disk == top:
+                await vm.merge_disk(directory / DISK)
+        else:
+            await _run("qemu-img", "commit", "-q", "-f", "qcow2", str(top))
+        top.unlink(missing_ok=True)
 
     def _config(
         self,
@@ -547,6 +591,15 @@ class QemuDriver:
     def leftovers(self) -> list[str]:
         """VM directories on disk (for tests and recovery)."""
         return sorted(os.listdir(self.paths.vms)) if self.paths.vms.exists() else []
+
+
+async def _run(*argv: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise errors.CellaError(f"{argv[0]} {argv[1]} failed: {err.decode(errors='replace')}")
 
 
 def _proc_cpu(pid: int) -> float | None:

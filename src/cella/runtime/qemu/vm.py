@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import signal
@@ -399,6 +400,53 @@ class QemuVM:
             await self._hand_fd("migration", conn.fileno())
         await self._migrate("fd:migration")
 
+    async def split_disk(self, top: Path) -> None:
+        """Puts a new, empty overlay (`top`, in the VM's directory, made by QEMU) over the
+        disk the guest writes. QEMU flushes the disk first and writes only `top` from then
+        on: the file below keeps what the guest wrote so far, unchanged, so it can be
+        copied while the guest runs. `merge_disk` undoes it."""
+        assert self.qmp is not None and self.config.disk is not None
+        await self.qmp.execute(
+            "blockdev-snapshot-sync",
+            {
+                "device": "root",
+                "snapshot-file": str(top),
+                "format": "qcow2",
+                "mode": "absolute-paths",
+            },
+        )
+        self.config = dataclasses.replace(self.config, disk=top)
+
+    async def merge_disk(self, base: Path) -> None:
+        """Writes the overlay the guest writes back into `base`, the file below it, and
+        makes `base` the disk the guest writes again (QEMU's active commit, running or
+        paused). The overlay's file is left for the caller to remove."""
+        assert self.qmp is not None
+        nodes: Any = await self.qmp.execute("query-named-block-nodes", {"flat": True})
+        found = [  # its qcow2 node (the file node below it has the same name)
+            n["node-name"] for n in nodes if n.get("file") == str(base) and n.get("drv") == "qcow2"
+        ]
+        if not found:
+            raise errors.CellaError(f"QEMU has no disk {base} below the overlay")
+        await self.qmp.execute(
+            "block-commit",
+            {"job-id": MERGE_JOB, "device": "root", "base-node": found[0], "auto-dismiss": False},
+        )
+        while True:
+            jobs: Any = await self.qmp.execute("query-jobs")
+            job = next((j for j in jobs if j.get("id") == MERGE_JOB), None)
+            if job is None:
+                raise errors.CellaError("the disk merge vanished")
+            if job["status"] == "ready":
+                await self.qmp.execute("job-complete", {"id": MERGE_JOB})
+            elif job["status"] == "concluded":
+                await self.qmp.execute("job-dismiss", {"id": MERGE_JOB})
+                if job.get("error"):
+                    raise errors.CellaError(f"merging the disk overlay failed: {job['error']}")
+                break
+            await asyncio.sleep(0.01)
+        self.config = dataclasses.replace(self.config, disk=base)
+
     async def grow_disk(self, size_mib: int) -> None:
         """Enlarges the root disk (the guest is told at once) and its ext4 file system."""
         assert self.qmp is not None
@@ -548,6 +596,7 @@ class QemuVM:
 
 
 UNTHROTTLED = 1 << 40  # bytes per second
+MERGE_JOB = "cella-merge"
 
 
 def _rotated(log: Path) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from cella import errors
 from cella.models import (
@@ -18,6 +18,7 @@ from cella.models import (
 from cella.models.fleet import SnapshotExport, SnapshotImport
 from cella.server.deps import Auth, DaemonDep, IdempotencyKey
 from cella.service.keys import require_admin
+from cella.service.shipping import PIECES
 from cella.service.transfer import NodeSource
 
 router = APIRouter(tags=["snapshots"])
@@ -133,16 +134,27 @@ class BigChunks(FileResponse):
 
 
 @router.get("/v1/snapshots/{snapshot_id}/export", response_model=SnapshotExport)
-async def export_snapshot(snapshot_id: str, svc: DaemonDep, who: Auth) -> SnapshotExport:
-    """What another node needs to take the snapshot in (any tenant's)."""
+async def export_snapshot(
+    snapshot_id: str, svc: DaemonDep, who: Auth, layers: bool = False
+) -> SnapshotExport:
+    """What another node needs to take the snapshot in (any tenant's); a layered one is
+    flattened first unless `layers` (then it travels as its layer and the RAM file under
+    it)."""
     require_admin(who, "export a snapshot")
+    if layers:
+        return svc.shipping.describe(snapshot_id)
     return await svc.shipping.export(snapshot_id)
 
 
 @router.get("/v1/snapshots/{snapshot_id}/files/{name}", response_class=FileResponse)
-async def snapshot_file(snapshot_id: str, name: str, svc: DaemonDep, who: Auth) -> FileResponse:
-    """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work."""
+async def snapshot_file(
+    snapshot_id: str, name: str, svc: DaemonDep, who: Auth, extents: bool = False
+) -> Response:
+    """One of the snapshot's files (`ram`, `state`, `disk.qcow2`); Range requests work.
+    `extents`: only its non-zero pieces, with their offsets (`cella.storage.sparse`)."""
     require_admin(who, "read a snapshot's files")
+    if extents:
+        return StreamingResponse(svc.shipping.pieces(snapshot_id, name), media_type=PIECES)
     return BigChunks(svc.shipping.file(snapshot_id, name))
 
 
