@@ -50,6 +50,7 @@ from cella.fleet.shared_webhooks import SharedWebhooks
 from cella.fleet.snapshots import FleetSnapshots
 from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
+from cella.models import SandboxCreate
 from cella.service.background import Background
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
@@ -125,7 +126,9 @@ class Gateway:
             settings.fleet_scale_up_wait_s,
             settings.fleet_scale_down_grace_s,
         )
-        self.moves = FleetMoves(self.membership, self.locator, planner, self.cordons, self.growth)
+        self.moves = FleetMoves(
+            self.membership, self.locator, planner, self.cordons, self.growth, self.volumes
+        )
         self.launcher = Launcher(
             self.membership,
             self.locator,
@@ -159,9 +162,9 @@ class Gateway:
         await self.membership.shutdown()
         self.presence.close()
 
-    def _created(self, who: Principal, body: dict[str, Any], replicate: bool) -> None:
-        if self.replicas.wanted(who.tenant, replicate):
-            self.replicas.add(str(body["id"]), who.tenant)
+    def _created(self, who: Principal, body: dict[str, Any], spec: SandboxCreate) -> None:
+        if self.replicas.wanted(who.tenant, spec.replicate):
+            self.replicas.add(str(body["id"]), who.tenant, spec.replicate_memory)
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them

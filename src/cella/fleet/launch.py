@@ -62,8 +62,8 @@ class Launcher:
         self.rewrites = rewrites
         self.volumes = volumes  # lends a sandbox's node the volumes it mounts
         self.growth = growth  # waits for a node when none has room, holds nodes in use
-        # a sandbox just made by a create, and whether it asked for a replica
-        self.created: Callable[[Principal, Json, bool], None] = lambda _who, _body, _r: None
+        # a sandbox just made by a create, and what it asked for (a replica)
+        self.created: Callable[[Principal, Json, SandboxCreate], None] = lambda *_: None
         self.templates = templates  # ships a template to a node that lacks it
 
     async def launch(
@@ -137,7 +137,7 @@ class Launcher:
             await self.volumes.lend(who, node, body.get("volume_mounts"))  # homes elsewhere
             # by id: a snapshot's names and tags live on the node it was taken on; a
             # replica is the gateway's to keep, not the node's
-            sent = {k: v for k, v in body.items() if k != "replicate"}
+            sent = {k: v for k, v in body.items() if k not in ("replicate", "replicate_memory")}
             if snapshot_id is not None:
                 sent["snapshot"] = snapshot_id
             made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
@@ -150,7 +150,7 @@ class Launcher:
         # no network hop for a sandbox on its volume's home, unless another node is asked for
         prefer = prefer or await self.volumes.home_of(who, body.get("volume_mounts"))
         [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
-        self.created(who, created, spec.replicate)
+        self.created(who, created, spec)
         return created
 
     async def fork_snapshot(

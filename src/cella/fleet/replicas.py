@@ -1,24 +1,27 @@
-"""Replicas: a copy of a replicated sandbox's disk kept on a second node, so that the
-sandbox outlives its node.
+"""Replicas: a copy of a replicated sandbox's disk (and its last memory) kept on a second
+node, so that the sandbox outlives its node.
 
-A sandbox is replicated when it was made with `replicate: true`, or its tenant is one of
-the gateway's `replicate_tenants`. Its replica is taken by its node (`POST
-/v1/sandboxes/{id}/replica`: a disk-only snapshot, the guest's writes synced first, with
-the sandbox's row, as a move exports it), shipped to another node the planner picks (the
-files copied over, checked against their manifest: it shares nothing with the original),
-then removed from the sandbox's own node; the copy before it is removed from its node
-once the new one is in. It is refreshed when the sandbox is stopped through the gateway
-(right after the stop), every `replica_interval_s` while it runs, and once after a stop
-the gateway did not see (its idle timeout). Memory is not kept: a stop ends the
-processes anyway, and a copy of RAM at each period would cost what a disk copy does many
-times over. The gateway records each replica (node, taken at, size, the export) here.
+A sandbox is replicated when it was made with `replicate: true` (or `replicate_memory`),
+or its tenant is one of the gateway's `replicate_tenants`. Its replica is taken by its node
+(`POST /v1/sandboxes/{id}/replica`: a snapshot with the sandbox's row, as a move exports
+it), shipped to another node the planner picks (the files copied over, checked against
+their manifest: it shares nothing with the original), then removed from the sandbox's own
+node; the copy before it is removed from its node once the new one is in. It is refreshed
+when the sandbox is stopped or paused through the gateway (right after), every
+`replica_interval_s` while it runs, and once after a stop or pause the gateway did not see
+(its idle timeout, its TTL). What it holds follows the sandbox: a paused one's copy has its
+disk and memory; a running one's its disk alone (the guest's writes synced first), or with
+`replicate_memory` its memory too (a live snapshot: the guest pauses for the copy, which
+the record shows as `paused_ms`); a stopped one's its disk. The gateway records each
+replica (node, taken at, size, memory, the export) here.
 
 When a node is lost, each replicated sandbox of it whose replica is on a node that is up
 is taken in there as a move's destination takes a sandbox in (`POST
-/v1/sandboxes/recover`, with the export kept here): same id, stopped, its files the
-replica's, with a `recovered` event naming the replica's age. The gateway shows it as
-`recovered` (with `recovery`: from which node, how old the replica was) until it is
-resumed; unreplicated sandboxes stay `lost`.
+/v1/sandboxes/recover`, with the export kept here): same id, its files the replica's,
+paused when the copy has memory (its processes go on at resume) and stopped otherwise,
+with a `recovered` event naming the replica's age and the state. The gateway shows it as
+`recovered` (with `recovery`: from which node, how old the replica was, as what) until it
+is resumed; unreplicated sandboxes stay `lost`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ log = logging.getLogger("cella.fleet.replicas")
 TICK_SECONDS = 1.0
 Json = dict[str, Any]
 
+# columns a replicas.db written before them lacks
+ADDED = ("memory INTEGER NOT NULL DEFAULT 0", "state TEXT", "paused_ms REAL")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS replicas (
     sandbox_id TEXT PRIMARY KEY,
@@ -59,7 +64,10 @@ CREATE TABLE IF NOT EXISTS replicas (
     taken_at REAL,
     size_bytes INTEGER,
     error TEXT,
-    export TEXT
+    export TEXT,
+    memory INTEGER NOT NULL DEFAULT 0,
+    state TEXT,
+    paused_ms REAL
 );
 CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
@@ -84,6 +92,10 @@ class Replicas:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(replicas)")}
+        for column in ADDED:
+            if column.split()[0] not in have:
+                self._db.execute(f"ALTER TABLE replicas ADD COLUMN {column}")
         self.tenants = set(settings.replicate_tenants)
         self.interval = settings.replica_interval_s
         self.membership = membership
@@ -103,11 +115,12 @@ class Replicas:
     def wanted(self, tenant: str, asked: bool) -> bool:
         return asked or tenant in self.tenants
 
-    def add(self, sandbox_id: str, tenant: str) -> None:
+    def add(self, sandbox_id: str, tenant: str, memory: bool = False) -> None:
+        """`memory`: the running sandbox's copies keep its memory too."""
         with self._lock:
             self._db.execute(
-                "INSERT OR IGNORE INTO replicas (sandbox_id, tenant) VALUES (?, ?)",
-                (sandbox_id, tenant),
+                "INSERT OR IGNORE INTO replicas (sandbox_id, tenant, memory) VALUES (?, ?, ?)",
+                (sandbox_id, tenant, int(memory)),
             )
 
     def replicated(self, sandbox_id: str) -> bool:
@@ -130,13 +143,16 @@ class Replicas:
         if row is None:
             raise errors.NotFound(f"sandbox {sandbox_id} is not replicated (create it with "
                                   "replicate: true)")  # fmt: skip
-        node, _, taken_at, size, error = row
+        node, _, taken_at, size, error, memory, state, paused_ms = row
         return Replica(
             sandbox_id=sandbox_id,
             node=node,
             taken_at=datetime.fromtimestamp(taken_at, UTC) if taken_at else None,
             age_seconds=round(time.time() - taken_at, 1) if taken_at else None,
             size_bytes=size,
+            memory=state == "paused",
+            paused_ms=paused_ms,
+            replicate_memory=bool(memory),
             error=error,
         )
 
@@ -144,26 +160,28 @@ class Replicas:
         """A sandbox as the gateway shows it: `replicate` said, and `recovered` (with how)
         while a sandbox brought back from its replica has not been resumed."""
         sandbox_id = str(body.get("id"))
-        if not self.replicated(sandbox_id):
+        row = self._row(sandbox_id)
+        if row is None:
             return body
-        body = {**body, "replicate": True}
+        body = {**body, "replicate": True, "replicate_memory": bool(row[5])}
         with self._lock:
             found = self._db.execute(
                 "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
             ).fetchone()
         if found is None:
             return body
-        if body.get("state") != "stopped":  # resumed (or deleted): recovered no longer
+        note = json.loads(found[0])
+        if body.get("state") != note.get("state", "stopped"):  # resumed (or deleted)
             with self._lock:
                 self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
             return body
-        return {**body, "state": "recovered", "recovery": json.loads(found[0])}
+        return {**body, "state": "recovered", "recovery": note}
 
     def _row(self, sandbox_id: str) -> tuple[Any, ...] | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT node, snapshot_id, taken_at, size_bytes, error FROM replicas "
-                "WHERE sandbox_id = ?",
+                "SELECT node, snapshot_id, taken_at, size_bytes, error, memory, state, "
+                "paused_ms FROM replicas WHERE sandbox_id = ?",
                 (sandbox_id,),
             ).fetchone()
         return tuple(row) if row else None
@@ -192,8 +210,8 @@ class Replicas:
     # -- refreshing ----------------------------------------------------------------------
 
     async def refresh(self, sandbox_id: str) -> Replica:
-        """A new replica of the running sandbox: its disk copied on its node, shipped to
-        another, the previous copy removed."""
+        """A new replica of the sandbox: copied on its node (see the module's doc for what
+        the copy holds), shipped to another, the previous copy removed."""
         async with self._busy.setdefault(sandbox_id, asyncio.Lock()):
             try:
                 await self._refresh(sandbox_id)
@@ -209,10 +227,15 @@ class Replicas:
             raise errors.NotFound(f"no replicated sandbox {sandbox_id!r}")
         node = self.locator.usable(where)
         who = Principal.service(where.tenant)
-        export = await node.json("POST", f"/v1/sandboxes/{sandbox_id}/replica")
+        old_node, old_snapshot, *_, memory, _, _ = self._row(sandbox_id) or (None,) * 8
+        export = await node.json(
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/replica",
+            params={"memory": "true"} if memory else None,
+        )
         snapshot_id, row = str(export["snapshot_id"]), export["sandbox"]
         self._hide(snapshot_id)
-        old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
+        with_memory = export["state"] == "paused"
         try:
             shape = Shape(int(row["vcpus"]), int(row["memory_mib"]), str(row["template"]))
             away = frozenset({node.name})  # never the sandbox's own node
@@ -230,8 +253,11 @@ class Replicas:
             size_bytes=export.get("bytes"),
             error=None,
             export=json.dumps(export),
+            state=export["state"],
+            paused_ms=export.get("held_ms") or None,  # a running guest's pause for it
         )
-        log.info("replica of %s on %s (%s)", sandbox_id, dest.name, snapshot_id)
+        log.info("replica of %s on %s (%s, %s)", sandbox_id, dest.name, snapshot_id,
+                 "disk and memory" if with_memory else "disk")  # fmt: skip
         if old_snapshot and old_node:
             await self._drop(where.tenant, old_node, old_snapshot)
 
@@ -243,8 +269,9 @@ class Replicas:
             await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", Principal.service(tenant))
 
     async def after_stop(self, sandbox_id: str) -> None:
-        """A replicated sandbox just stopped: its replica refreshed from the disk as the
-        stop left it (a failure is recorded on the replica; the stop stands)."""
+        """A replicated sandbox just stopped or paused: its replica refreshed from it as
+        the stop left it, disk (and a paused one's memory) (a failure is recorded on the
+        replica; the stop stands)."""
         if not self.replicated(sandbox_id):
             return
         try:
@@ -277,8 +304,8 @@ class Replicas:
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
-        up, or that was stopped since its copy was taken (a stop the gateway did not see:
-        its idle timeout, its TTL)."""
+        up, or that was stopped or paused since its copy was taken (one the gateway did
+        not see: its idle timeout, its TTL)."""
         now = time.monotonic()
         with self._lock:
             ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
@@ -294,17 +321,22 @@ class Replicas:
                 shown = await node.json(
                     "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
                 )
-                if shown["state"] == "running" or self._stopped_since(sandbox_id, shown):
+                if shown["state"] == "running" or self._held_since(sandbox_id, shown):
                     await self.refresh(sandbox_id)
             except errors.CellaError as exc:
                 log.warning("replica of %s: %s", sandbox_id, exc)
 
-    def _stopped_since(self, sandbox_id: str, shown: Json) -> bool:
-        if shown["state"] != "stopped" or not shown.get("stopped_at"):
-            return False
+    def _held_since(self, sandbox_id: str, shown: Json) -> bool:
+        """Stopped or paused since the copy was taken (or the copy is not of that state:
+        a pause the gateway did not see after a copy of it running)."""
         row = self._row(sandbox_id)
-        stopped = datetime.fromisoformat(str(shown["stopped_at"])).timestamp()
-        return row is not None and (not row[2] or stopped > row[2])
+        if row is None or shown["state"] not in ("stopped", "paused"):
+            return False
+        taken_at, copied_as = row[2], row[6]
+        if not taken_at or (shown["state"] == "paused" and copied_as != "paused"):
+            return True
+        since = shown.get("stopped_at") or shown.get("updated_at")
+        return bool(since) and datetime.fromisoformat(str(since)).timestamp() > taken_at
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -348,16 +380,16 @@ class Replicas:
         made = await node.json(
             "POST", "/v1/sandboxes/recover", json={"export": export, "event": note}
         )
+        note["state"] = "paused" if made.get("state") == "paused" else "stopped"
         self.placements.put(node.name, made)  # no longer lost: it lives there now
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO recoveries VALUES (?, ?)", (sandbox_id, json.dumps(note))
             )
         # the copy is the sandbox's disk's base now: the next refresh makes a new one
-        self._set(
-            sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None, export=None
-        )
+        self._set(sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None,
+                  export=None, state=None, paused_ms=None)  # fmt: skip
         log.warning(
-            "%s recovered on %s from a replica %.0f s old", sandbox_id, node.name,
-            note["replica_age_seconds"],
+            "%s recovered on %s, %s, from a replica %.0f s old", sandbox_id, node.name,
+            note["state"], note["replica_age_seconds"],
         )  # fmt: skip
