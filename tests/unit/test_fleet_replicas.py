@@ -48,8 +48,7 @@ def test_a_replica_record_says_what_the_copy_holds(tmp_path: Path) -> None:
     assert r.shown({"id": "sb-other", "state": "running"}) == {"id": "sb-other", "state": "running"}
 
     note = {"from_node": "n1", "state": "paused"}
-    with r._lock:
-        r._db.execute("INSERT INTO recoveries VALUES (?, ?)", ("sb-live", json.dumps(note)))
+    r._db.execute("INSERT INTO recoveries VALUES (?, ?)", ("sb-live", json.dumps(note)))
     back = r.shown(body)
     assert back["state"] == "recovered" and back["recovery"] == note
     assert r.shown({"id": "sb-live", "state": "running"})["state"] == "running"  # resumed

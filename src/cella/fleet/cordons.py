@@ -1,43 +1,48 @@
 """Cordoned nodes: the planner places nothing new on them (a node being drained, or held
-out by its operator until `uncordon`). Kept in a small file of the gateway's, so a
-gateway that restarts mid-drain still keeps new sandboxes off the node."""
+out by its operator until `uncordon`). Kept in the gateway's database (SQLite, or the
+gateways' shared PostgreSQL), so a gateway that restarts mid-drain still keeps new
+sandboxes off the node, and a node cordoned through one gateway is cordoned for all."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import threading
 from pathlib import Path
+
+from cella.store.sql import Database, database
+
+log = logging.getLogger("cella.fleet")
+SCHEMA = "CREATE TABLE IF NOT EXISTS cordons (node TEXT PRIMARY KEY);"
 
 
 class Cordons:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._names: set[str] = set()
-        if path.exists():
-            self._names = set(json.loads(path.read_text()))
+    def __init__(self, where: Path | str | Database, legacy: Path | None = None) -> None:
+        self._db = database(where)
+        self._db.ensure("cordons", SCHEMA)
+        if legacy is not None and legacy.exists():
+            self._take_in(legacy)
+
+    def _take_in(self, legacy: Path) -> None:
+        """The list an older gateway kept in a file of its own (`cordoned.json`), moved into
+        the table once; the file is renamed so that it is not read again."""
+        names = json.loads(legacy.read_text() or "[]")
+        self._db.executemany(
+            "INSERT OR IGNORE INTO cordons (node) VALUES (?)", [(str(n),) for n in names]
+        )
+        os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
+        log.info("cordoned nodes %s moved from %s into the gateway's database", names, legacy)
 
     def __contains__(self, node: object) -> bool:
-        return node in self._names
+        row = self._db.execute("SELECT 1 FROM cordons WHERE node = ?", (str(node),)).fetchone()
+        return row is not None
 
     def names(self) -> set[str]:
-        return set(self._names)
+        return {r[0] for r in self._db.execute("SELECT node FROM cordons").fetchall()}
 
     def cordon(self, node: str) -> None:
-        with self._lock:
-            self._names.add(node)
-            self._save()
+        self._db.execute("INSERT OR IGNORE INTO cordons (node) VALUES (?)", (node,))
 
     def uncordon(self, node: str) -> bool:
         """Whether it was cordoned."""
-        with self._lock:
-            was = node in self._names
-            self._names.discard(node)
-            self._save()
-            return was
-
-    def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self._names)))
-        os.replace(tmp, self.path)  # written whole: a crash leaves the old list or the new
+        return self._db.execute("DELETE FROM cordons WHERE node = ?", (node,)).rowcount > 0

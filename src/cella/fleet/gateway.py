@@ -58,7 +58,7 @@ from cella.service.keys import Keys, Principal
 from cella.service.sessions import Sessions
 from cella.store import Store
 from cella.store.sealing import seal_store
-from cella.store.sql import Lease, Presence
+from cella.store.sql import Lease, Locks, Presence
 from cella.telemetry.prometheus import Exposition, merge
 
 log = logging.getLogger("cella.gateway")
@@ -117,7 +117,8 @@ class Gateway:
         self.rewrites = FleetRewrites(
             kept_in("rewrites.db"), root / "rewrites.key", self.locator, self.keys, self.delegations
         )
-        self.cordons = Cordons(root / "cordoned.json")  # nodes that take nothing new
+        # nodes that take nothing new (an older gateway kept them in a file of its own)
+        self.cordons = Cordons(kept_in("cordons.db"), legacy=root / "cordoned.json")
         planner = Planner(self.membership, self.cordons, self.templates.shippable)
         self.growth = Growth(
             self.membership,
@@ -142,7 +143,16 @@ class Gateway:
             self.templates,
         )
         self.replicas = Replicas(
-            root / "replicas.db", settings, self.membership, self.locator, planner, self.snapshots
+            kept_in("replicas.db"),
+            settings,
+            self.membership,
+            self.locator,
+            planner,
+            self.snapshots,
+            # records an older gateway kept in its own file, before it shared a database
+            legacy=root / "replicas.db" if self.shared else None,
+            locks=Locks(kept_in("")),  # one gateway refreshes a replica at a time
+            lease=Lease(kept_in(""), "replicas"),  # one runs the period
         )
         self.launcher.created = self._created
         self.locator.shown = self.replicas.shown

@@ -13,7 +13,10 @@ when the sandbox is stopped or paused through the gateway (right after), every
 disk and memory; a running one's its disk alone (the guest's writes synced first), or with
 `replicate_memory` its memory too (a live snapshot: the guest pauses for the copy, which
 the record shows as `paused_ms`); a stopped one's its disk. The gateway records each
-replica (node, taken at, size, memory, the export) here.
+replica (node, taken at, size, memory, the export) in its database (SQLite, or the
+gateways' shared PostgreSQL: a replica recorded through one gateway is known to all), and
+one gateway at a time refreshes a given replica (an advisory lock named after the sandbox;
+the period runs on the holder of the `replicas` lease).
 
 When a node is lost, each replicated sandbox of it whose replica is on a node that is up
 is taken in there as a move's destination takes a sandbox in (`POST
@@ -30,8 +33,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sqlite3
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,13 +51,13 @@ from cella.models.fleet import Replica
 from cella.service.keys import Principal
 from cella.service.periodic import Periodic
 from cella.service.replicas import replica_name
+from cella.store.sql import Database, Lease, Locks, database
 
 log = logging.getLogger("cella.fleet.replicas")
 TICK_SECONDS = 1.0
+LOCK_POLL_SECONDS = 0.5  # how often a refresh asks again for a replica another one holds
 Json = dict[str, Any]
 
-# columns a replicas.db written before them lacks
-ADDED = ("memory INTEGER NOT NULL DEFAULT 0", "state TEXT", "paused_ms REAL")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS replicas (
     sandbox_id TEXT PRIMARY KEY,
@@ -64,14 +67,42 @@ CREATE TABLE IF NOT EXISTS replicas (
     taken_at REAL,
     size_bytes INTEGER,
     error TEXT,
-    export TEXT,
-    memory INTEGER NOT NULL DEFAULT 0,
-    state TEXT,
-    paused_ms REAL
+    export TEXT
 );
 CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
 """
+# what a replica holds: the option (memory of a running sandbox too), the copy's state
+# (paused: it has memory) and the running guest's pause for it
+MEMORY = """
+ALTER TABLE replicas ADD COLUMN memory INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE replicas ADD COLUMN state TEXT;
+ALTER TABLE replicas ADD COLUMN paused_ms REAL;
+"""
+MIGRATIONS = (SCHEMA, MEMORY)
+# the tables an older gateway's own file held, and their columns then
+TABLES = {
+    "replicas": "sandbox_id, tenant, node, snapshot_id, taken_at, size_bytes, error, export",
+    "replica_snapshots": "snapshot_id",
+    "recoveries": "sandbox_id, note",
+}
+
+
+def take_in(db: Database, legacy: Path) -> None:
+    """The records an older gateway kept in a file of its own (`replicas.db`), copied
+    into the gateway's database once; the file is renamed so that it is not read again."""
+    old = sqlite3.connect(legacy)
+    try:
+        old.executescript(SCHEMA)  # a table it never made is read as empty
+        with db.transaction():
+            for table, columns in TABLES.items():
+                rows = old.execute(f"SELECT {columns} FROM {table}").fetchall()
+                marks = ", ".join("?" * len(columns.split(",")))
+                db.executemany(f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({marks})", rows)
+    finally:
+        old.close()
+    os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
+    log.info("replica records moved from %s into the gateway's database", legacy)
 
 
 def iso(at: float) -> str:
@@ -81,21 +112,22 @@ def iso(at: float) -> str:
 class Replicas:
     def __init__(
         self,
-        path: Path,
+        where: Path | str | Database,
         settings: DaemonSettings,
         membership: Membership,
         locator: Locator,
         planner: Planner,
         snapshots: FleetSnapshots,
+        legacy: Path | None = None,
+        locks: Locks | None = None,
+        lease: Lease | None = None,
     ) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
-        have = {r[1] for r in self._db.execute("PRAGMA table_info(replicas)")}
-        for column in ADDED:
-            if column.split()[0] not in have:
-                self._db.execute(f"ALTER TABLE replicas ADD COLUMN {column}")
+        self._db = database(where)
+        self._db.migrate("replicas", MIGRATIONS)
+        if legacy is not None and legacy.exists():
+            take_in(self._db, legacy)
+        self._locks = locks or Locks("")  # one gateway refreshes a replica at a time
+        self._lease = lease or Lease("", "replicas")  # and one runs the period
         self.tenants = set(settings.replicate_tenants)
         self.interval = settings.replica_interval_s
         self.membership = membership
@@ -117,11 +149,10 @@ class Replicas:
 
     def add(self, sandbox_id: str, tenant: str, memory: bool = False) -> None:
         """`memory`: the running sandbox's copies keep its memory too."""
-        with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO replicas (sandbox_id, tenant, memory) VALUES (?, ?, ?)",
-                (sandbox_id, tenant, int(memory)),
-            )
+        self._db.execute(
+            "INSERT OR IGNORE INTO replicas (sandbox_id, tenant, memory) VALUES (?, ?, ?)",
+            (sandbox_id, tenant, int(memory)),
+        )
 
     def replicated(self, sandbox_id: str) -> bool:
         return self._row(sandbox_id) is not None
@@ -132,10 +163,9 @@ class Replicas:
         sandbox_id = str(snapshot.get("sandbox_id"))
         if snapshot.get("name") == replica_name(sandbox_id) and self.replicated(sandbox_id):
             return True
-        with self._lock:
-            row = self._db.execute(
-                "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT 1 FROM replica_snapshots WHERE snapshot_id = ?", (snapshot.get("id"),)
+        ).fetchone()
         return row is not None
 
     def of(self, sandbox_id: str) -> Replica:
@@ -164,33 +194,29 @@ class Replicas:
         if row is None:
             return body
         body = {**body, "replicate": True, "replicate_memory": bool(row[5])}
-        with self._lock:
-            found = self._db.execute(
-                "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
+        found = self._db.execute(
+            "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
+        ).fetchone()
         if found is None:
             return body
         note = json.loads(found[0])
         if body.get("state") != note.get("state", "stopped"):  # resumed (or deleted)
-            with self._lock:
-                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+            self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
             return body
         return {**body, "state": "recovered", "recovery": note}
 
     def _row(self, sandbox_id: str) -> tuple[Any, ...] | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT node, snapshot_id, taken_at, size_bytes, error, memory, state, "
-                "paused_ms FROM replicas WHERE sandbox_id = ?",
-                (sandbox_id,),
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT node, snapshot_id, taken_at, size_bytes, error, memory, state, "
+            "paused_ms FROM replicas WHERE sandbox_id = ?",
+            (sandbox_id,),
+        ).fetchone()
         return tuple(row) if row else None
 
     def _export(self, sandbox_id: str) -> Json:
-        with self._lock:
-            found = self._db.execute(
-                "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
+        found = self._db.execute(
+            "SELECT export FROM replicas WHERE sandbox_id = ?", (sandbox_id,)
+        ).fetchone()
         if not found or not found[0]:
             raise errors.NotFound(f"sandbox {sandbox_id} has no replica")
         export: Json = json.loads(found[0])
@@ -198,26 +224,32 @@ class Replicas:
 
     def _set(self, sandbox_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self._lock:
-            self._db.execute(
-                f"UPDATE replicas SET {sets} WHERE sandbox_id = ?", (*fields.values(), sandbox_id)
-            )
+        self._db.execute(
+            f"UPDATE replicas SET {sets} WHERE sandbox_id = ?", (*fields.values(), sandbox_id)
+        )
 
     def _hide(self, snapshot_id: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO replica_snapshots VALUES (?)", (snapshot_id,))
+        self._db.execute("INSERT OR IGNORE INTO replica_snapshots VALUES (?)", (snapshot_id,))
 
     # -- refreshing ----------------------------------------------------------------------
 
-    async def refresh(self, sandbox_id: str) -> Replica:
+    async def refresh(self, sandbox_id: str, wait: bool = True) -> Replica:
         """A new replica of the sandbox: copied on its node (see the module's doc for what
-        the copy holds), shipped to another, the previous copy removed."""
+        the copy holds), shipped to another, the previous copy removed. While another
+        gateway refreshes it, waited for (`wait`), else left to that one."""
+        name = f"replica:{sandbox_id}"
         async with self._busy.setdefault(sandbox_id, asyncio.Lock()):
+            while not await asyncio.to_thread(self._locks.try_hold, name):
+                if not wait:
+                    return self.of(sandbox_id)
+                await asyncio.sleep(LOCK_POLL_SECONDS)
             try:
                 await self._refresh(sandbox_id)
             except errors.CellaError as exc:
                 self._set(sandbox_id, error=f"{type(exc).__name__}: {exc}")
                 raise
+            finally:
+                await asyncio.to_thread(self._locks.release, name)
             self._next[sandbox_id] = time.monotonic() + self.interval
         return self.of(sandbox_id)
 
@@ -288,9 +320,9 @@ class Replicas:
             where = self.placements.get(sandbox_id)
             if row and row[0] and row[1] and where is not None:
                 await self._drop(where.tenant, row[0], row[1])
-            with self._lock:
-                self._db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
-                self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
+            with self._db.transaction() as db:
+                db.execute("DELETE FROM replicas WHERE sandbox_id = ?", (sandbox_id,))
+                db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
         self._next.pop(sandbox_id, None)
         self._busy.pop(sandbox_id, None)
 
@@ -301,14 +333,18 @@ class Replicas:
 
     async def shutdown(self) -> None:
         await self._period.close()
+        self._lease.close()
+        self._locks.close()
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
         up, or that was stopped or paused since its copy was taken (one the gateway did
-        not see: its idle timeout, its TTL)."""
+        not see: its idle timeout, its TTL). Gateways sharing a database: the lease's
+        holder."""
+        if not await asyncio.to_thread(self._lease.held):
+            return
         now = time.monotonic()
-        with self._lock:
-            ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
+        ids = [r[0] for r in self._db.execute("SELECT sandbox_id FROM replicas")]
         for sandbox_id in ids:
             if self._next.setdefault(sandbox_id, now + self.interval) > now:
                 continue
@@ -322,7 +358,7 @@ class Replicas:
                     "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
                 )
                 if shown["state"] == "running" or self._held_since(sandbox_id, shown):
-                    await self.refresh(sandbox_id)
+                    await self.refresh(sandbox_id, wait=False)
             except errors.CellaError as exc:
                 log.warning("replica of %s: %s", sandbox_id, exc)
 
@@ -382,10 +418,11 @@ class Replicas:
         )
         note["state"] = "paused" if made.get("state") == "paused" else "stopped"
         self.placements.put(node.name, made)  # no longer lost: it lives there now
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO recoveries VALUES (?, ?)", (sandbox_id, json.dumps(note))
-            )
+        self._db.execute(
+            "INSERT INTO recoveries VALUES (?, ?) "
+            "ON CONFLICT (sandbox_id) DO UPDATE SET note = excluded.note",
+            (sandbox_id, json.dumps(note)),
+        )
         # the copy is the sandbox's disk's base now: the next refresh makes a new one
         self._set(sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None,
                   export=None, state=None, paused_ms=None)  # fmt: skip

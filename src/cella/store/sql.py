@@ -352,6 +352,47 @@ class Lease:
             self._db = None
 
 
+class Locks:
+    """Named locks among the gateways sharing a PostgreSQL database (one replica refreshed
+    by one gateway at a time): advisory locks held by one session of this process, so a
+    gateway that dies lets its locks go. On SQLite (one gateway) always granted; within a
+    process its callers serialise themselves (a session's advisory lock is re-entrant)."""
+
+    def __init__(self, where: str | Path) -> None:
+        self.url = str(where) if is_postgres(where) else None
+        self._db: Any = None
+        self._lock = threading.Lock()
+
+    def _run(self, sql: str, name: str) -> bool:
+        import psycopg
+
+        with self._lock:
+            try:
+                if self._db is None or self._db.closed:
+                    self._db = psycopg.connect(
+                        str(self.url), autocommit=True, connect_timeout=CONNECT_TIMEOUT
+                    )
+                return bool(self._db.execute(sql, (lock_key(name),)).fetchone()[0])
+            except psycopg.Error:  # a lost session held nothing: its locks went with it
+                if self._db is not None:
+                    self._db.close()
+                self._db = None
+                return False
+
+    def try_hold(self, name: str) -> bool:
+        """Whether `name` is held here now (False: another gateway holds it)."""
+        return self.url is None or self._run("SELECT pg_try_advisory_lock(%s)", name)
+
+    def release(self, name: str) -> None:
+        if self.url is not None:
+            self._run("SELECT pg_advisory_unlock(%s)", name)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
 class Presence:
     """That this process lives, as the others sharing a PostgreSQL database can tell: an
     advisory lock on its own id, held by its session, which its death lets go. On SQLite
