@@ -38,7 +38,9 @@ def test_a_replica_record_says_what_the_copy_holds(tmp_path: Path) -> None:
     r = replicas(tmp_path / "replicas.db")
     old = r.of("sb-old")
     assert not old.memory and not old.replicate_memory and old.paused_ms is None
-    r.add("sb-live", "t", memory=True)
+    r.add("sb-live", "t")
+    assert not r.of("sb-live").replicate_memory
+    r.keep_memory("sb-live")
     assert r.of("sb-live").replicate_memory
     r._set("sb-live", node="n2", taken_at=1.0, state="paused", paused_ms=12.5)
     shown = r.of("sb-live")

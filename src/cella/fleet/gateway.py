@@ -50,7 +50,6 @@ from cella.fleet.shared_webhooks import SharedWebhooks
 from cella.fleet.snapshots import FleetSnapshots
 from cella.fleet.templates import FleetTemplates
 from cella.fleet.volumes import FleetVolumes
-from cella.models import SandboxCreate
 from cella.service.background import Background
 from cella.service.evals import Evals
 from cella.service.image_registries import ImageRegistries
@@ -155,6 +154,7 @@ class Gateway:
             lease=Lease(kept_in(""), "replicas"),  # one runs the period
         )
         self.launcher.created = self._created
+        self.launcher.keeps_memory = self.replicas.keep_memory
         self.locator.shown = self.replicas.shown
         self.snapshots.hidden = self.replicas.hidden
         self.membership.on_lost = self.replicas.recover
@@ -172,9 +172,9 @@ class Gateway:
         await self.membership.shutdown()
         self.presence.close()
 
-    def _created(self, who: Principal, body: dict[str, Any], spec: SandboxCreate) -> None:
-        if self.replicas.wanted(who.tenant, spec.replicate):
-            self.replicas.add(str(body["id"]), who.tenant, spec.replicate_memory)
+    def _created(self, who: Principal, body: dict[str, Any], replicate: bool) -> None:
+        if self.replicas.wanted(who.tenant, replicate):
+            self.replicas.add(str(body["id"]), who.tenant)
 
     async def _joining(self, node: Node) -> None:
         await self.secrets.push_to(node)  # a sandbox placed there may use any of them

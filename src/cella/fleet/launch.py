@@ -62,9 +62,11 @@ class Launcher:
         self.rewrites = rewrites
         self.volumes = volumes  # lends a sandbox's node the volumes it mounts
         self.growth = growth  # waits for a node when none has room, holds nodes in use
-        # a sandbox just made by a create, and what it asked for (a replica)
-        self.created: Callable[[Principal, Json, SandboxCreate], None] = lambda *_: None
+        # a sandbox just made by a create, and whether it asked for a replica
+        self.created: Callable[[Principal, Json, bool], None] = lambda _who, _body, _r: None
         self.templates = templates  # ships a template to a node that lacks it
+        # a replicated sandbox whose replica keeps its memory while it runs (its id)
+        self.keeps_memory: Callable[[str], None] = lambda _id: None
 
     async def launch(
         self,
@@ -150,7 +152,9 @@ class Launcher:
         # no network hop for a sandbox on its volume's home, unless another node is asked for
         prefer = prefer or await self.volumes.home_of(who, body.get("volume_mounts"))
         [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
-        self.created(who, created, spec)
+        self.created(who, created, spec.replicate)
+        if spec.replicate_memory:  # its replica keeps the running sandbox's memory too
+            self.keeps_memory(str(created["id"]))
         return created
 
     async def fork_snapshot(

@@ -147,12 +147,16 @@ class Replicas:
     def wanted(self, tenant: str, asked: bool) -> bool:
         return asked or tenant in self.tenants
 
-    def add(self, sandbox_id: str, tenant: str, memory: bool = False) -> None:
-        """`memory`: the running sandbox's copies keep its memory too."""
+    def add(self, sandbox_id: str, tenant: str) -> None:
         self._db.execute(
-            "INSERT OR IGNORE INTO replicas (sandbox_id, tenant, memory) VALUES (?, ?, ?)",
-            (sandbox_id, tenant, int(memory)),
+            "INSERT OR IGNORE INTO replicas (sandbox_id, tenant) VALUES (?, ?)",
+            (sandbox_id, tenant),
         )
+
+    def keep_memory(self, sandbox_id: str) -> None:
+        """The replicated sandbox's copies keep its memory while it runs too (a live
+        snapshot each period: `replicate_memory`)."""
+        self._db.execute("UPDATE replicas SET memory = 1 WHERE sandbox_id = ?", (sandbox_id,))
 
     def replicated(self, sandbox_id: str) -> bool:
         return self._row(sandbox_id) is not None
