@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,8 @@ from cella.config import DaemonSettings
 from cella.fleet.homes import Home
 from cella.fleet.moves import FleetMoves
 from cella.fleet.replicas import Replicas
+from tests.unit.test_fleet_records import replicas as records
+from tests.unit.test_shared_state import place, server, where  # noqa: F401  (fixtures)
 
 OLD_SCHEMA = """CREATE TABLE replicas (sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
 node TEXT, snapshot_id TEXT, taken_at REAL, size_bytes INTEGER, error TEXT, export TEXT)"""
@@ -112,3 +115,17 @@ async def test_a_moving_sandboxs_volumes_must_stay_reachable() -> None:
     lent = len(fake.lent)
     await moves._volumes_reach({"id": "sb-2", "tenant": "t"}, dest, draining="n1")
     assert len(fake.lent) == lent == 2
+
+
+def test_what_a_copy_holds_is_known_to_every_gateway(where: str) -> None:  # noqa: F811
+    """On both backends (SQLite, a shared PostgreSQL): the memory option and what the
+    copy holds, written through one gateway, read through another."""
+    a, b = records(place(where, "replicas.db")), records(place(where, "replicas.db"))
+    a.add("sb-m", "t")
+    a.keep_memory("sb-m")
+    a._set("sb-m", node="n3", taken_at=time.time(), state="paused", paused_ms=4.0)
+    seen = b.of("sb-m")
+    assert seen.replicate_memory and seen.memory and seen.paused_ms == 4.0
+    b.add("sb-d", "t")  # the control: a replica of its disk alone
+    b._set("sb-d", node="n3", taken_at=time.time(), state="stopped")
+    assert not a.of("sb-d").memory and not a.of("sb-d").replicate_memory
