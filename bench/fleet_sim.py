@@ -9,7 +9,7 @@ daemon (capacity, health, templates, sandbox lists, create, exec), reached throu
 `placement_policy`, `Quotas`, `Launcher`, `Locator`, `Placements`, `relay.forward`) and
 the HTTP client's work per call, never a network. Printed:
 
-- placement: one create through `Launcher.launch` (quota admission over every node,
+- placement: one create through `Launcher.launch` (quota admission from the placement records,
   `Planner.plan` asking every node for three reports, the policy, the node's create, the
   placement recorded) at 10, 100 and `--nodes` nodes; and the policy alone
   (`placement_policy.spread`) over that many candidates;
@@ -165,7 +165,7 @@ def launcher_of(membership: Membership, placements: Placements, root: Path) -> L
     return Launcher(
         membership,
         Locator(membership, placements),
-        Quotas(membership, max_per_tenant=1 << 30),
+        Quotas(placements, membership, max_per_tenant=1 << 30),
         planner,
         FleetSnapshots(membership),
         None,  # type: ignore[arg-type]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import ssl
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.daemon import Daemon, kill_vms_of
+from tests.daemon import Daemon, clear_data_of, kill_vms_of
 from tests.fleet.outside import Outside
 from tests.raycluster import LocalCluster, quiet_ray_env
 
@@ -120,7 +119,8 @@ def fleet(outside: Outside) -> Iterator[Fleet]:
         time.sleep(0.5)
         for name in os.listdir(root / "nodes") if (root / "nodes").exists() else []:
             kill_vms_of(root / "nodes" / name)
-        shutil.rmtree(root, ignore_errors=True)  # the nodes' disks and snapshots
+        for data_dir in [root / "gateway", *(root / "nodes").glob("*")]:
+            clear_data_of(data_dir)  # the nodes' disks and snapshots; their logs stay
 
 
 @pytest.fixture(scope="session")

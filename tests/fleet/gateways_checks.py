@@ -3,8 +3,9 @@
 
 Beside the session's gateway (SQLite, untouched), two more gateways join the same Ray
 cluster and node daemons, their state in a throwaway PostgreSQL server (Debian's, on
-loopback); clients of both run creates and execs, one gateway is killed in the middle of a
-call, and the loop goes on through the other.
+loopback); a node cordoned and a replica recorded through one is known to the other;
+clients of both run creates and execs, one gateway is killed in the middle of a call, and
+the loop goes on through the other.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Pair:
     a: Daemon
     b: Daemon
     key: str  # a tenant's key, made at `a`
+    fleet: Fleet
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def pair(fleet: Fleet) -> Iterator[Pair]:
                 headers={"authorization": f"Bearer {a.admin_key}"},
             )
             assert made.status_code == 201, made.text
-            yield Pair(a, b, made.json()["key"])
+            yield Pair(a, b, made.json()["key"], fleet)
         finally:
             a.stop()
             b.stop()
@@ -81,6 +83,23 @@ def cli(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
+def tenant_of(pair: Pair, gateway: Daemon | None = None) -> httpx2.Client:
+    """The tenant's client of gateway b (or the one given)."""
+    return httpx2.Client(
+        base_url=(gateway or pair.b).url,
+        headers={"authorization": f"Bearer {pair.key}"},
+        timeout=180,
+    )
+
+
+def placed_on(pair: Pair, sandbox_id: str) -> str:
+    """The node whose data directory holds the sandbox's VM."""
+    root = pair.fleet.node_root
+    held = [n for n in os.listdir(root) if (root / n / "vms" / sandbox_id).exists()]
+    assert len(held) == 1, f"{sandbox_id} is on {held}"
+    return held[0]
+
+
 def answers(url: str, key: str) -> int:
     return httpx2.get(
         f"{url}/v1/sandboxes", headers={"authorization": f"Bearer {key}"}, timeout=30
@@ -93,6 +112,73 @@ def test_a_key_made_at_one_gateway_works_at_the_other(pair: Pair) -> None:
     # control: a key neither made is refused by both, the same way
     assert answers(pair.a.url, "cella_wrong") == 401
     assert answers(pair.b.url, "cella_wrong") == 401
+
+
+def admin_of(gateway: Daemon) -> httpx2.Client:
+    return httpx2.Client(
+        base_url=gateway.url,
+        headers={"authorization": f"Bearer {gateway.admin_key}"},
+        timeout=180,
+    )
+
+
+def test_a_node_cordoned_through_one_gateway_is_cordoned_at_the_other(pair: Pair) -> None:
+    """Cordoned through gateway a: gateway b shows it cordoned and places nothing there,
+    even asked for it; uncordoned through b, a places there again (the control)."""
+    with admin_of(pair.a) as a, admin_of(pair.b) as b, tenant_of(pair) as at_b:
+        nodes = sorted(n["name"] for n in b.get("/v1/fleet").json()["nodes"] if n["healthy"])
+        assert len(nodes) >= 2, nodes
+        node = nodes[0]
+        made: list[str] = []
+        try:
+            assert a.post(f"/v1/fleet/nodes/{node}/cordon").json()["cordoned"] is True
+            shown = {n["name"]: n["cordoned"] for n in b.get("/v1/fleet").json()["nodes"]}
+            assert shown[node] is True and not any(v for k, v in shown.items() if k != node)
+            answer = at_b.post("/v1/sandboxes", json=SHAPE, headers={"X-Cella-Node": node})
+            assert answer.status_code == 201, answer.text
+            made.append(answer.json()["id"])
+            assert placed_on(pair, made[-1]) != node
+            assert b.post(f"/v1/fleet/nodes/{node}/uncordon").json()["cordoned"] is False
+            shown = {n["name"]: n["cordoned"] for n in a.get("/v1/fleet").json()["nodes"]}
+            assert shown[node] is False
+            with tenant_of(pair, pair.a) as at_a:
+                answer = at_a.post("/v1/sandboxes", json=SHAPE, headers={"X-Cella-Node": node})
+                assert answer.status_code == 201, answer.text
+                made.append(answer.json()["id"])
+            assert placed_on(pair, made[-1]) == node
+        finally:
+            b.post(f"/v1/fleet/nodes/{node}/uncordon")
+            for sandbox_id in made:
+                at_b.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
+def test_a_replica_recorded_by_one_gateway_is_known_to_the_other(pair: Pair) -> None:
+    """A replicated sandbox made through gateway a: b knows it is replicated, refreshes its
+    replica, and a reads what b recorded; control: an unreplicated one is not, at b."""
+    with tenant_of(pair, pair.a) as at_a, tenant_of(pair) as at_b:
+        kept = at_a.post("/v1/sandboxes", json={**SHAPE, "replicate": True})
+        assert kept.status_code == 201, kept.text
+        plain = at_a.post("/v1/sandboxes", json=SHAPE)
+        assert plain.status_code == 201, plain.text
+        kept_id, plain_id = kept.json()["id"], plain.json()["id"]
+        try:
+            assert at_b.get(f"/v1/sandboxes/{kept_id}").json()["replicate"] is True
+            assert at_b.get(f"/v1/sandboxes/{kept_id}/replica").status_code == 200
+            refreshed = at_b.post(f"/v1/sandboxes/{kept_id}/replica")
+            assert refreshed.status_code == 200, refreshed.text
+            copy = refreshed.json()
+            assert copy["node"] and copy["taken_at"] and copy["error"] is None, copy
+            assert copy["node"] != placed_on(pair, kept_id)
+            assert (
+                at_a.get(f"/v1/sandboxes/{kept_id}/replica").json()
+                | {"age_seconds": copy["age_seconds"]}
+                == copy
+            )
+            refused = at_b.get(f"/v1/sandboxes/{plain_id}/replica")  # the control
+            assert refused.status_code == 404 and "not replicated" in refused.text
+        finally:
+            at_b.delete(f"/v1/sandboxes/{kept_id}")
+            at_b.delete(f"/v1/sandboxes/{plain_id}")
 
 
 def test_a_client_loop_goes_on_when_its_gateway_is_killed(pair: Pair) -> None:

@@ -10,7 +10,6 @@ import base64
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -526,11 +525,12 @@ def test_capture_a_docker_image_through_the_gateway(
         tenant.delete(f"/v1/sandboxes/{box}")
 
 
-def test_access_delegation_through_a_gateway_serving_tls(fleet: Fleet, tmp_path: Path) -> None:
+def test_access_delegation_through_a_gateway_serving_tls(fleet: Fleet) -> None:
     """The gateway restarted serving TLS (the last check: every other client here speaks
     plain HTTP to it): a delegated box's `http://cella.api` reaches it over TLS, the node's
     proxy trusting the gateway's certificate alone; revoking the creator's key ends it."""
-    cert, key = node_certificate(tmp_path / "tls", "127.0.0.1", "gateway")
+    # beside the gateway's data, not in this check's tmp_path: it serves with it to the end
+    cert, key = node_certificate(fleet.gateway.data_dir / "tls", "127.0.0.1", "gateway")
     fleet.serve_tls(cert, key)
     assert fleet.gateway.url.startswith("https://")
     made = fleet.admin.post("/v1/keys", json={"tenant": "acme"}).json()

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # (volumes, webhooks, templates), moves (also of sandboxes mounting volumes), then E2B's
 # SDK's, then the LangSmith SDK's (whose last check has the gateway serve TLS), a template
 # shipped by digest to a node that joins for it, the operator's (safe retries, backups of
-# the gateway), replicas, then two more gateways sharing PostgreSQL (one killed: they leave
-# the nodes pointing at a gateway that is gone, so they run last)
+# the gateway), replicas, placement around a silent node and replication through E2B's
+# SDK, then two more gateways sharing PostgreSQL (one killed: they leave the nodes pointing
+# at a gateway that is gone, so they run last)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
     for name in (
@@ -43,6 +44,7 @@ CHECKS = [
         "template_ship_checks.py",
         "ops_checks.py",
         "replica_checks.py",
+        "placement_checks.py",
         "gateways_checks.py",
     )
 ]
@@ -78,10 +80,13 @@ def test_the_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
     output = proc.stdout[max(0, failures) :][:30000] + proc.stderr[-5000:]
     assert report.exists(), output
     cases = ET.parse(report).getroot().iter("testcase")
-    outcomes = {}
+    outcomes, seconds = {}, {}
     for case in cases:
+        seconds[case.get("name")] = float(case.get("time") or 0)
         failed = case.find("failure") is not None or case.find("error") is not None
         skipped = case.find("skipped") is not None
         outcomes[case.get("name")] = "failed" if failed else "skipped" if skipped else "passed"
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:15]
+    print("slowest fleet checks:", *(f"{t:7.1f} s  {name}" for name, t in slowest), sep="\n")
     assert outcomes == dict.fromkeys(check_names(), "passed"), output
     assert proc.returncode == 0, output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -11,6 +12,7 @@ import pytest
 
 from cella import Client, Sandbox, errors
 from tests.daemon import Daemon, DaemonFactory, SandboxFactory
+from tests.vms import qemu_of
 
 pytestmark = pytest.mark.vm
 
@@ -116,7 +118,19 @@ def test_fork_branches_are_isolated(admin: Client, sandbox_factory: SandboxFacto
     names = [br.exec("hostname").text.strip() for br in branches]
     assert names == [br.id for br in branches]
     for br in branches:
+        # where its restore's time went, step by step (its overlay a copy, no process)
+        (forked,) = br.events(types=["forked"])
+        steps = ("overlay", "qemu_start", "state_load", "first_answer", "vm", "ready")
+        assert all(forked.data[f"{k}_ms"] >= 0 for k in steps), forked.data
+        # QEMU started without a hook between fork and exec, yet without huge pages
+        assert "THP_enabled:\t0" in thp_status(qemu_of(br.id))
         br.delete()
+    assert "THP_enabled:\t1" in thp_status(1)  # the control: elsewhere the field reads 1
+
+
+def thp_status(pid: int) -> str:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(line for line in lines if line.startswith("THP_enabled"))
 
 
 # what a guest says of its identity: random bytes three ways, its boot, clock and names

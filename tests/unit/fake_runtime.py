@@ -172,6 +172,7 @@ class FakeVM:
     def __init__(self, directory: Path, vcpus: int, memory_mib: int) -> None:
         self.directory: Path | None = directory
         self.boot_seconds: float | None = 0.01
+        self.restore_spans: dict[str, float] = {}
         self.accel_reason = "fake"
         self.exit_hooks: list[Callable[[], None]] = []
         self._pid = next(self._pids)

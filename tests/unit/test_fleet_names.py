@@ -28,6 +28,16 @@ def box(sandbox_id: str, creator: str, visibility: str = "private") -> dict[str,
             "creator": creator, "visibility": visibility, "shares": {}, "labels": {}}  # fmt: skip
 
 
+class Node:
+    """A node's answer to the gateway's list of a tenant's sandboxes."""
+
+    def __init__(self, boxes: list[dict[str, Any]]) -> None:
+        self.boxes = boxes
+
+    async def json(self, method: str, path: str, who: Principal, **kw: Any) -> Any:
+        return {"sandboxes": self.boxes}
+
+
 class Nodes:
     """One node's answer to a list, as the caller may see it."""
 
@@ -36,6 +46,9 @@ class Nodes:
 
     def healthy(self) -> list[Any]:
         return []
+
+    def up(self, name: str) -> Node:
+        return Node(self.boxes)
 
     async def each(self, method: str, path: str, who: Principal, **kw: Any) -> list[Any]:
         from cella.fleet.locator import visible
@@ -48,12 +61,20 @@ async def admit(quotas: Quotas, who: Principal, name: str) -> None:
         pass
 
 
-async def test_a_create_is_refused_only_for_a_name_it_may_know() -> None:
-    quotas = Quotas(cast(Membership, Nodes([box("a", "alice")])), 10)
+def quotas_over(tmp_path: Path, boxes: list[dict[str, Any]]) -> Quotas:
+    """A gateway's quotas, its records and the node's answers holding `boxes`."""
+    placements = Placements(tmp_path / f"p{len(list(tmp_path.iterdir()))}.db")
+    for b in boxes:
+        placements.put("n1", b)
+    return Quotas(placements, cast(Membership, Nodes(boxes)), 10)
+
+
+async def test_a_create_is_refused_only_for_a_name_it_may_know(tmp_path: Path) -> None:
+    quotas = quotas_over(tmp_path, [box("a", "alice")])
     await admit(quotas, BOB, "x")  # alice's private one is not his to know
     with pytest.raises(errors.AlreadyExists, match="in use"):
         await admit(quotas, ALICE, "x")  # her own
-    shown = Quotas(cast(Membership, Nodes([box("a", "alice", "tenant")])), 10)
+    shown = quotas_over(tmp_path, [box("a", "alice", "tenant")])
     with pytest.raises(errors.AlreadyExists, match="in use"):
         await admit(shown, BOB, "x")  # the tenant's: he sees it
     await admit(shown, BOB, "y")  # the control: another name

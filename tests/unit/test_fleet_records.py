@@ -109,3 +109,28 @@ def test_one_gateway_at_a_time_refreshes_a_replica(server: str, tmp_path: Path) 
     a.close()
     alone = Locks(tmp_path / "x.db")  # SQLite: one gateway, always granted
     assert alone.try_hold("replica:sb-1") and alone.try_hold("replica:sb-1")
+
+
+async def test_a_replica_another_gateway_refreshes_is_left_to_it(server: str) -> None:  # noqa: F811
+    """The period's refresh of a replica another gateway is refreshing is skipped (asked,
+    it waits for that one); control: once let go, it is refreshed here."""
+    url = fresh_database(server, f"r{next(NAMES)}")
+    here = replicas(url)
+    here._locks = Locks(url)
+    here.add("sb-1", "acme")
+    refreshed: list[str] = []
+
+    async def refresh(sandbox_id: str) -> None:
+        refreshed.append(sandbox_id)
+
+    here._refresh = refresh  # type: ignore[method-assign]
+    other = Locks(url)
+    assert other.try_hold("replica:sb-1")  # the other gateway is refreshing it
+    assert (await here.refresh("sb-1", wait=False)).sandbox_id == "sb-1"
+    assert refreshed == []
+    other.release("replica:sb-1")
+    await here.refresh("sb-1", wait=False)
+    assert refreshed == ["sb-1"]
+    assert other.try_hold("replica:sb-1")  # let go here once done
+    other.close()
+    here._locks.close()

@@ -122,3 +122,39 @@ def test_a_disk_made_to_stand_alone_keeps_every_block_without_its_backing(
     overlay.create_overlay(gone, other)
     gone.unlink()
     assert "read 65536/65536" not in _qemu_io(other, "read -P 0 0 64k")
+
+
+def test_overlays_after_the_first_of_a_base_are_copies_qemu_reads_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork of N makes N empty overlays on one disk: only the first runs `qemu-img`, the
+    others are its bytes. Each reads its base and keeps its own writes; another size, or a
+    base replaced under the same name, is made anew (the control: qemu-img refused)."""
+    base = tmp_path / "base.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "8M"], check=True)
+    assert "wrote" in _qemu_io(base, "write -P 0xab 0 64k")
+    first, second = tmp_path / "a.qcow2", tmp_path / "b.qcow2"
+    overlay.create_overlay(base, first)
+
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise AssertionError("qemu-img ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(overlay.subprocess, "run", no_process)
+        overlay.create_overlay(base, second)
+        with pytest.raises(AssertionError, match="qemu-img ran"):  # another size
+            overlay.create_overlay(base, tmp_path / "c.qcow2", 16)
+    assert second.read_bytes() == first.read_bytes()
+    check = subprocess.run(["qemu-img", "check", str(second)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert overlay.backing_file(second) == str(base.resolve())
+    assert "wrote" in _qemu_io(second, "write -P 0xcd 1M 64k")
+    assert "read 65536/65536" in _qemu_io(second, "read -P 0xab 0 64k")
+    assert "read 65536/65536" in _qemu_io(second, "read -P 0xcd 1M 64k")
+    assert "read 65536/65536" in _qemu_io(first, "read -P 0 1M 64k")  # not in its sibling
+
+    base.unlink()  # a new base of another size under the same name
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "16M"], check=True)
+    third = tmp_path / "d.qcow2"
+    overlay.create_overlay(base, third)
+    assert overlay.image_info(third)["virtual-size"] == 16 << 20

@@ -245,7 +245,10 @@ def router(gateway: Gateway) -> APIRouter:
     @api.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=METHODS, tags=["sandboxes"])
     async def on_sandbox(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
         """Every other call on a sandbox, streamed to its node."""
-        return await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
+        answer = await forward(request, await gateway.locator.node_of(who, sandbox_id), who)
+        if rest == "resume" and request.method == "POST" and answer.status_code < 300:
+            gateway.locator.woken(sandbox_id)
+        return answer
 
     @api.api_route("/v1/services/{sandbox_id}/{rest:path}", methods=METHODS, tags=["ports"])
     async def service(sandbox_id: str, rest: str, request: Request) -> Response:

@@ -139,6 +139,8 @@ def control(gateway: Gateway) -> APIRouter:
         answer = await node.call(
             "POST", request.url.path, who, langsmith=True, content=body, headers=headers
         )
+        if answer.is_success:
+            gateway.locator.woken(sandbox_id)
         return _named(answer, domain)
 
     @api.post("/sandboxes/{sandbox_id}/fork", status_code=201)

@@ -2,20 +2,21 @@
 
 `Membership` knows which node daemons exist (from Ray) and loses the sandboxes of nodes that
 go; `Locator` knows where each sandbox lives (`placement_table`, rebuilt from the nodes when
-one joins); `Quotas` holds tenants' limits across the fleet; `Planner` decides where new
-sandboxes go (`placement_policy`); `FleetSnapshots` finds snapshots on the nodes and ships
-them; `Launcher` runs one pipeline for every create and fork; `SharedSecrets` keeps the
-tenants' secrets here and on every node, `SharedWebhooks` their webhooks; their image
-registries are kept here alone (`fleet/registries.py` lends a node one for a pull);
-`Replicas` keeps copies of replicated sandboxes' disks on second nodes and brings those
-sandboxes back from them when their node is lost; `FleetVolumes` and `NamedTemplates` know
-the node each volume and named template lives on (`homes`); `FleetTemplates` builds
-templates on every node; `Growth` asks Ray's autoscaler for nodes when none has room and
-holds the nodes that have sandboxes; `FleetMoves` moves sandboxes between nodes and drains a
-node (`Cordons` keeps new ones off it); `Delegations` makes and checks the access delegation
-grants of the sandboxes it places. The gateway keeps its own keys, console sessions,
-registries and eval runs (what the routes it shares with a node daemon use:
-`cella.server.front`).
+one joins); `Quotas` holds tenants' limits across the fleet (from the placement records,
+with what every gateway is making: `holds`); `Planner` decides where new sandboxes go
+(`placement_policy`; nodes that do not answer left out for a while: `answering`);
+`FleetSnapshots` finds snapshots on the nodes and ships them; `Launcher` runs one pipeline
+for every create and fork; `SharedSecrets` keeps the tenants' secrets here and on every
+node, `SharedWebhooks` their webhooks; their image registries are kept here alone
+(`fleet/registries.py` lends a node one for a pull); `Replicas` keeps copies of replicated
+sandboxes' disks on second nodes and brings those sandboxes back from them when their node
+is lost; `FleetVolumes` and `NamedTemplates` know the node each volume and named template
+lives on (`homes`); `FleetTemplates` builds templates on every node; `Growth` asks Ray's
+autoscaler for nodes when none has room and holds the nodes that have sandboxes;
+`FleetMoves` moves sandboxes between nodes and drains a node (`Cordons` keeps new ones off
+it); `Delegations` makes and checks the access delegation grants of the sandboxes it places.
+The gateway keeps its own keys, console sessions, registries and eval runs (what the routes
+it shares with a node daemon use: `cella.server.front`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cella.fleet.backups import GatewayBackups
 from cella.fleet.cordons import Cordons
 from cella.fleet.delegation import Delegations
 from cella.fleet.growth import Growth
+from cella.fleet.holds import Holds
 from cella.fleet.homes import Homes
 from cella.fleet.launch import Launcher
 from cella.fleet.locator import Locator
@@ -132,7 +134,13 @@ class Gateway:
         self.launcher = Launcher(
             self.membership,
             self.locator,
-            Quotas(self.membership, settings.max_sandboxes_per_tenant),
+            Quotas(
+                self.placements,
+                self.membership,
+                settings.max_sandboxes_per_tenant,
+                # what every gateway is making: a gateway that is gone holds nothing
+                Holds(self.placements.db, self.presence.id, self.presence.alive),
+            ),
             planner,
             self.snapshots,
             self.delegations,

@@ -126,6 +126,8 @@ def control(gateway: Gateway, prefix: str) -> APIRouter:
             gateway.rewrites.record(where.sandbox_id, who, rules)
         if request.method == "DELETE" and answer.status_code < 300:
             gateway.locator.deleted(where.sandbox_id)
+        if request.url.path.endswith(f"/boxes/{name}/start") and answer.status_code < 300:
+            gateway.locator.woken(where.sandbox_id)
         return answer
 
     @api.get("/snapshots")

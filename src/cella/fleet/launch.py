@@ -2,7 +2,9 @@
 snapshot, a LangSmith box): admitted against the tenant's quota (its name held), the
 snapshot they boot from found, nodes planned and reserved, the snapshot (or the template)
 shipped to each planned node that lacks it, then made there by the caller's `make` and
-recorded where they are. Made on several nodes, they are all made or none is."""
+recorded where they are. Made on several nodes, they are all made or none is. Each made
+sandbox is handed to `created` (the gateway replicates it if it or its tenant asks), so
+every door (cella's, E2B's, LangSmith's; creates and forks) decides replication alike."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class Launcher:
         self.rewrites = rewrites
         self.volumes = volumes  # lends a sandbox's node the volumes it mounts
         self.growth = growth  # waits for a node when none has room, holds nodes in use
-        # a sandbox just made by a create, and whether it asked for a replica
+        # a sandbox just made (by any door), and whether it asked for a replica
         self.created: Callable[[Principal, Json, bool], None] = lambda _who, _body, _r: None
         self.templates = templates  # ships a template to a node that lacks it
         # a replicated sandbox whose replica keeps its memory while it runs (its id)
@@ -79,12 +81,14 @@ class Launcher:
         holders: set[str] | None = None,
         prefer: str | None = None,
         only: str | None = None,
+        replicate: bool = False,
     ) -> list[Json]:
         """`count` sandboxes made by `make` from `source` (a template's shape, or the
         snapshot they boot from: an id, name or name:tag; `holders` are nodes known to hold
         it besides those that answer for it), on the nodes that fit them best (`prefer`:
-        the node asked for; `only`: the one node they may go to)."""
-        async with self.quotas.admitted(who, count, name):
+        the node asked for; `only`: the one node they may go to; `replicate`: asked for a
+        replica, which a tenant of `replicate_tenants` gets without asking)."""
+        async with self.quotas.admitted(who, count, name) as hold:
             snapshot_id = None
             held = set(holders or ())
             if isinstance(source, str):
@@ -107,6 +111,7 @@ class Launcher:
                     made = await make(node, n, snapshot_id)
                     for body in made:
                         self.placements.put(name, body)
+                    hold.placed(len(made))  # counted from their records now
                     return node, made
 
                 parts = await asyncio.gather(
@@ -121,7 +126,10 @@ class Launcher:
                         await node.json("DELETE", f"/v1/sandboxes/{body['id']}", who)
                         self.placements.deleted(body["id"])
             raise failed[0]
-        return [body for _, made in done for body in made]
+        made = [body for _, bodies in done for body in bodies]
+        for body in made:
+            self.created(who, body, replicate)
+        return made
 
     async def create(self, who: Principal, body: Json, prefer: str | None = None) -> Json:
         """cella's create (`POST /v1/sandboxes`), on the node that fits it best."""
@@ -151,8 +159,9 @@ class Launcher:
         source = spec.snapshot or shape_of(spec)
         # no network hop for a sandbox on its volume's home, unless another node is asked for
         prefer = prefer or await self.volumes.home_of(who, body.get("volume_mounts"))
-        [created] = await self.launch(who, 1, source, make, name=spec.name, prefer=prefer)
-        self.created(who, created, spec.replicate)
+        [created] = await self.launch(
+            who, 1, source, make, name=spec.name, prefer=prefer, replicate=spec.replicate
+        )
         if spec.replicate_memory:  # its replica keeps the running sandbox's memory too
             self.keeps_memory(str(created["id"]))
         return created

@@ -95,6 +95,11 @@ class Locator:
             found = [b for b in found if b.get("state") == state]
         return sorted(found, key=lambda b: str(b.get("created_at")))
 
+    def woken(self, sandbox_id: str) -> None:
+        """Resumed through a call the gateway relayed: live again, as its quota counts it
+        (until the node's own answer to a list says more)."""
+        self.placements.set_state(sandbox_id, "starting")
+
     def deleted(self, sandbox_id: str) -> None:
         """Deleted on its node: still routed there (its trace), never listed."""
         self.placements.deleted(sandbox_id)

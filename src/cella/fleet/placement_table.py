@@ -34,6 +34,16 @@ PUT = (
 
 
 @dataclass(frozen=True, slots=True)
+class Standing:
+    """A sandbox that is neither deleted nor lost, as its quota sees it."""
+
+    sandbox_id: str
+    node: str
+    state: str
+    auto_resume: bool  # a stopped one wakes by itself on traffic
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     sandbox_id: str
     tenant: str
@@ -51,6 +61,7 @@ class Placement:
 class Placements:
     def __init__(self, where: Path | str | Database) -> None:
         self._db = database(where)
+        self.db = self._db  # what else the gateway keeps beside it (quota holds)
         self._db.ensure("placements", SCHEMA)
         self._live = f"{self._db.json_text('body', 'state')} != 'deleted'"
 
@@ -70,16 +81,40 @@ class Placements:
 
     def deleted(self, sandbox_id: str) -> None:
         """Deleted on its node, which keeps its trace: still routed there, never listed."""
+        self.set_state(sandbox_id, "deleted")
+
+    def set_state(self, sandbox_id: str, state: str) -> None:
+        """The sandbox's state as the gateway learned it from a call it relayed (a resume:
+        counted in its tenant's quota from now on)."""
         with self._db.transaction() as db:
             row = db.execute(
                 "SELECT body FROM placements WHERE sandbox_id = ?", (sandbox_id,)
             ).fetchone()
             if row is not None:
-                body = {**json.loads(row[0]), "state": "deleted"}
+                body = {**json.loads(row[0]), "state": state}
                 db.execute(
                     "UPDATE placements SET body = ? WHERE sandbox_id = ?",
                     (json.dumps(body), sandbox_id),
                 )
+
+    def standing(self, tenant: str) -> list[Standing]:
+        """The tenant's sandboxes that are neither deleted nor lost, as last recorded
+        (what its quota counts)."""
+        state = self._db.json_text("body", "state")
+        wakes = self._db.json_text("body", "auto_resume")
+        rows = self._db.execute(
+            f"SELECT sandbox_id, node, {state}, {wakes} FROM placements "
+            f"WHERE tenant = ? AND lost IS NULL AND {self._live}",
+            (tenant,),
+        ).fetchall()
+        return [Standing(r[0], r[1], r[2] or "", str(r[3]).lower() in ("1", "true")) for r in rows]
+
+    def named(self, tenant: str, name: str) -> list[Placement]:
+        """The tenant's sandboxes called `name` that are neither deleted nor lost."""
+        named = self._db.json_text("body", "name")
+        return self._select(
+            f"WHERE tenant = ? AND {named} = ? AND lost IS NULL AND {self._live}", tenant, name
+        )
 
     def forget(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM placements WHERE sandbox_id = ?", (sandbox_id,))

@@ -1,7 +1,9 @@
 """Which nodes new sandboxes go to: each healthy node's report (capacity, warm pool, built
 templates) less what is being placed there right now, given to the placement policy; a
 template the gateway can ship (`shippable`) counts as placeable on every node. A large
-fleet is sampled: a placement asks 64 nodes (and those it must see), not every node."""
+fleet is sampled: a placement asks 64 nodes (and those it must see), not every node. A node
+whose daemon does not answer within `REPORT_TIMEOUT_S` (it hangs, refuses, is overloaded)
+is placed around, and left out for a while (`answering.py`) instead of waited for again."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from cella import errors
+from cella.fleet.answering import Answering
 from cella.fleet.cordons import Cordons
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
@@ -19,6 +23,7 @@ from cella.fleet.placement_policy import Candidate, spread
 from cella.models import Capacity
 
 SAMPLE = 64  # nodes asked for their reports per placement, at most (past the wanted ones)
+REPORT_TIMEOUT_S = 5.0  # a node's reports wait this long at most: a create never hangs on one
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +41,10 @@ class Planner:
         membership: Membership,
         cordons: Cordons | None = None,
         shippable: Callable[[str], bool] = lambda _: False,
+        answering: Answering | None = None,
     ) -> None:
         self.membership = membership
+        self.answering = answering or Answering()  # nodes that did not answer, left out
         self.cordons = cordons  # nodes that take nothing new
         self.shippable = shippable  # templates the gateway can ship to a node lacking them
         self._reserved: dict[str, list[tuple[int, int]]] = {}  # node -> (vCPUs, MiB) placing
@@ -85,11 +92,18 @@ class Planner:
                 if only is None
                 else f"node {only} is down"
             )
+        silent = self.answering.left_out()
+        # the nodes that answered lately; none of them: every node asked again
+        nodes = [n for n in nodes if n.name not in silent] or nodes
         asked = sample(nodes, SAMPLE, {*holders, prefer or ""})
         whole = len(asked) == len(nodes)
         plan = await self._plan(asked, shape, count, holders, prefer, whole)
-        if plan is None and not whole:  # not in the sample: every node asked
-            plan = await self._plan(nodes, shape, count, holders, prefer, True)
+        if plan is None and not whole:  # not in the sample: every node asked (that answers)
+            silent = self.answering.left_out()
+            rest = [n for n in nodes if n.name not in silent]
+            if not rest:
+                raise errors.NodeUnavailable("no node of the fleet answered")
+            plan = await self._plan(rest, shape, count, holders, prefer, True)
         if not plan:
             raise errors.CapacityExceeded(
                 f"the fleet has no room for {count} sandbox(es) of {shape.vcpus} vCPUs and "
@@ -106,22 +120,23 @@ class Planner:
         prefer: str | None,
         whole: bool,
     ) -> dict[str, int] | None:
-        """The plan over `nodes` from their reports; None if none of them has room, or
-        (a sample, not the `whole` fleet) none has the template built where the gateway
-        cannot ship it. Where no node of the fleet has it, it goes by room, and the node
-        says what is missing."""
-        reports = await asyncio.gather(
-            *(n.json("GET", "/v1/capacity") for n in nodes),
-            *(n.json("GET", "/v1/health") for n in nodes),
-            *(n.json("GET", "/v1/templates") for n in nodes),
-        )
+        """The plan over `nodes` from their reports (a node that does not answer left out);
+        None if none of them has room, or (a sample, not the `whole` fleet) none has the
+        template built where the gateway cannot ship it. Where no node of the fleet has
+        it, it goes by room, and the node says what is missing."""
+        reports = await asyncio.gather(*(self._report(n) for n in nodes))
+        answered = [(n, r) for n, r in zip(nodes, reports, strict=True) if r is not None]
+        if not answered and not whole:
+            return None  # the rest of the fleet is asked
+        if not answered:
+            reasons = "; ".join(f"{n.name}: {self.answering.reason(n.name)}" for n in nodes)
+            raise errors.NodeUnavailable(f"no node of the fleet answered ({reasons})")
         vcpus, memory_mib, template = shape.vcpus, shape.memory_mib, shape.template
         ships = self.shippable(template)
-        candidates = []
-        for i, node in enumerate(nodes):
-            capacity = Capacity.model_validate(reports[i])
-            pool: dict[str, int] = reports[len(nodes) + i].get("pool") or {}
-            built = {t["name"] for t in reports[2 * len(nodes) + i]["templates"] if t["built"]}
+        candidates, unheld = [], []
+        for node, (capacity, health, templates) in answered:
+            pool: dict[str, int] = health.get("pool") or {}
+            built = {t["name"] for t in templates["templates"] if t["built"]}
             held_cpus = sum(c for c, _ in self._reserved.get(node.name, []))
             held_memory = sum(m for _, m in self._reserved.get(node.name, []))
             candidates.append(
@@ -136,9 +151,40 @@ class Planner:
                     ships_template=template not in built and ships,
                 )
             )
+            unheld.append(
+                replace(
+                    candidates[-1],
+                    memory_mib_free=capacity.memory_mib_free,
+                    vcpus_free=capacity.vcpus_free,
+                )
+            )
         if not whole and not any(c.has_template for c in candidates):
             return None  # maybe built on a node not asked
-        return spread(candidates, vcpus, memory_mib, count) or None
+        # What is held for creates in flight may be in the node's report already (admitted
+        # there, not yet answered): counted twice, a burst would be refused room it has. So
+        # without the holds, the node's own admission decides (it queues briefly or refuses).
+        return (
+            spread(candidates, vcpus, memory_mib, count)
+            or spread(unheld, vcpus, memory_mib, count)
+            or None
+        )
+
+    async def _report(self, node: Node) -> tuple[Capacity, Any, Any] | None:
+        """The node's capacity, health and templates; None if it did not answer in time
+        (or answered nonsense): it is left out of placements for a while."""
+
+        async def asked() -> tuple[Capacity, Any, Any]:
+            capacity, health, templates = await asyncio.wait_for(
+                asyncio.gather(
+                    node.json("GET", "/v1/capacity"),
+                    node.json("GET", "/v1/health"),
+                    node.json("GET", "/v1/templates"),
+                ),
+                REPORT_TIMEOUT_S,
+            )
+            return Capacity.model_validate(capacity), health, templates
+
+        return await self.answering.ask(node.name, asked)
 
 
 def sample(nodes: list[Node], most: int, wanted: set[str]) -> list[Node]:

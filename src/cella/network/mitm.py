@@ -10,7 +10,9 @@ over a socket pair (fd in CELLA_EGRESS_FD), one JSON object a line:
                     "api": {...}, "rewrites": {"upstream", "token", "rules": [...]}}
                    {"op": "drop", "addr"}      {"op": "reset"}
                    {"op": "boundary", "protected", "tenant_networks", "names"}
+                   {"op": "sync", "seq"}
   proxy -> daemon  {"op": "ready"}             {"op": "decision", ...}
+                   {"op": "synced", "seq"}     (every message before that sync is applied)
 
 A connection's sandbox is the loopback address it comes from: QEMU's forward for that VM
 binds it, and the guest cannot choose it. TLS is intercepted only toward hosts a secret of
@@ -275,6 +277,8 @@ class Egress:
                     self.boundary = Boundary.from_json(msg)
                 elif msg["op"] == "signing":
                     self.callbacks.signing = Signing.of(msg)
+                elif msg["op"] == "sync":  # all before it is applied: say so
+                    self._send({"op": "synced", "seq": msg["seq"]})
             except (KeyError, ValueError) as exc:
                 log.error("bad control message %s: %s", msg.get("op"), exc)
         os._exit(0)  # the daemon is gone: so is its proxy

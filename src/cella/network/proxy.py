@@ -92,6 +92,8 @@ class EgressProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._ready = asyncio.Event()
+        self._syncs: dict[int, asyncio.Future[None]] = {}  # sync messages not answered yet
+        self._seq = 0
 
     def _stored_port(self) -> int:
         file = self.dir / "port"
@@ -224,6 +226,10 @@ class EgressProxy:
                 continue
             if msg.get("op") == "ready":
                 self._ready.set()
+            elif msg.get("op") == "synced":
+                waiter = self._syncs.pop(msg.get("seq", -1), None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
             elif msg.get("op") == "decision":
                 msg.pop("op")
                 try:
@@ -263,6 +269,23 @@ class EgressProxy:
     def _send(self, msg: dict[str, Any]) -> None:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(json.dumps(msg).encode() + b"\n")
+
+    async def synced(self, timeout: float = 5.0) -> None:
+        """Returns once the proxy has applied every message sent before (it answers a `sync`
+        in order), so a change made through the API holds for the guest's next connection.
+        A proxy that does not answer in `timeout` is logged, not waited on for ever."""
+        if self._writer is None or self._writer.is_closing() or not self._ready.is_set():
+            return  # none runs: what it is sent on start is the whole state
+        self._seq += 1
+        seq = self._seq
+        waiter = self._syncs[seq] = asyncio.get_running_loop().create_future()
+        self._send({"op": "sync", "seq": seq})
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            log.warning("the egress proxy did not confirm a change within %.0f s", timeout)
+        finally:
+            self._syncs.pop(seq, None)
 
     def set(
         self,

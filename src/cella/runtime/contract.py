@@ -138,6 +138,7 @@ class VM(Protocol):
 
     directory: Path | None
     boot_seconds: float | None  # restore/boot time; None for a VM claimed from the pool
+    restore_spans: dict[str, float]  # where a restore's time went, seconds by step (if known)
     accel_reason: str
     exit_hooks: list[Callable[[], None]]
 

@@ -94,14 +94,14 @@ class Admission:
         """The host's commitment limits and what is committed (live sandboxes, the pool up
         to its size: a grown pool's other VMs give their room back to any request, so a
         fleet's planner counts it free)."""
-        live = self.registry.live_rows()
+        usage = self.registry.live_usage().values()
         pooled_cpus, pooled_memory = self.pool.committed(lent=False)
         return Capacity(
             memory_mib=self.settings.max_host_memory_mib,
-            memory_mib_committed=sum(r.memory_mib for r in live) + pooled_memory,
+            memory_mib_committed=sum(u[2] for u in usage) + pooled_memory,
             vcpus=self.settings.max_host_vcpus,
-            vcpus_committed=sum(r.vcpus for r in live) + pooled_cpus,
-            live_sandboxes=len(live),
+            vcpus_committed=sum(u[1] for u in usage) + pooled_cpus,
+            live_sandboxes=sum(u[0] for u in usage),
         )
 
     def disk_mib(self, tenant: str) -> int:
@@ -125,16 +125,16 @@ class Admission:
 
     def _check(self, tenant: str, vcpus: int, memory_mib: int, count: int) -> None:
         s = self.settings
-        live = self.registry.live_rows()
-        mine = sum(1 for r in live if r.tenant == tenant)
+        usage = self.registry.live_usage()
+        mine = usage.get(tenant, (0, 0, 0))[0]
         if mine + count > s.max_sandboxes_per_tenant:
             raise errors.QuotaExceeded(
                 f"tenant {tenant!r} has {mine} live sandboxes; the limit is "
                 f"{s.max_sandboxes_per_tenant}"
             )
         pooled_cpus, pooled_memory = self.pooled()
-        memory = sum(r.memory_mib for r in live) + pooled_memory + count * memory_mib
-        cpus = sum(r.vcpus for r in live) + pooled_cpus + count * vcpus
+        memory = sum(u[2] for u in usage.values()) + pooled_memory + count * memory_mib
+        cpus = sum(u[1] for u in usage.values()) + pooled_cpus + count * vcpus
         if memory > s.max_host_memory_mib:
             raise errors.CapacityExceeded(
                 f"{count * memory_mib} MiB more would commit {memory} of the host's "

@@ -370,6 +370,7 @@ class SandboxEgress:
             if self.intercepts(row):
                 await self.trust_ca(vm)
             self.attach(vm, row)
+            await self.proxy.synced()  # the guest's next connection meets the new rules
         self.events.emit(sandbox_id, "network_changed", policy.model_dump())
         return row
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from cella import errors
@@ -20,7 +21,7 @@ from cella.models.sandbox import RestoreMemory
 from cella.policy.access import Principal
 from cella.service.admission import Admission
 from cella.service.egress import rules_of
-from cella.service.lifecycle import Lifecycle
+from cella.service.lifecycle import Lifecycle, restore_spans_ms
 from cella.service.registry import Registry
 from cella.service.rewrites import kept_setter
 from cella.service.sandbox_rows import new_record
@@ -88,9 +89,11 @@ class Forks:
             )
         memory = snap_row.memory and restore_memory != "never"
         snap = self.snapshots.directory(snapshot_id)
+        flat_began = time.perf_counter()
         if count > 1 and memory:  # one shared RAM file beats a copy of the layer in every branch
             with contextlib.suppress(errors.SnapshotCorrupt):
                 await self.snapshots.flat(snap_row.id)  # if it cannot be, the layer restores
+        flat_wait = round((time.perf_counter() - flat_began) * 1000, 1)
         snap.verify()  # refuse a corrupted snapshot before creating anything
         inherited = None
         if spec is None:  # the same placeholders: the parent's env is copied with its memory
@@ -107,8 +110,8 @@ class Forks:
         spec = spec.model_copy(update=shape)
         async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
             self.registry.check_name(tenant, who.principal or None, spec.name)
-            rows = [
-                self.registry.insert(
+            rows = self.registry.insert_many(  # one transaction for the branches
+                [
                     new_record(
                         who,
                         new_sandbox_id(),
@@ -121,13 +124,14 @@ class Forks:
                         base_snapshot_id=snap_row.id,
                         delegation=delegation,
                     )
-                )
-                for _ in range(count)
-            ]
+                    for _ in range(count)
+                ]
+            )
 
         async def one(row: SandboxRecord) -> str:
+            began = time.perf_counter()
             async with self.lifecycle.restoring:  # shared with creates
-                return await self._restore_fork(snap_row, snap, row, memory)
+                return await self._restore_fork(snap_row, snap, row, memory, began, flat_wait)
 
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -139,9 +143,16 @@ class Forks:
         return [self.registry.get(who, r.id) for r in rows]
 
     async def _restore_fork(
-        self, snap_row: SnapshotRecord, snap: SnapshotDir, row: SandboxRecord, memory: bool
+        self,
+        snap_row: SnapshotRecord,
+        snap: SnapshotDir,
+        row: SandboxRecord,
+        memory: bool,
+        began: float,
+        flat_wait_ms: float = 0.0,
     ) -> str:
         async with self.registry.lock(row.id):
+            gated = time.perf_counter()
             vm = None
             try:
                 if memory:
@@ -154,6 +165,7 @@ class Forks:
                         memory_mib=row.memory_mib,
                         boot_timeout=self.lifecycle.settings.boot_timeout,
                     )
+                restored = time.perf_counter()
                 await self.lifecycle.ready(vm, row)  # the parent's policy and placeholders
                 if not memory:  # what its template had running, started anew
                     await self.lifecycle.start_commands.run(vm, row.id, row.template)
@@ -163,6 +175,7 @@ class Forks:
                 self.driver.remove_directory(self.registry.directory(row.id))
                 self.registry.fail(row.id, exc)
                 raise
+            readied = time.perf_counter()
             self.lifecycle.running(row.id, vm)
             self.events.emit(
                 row.id,
@@ -172,6 +185,13 @@ class Forks:
                     "snapshot_id": snap_row.id,
                     "memory": memory,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
+                    # where its time went: the fork's wait for the snapshot's flat RAM
+                    # file, the gate, the VM (by step), readying it
+                    "flat_wait_ms": flat_wait_ms,
+                    "restore_wait_ms": round((gated - began) * 1000, 1),
+                    "vm_ms": round((restored - gated) * 1000, 1),
+                    "ready_ms": round((readied - restored) * 1000, 1),
+                    **restore_spans_ms(vm),
                 },
             )
         return row.id

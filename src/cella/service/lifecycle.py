@@ -49,6 +49,12 @@ def spans_ms(*at: float) -> dict[str, float]:
     }
 
 
+def restore_spans_ms(vm: VM) -> dict[str, float]:
+    """The steps of a VM's restore (its overlay, QEMU's start, the state's load, the
+    guest's first answer), as the driver timed them, in ms."""
+    return {f"{k}_ms": round(v * 1000, 1) for k, v in vm.restore_spans.items()}
+
+
 class Unset:
     """An argument left out (None means "no limit")."""
 
@@ -165,6 +171,7 @@ class Lifecycle:
                     "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
                     **spans_ms(began, admitted, gated, restored, time.perf_counter()),
+                    **(restore_spans_ms(vm) if origin == "restore" else {}),
                 },
             )
         return row
@@ -179,14 +186,18 @@ class Lifecycle:
         if self.egress.intercepts(row) and not self._trusted_before(row):
             await self.egress.trust_ca(vm)  # only then is any of its TLS opened
         self.egress.attach(vm, row)
-        await vm.agent.set_identity(
-            hostname=row.id,
-            time_ns=time.time_ns(),
-            seed=os.urandom(64),
-            sandbox_id=row.id,
-            pids_max=row.max_pids or self.settings.default_max_pids,
+        # both asked at once (a fork's guest may hold its parent's exec policy): the guest
+        # answers them in one wake-up, not one after the other's round trip
+        await asyncio.gather(
+            vm.agent.set_identity(
+                hostname=row.id,
+                time_ns=time.time_ns(),
+                seed=os.urandom(64),
+                sandbox_id=row.id,
+                pids_max=row.max_pids or self.settings.default_max_pids,
+            ),
+            self.exec_policies.apply(vm, row, clean=row.snapshot_id is None),
         )
-        await self.exec_policies.apply(vm, row, clean=row.snapshot_id is None)
 
     def _trusted_before(self, row: SandboxRecord) -> bool:
         """A fork's guest is its parent's copy: it trusts the CA if the parent did."""

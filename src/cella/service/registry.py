@@ -159,8 +159,15 @@ class Registry:
     def live_rows(self) -> list[SandboxRecord]:
         return self.store.list_sandboxes(None, [s.value for s in LIVE_STATES])
 
+    def live_usage(self) -> dict[str, tuple[int, int, int]]:
+        """(live sandboxes, their vCPUs, their MiB) per tenant."""
+        return self.store.usage_by_tenant([s.value for s in LIVE_STATES])
+
     def insert(self, record: SandboxRecord) -> SandboxRecord:
         return self.store.insert_sandbox(record)
+
+    def insert_many(self, records: list[SandboxRecord]) -> list[SandboxRecord]:
+        return self.store.insert_sandboxes(records)
 
     def update(self, sandbox_id: str, **fields: Any) -> None:
         """Writes fields of a row (a state is written before it is acted on). A sandbox

@@ -271,9 +271,15 @@ class Store(Observations):
 
     def insert_sandbox(self, record: SandboxRecord) -> SandboxRecord:
         """Stores a new sandbox; its timestamps are set here."""
-        record.created_at = record.updated_at = now()
-        self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
-        return record
+        return self.insert_sandboxes([record])[0]
+
+    def insert_sandboxes(self, records: list[SandboxRecord]) -> list[SandboxRecord]:
+        """Stores new sandboxes (a fork's branches) in one transaction: all or none."""
+        with self._lock, self._db.transaction():
+            for record in records:
+                record.created_at = record.updated_at = now()
+                self._insert("sandboxes", _encode(dataclasses.asdict(record) | _json_of(record)))
+        return records
 
     def replace_sandbox(self, columns: dict[str, Any]) -> SandboxRecord:
         """A sandbox's row as another node stored it (`sandbox_columns`), kept as it was
@@ -313,6 +319,19 @@ class Store(Observations):
     ) -> list[SandboxRecord]:
         """Sandboxes, oldest first; `states=None` means all (the deleted ones too)."""
         return [_sandbox(r) for r in self._list("sandboxes", tenant, states)]
+
+    def usage_by_tenant(self, states: Iterable[str]) -> dict[str, tuple[int, int, int]]:
+        """(sandboxes, vCPUs, MiB) per tenant of the sandboxes in `states`: what admission
+        weighs on every create, summed here rather than by decoding each live row (which
+        made a burst's admission grow with the square of its size)."""
+        states = list(states)
+        marks = ", ".join("?" for _ in states)
+        rows = self._exec(
+            "SELECT tenant, COUNT(*), COALESCE(SUM(vcpus), 0), COALESCE(SUM(memory_mib), 0) "
+            f"FROM sandboxes WHERE state IN ({marks}) GROUP BY tenant",
+            tuple(states),
+        ).fetchall()
+        return {str(t): (int(n), int(c), int(m)) for t, n, c, m in rows}
 
     def count_sandboxes_by_state(self) -> dict[str, int]:
         rows = self._exec("SELECT state, COUNT(*) FROM sandboxes GROUP BY state", ()).fetchall()

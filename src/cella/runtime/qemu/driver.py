@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import signal
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -395,6 +396,7 @@ class QemuDriver:
             raise errors.InvalidArgument(f"the spare QEMU is not one for {snap.path.name}")
         snap.verify()  # the files may have changed since the spare mapped them
         spare.spare_of = None
+        spare.restore_spans.clear()  # its start and overlay were made ahead, off this path
         try:
             await spare.load(snap.state, timeout)
         except BaseException:
@@ -406,12 +408,14 @@ class QemuDriver:
         self, snap: SnapshotDir, manifest: dict[str, Any], directory: Path, ram: Path
     ) -> QemuVM:
         """A VM (not started) that will wait for `snap`'s state, on a new overlay."""
+        started = time.perf_counter()
         directory.mkdir(parents=True)
         try:
             create_overlay(snap.disk, directory / DISK)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
+        overlay = time.perf_counter() - started
         config = dataclasses.replace(
             self._config(directory, manifest["vcpus"], manifest["memory_mib"], ram, False, "defer"),
             kernel=Path(manifest["kernel"]),
@@ -422,6 +426,7 @@ class QemuDriver:
         vm = QemuVM(config, die_with_parent=self.die_with_parent, jail=self.jail)
         vm.directory = directory
         vm.accel_reason = self._accel.reason if self._accel else ""
+        vm.restore_spans["overlay"] = overlay
         return vm
 
     async def _restore(self, snap: SnapshotDir, directory: Path, timeout: float) -> QemuVM:
