@@ -5,6 +5,7 @@ and tests/fleet/move_checks.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,8 +16,10 @@ from cella import errors
 from cella.config import DaemonSettings
 from cella.models import SandboxCreate, SandboxState
 from cella.models.fleet import SandboxExport, SandboxImport, SnapshotExport
+from cella.models.volumes import VolumeMount
 from cella.policy.access import Principal
 from cella.service.daemon import Daemon
+from cella.service.remote_volumes import RemoteVolume
 from cella.store import Store
 from tests.unit.fake_runtime import FakeDriver, FakeVM
 
@@ -194,3 +197,33 @@ async def test_an_export_that_fails_after_a_precopy_leaves_it_running_merged(
     assert a.store.get_sandbox(made.id).state == S.running
     await a.lifecycle.stop(T, made.id)  # its lock is free again
     assert a.store.get_sandbox(made.id).state == S.stopped
+
+
+async def test_a_sandbox_moves_only_where_its_volumes_are_reachable(
+    nodes: tuple[Daemon, Daemon],
+) -> None:
+    """The destination takes in a sandbox mounting a volume only when the volume is its own
+    or lent to it (a fleet's gateway lends it first); else it refuses by the volume's id,
+    nothing of the sandbox made there, and the source lets it run on."""
+    a, b = nodes
+    vol = a.volumes.create(T, "data")
+    made = await a.lifecycle.create(T, SandboxCreate())
+    a.registry.update(made.id, volume_mounts=[VolumeMount(volume=vol.id, path="/mnt/d")])
+    export = await a.moves.export(made.id)  # the source does not know where it goes
+    with pytest.raises(errors.InvalidState, match=vol.id):
+        await b.moves.take_in(importing(export), Local(a))
+    assert b.store.get_sandbox(made.id) is None
+    await a.moves.abort(made.id, "refused")
+    assert a.store.get_sandbox(made.id).state == S.running
+
+    # lent by the gateway (the home's URL and the volume's token there): it moves
+    b.volumes.remote.put(RemoteVolume(vol.id, "t", "data", "http://a", "token"))
+    again = await a.moves.export(made.id)
+    await b.moves.take_in(importing(again), Local(a))
+    there = b.store.get_sandbox(made.id)
+    assert there.state == S.running and [m.volume for m in there.volume_mounts] == [vol.id]
+    # the volume's own node takes it back as well (the control: a volume of its own)
+    b.volumes.reachable("t", [{"volume": vol.id, "path": "/mnt/d"}])
+    a.volumes.reachable("t", json.dumps([{"volume": vol.id, "path": "/mnt/d"}]))
+    with pytest.raises(errors.InvalidState):  # another tenant's is no volume of its
+        a.volumes.reachable("u", [{"volume": vol.id, "path": "/mnt/d"}])

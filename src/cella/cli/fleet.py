@@ -60,15 +60,21 @@ def status(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = 
 @app.command()
 def drain(node: str, json_: JsonOpt = False) -> None:
     """Cordon a node and move every sandbox on it to other nodes (same ids, running ones
-    keep their processes); prints each move. Exits 1 if any sandbox could not move."""
+    keep their processes); prints each move, then each sandbox left behind and why (one
+    whose volume lives on the node stays with it). Exits 1 if any sandbox stayed."""
     with Client() as client:
         report = client.drain(node)
+    stayed = [m for m in report.moves if not m.ok]
     if json_:
         emit_json(report.model_dump(mode="json", by_alias=True))
     else:
         show_moves(report.moves)
-        console.print(f"node {escape(node)} is cordoned: `cella fleet uncordon {escape(node)}`")
-    if not all(m.ok for m in report.moves):
+        for m in stayed:
+            console.print(f"[red]left on {escape(node)}[/red] {m.id}: {escape(m.error or '')}")
+        moved = len(report.moves) - len(stayed)
+        console.print(f"{moved} moved, {len(stayed)} left; node {escape(node)} is cordoned: "
+                      f"`cella fleet uncordon {escape(node)}`")  # fmt: skip
+    if stayed:
         raise typer.Exit(1)
 
 

@@ -149,6 +149,13 @@ def create(
             "comes back `recovered` if its node is lost"
         ),
     ] = False,
+    replicate_memory: Annotated[
+        bool,
+        typer.Option(
+            help="on a fleet: the replica keeps its memory while it runs too (a live "
+            "snapshot each period), so that it comes back paused, its processes going on"
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Create a sandbox and wait until it is running. It reaches no network unless
@@ -181,6 +188,7 @@ def create(
             volume_mounts=volumes or None,
             visibility=visibility,
             replicate=replicate or None,
+            replicate_memory=replicate_memory or None,
         )
     if json_:
         emit_json(sb.info.model_dump(mode="json"))

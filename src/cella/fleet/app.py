@@ -164,7 +164,17 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/sandboxes/{sandbox_id}/stop", tags=["sandboxes"])
     async def stop_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
-        """Relayed; a replicated sandbox's replica is refreshed right after the stop."""
+        """Relayed; a replicated sandbox's replica is refreshed right after the stop (with
+        its memory when the stop kept it)."""
+        return await held(sandbox_id, request, who)
+
+    @api.post("/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
+    async def pause_sandbox(sandbox_id: str, request: Request, who: Auth) -> Response:
+        """Relayed; a replicated sandbox's replica is refreshed right after the pause, with
+        its disk and memory."""
+        return await held(sandbox_id, request, who)
+
+    async def held(sandbox_id: str, request: Request, who: Auth) -> Response:
         node = await gateway.locator.node_of(who, sandbox_id)
         if who.read_only or not gateway.replicas.replicated(sandbox_id):
             return await forward(request, node, who)
@@ -173,7 +183,7 @@ def router(gateway: Gateway) -> APIRouter:
             "POST", request.url.path, who, content=sent,
             headers={"content-type": "application/json"} if sent else {},
         )  # fmt: skip
-        if answer.is_success and answer.json().get("state") == "stopped":
+        if answer.is_success and answer.json().get("state") in ("stopped", "paused"):
             await gateway.replicas.after_stop(sandbox_id)
         return Response(answer.content, answer.status_code, media_type="application/json")
 

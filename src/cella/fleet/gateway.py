@@ -128,7 +128,9 @@ class Gateway:
             settings.fleet_scale_up_wait_s,
             settings.fleet_scale_down_grace_s,
         )
-        self.moves = FleetMoves(self.membership, self.locator, planner, self.cordons, self.growth)
+        self.moves = FleetMoves(
+            self.membership, self.locator, planner, self.cordons, self.growth, self.volumes
+        )
         self.launcher = Launcher(
             self.membership,
             self.locator,
@@ -160,6 +162,7 @@ class Gateway:
             lease=Lease(kept_in(""), "replicas"),  # one runs the period
         )
         self.launcher.created = self._created
+        self.launcher.keeps_memory = self.replicas.keep_memory
         self.locator.shown = self.replicas.shown
         self.snapshots.hidden = self.replicas.hidden
         self.membership.on_lost = self.replicas.recover

@@ -67,6 +67,8 @@ class Launcher:
         # a sandbox just made (by any door), and whether it asked for a replica
         self.created: Callable[[Principal, Json, bool], None] = lambda _who, _body, _r: None
         self.templates = templates  # ships a template to a node that lacks it
+        # a replicated sandbox whose replica keeps its memory while it runs (its id)
+        self.keeps_memory: Callable[[str], None] = lambda _id: None
 
     async def launch(
         self,
@@ -145,7 +147,7 @@ class Launcher:
             await self.volumes.lend(who, node, body.get("volume_mounts"))  # homes elsewhere
             # by id: a snapshot's names and tags live on the node it was taken on; a
             # replica is the gateway's to keep, not the node's
-            sent = {k: v for k, v in body.items() if k != "replicate"}
+            sent = {k: v for k, v in body.items() if k not in ("replicate", "replicate_memory")}
             if snapshot_id is not None:
                 sent["snapshot"] = snapshot_id
             made = await node.json("POST", "/v1/sandboxes", who, json=sent, headers=headers)
@@ -160,6 +162,8 @@ class Launcher:
         [created] = await self.launch(
             who, 1, source, make, name=spec.name, prefer=prefer, replicate=spec.replicate
         )
+        if spec.replicate_memory:  # its replica keeps the running sandbox's memory too
+            self.keeps_memory(str(created["id"]))
         return created
 
     async def fork_snapshot(

@@ -12,6 +12,13 @@ file under its memory go to the destination while the guest runs, so the freeze 
 only what changed since. The guest's pause is measured from its freeze on the source (the
 source's own count of how long it has held it) plus the gateway's wait for the
 destination's restore: an upper bound that includes the calls' round trips.
+
+A sandbox that mounts volumes moves when each volume stays reachable from the destination:
+a volume lives on its home node (`FleetVolumes`), which the destination is, or which lends
+it the volume (as at a create) before the move, so that the guest's mount (rclone, still
+running in its memory) goes on through the destination to the home. A volume whose home is
+down, or is the node being drained (volumes do not move: the node will go), keeps the
+sandbox where it is, and the move's report says so; the rest of a drain goes on.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
 from cella.fleet.node_client import Node
 from cella.fleet.planner import Planner, Shape
+from cella.fleet.volumes import FleetVolumes
 from cella.models.fleet import DrainReport, MoveReport
 from cella.service.keys import Principal
 
@@ -44,12 +52,14 @@ class FleetMoves:
         planner: Planner,
         cordons: Cordons,
         growth: Growth | None = None,
+        volumes: FleetVolumes | None = None,
     ) -> None:
         self.membership = membership
         self.locator = locator
         self.planner = planner
         self.cordons = cordons
         self.growth = growth  # a node a sandbox moves to is held against the autoscaler
+        self.volumes = volumes  # the homes of the volumes a moving sandbox mounts
         self._moving: set[str] = set()
 
     async def move(self, who: Principal, sandbox_id: str, to: str | None = None) -> MoveReport:
@@ -59,6 +69,7 @@ class FleetMoves:
         source = self.locator.usable(where)
         body: dict[str, Any] = await source.json("GET", f"/v1/sandboxes/{sandbox_id}", who)
         dest = await self._destination(body, source.name, to)
+        await self._volumes_reach(body, dest)
         return await self._move(sandbox_id, body, source, dest)
 
     async def drain(self, node_name: str) -> DrainReport:
@@ -78,6 +89,7 @@ class FleetMoves:
                 continue
             try:
                 dest = await self._destination(body, node_name, None)
+                await self._volumes_reach(body, dest, draining=node_name)
                 reports.append(await self._move(body["id"], body, node, dest))
             except errors.CellaError as exc:
                 reports.append(
@@ -96,10 +108,6 @@ class FleetMoves:
         planner's choice among the others."""
         if body.get("state") not in MOVABLE:
             raise errors.InvalidState(f"cannot move a sandbox that is {body.get('state')}")
-        if body.get("volume_mounts"):
-            raise errors.InvalidState(
-                f"sandbox {body['id']} mounts volumes lent to node {source}: it stays there"
-            )
         if to is not None:
             if to not in self.membership.nodes:
                 raise errors.InvalidArgument(f"no node {to!r} in the fleet")
@@ -114,6 +122,36 @@ class FleetMoves:
         shape = Shape(int(body["vcpus"]), int(body["memory_mib"]), str(body["template"]))
         plan = await self.planner.plan(shape, 1, set(), exclude=frozenset({source}))
         return self.membership.nodes[next(iter(plan))]
+
+    async def _volumes_reach(
+        self, body: dict[str, Any], dest: Node, draining: str | None = None
+    ) -> None:
+        """Each volume the sandbox mounts reachable from `dest` (its home, up, lends it
+        there); `draining`: refused if one lives on that node. Raises naming the volume."""
+        mounts = body.get("volume_mounts") or []
+        if not mounts:
+            return
+        if self.volumes is None:
+            raise errors.InvalidState(f"sandbox {body['id']} mounts volumes: it stays")
+        owner = Principal.service(str(body.get("tenant") or ""))
+        for mount in mounts:
+            home = await self.volumes.find(owner, str(mount["volume"]))
+            if home is None:
+                raise errors.InvalidState(
+                    f"sandbox {body['id']} mounts volume {mount['volume']}, which no node "
+                    "holds: it stays"
+                )
+            if home.node == draining:
+                raise errors.InvalidState(
+                    f"sandbox {body['id']} mounts volume {home.name}, which lives on node "
+                    f"{draining} (volumes do not move): it stays there with it"
+                )
+            if self.membership.up(home.node) is None:
+                raise errors.InvalidState(
+                    f"sandbox {body['id']} mounts volume {home.name}, whose node {home.node} "
+                    "is down: it stays"
+                )
+        await self.volumes.lend(owner, dest, mounts)  # dest sends their requests home
 
     async def _move(
         self, sandbox_id: str, body: dict[str, Any], source: Node, dest: Node

@@ -1,27 +1,30 @@
-"""Replicas: a copy of a replicated sandbox's disk kept on a second node, so that the
-sandbox outlives its node.
+"""Replicas: a copy of a replicated sandbox's disk (and its last memory) kept on a second
+node, so that the sandbox outlives its node.
 
-A sandbox is replicated when it was made with `replicate: true`, or its tenant is one of
-the gateway's `replicate_tenants`. Its replica is taken by its node (`POST
-/v1/sandboxes/{id}/replica`: a disk-only snapshot, the guest's writes synced first, with
-the sandbox's row, as a move exports it), shipped to another node the planner picks (the
-files copied over, checked against their manifest: it shares nothing with the original),
-then removed from the sandbox's own node; the copy before it is removed from its node
-once the new one is in. It is refreshed when the sandbox is stopped through the gateway
-(right after the stop), every `replica_interval_s` while it runs, and once after a stop
-the gateway did not see (its idle timeout). Memory is not kept: a stop ends the
-processes anyway, and a copy of RAM at each period would cost what a disk copy does many
-times over. The gateway records each replica (node, taken at, size, the export) in its
-database (SQLite, or the gateways' shared PostgreSQL: a replica recorded through one gateway
-is known to all), and one gateway at a time refreshes a given replica (an advisory lock
-named after the sandbox; the period runs on the holder of the `replicas` lease).
+A sandbox is replicated when it was made with `replicate: true` (or `replicate_memory`),
+or its tenant is one of the gateway's `replicate_tenants`. Its replica is taken by its node
+(`POST /v1/sandboxes/{id}/replica`: a snapshot with the sandbox's row, as a move exports
+it), shipped to another node the planner picks (the files copied over, checked against
+their manifest: it shares nothing with the original), then removed from the sandbox's own
+node; the copy before it is removed from its node once the new one is in. It is refreshed
+when the sandbox is stopped or paused through the gateway (right after), every
+`replica_interval_s` while it runs, and once after a stop or pause the gateway did not see
+(its idle timeout, its TTL). What it holds follows the sandbox: a paused one's copy has its
+disk and memory; a running one's its disk alone (the guest's writes synced first), or with
+`replicate_memory` its memory too (a live snapshot: the guest pauses for the copy, which
+the record shows as `paused_ms`); a stopped one's its disk. The gateway records each
+replica (node, taken at, size, memory, the export) in its database (SQLite, or the
+gateways' shared PostgreSQL: a replica recorded through one gateway is known to all), and
+one gateway at a time refreshes a given replica (an advisory lock named after the sandbox;
+the period runs on the holder of the `replicas` lease).
 
 When a node is lost, each replicated sandbox of it whose replica is on a node that is up
 is taken in there as a move's destination takes a sandbox in (`POST
-/v1/sandboxes/recover`, with the export kept here): same id, stopped, its files the
-replica's, with a `recovered` event naming the replica's age. The gateway shows it as
-`recovered` (with `recovery`: from which node, how old the replica was) until it is
-resumed; unreplicated sandboxes stay `lost`.
+/v1/sandboxes/recover`, with the export kept here): same id, its files the replica's,
+paused when the copy has memory (its processes go on at resume) and stopped otherwise,
+with a `recovered` event naming the replica's age and the state. The gateway shows it as
+`recovered` (with `recovery`: from which node, how old the replica was, as what) until it
+is resumed; unreplicated sandboxes stay `lost`.
 """
 
 from __future__ import annotations
@@ -69,7 +72,20 @@ CREATE TABLE IF NOT EXISTS replicas (
 CREATE TABLE IF NOT EXISTS replica_snapshots (snapshot_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS recoveries (sandbox_id TEXT PRIMARY KEY, note TEXT NOT NULL);
 """
-TABLES = {"replicas": 8, "replica_snapshots": 1, "recoveries": 2}  # and their columns
+# what a replica holds: the option (memory of a running sandbox too), the copy's state
+# (paused: it has memory) and the running guest's pause for it
+MEMORY = """
+ALTER TABLE replicas ADD COLUMN memory INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE replicas ADD COLUMN state TEXT;
+ALTER TABLE replicas ADD COLUMN paused_ms REAL;
+"""
+MIGRATIONS = (SCHEMA, MEMORY)
+# the tables an older gateway's own file held, and their columns then
+TABLES = {
+    "replicas": "sandbox_id, tenant, node, snapshot_id, taken_at, size_bytes, error, export",
+    "replica_snapshots": "snapshot_id",
+    "recoveries": "sandbox_id, note",
+}
 
 
 def take_in(db: Database, legacy: Path) -> None:
@@ -79,10 +95,10 @@ def take_in(db: Database, legacy: Path) -> None:
     try:
         old.executescript(SCHEMA)  # a table it never made is read as empty
         with db.transaction():
-            for table, width in TABLES.items():
-                rows = old.execute(f"SELECT * FROM {table}").fetchall()
-                marks = ", ".join("?" * width)
-                db.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", rows)
+            for table, columns in TABLES.items():
+                rows = old.execute(f"SELECT {columns} FROM {table}").fetchall()
+                marks = ", ".join("?" * len(columns.split(",")))
+                db.executemany(f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({marks})", rows)
     finally:
         old.close()
     os.replace(legacy, legacy.with_name(legacy.name + ".migrated"))
@@ -107,7 +123,7 @@ class Replicas:
         lease: Lease | None = None,
     ) -> None:
         self._db = database(where)
-        self._db.ensure("replicas", SCHEMA)
+        self._db.migrate("replicas", MIGRATIONS)
         if legacy is not None and legacy.exists():
             take_in(self._db, legacy)
         self._locks = locks or Locks("")  # one gateway refreshes a replica at a time
@@ -137,6 +153,11 @@ class Replicas:
             (sandbox_id, tenant),
         )
 
+    def keep_memory(self, sandbox_id: str) -> None:
+        """The replicated sandbox's copies keep its memory while it runs too (a live
+        snapshot each period: `replicate_memory`)."""
+        self._db.execute("UPDATE replicas SET memory = 1 WHERE sandbox_id = ?", (sandbox_id,))
+
     def replicated(self, sandbox_id: str) -> bool:
         return self._row(sandbox_id) is not None
 
@@ -156,13 +177,16 @@ class Replicas:
         if row is None:
             raise errors.NotFound(f"sandbox {sandbox_id} is not replicated (create it with "
                                   "replicate: true)")  # fmt: skip
-        node, _, taken_at, size, error = row
+        node, _, taken_at, size, error, memory, state, paused_ms = row
         return Replica(
             sandbox_id=sandbox_id,
             node=node,
             taken_at=datetime.fromtimestamp(taken_at, UTC) if taken_at else None,
             age_seconds=round(time.time() - taken_at, 1) if taken_at else None,
             size_bytes=size,
+            memory=state == "paused",
+            paused_ms=paused_ms,
+            replicate_memory=bool(memory),
             error=error,
         )
 
@@ -170,23 +194,25 @@ class Replicas:
         """A sandbox as the gateway shows it: `replicate` said, and `recovered` (with how)
         while a sandbox brought back from its replica has not been resumed."""
         sandbox_id = str(body.get("id"))
-        if not self.replicated(sandbox_id):
+        row = self._row(sandbox_id)
+        if row is None:
             return body
-        body = {**body, "replicate": True}
+        body = {**body, "replicate": True, "replicate_memory": bool(row[5])}
         found = self._db.execute(
             "SELECT note FROM recoveries WHERE sandbox_id = ?", (sandbox_id,)
         ).fetchone()
         if found is None:
             return body
-        if body.get("state") != "stopped":  # resumed (or deleted): recovered no longer
+        note = json.loads(found[0])
+        if body.get("state") != note.get("state", "stopped"):  # resumed (or deleted)
             self._db.execute("DELETE FROM recoveries WHERE sandbox_id = ?", (sandbox_id,))
             return body
-        return {**body, "state": "recovered", "recovery": json.loads(found[0])}
+        return {**body, "state": "recovered", "recovery": note}
 
     def _row(self, sandbox_id: str) -> tuple[Any, ...] | None:
         row = self._db.execute(
-            "SELECT node, snapshot_id, taken_at, size_bytes, error FROM replicas "
-            "WHERE sandbox_id = ?",
+            "SELECT node, snapshot_id, taken_at, size_bytes, error, memory, state, "
+            "paused_ms FROM replicas WHERE sandbox_id = ?",
             (sandbox_id,),
         ).fetchone()
         return tuple(row) if row else None
@@ -212,9 +238,9 @@ class Replicas:
     # -- refreshing ----------------------------------------------------------------------
 
     async def refresh(self, sandbox_id: str, wait: bool = True) -> Replica:
-        """A new replica of the running sandbox: its disk copied on its node, shipped to
-        another, the previous copy removed. While another gateway refreshes it, waited
-        for (`wait`), else left to that one."""
+        """A new replica of the sandbox: copied on its node (see the module's doc for what
+        the copy holds), shipped to another, the previous copy removed. While another
+        gateway refreshes it, waited for (`wait`), else left to that one."""
         name = f"replica:{sandbox_id}"
         async with self._busy.setdefault(sandbox_id, asyncio.Lock()):
             while not await asyncio.to_thread(self._locks.try_hold, name):
@@ -237,10 +263,15 @@ class Replicas:
             raise errors.NotFound(f"no replicated sandbox {sandbox_id!r}")
         node = self.locator.usable(where)
         who = Principal.service(where.tenant)
-        export = await node.json("POST", f"/v1/sandboxes/{sandbox_id}/replica")
+        old_node, old_snapshot, *_, memory, _, _ = self._row(sandbox_id) or (None,) * 8
+        export = await node.json(
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/replica",
+            params={"memory": "true"} if memory else None,
+        )
         snapshot_id, row = str(export["snapshot_id"]), export["sandbox"]
         self._hide(snapshot_id)
-        old_node, old_snapshot, *_ = self._row(sandbox_id) or (None, None)
+        with_memory = export["state"] == "paused"
         try:
             shape = Shape(int(row["vcpus"]), int(row["memory_mib"]), str(row["template"]))
             away = frozenset({node.name})  # never the sandbox's own node
@@ -258,8 +289,11 @@ class Replicas:
             size_bytes=export.get("bytes"),
             error=None,
             export=json.dumps(export),
+            state=export["state"],
+            paused_ms=export.get("held_ms") or None,  # a running guest's pause for it
         )
-        log.info("replica of %s on %s (%s)", sandbox_id, dest.name, snapshot_id)
+        log.info("replica of %s on %s (%s, %s)", sandbox_id, dest.name, snapshot_id,
+                 "disk and memory" if with_memory else "disk")  # fmt: skip
         if old_snapshot and old_node:
             await self._drop(where.tenant, old_node, old_snapshot)
 
@@ -271,8 +305,9 @@ class Replicas:
             await node.json("DELETE", f"/v1/snapshots/{snapshot_id}", Principal.service(tenant))
 
     async def after_stop(self, sandbox_id: str) -> None:
-        """A replicated sandbox just stopped: its replica refreshed from the disk as the
-        stop left it (a failure is recorded on the replica; the stop stands)."""
+        """A replicated sandbox just stopped or paused: its replica refreshed from it as
+        the stop left it, disk (and a paused one's memory) (a failure is recorded on the
+        replica; the stop stands)."""
         if not self.replicated(sandbox_id):
             return
         try:
@@ -307,8 +342,9 @@ class Replicas:
 
     async def tick(self) -> None:
         """Refreshes the replica of each replicated sandbox that runs and whose period is
-        up, or that was stopped since its copy was taken (a stop the gateway did not see:
-        its idle timeout, its TTL). Gateways sharing a database: the lease's holder."""
+        up, or that was stopped or paused since its copy was taken (one the gateway did
+        not see: its idle timeout, its TTL). Gateways sharing a database: the lease's
+        holder."""
         if not await asyncio.to_thread(self._lease.held):
             return
         now = time.monotonic()
@@ -325,17 +361,22 @@ class Replicas:
                 shown = await node.json(
                     "GET", f"/v1/sandboxes/{sandbox_id}", Principal.service(where.tenant)
                 )
-                if shown["state"] == "running" or self._stopped_since(sandbox_id, shown):
+                if shown["state"] == "running" or self._held_since(sandbox_id, shown):
                     await self.refresh(sandbox_id, wait=False)
             except errors.CellaError as exc:
                 log.warning("replica of %s: %s", sandbox_id, exc)
 
-    def _stopped_since(self, sandbox_id: str, shown: Json) -> bool:
-        if shown["state"] != "stopped" or not shown.get("stopped_at"):
-            return False
+    def _held_since(self, sandbox_id: str, shown: Json) -> bool:
+        """Stopped or paused since the copy was taken (or the copy is not of that state:
+        a pause the gateway did not see after a copy of it running)."""
         row = self._row(sandbox_id)
-        stopped = datetime.fromisoformat(str(shown["stopped_at"])).timestamp()
-        return row is not None and (not row[2] or stopped > row[2])
+        if row is None or shown["state"] not in ("stopped", "paused"):
+            return False
+        taken_at, copied_as = row[2], row[6]
+        if not taken_at or (shown["state"] == "paused" and copied_as != "paused"):
+            return True
+        since = shown.get("stopped_at") or shown.get("updated_at")
+        return bool(since) and datetime.fromisoformat(str(since)).timestamp() > taken_at
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -379,6 +420,7 @@ class Replicas:
         made = await node.json(
             "POST", "/v1/sandboxes/recover", json={"export": export, "event": note}
         )
+        note["state"] = "paused" if made.get("state") == "paused" else "stopped"
         self.placements.put(node.name, made)  # no longer lost: it lives there now
         self._db.execute(
             "INSERT INTO recoveries VALUES (?, ?) "
@@ -386,10 +428,9 @@ class Replicas:
             (sandbox_id, json.dumps(note)),
         )
         # the copy is the sandbox's disk's base now: the next refresh makes a new one
-        self._set(
-            sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None, export=None
-        )
+        self._set(sandbox_id, node=None, snapshot_id=None, taken_at=None, size_bytes=None,
+                  export=None, state=None, paused_ms=None)  # fmt: skip
         log.warning(
-            "%s recovered on %s from a replica %.0f s old", sandbox_id, node.name,
-            note["replica_age_seconds"],
+            "%s recovered on %s, %s, from a replica %.0f s old", sandbox_id, node.name,
+            note["state"], note["replica_age_seconds"],
         )  # fmt: skip

@@ -83,13 +83,25 @@ class SnapshotImport(FromNode):
 
 
 class Replica(BaseModel):
-    """The copy of a replicated sandbox's disk a fleet keeps on a second node."""
+    """The copy of a replicated sandbox's disk (and memory, when it was paused or keeps
+    its memory) a fleet keeps on a second node."""
 
     sandbox_id: str
     node: str | None = Field(default=None, description="where the copy is (none yet: null)")
     taken_at: datetime | None = Field(default=None, description="when the disk was copied")
     age_seconds: float | None = None
     size_bytes: int | None = None
+    memory: bool = Field(
+        default=False,
+        description="the copy holds its memory too: the sandbox comes back from it paused",
+    )
+    paused_ms: float | None = Field(
+        default=None,
+        description="how long the guest was paused for the copy (a running sandbox's)",
+    )
+    replicate_memory: bool = Field(
+        default=False, description="a running sandbox's copy is taken with its memory"
+    )
     error: str | None = Field(default=None, description="why the last refresh failed")
 
 
@@ -234,7 +246,8 @@ class DrainReport(BaseModel):
 
 
 class ReplicaRecover(BaseModel):
-    """A node makes a replica it holds into the lost sandbox again, stopped, same id."""
+    """A node makes a replica it holds into the lost sandbox again, same id: paused when
+    the copy has its memory, else stopped."""
 
     model_config = {"extra": "forbid"}
 

@@ -142,6 +142,13 @@ class SandboxCreate(BaseModel):
         "stops and every `replica_interval_s`; when its node is lost it comes back there, "
         "`recovered` (a single daemon refuses it: there is no second node)",
     )
+    replicate_memory: bool = Field(
+        default=False,
+        description="fleet only, implies `replicate`: the replica of the running sandbox "
+        "keeps its memory too, a live snapshot every `replica_interval_s` (the guest pauses "
+        "for the copy); when its node is lost it comes back paused, its processes going on "
+        "at resume (a paused sandbox's replica keeps its memory in any case)",
+    )
     checkpoint_each_exec: bool = Field(
         default=False,
         description="a checkpoint is taken after every command (named by its exec), so any "
@@ -214,6 +221,12 @@ class SandboxCreate(BaseModel):
         check_bucket_auth(self.bucket_mounts)
         return self
 
+    @model_validator(mode="after")
+    def _replicated(self) -> SandboxCreate:
+        if self.replicate_memory:  # a replica with memory is a replica
+            self.replicate = True
+        return self
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
@@ -255,6 +268,11 @@ class Recovery(BaseModel):
     node: str = Field(description="the node it is on now, where its replica was")
     replica_taken_at: datetime
     replica_age_seconds: float = Field(description="how old the replica was when it came back")
+    state: Literal["paused", "stopped"] = Field(
+        default="stopped",
+        description="what it came back as: paused (the replica kept its memory: a resume "
+        "goes on with its processes) or stopped (its disk alone: a resume boots it)",
+    )
     at: datetime = Field(description="when it came back")
     reason: str = Field(description="why its node was lost")
 
@@ -313,6 +331,9 @@ class Sandbox(BaseModel):
         default=None, description="pool, restore, boot, fork or recovered"
     )
     replicate: bool = Field(default=False, description="a fleet keeps a replica of it")
+    replicate_memory: bool = Field(
+        default=False, description="its replica keeps its memory while it runs (a fleet's)"
+    )
     recovery: Recovery | None = Field(
         default=None, description="how it was brought back from its replica (a fleet's)"
     )

@@ -124,6 +124,7 @@ class Daemon:
         self.forks = Forks(self.registry, self.admission, self.lifecycle, self.snapshots)
         self.shipping = Shipping(self.registry, self.snapshots)
         self.moves = Moves(self.registry, self.lifecycle, self.snapshots, self.shipping)
+        self.moves.volumes_here = self.volumes.reachable
         self.replicas = Replicas(self.registry, self.snapshots, self.shipping, self.moves)
         self.checkpoints = Checkpoints(
             self.registry, self.lifecycle, self.snapshots, self.background

@@ -11,7 +11,8 @@ daemons can use it, with an admin key of the source):
    labels, access delegation, so service URL host names and the like stay the same.
 2. `take_in` on the destination pulls that snapshot from the source (`shipping`, checked
    against its manifest), writes the row under the same id and restores the VM from the
-   snapshot (running, or paused again), or lays out the disk of a stopped one.
+   snapshot (running, or paused again), or lays out the disk of a stopped one; it refuses
+   a sandbox mounting a volume that is neither its own nor lent to it (`volumes_here`).
 3. `finish` on the source, once the destination answers: the old VM and files go, the
    snapshot with them; the row stays as `deleted` (a `moved` event says where it went).
    Or `abort`: the sandbox runs on here as before (a paused or stopped one stays so).
@@ -32,8 +33,9 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cella import errors
 from cella.models import SandboxState, SnapshotState
@@ -79,6 +81,8 @@ class Moves:
         self._out: dict[str, SandboxExport] = {}  # sandbox id -> its export, until settled
         self._busy: set[str] = set()  # being exported
         self._held: dict[str, asyncio.Lock] = {}  # their locks, held until settled
+        # (tenant, a row's volume mounts): refuses a sandbox whose volumes this node lacks
+        self.volumes_here: Callable[[str, Any], None] = lambda _tenant, _mounts: None
 
     # -- the source ----------------------------------------------------------------------
 
@@ -91,10 +95,6 @@ class Moves:
             raise errors.InvalidState(f"sandbox {sandbox_id} is being moved already")
         if row.state not in MOVABLE:
             raise errors.InvalidState(f"cannot move a sandbox that is {row.state}")
-        if row.volume_mounts:
-            raise errors.InvalidState(
-                f"sandbox {sandbox_id} mounts volumes lent to this node: it stays here"
-            )
         self._busy.add(sandbox_id)
         try:
             export = await self._export(row)
@@ -256,6 +256,7 @@ class Moves:
         if have is not None and have.state != S.deleted:
             raise errors.Conflict(f"this node already has sandbox {sandbox_id}")
         state = S(export.state)
+        self.volumes_here(str(export.sandbox.get("tenant")), export.sandbox.get("volume_mounts"))
         if source is None:
             source = NodeSource(body.source_url, body.source_key, body.source_ca)
         started = time.monotonic()

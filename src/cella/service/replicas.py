@@ -1,19 +1,23 @@
-"""Replicas: a fleet keeps a copy of a replicated sandbox's disk on a second node.
+"""Replicas: a fleet keeps a copy of a replicated sandbox's disk (and memory) on a second
+node.
 
-The sandbox's node takes the copy (`take`): a disk-only snapshot (a running sandbox's
-writes synced first; a stopped one's overlay as it is) with the sandbox's row as stored,
-in the shape a move exports (`SandboxExport`, state `stopped`); the gateway ships the
-snapshot to the replica's node as snapshots are shipped and keeps the export. When the
-sandbox's node is lost, the replica's node takes it in as a move's destination does
-(`Moves.take_in`), its snapshot already here: same id, name, creator, egress rules and
-secrets' bindings, `stopped` on an overlay over the copy (kept while the sandbox lives);
-nothing boots until it is resumed.
+The sandbox's node takes the copy (`take`) with the sandbox's row as stored, in the shape a
+move exports (`SandboxExport`): a paused sandbox's disk and memory (its guest runs for the
+sync, then is frozen again at the snapshot's instant), state `paused`; a running one's the
+same when the gateway asks for its memory (a live snapshot: the guest pauses for the copy,
+`held_ms`), else its disk alone (its writes synced first), state `stopped`; a stopped one's
+overlay as it is. The gateway ships the snapshot to the replica's node as snapshots are
+shipped and keeps the export. When the sandbox's node is lost, the replica's node takes it
+in as a move's destination does (`Moves.take_in`), its snapshot already here: same id,
+name, creator, egress rules and secrets' bindings, on an overlay over the copy (kept while
+the sandbox lives): restored and paused again when the copy has memory (a resume goes on
+with its processes), else `stopped` (nothing boots until it is resumed).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cella import errors
 from cella.models import SandboxCreate, SandboxState
@@ -65,40 +69,50 @@ class Replicas:
                 "one host (create the sandbox through a fleet gateway)"
             )
 
-    async def take(self, sandbox_id: str) -> SandboxExport:
-        """The sandbox's disk now, as a snapshot without memory, with its row (any
-        tenant's: the fleet's gateway asks). It runs on, or stays stopped."""
+    async def take(self, sandbox_id: str, memory: bool = False) -> SandboxExport:
+        """The sandbox now, as a snapshot with its row (any tenant's: the fleet's gateway
+        asks): a paused one's disk and memory, a running one's too with `memory` (else its
+        disk alone), a stopped one's disk. It runs on, stays paused or stays stopped."""
         row = self._row(sandbox_id)
-        if row.state == S.running:
-            who = Principal.service(row.tenant)
+        who = Principal.service(row.tenant)
+        name = replica_name(sandbox_id)
+        if row.state == S.paused or (row.state == S.running and memory):
             snap = await self.snapshots.snapshot(  # not the tenant's use: no idle reset
-                who, sandbox_id, replica_name(sandbox_id), memory=False, activity=False
+                who, sandbox_id, name, activity=False, paused_too=True
+            )
+        elif row.state == S.running:
+            snap = await self.snapshots.snapshot(
+                who, sandbox_id, name, memory=False, activity=False
             )
         elif row.state == S.stopped:
-            snap = await self.moves.disk_snapshot(row, replica_name(sandbox_id))
+            snap = await self.moves.disk_snapshot(row, name)
         else:
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}: no copy now")
+        state: Literal["paused", "stopped"] = "paused" if snap.memory else "stopped"
         return SandboxExport(
-            sandbox=sandbox_columns(self._row(sandbox_id)) | {"state": S.stopped.value},
-            state="stopped",
+            sandbox=sandbox_columns(self._row(sandbox_id)) | {"state": state},
+            state=state,
             snapshot_id=snap.id,
-            held_ms=snap.paused_ms or 0.0,
+            # the running guest's pause for the copy (a paused one's is none of its own)
+            held_ms=(snap.paused_ms or 0.0) if row.state == S.running else 0.0,
             bytes=snap.size_bytes or 0,
         )
 
     async def recover(self, export: SandboxExport, event: dict[str, Any]) -> SandboxRecord:
-        """The sandbox of a replica held here, taken in under its own id, stopped; its
-        trace says it was recovered (`event`: from where, how old the copy was)."""
+        """The sandbox of a replica held here, taken in under its own id: paused again
+        from the copy's memory, or stopped when it has none; its trace says it was
+        recovered (`event`: from where, how old the copy was, as what)."""
         snap = self.snapshots.ready(export.snapshot_id)
         if snap.sandbox_id != export.sandbox.get("id"):
             raise errors.InvalidArgument(
                 f"snapshot {snap.id} is a copy of {snap.sandbox_id}, not {export.sandbox.get('id')}"
             )
-        export = export.model_copy(update={"state": "stopped"})
+        state = "paused" if snap.memory and export.state != "stopped" else "stopped"
+        export = export.model_copy(update={"state": state})
         body = SandboxImport.model_construct(export=export)  # its snapshot is here already
         await self.moves.take_in(body, source=HeldHere(self.shipping))
         row = self._row(snap.sandbox_id)
-        self.registry.events.emit(row.id, "recovered", event)
+        self.registry.events.emit(row.id, "recovered", {**event, "state": state})
         return row
 
     def _row(self, sandbox_id: str) -> SandboxRecord:

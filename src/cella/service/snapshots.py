@@ -24,8 +24,9 @@ import shutil
 from pathlib import Path
 
 from cella import errors
-from cella.models import SandboxCreate, SnapshotState
-from cella.policy.access import Principal
+from cella.models import SandboxCreate, SandboxState, SnapshotState
+from cella.policy.access import Permission, Principal
+from cella.runtime.contract import VM
 from cella.service.registry import Registry, error_text
 from cella.service.sandbox_rows import spec_of
 from cella.storage.snapshots import SnapshotDir
@@ -127,6 +128,7 @@ class Snapshots:
         activity: bool = True,
         held: bool = False,
         flatten: bool = True,
+        paused_too: bool = False,
     ) -> SnapshotRecord:
         """Disk and memory of a running sandbox at one instant (`memory=False`: its disk
         alone, which sandboxes boot from); it runs on afterwards. With `tag`, `name:tag`
@@ -136,11 +138,14 @@ class Snapshots:
         (a move ships it as it was then); `activity=False`: the daemon's own copy (a fleet's
         replica), which keeps no sandbox from going idle; `held`: the caller holds the
         sandbox's lock already (a move's pre-copy); `flatten=False`: a RAM layer stays one
-        (a move ships it as such). Whoever may exec in the sandbox may copy it; the
-        snapshot is its tenant's, as every snapshot is."""
+        (a move ships it as such); `paused_too`: a paused sandbox is copied as well (its
+        guest runs for the sync, then is frozen again at the snapshot's instant; its row
+        stays paused). Whoever may exec in the sandbox may copy it; the snapshot is its
+        tenant's, as every snapshot is."""
         lock = contextlib.nullcontext() if held else self.registry.lock(sandbox_id)
         async with lock:
-            row, vm = self.registry.live(who, sandbox_id, activity=activity)
+            row, vm, frozen = await self._live(who, sandbox_id, activity, paused_too)
+            leave_paused = leave_paused or frozen
             tenant = row.tenant
             fields = {
                 "sandbox_id": sandbox_id,
@@ -178,6 +183,9 @@ class Snapshots:
                 if standalone:
                     manifest = await asyncio.to_thread(dest.stand_alone)
             except BaseException as exc:
+                if frozen:  # paused it was, and stays
+                    with contextlib.suppress(errors.CellaError):
+                        await vm.pause()
                 if not isinstance(exc, errors.NoSpace) and self._short_of_space(row):
                     exc = errors.NoSpace(f"the data directory ran out of space: {exc}")
                 self.store.update_snapshot(record.id, state="error", error=error_text(exc))
@@ -205,6 +213,19 @@ class Snapshots:
                 },
             )
         return self.get(who.tenant, record.id)
+
+    async def _live(
+        self, who: Principal, sandbox_id: str, activity: bool, paused_too: bool
+    ) -> tuple[SandboxRecord, VM, bool]:
+        """The sandbox's VM to snapshot, running; and whether it was paused (then resumed
+        here for the snapshot, to be left paused by it). Its lock is held."""
+        row = self.registry.get(who, sandbox_id, Permission.exec)
+        vm = self.registry.vm(sandbox_id)
+        if paused_too and row.state == SandboxState.paused and vm is not None:
+            await vm.resume()  # the guest syncs its files; no state change, no event
+            return row, vm, True
+        row, vm = self.registry.live(who, sandbox_id, activity=activity)
+        return row, vm, False
 
     def memory_bytes(self, snapshot_id: str) -> int | None:
         """What the snapshot's memory takes on this node; None when it has none (or its

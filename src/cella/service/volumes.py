@@ -19,14 +19,16 @@ removes its files.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 from cella import errors
 from cella.config import DaemonSettings
 from cella.models import SandboxCreate, SandboxState, Volume, VolumeList
-from cella.models.volumes import VolumeEntry
+from cella.models.volumes import VolumeEntry, VolumeMount
 from cella.policy.access import Principal
 from cella.service.ports import Ports
 from cella.service.registry import Registry
@@ -167,6 +169,21 @@ class Volumes:
                 raise errors.InvalidArgument(f"volume_mounts: no volume {mount.volume!r}")
             settled.append(mount.model_copy(update={"volume": found.id}))
         return spec.model_copy(update={"volume_mounts": settled})
+
+    def reachable(self, tenant: str, mounts: Any) -> None:
+        """A sandbox arriving from another node (a move) mounts these volumes (its row's
+        `volume_mounts`, as stored: JSON): each must be this node's or lent to it by the
+        fleet's gateway, else `InvalidState` naming it (it then stays where it was)."""
+        for mount in json.loads(mounts) if isinstance(mounts, str) else mounts or []:
+            volume_id = VolumeMount.model_validate(mount).volume
+            lent = self.remote.find(tenant, volume_id)
+            if self.store.get_volume(tenant, volume_id) is None and (
+                lent is None or lent.id != volume_id
+            ):
+                raise errors.InvalidState(
+                    f"volume {volume_id} is neither on this node nor lent to it: a sandbox "
+                    "mounting it cannot move here"
+                )
 
     def mount_of(
         self, sandbox_id: str, token: str, volume_id: str, method: str

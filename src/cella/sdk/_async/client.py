@@ -195,6 +195,7 @@ class AsyncClient:
         idempotency_key: str | None = None,
         exec_policy: ExecPolicy | dict[str, Any] | None = None,
         replicate: bool | None = None,
+        replicate_memory: bool | None = None,
     ) -> AsyncSandbox:
         """A new running sandbox. `ttl_action` / `idle_action`: stop, pause or delete.
 
@@ -237,7 +238,10 @@ class AsyncClient:
         `exec_policy` (`{"default": "allow"|"deny", "rules": [{"path_glob"|"sha256": ...,
         "action": "allow"|"deny"}]}`) says which executables its guest's kernel lets run.
         `replicate` (a fleet's gateway only) keeps a copy of its disk on a second node, from
-        which it comes back `recovered` if its node is lost (`replica()` says how fresh).
+        which it comes back `recovered` if its node is lost (`replica()` says how fresh); a
+        paused sandbox's copy keeps its memory too, and `replicate_memory` has a running
+        one's keep it (a live snapshot each period: the guest pauses for the copy), so that
+        it comes back paused and its processes go on when it is resumed.
         """
         rules = (allow, deny, headers, aws, gcp, egress_env)
         wanted = any(rules) or rewrites or identity_tokens or upstream_proxy or port_host
@@ -261,6 +265,7 @@ class AsyncClient:
             stop_keeps_memory=stop_keeps_memory,
             checkpoint_each_exec=checkpoint_each_exec,
             replicate=replicate,
+            replicate_memory=replicate_memory,
             restore_memory=restore_memory,
             access_delegation=access_delegation,
             visibility=visibility,
@@ -939,8 +944,8 @@ class AsyncSandbox:
         return self
 
     async def replica(self) -> Replica:
-        """Where a fleet keeps the copy of this sandbox's disk (`replicate`) and how old it
-        is."""
+        """Where a fleet keeps the copy of this sandbox's disk (`replicate`), how old it is
+        and whether it holds its memory."""
         response = await self.client.request("GET", f"{self._path}/replica")
         return Replica.model_validate(response.json())
 

@@ -52,14 +52,17 @@ async def abort_export(sandbox_id: str, svc: DaemonDep, who: Auth, reason: str =
 @router.post("/v1/sandboxes/recover", status_code=201, response_model=Sandbox)
 async def recover_sandbox(body: ReplicaRecover, svc: DaemonDep, who: Auth) -> Sandbox:
     """A fleet's replica held here made its sandbox again (the sandbox's node was lost):
-    same id, stopped, its files the replica's."""
+    same id, its files the replica's; paused when the copy has memory, else stopped."""
     require_admin(who, "recover a sandbox from its replica")
     return Sandbox.model_validate(await svc.replicas.recover(body.export, body.event))
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/replica", response_model=SandboxExport)
-async def take_replica(sandbox_id: str, svc: DaemonDep, who: Auth) -> SandboxExport:
-    """A copy of the sandbox's disk (a snapshot without memory) and its row, for a fleet's
-    replica on another node (any tenant's); it runs on, or stays stopped."""
+async def take_replica(
+    sandbox_id: str, svc: DaemonDep, who: Auth, memory: bool = False
+) -> SandboxExport:
+    """A copy of the sandbox and its row, for a fleet's replica on another node (any
+    tenant's): a paused one's disk and memory, a running one's too with `memory` (a live
+    snapshot), else its disk alone; it runs on, stays paused or stays stopped."""
     require_admin(who, "copy a sandbox for its replica")
-    return await svc.replicas.take(sandbox_id)
+    return await svc.replicas.take(sandbox_id, memory)
