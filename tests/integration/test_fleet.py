@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # run in one session: first the autoscaler's checks on a cluster of their own (gone before
 # the next one starts), then on one cluster: the fleet's own checks, what its nodes share
 # (volumes, webhooks, templates), moves (also of sandboxes mounting volumes), then E2B's
-# SDK's, then the LangSmith SDK's (whose last check has the gateway serve TLS), a template
-# shipped by digest to a node that joins for it, the operator's (safe retries, backups of
-# the gateway), replicas, placement around a silent node and replication through E2B's
-# SDK, then two more gateways sharing PostgreSQL (one killed: they leave the nodes pointing
-# at a gateway that is gone, so they run last)
+# SDK's, placement around a silent node and replication through E2B's SDK (which speaks
+# plain HTTP to the gateway: before the next), then the LangSmith SDK's (whose last check
+# has the gateway serve TLS), a template shipped by digest to a node that joins for it, the
+# operator's (safe retries, backups of the gateway), replicas, then two more gateways
+# sharing PostgreSQL (one killed: they leave the nodes pointing at a gateway that is gone,
+# so they run last)
 CHECKS = [
     ROOT / "tests" / "fleet" / name
     for name in (
@@ -40,11 +41,11 @@ CHECKS = [
         "move_checks.py",
         "volume_move_checks.py",
         "e2b_checks.py",
+        "placement_checks.py",
         "langsmith_checks.py",
         "template_ship_checks.py",
         "ops_checks.py",
         "replica_checks.py",
-        "placement_checks.py",
         "gateways_checks.py",
     )
 ]
