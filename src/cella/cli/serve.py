@@ -10,13 +10,6 @@ from typing import Annotated, Any
 
 import typer
 
-# how long an idle kept-alive connection stays open: longer than clients keep theirs (httpx's
-# pools, the SDK's among them, drop theirs after 5 s). With the same figure on both ends a request
-# sent on a connection at the moment the daemon closes it is lost (the client reads a
-# closed connection: the answer of a create or exec it cannot know the fate of), and a busy
-# event loop widens that moment to the length of its longest step.
-KEEP_ALIVE_SECONDS = 65
-
 
 def serve(
     listen: Annotated[str | None, typer.Option(help="HOST:PORT to listen on.")] = None,
@@ -110,7 +103,6 @@ def serve(
             log_level=settings.log_level,
             log_config=_log_config(settings),
             timeout_graceful_shutdown=5,
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
             ssl_certfile=settings.tls_cert,
             ssl_keyfile=settings.tls_key,
         )
@@ -140,7 +132,6 @@ async def _serve(main: Any, app: Any, settings: Any) -> None:
             log_level=settings.log_level,
             log_config=_log_config(settings),
             lifespan="off",  # the daemon is started and stopped by the API's server
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
     )
     task = asyncio.create_task(clear.serve())

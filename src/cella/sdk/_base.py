@@ -27,6 +27,10 @@ from cella.models import (
 )
 
 DEFAULT_TIMEOUT = 300.0  # seconds a request may take (a command's: see `command_wait`)
+# An idle pooled connection is dropped after this long: sooner than the daemon closes its
+# end (uvicorn: 5 s). Were both 5 s, a request sent on a connection just as the daemon closes
+# it would never be read, and the caller could not know whether its create happened.
+IDLE_REUSE_SECONDS = 2.0
 CONNECT_TIMEOUT = 10.0
 COMMAND_MARGIN = 60.0  # beyond a command's own timeout: the daemon's and the network's share
 

@@ -71,6 +71,7 @@ from cella.models.proctree import ExecTree, exec_trees
 from cella.sdk._async.failover import AsyncFailover
 from cella.sdk._base import (
     DEFAULT_TIMEOUT,
+    IDLE_REUSE_SECONDS,
     client_timeout,
     command_wait,
     create_body,
@@ -117,6 +118,7 @@ class AsyncClient:
             headers={**(headers or {}), "Authorization": f"Bearer {self.api_key}"},
             timeout=client_timeout(timeout),
             transport=transport,
+            limits=httpx2.Limits(keepalive_expiry=IDLE_REUSE_SECONDS),
         )
 
     def keyed(self, key: str | None) -> dict[str, str]:
