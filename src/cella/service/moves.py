@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from cella import errors
-from cella.models import SandboxState, SnapshotState
+from cella.models import SandboxState
 from cella.models.fleet import SandboxExport, SandboxImport, SandboxImported, SnapshotExport
 from cella.policy.access import Principal
 from cella.service.lifecycle import Lifecycle
@@ -196,38 +195,11 @@ class Moves:
 
     async def disk_snapshot(self, row: SandboxRecord, name: str) -> SnapshotRecord:
         """A stopped sandbox's disk as a snapshot without memory (a move's, a replica's)."""
-        record = self.store.insert_snapshot(
-            SnapshotRecord(
-                id=f"snap-{os.urandom(8).hex()}",
-                tenant=row.tenant,
-                name=name,
-                sandbox_id=row.id,
-                parent_snapshot_id=row.base_snapshot_id,
-                state=SnapshotState.creating,
-                template=row.template,
-                vcpus=row.vcpus,
-                memory_mib=row.memory_mib,
-                memory=False,
-            )
-        )
+        record = self.snapshots.creating_disk(row, name)
         async with self.registry.lock(row.id):
             if self._row(row.id).state != S.stopped:
                 raise errors.InvalidState(f"sandbox {row.id} is no longer stopped")
-            try:
-                manifest = await self.driver.snapshot_stopped(
-                    self.registry.directory(row.id),
-                    self.snapshots.directory(record.id),
-                    vcpus=row.vcpus,
-                    memory_mib=row.memory_mib,
-                    template=row.template,
-                    sandbox_id=row.id,
-                )
-            except BaseException as exc:
-                self.store.update_snapshot(record.id, state="error", error=error_text(exc))
-                raise
-        size = sum(manifest["bytes"].values())
-        self.store.update_snapshot(record.id, state="ready", size_bytes=size, paused_ms=0.0)
-        return self.snapshots.get(row.tenant, record.id)
+            return await self.snapshots.copy_disk(row, record)
 
     async def _thaw(self, sandbox_id: str, was: S, snapshot_id: str) -> None:
         """Runs on as it was before the export (its lock held by the caller)."""

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cella import errors
-from cella.models import SandboxState, SnapshotState
+from cella.models import SandboxState
 from cella.models.fleet import PrecopyOffer, PrecopyTake, PrecopyTaken, SnapshotExport
-from cella.service.registry import Registry, error_text
+from cella.service.registry import Registry
 from cella.service.shipping import Shipping
 from cella.service.snapshots import Snapshots
 from cella.service.transfer import NodeSource
@@ -121,36 +121,8 @@ class Precopies:
     async def _disk_so_far(self, row: SandboxRecord) -> SnapshotRecord:
         """The split disk's lower file, which no longer changes, as a snapshot without
         memory (its lock held by the caller)."""
-        record = self.store.insert_snapshot(
-            SnapshotRecord(
-                id=f"snap-{os.urandom(8).hex()}",
-                tenant=row.tenant,
-                name=precopy_name(row.id),
-                sandbox_id=row.id,
-                parent_snapshot_id=row.base_snapshot_id,
-                state=SnapshotState.creating,
-                template=row.template,
-                vcpus=row.vcpus,
-                memory_mib=row.memory_mib,
-                memory=False,
-            )
-        )
-        self.snapshots.root.mkdir(parents=True, exist_ok=True)
-        try:
-            manifest = await self.driver.snapshot_stopped(
-                self.registry.directory(row.id),
-                self.snapshots.directory(record.id),
-                vcpus=row.vcpus,
-                memory_mib=row.memory_mib,
-                template=row.template,
-                sandbox_id=row.id,
-            )
-        except BaseException as exc:
-            self.store.update_snapshot(record.id, state="error", error=error_text(exc))
-            raise
-        size = sum(manifest["bytes"].values())
-        self.store.update_snapshot(record.id, state="ready", size_bytes=size, paused_ms=0.0)
-        return self.snapshots.get(row.tenant, record.id)
+        record = self.snapshots.creating_disk(row, precopy_name(row.id))
+        return await self.snapshots.copy_disk(row, record)
 
     def ram_pieces(self, sandbox_id: str) -> Iterator[bytes]:
         """The RAM file a pre-copy offered, as its non-zero pieces (`shipping.PIECES`)."""

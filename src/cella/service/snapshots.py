@@ -56,6 +56,44 @@ class Snapshots:
             raise errors.NotFound(f"no snapshot {snapshot_id!r}")
         return row
 
+    def creating_disk(self, row: SandboxRecord, name: str) -> SnapshotRecord:
+        """The row of a snapshot of `row`'s disk alone (no memory), being made."""
+        return self.store.insert_snapshot(
+            SnapshotRecord(
+                id=f"snap-{os.urandom(8).hex()}",
+                tenant=row.tenant,
+                name=name,
+                sandbox_id=row.id,
+                parent_snapshot_id=row.base_snapshot_id,
+                state=SnapshotState.creating,
+                template=row.template,
+                vcpus=row.vcpus,
+                memory_mib=row.memory_mib,
+                memory=False,
+            )
+        )
+
+    async def copy_disk(self, row: SandboxRecord, record: SnapshotRecord) -> SnapshotRecord:
+        """`row`'s disk files as they are into `record` (`creating_disk`'s): nothing may
+        write them meanwhile (the sandbox stopped, or its disk split), its lock held by the
+        caller."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            manifest = await self.driver.snapshot_stopped(
+                self.registry.directory(row.id),
+                self.directory(record.id),
+                vcpus=row.vcpus,
+                memory_mib=row.memory_mib,
+                template=row.template,
+                sandbox_id=row.id,
+            )
+        except BaseException as exc:
+            self.store.update_snapshot(record.id, state="error", error=error_text(exc))
+            raise
+        size = sum(manifest["bytes"].values())
+        self.store.update_snapshot(record.id, state="ready", size_bytes=size, paused_ms=0.0)
+        return self.get(row.tenant, record.id)
+
     def find(self, tenant: str | None) -> list[SnapshotRecord]:
         return self.store.list_snapshots(tenant, ["creating", "ready", "error"])
 
