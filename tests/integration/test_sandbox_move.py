@@ -70,6 +70,13 @@ def precopy(source: Daemon, dest: Daemon, sandbox_id: str) -> dict[str, Any]:
     return answer
 
 
+def delete_wherever(sandbox_id: str, *clients: Any) -> None:
+    """The sandbox deleted on whichever node holds it (a move may have failed either way)."""
+    for client in clients:
+        if sandbox_id in {s.id for s in client.list()}:
+            client.get(sandbox_id).delete()
+
+
 def counter(sb: Any) -> int:
     return int(sb.exec("cat /run/counter").stdout)
 
@@ -182,9 +189,7 @@ def test_a_move_sends_the_disk_written_before_the_freeze_ahead(
             assert there.exec(READ_BIG).stdout == digest
             assert there.files.read("/root/after") == b"written while the disk was split"
         finally:
-            for client in (ca, cb):
-                if sb.id in {s.id for s in client.list()}:
-                    client.get(sb.id).delete()
+            delete_wherever(sb.id, ca, cb)
 
 
 def test_a_move_that_fails_during_its_precopy_leaves_it_running_whole(
@@ -231,6 +236,4 @@ def test_a_move_that_fails_during_its_precopy_leaves_it_running_whole(
             move(a, b, sb.id)
             assert cb.get(sb.id).files.read("/root/during") == b"while split"
         finally:
-            for client in (ca, cb):
-                if sb.id in {s.id for s in client.list()}:
-                    client.get(sb.id).delete()
+            delete_wherever(sb.id, ca, cb)
