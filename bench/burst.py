@@ -4,11 +4,13 @@ snapshot, the daemon's own CPU time per create and per first exec, and where a c
 time goes under load (the spans of its `created` event, the pool's work from /metrics).
 
     .venv/bin/python -m bench.burst [--bursts 10,30,100] [--forks 10,30,100] [--seconds 60]
-                                    [--compare /tmp/base/src] [--json]
+                                    [--pool-max 30] [--compare /tmp/base/src] [--json]
 
 `--compare SRC` runs the same phases, back to back, against a daemon from another checkout's
 `src` (e.g. `git worktree add /tmp/base main`) and prints each figure's ratio: the host is
-shared, so only figures of one run are compared. Sandboxes are the pool's shape (1 vCPU,
+shared, so only figures of one run are compared. Every burst and fork runs twice, the
+second finding the pool grown by the first (`--pool-max`, the daemon's `pool_max_size`) or
+forking the same snapshot again. Sandboxes are the pool's shape (1 vCPU,
 512 MiB); the daemon's memory commitment is raised to fit the largest burst (what they
 really take is measured: PSS per idle branch in `bench.starts`).
 """
@@ -41,6 +43,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def host_busy_seconds() -> float:
+    """CPU time all of the host's cores spent busy so far (/proc/stat): what the daemon and
+    its QEMUs do not account for is other processes' (egress proxies, the kernel's)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
 def pool_work(d: Daemon) -> dict[str, float]:
     """The daemon's `cella_pool_work` gauges (absent on a daemon that has none)."""
     work: dict[str, float] = {}
@@ -53,8 +63,12 @@ def pool_work(d: Daemon) -> dict[str, float]:
 
 
 def pool_full(url: str) -> bool:
+    """Every pool filled to its target (its resting size, or more after a burst)."""
     h = httpx2.get(f"{url}/v1/health").json()
-    return bool(h["pool"]) and all(n >= h["pool_size"] for n in h["pool"].values())
+    target = h.get("pool_target", {})
+    return bool(h["pool"]) and all(
+        n >= target.get(shape, h["pool_size"]) for shape, n in h["pool"].items()
+    )
 
 
 async def settle(url: str, timeout: float = 120) -> None:
@@ -88,7 +102,7 @@ def median(values: list[float]) -> float:
 async def burst(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
     """N creates at once, each then runs `true`; what the client saw and the daemon spent."""
     assert d.proc is not None
-    work0, cpu0 = pool_work(d), cpu_seconds(d.proc.pid)
+    work0, cpu0, host0 = pool_work(d), cpu_seconds(d.proc.pid), host_busy_seconds()
     t0 = time.perf_counter()
     created: list[float] = []
     answered: list[float] = []
@@ -114,6 +128,7 @@ async def burst(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
     made = [sb for sb in await asyncio.gather(*(one() for _ in range(n))) if sb]
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(d.proc.pid) - cpu0
+    host_busy = host_busy_seconds() - host0
     # the guest's side: its QEMU's CPU from restore to first command answered (a pooled
     # VM's includes its restore and warm-up before the burst), the emulation's bound
     guest = [cpu_seconds(qemu_of(sb.id)) for sb in made]
@@ -142,6 +157,7 @@ async def burst(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
         "daemon CPU per sandbox (ms)": ms(cpu / max(1, n)),
         "QEMU CPU per sandbox p50 (ms)": ms(statistics.median(guest)) if guest else 0.0,
         "all QEMU CPU / cores (ms)": ms(sum(guest) / (os.cpu_count() or 1)),
+        "host CPU busy / cores (ms)": ms(host_busy / (os.cpu_count() or 1)),
         "from the pool": work.get("claimed", 0) - work0.get("claimed", 0),
         "pool refills during": work.get("refills", 0) - work0.get("refills", 0),
         "pool refill seconds during": round(
@@ -190,18 +206,25 @@ async def cpu_per_call(c: AsyncClient, d: Daemon, n: int = 10) -> dict[str, floa
     return {"per create (ms)": ms((cpu1 - cpu0) / n), "per first exec (ms)": ms((cpu2 - cpu1) / n)}
 
 
-async def forks(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
-    """fork(N) of a snapshot; the CPU it took in the daemon and in the branches' QEMUs
-    (their start, state load and first guest answers: the emulation's bound)."""
-    assert d.proc is not None
+async def new_snapshot(c: AsyncClient) -> Any:
+    """A snapshot of a fresh sandbox (which is deleted): what `fork(N)` rows fork."""
     parent = await c.create(**SHAPE)
     snap = await parent.snapshot("burst")
     await parent.delete()
-    cpu0 = cpu_seconds(d.proc.pid)
+    return snap
+
+
+async def forks(c: AsyncClient, d: Daemon, n: int, snap: Any, last: bool) -> dict[str, float]:
+    """fork(N) of a snapshot (deleted after the `last` fork of it); the CPU it took in the
+    daemon and in the branches' QEMUs (their start, state load and first guest answers:
+    the emulation's bound), and in the rest of the host."""
+    assert d.proc is not None
+    cpu0, host0 = cpu_seconds(d.proc.pid), host_busy_seconds()
     t = time.perf_counter()
     branches = await snap.fork(n)
     took = time.perf_counter() - t
     daemon_cpu = cpu_seconds(d.proc.pid) - cpu0
+    host_busy = host_busy_seconds() - host0
     guest = [cpu_seconds(qemu_of(b.id)) for b in branches]
     results = await asyncio.gather(*(b.exec(["true"]) for b in branches), return_exceptions=True)
     answering = sum(1 for r in results if not isinstance(r, BaseException) and r.exit_code == 0)
@@ -212,7 +235,8 @@ async def forks(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
                 if k.endswith("_ms"):
                     spans.setdefault(k, []).append(float(v))
     await asyncio.gather(*(gone(b) for b in branches))
-    await snap.delete()
+    if last:
+        await snap.delete()
     row = {
         "total (ms)": ms(took),
         "per clone (ms)": ms(took / n),
@@ -220,6 +244,8 @@ async def forks(c: AsyncClient, d: Daemon, n: int) -> dict[str, float]:
         "daemon CPU per clone (ms)": ms(daemon_cpu / n),
         "QEMU CPU per clone p50 (ms)": ms(statistics.median(guest)),
         "all QEMU CPU / cores, per clone (ms)": ms(sum(guest) / (os.cpu_count() or 1) / n),
+        "host CPU busy / cores, per clone (ms)": ms(host_busy / (os.cpu_count() or 1) / n),
+        "other processes' CPU per clone (ms)": ms((host_busy - daemon_cpu - sum(guest)) / n),
     }
     for k, values in spans.items():
         row[f"daemon: {k.removesuffix('_ms')} p50 (ms)"] = median(values)
@@ -241,14 +267,17 @@ def leftovers(d: Daemon) -> int:
 
 
 async def measure(
-    src: str | None, bursts: list[int], fork_counts: list[int], seconds: float
+    src: str | None, bursts: list[int], fork_counts: list[int], seconds: float, pool_max: int
 ) -> dict[str, float]:
-    """Every phase against one daemon (run from `src` if given); flat figures."""
+    """Every phase against one daemon (run from `src` if given); flat figures. Each burst
+    and fork runs twice: first as it finds the daemon (a pool at its resting size, a new
+    snapshot), then again (the pool grown by the burst before, as a harness that sends
+    batch after batch finds it; the same snapshot forked again, as in RL rollouts)."""
     largest = max([*bursts, *fork_counts, 1])
     settings = {
         "pool_spares": "1",  # the daemon's defaults (the test daemon's are 0)
         "admission_wait_seconds": "2",
-        "pool_max_size": "16",
+        "pool_max_size": str(pool_max),
         "max_host_memory_mib": str((largest + 8) * SHAPE["memory_mib"]),
         "max_sandboxes_per_tenant": str(largest + 8),
     }
@@ -269,13 +298,22 @@ async def measure(
             await (await c.create(**SHAPE)).delete()  # the pool of this shape is watched
             await settle(d.url)
             phases: list[tuple[str, Any]] = [("daemon CPU", lambda: cpu_per_call(c, d))]
-            phases += [(f"burst {n}:", lambda n=n: burst(c, d, n)) for n in bursts]
+            for n in bursts:
+                phases.append((f"burst {n}:", lambda n=n: burst(c, d, n)))
+                phases.append((f"burst {n} again:", lambda n=n: burst(c, d, n)))
             phases.append(
                 ("sustained create+exec+delete, 4 clients:", lambda: sustained(c, seconds, 4))
             )
-            phases += [
-                (f"fork {n} of a snapshot:", lambda n=n: forks(c, d, n)) for n in fork_counts
-            ]
+            snaps: dict[int, Any] = {}
+
+            async def fork(n: int, again: bool) -> dict[str, float]:
+                if not again:
+                    snaps[n] = await new_snapshot(c)
+                return await forks(c, d, n, snaps[n], last=again)
+
+            for n in fork_counts:
+                phases.append((f"fork {n} of a snapshot:", lambda n=n: fork(n, False)))
+                phases.append((f"fork {n} of it again:", lambda n=n: fork(n, True)))
             for name, phase in phases:
                 await settle(d.url)
                 try:
@@ -297,17 +335,20 @@ def main() -> None:
     parser.add_argument("--bursts", default="10,30,100")
     parser.add_argument("--forks", default="10,30,100")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--pool-max", type=int, default=30, help="pool_max_size: how far a burst grows the pool"
+    )
     parser.add_argument("--compare", help="another checkout's src, measured first")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     bursts = [int(n) for n in args.bursts.split(",") if n]
     fork_counts = [int(n) for n in args.forks.split(",") if n]
     base = (
-        asyncio.run(measure(args.compare, bursts, fork_counts, args.seconds))
+        asyncio.run(measure(args.compare, bursts, fork_counts, args.seconds, args.pool_max))
         if args.compare
         else None
     )
-    this = asyncio.run(measure(None, bursts, fork_counts, args.seconds))
+    this = asyncio.run(measure(None, bursts, fork_counts, args.seconds, args.pool_max))
     rows: dict[str, dict[str, Any]] = {}
     for k, v in this.items():
         row: dict[str, Any] = {"this": v}

@@ -59,12 +59,15 @@ async def test_the_pool_grows_to_a_burst_and_shrinks_back(daemon: Daemon) -> Non
     async with AsyncClient(daemon.url, daemon.admin_key, timeout=300) as c:
         await (await c.create(**POOLED)).delete()  # the shape is watched from a first create
         await until(lambda: pooled(daemon) == 1)
+        assert health(daemon)["pool_target"] == {"default/1/512": 1}
         burst = await asyncio.gather(*(c.create(**POOLED) for _ in range(3)))
         # three at once: the pool grows to three (its max), once the creates went quiet
         await until(lambda: pooled(daemon) == 3)
+        assert health(daemon)["pool_target"] == {"default/1/512": 3}
         await asyncio.gather(*(sb.delete() for sb in burst))
         # no burst for pool_shrink_seconds: back to its size, the other two destroyed
         await until(lambda: pooled(daemon) == 1)
+        assert health(daemon)["pool_target"] == {"default/1/512": 1}
         await until(lambda: qemus_of(daemon) == 1, timeout=30)
         assert rows_not_deleted(daemon) == []
 

@@ -390,6 +390,7 @@ class Daemon:
             "kernel": self.kernels.status(),
             "pool": self.pool.status(),
             "pool_size": self.pool.size,
+            "pool_target": self.pool.targets(),
             "spares": self.pool.spares(),
             "proxy": {"running": self.egress.proxy.pid is not None, "port": self.egress.proxy.port},
         }

@@ -349,6 +349,13 @@ class SandboxEgress:
                 self.attach(vm, row)
         return self.get_secret(tenant, name)
 
+    async def put_secret_applied(self, tenant: str, name: str, body: SecretPut) -> SecretRecord:
+        """`put_secret`, answered once the proxy holds the new value: a running sandbox's
+        next connection after the API's answer uses it."""
+        record = self.put_secret(tenant, name, body)
+        await self.proxy.synced()
+        return record
+
     def delete_secret(self, tenant: str, name: str) -> None:
         if not self.store.delete_secret(tenant, name):
             raise errors.NotFound(f"no secret {name!r}")

@@ -61,7 +61,9 @@ class Unset:
 
 UNSET = Unset()
 POOLED_SHAPE = (1, 512)  # (vCPUs, MiB) that warm pools keep ready
-RESTORE_PARALLEL = 4  # restores (and their readying) at once: more only queue for the cores
+# restores (and their readying) at once: four per core keep the cores busy through each
+# restore's waits (QMP round trips, the guest's first answers); more only queue for them
+RESTORE_PARALLEL = 4 * (os.cpu_count() or 1)
 
 
 class Lifecycle:

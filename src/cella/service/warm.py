@@ -359,6 +359,10 @@ class WarmPool:
         """Ready VMs per shape (`template/vcpus/memory_mib`)."""
         return {_label(s): len(p.ready) for s, p in self._pools.items()}
 
+    def targets(self) -> dict[str, int]:
+        """VMs each shape's pool is filling to: `size`, or more after a burst."""
+        return {_label(s): p.target for s, p in self._pools.items()}
+
     def spares(self) -> dict[str, int]:
         """Spare QEMUs per shape."""
         return {_label(s): len(p.spares) for s, p in self._pools.items()}

@@ -441,6 +441,7 @@ class QemuDriver:
         snap.verify()  # the files may have changed since the spare mapped them
         spare.spare_of = None
         spare.restore_spans.clear()  # its start and overlay were made ahead, off this path
+        spare.mark_cpu()
         try:
             await spare.load(snap.state, timeout)
         except BaseException:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qemu.qmp import QMPClient
+from qemu.qmp import EventListener, QMPClient
 
 from cella import errors
 from cella.guest.client import AgentClient
@@ -67,6 +67,8 @@ class QemuVM:
         self._agent: AgentClient | None = None
         self.boot_seconds: float | None = None
         self.restore_spans: dict[str, float] = {}  # seconds by step of its restore
+        self._cpu_marked = 0.0  # QEMU's CPU seconds at the last restore step
+        self._migration_events = False  # QEMU announces migration changes (see below)
         self.directory: Path | None = None
         self.exit_hooks: list[Callable[[], None]] = []
         self.accel_reason = ""
@@ -225,6 +227,7 @@ class QemuVM:
             await self.kill()
             raise errors.AgentUnavailable(f"QEMU was not up within {timeout:.0f} s") from None
         self.restore_spans["qemu_start"] = time.perf_counter() - started
+        self._cpu_span("cpu_qemu_start")
         left = max(0.0, timeout - (time.perf_counter() - started))  # one budget for both
         await self.load(state, left, prefill)
         self.boot_seconds = time.perf_counter() - started
@@ -278,6 +281,7 @@ class QemuVM:
         await self._wait_migration()
         await self.qmp.execute("cont")
         loaded = time.perf_counter()
+        self._cpu_span("cpu_state_load")
         try:
             await self._agent.ping(timeout=30.0)
         except errors.Timeout:
@@ -288,27 +292,58 @@ class QemuVM:
         self.restore_spans.update(
             state_load=loaded - started, first_answer=time.perf_counter() - loaded
         )
+        self._cpu_span("cpu_first_answer")
+
+    def _cpu_span(self, step: str) -> None:
+        """QEMU's CPU time (all its threads) spent since the last mark: under TCG most of
+        a restore's cost is the guest's CPU, which the wall-clock spans do not show."""
+        if self.pid is None:
+            return
+        now = threads_cpu_seconds(self.pid)
+        self.restore_spans[step] = max(0.0, now - self._cpu_marked)
+        self._cpu_marked = now
+
+    def mark_cpu(self) -> None:
+        """Starts the next CPU span here (a spare's start was paid ahead)."""
+        if self.pid is not None:
+            self._cpu_marked = threads_cpu_seconds(self.pid)
 
     async def _set_ignore_shared(self, on: bool) -> None:
         assert self.qmp is not None
+        # `events`: QEMU announces each change of the migration's status (MIGRATION), which
+        # wakes `_await_migration` instead of a query every few milliseconds
+        capabilities = {"x-ignore-shared": on, "events": True}
         await self.qmp.execute(
             "migrate-set-capabilities",
-            {"capabilities": [{"capability": "x-ignore-shared", "state": on}]},
+            {"capabilities": [{"capability": k, "state": v} for k, v in capabilities.items()]},
         )
+        self._migration_events = True
         # QEMU throttles migration to 128 MiB/s by default: a local copy needs no throttle
         await self.qmp.execute("migrate-set-parameters", {"max-bandwidth": UNTHROTTLED})
 
     async def _wait_migration(self) -> None:
         """Waits for an incoming migration into this (fresh) QEMU to finish."""
-        while True:
-            status, desc = await self._migration_status()
-            if status == "completed":
-                return
+
+        def ended(status: str | None, desc: str) -> bool:
             if status in ("failed", "cancelled"):
                 raise errors.CellaError(f"migration {status}: {desc}")
-            if self.process is not None and self.process.returncode is not None:
-                raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
-            await asyncio.sleep(0.002)
+            return status == "completed"
+
+        await self._await_migration(ended)
+
+    async def _await_migration(self, ended: Callable[[str | None, str], bool]) -> None:
+        """Asks QEMU for the migration's status until `ended(status, error)` says so (or
+        raises), again on each of its MIGRATION events, and every few milliseconds where
+        they were not asked for (a VM that came without `_set_ignore_shared`)."""
+        assert self.qmp is not None
+        every = MIGRATION_RECHECK if self._migration_events else MIGRATION_POLL
+        changes = EventListener("MIGRATION")
+        with self.qmp.listen(changes):
+            while not ended(*await self._migration_status()):
+                if self.process is not None and self.process.returncode is not None:
+                    raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changes.get(), every)
 
     async def _migration_status(self) -> tuple[str | None, str]:
         assert self.qmp is not None
@@ -328,19 +363,18 @@ class QemuVM:
         previous = await self._migration_status()
         await self.qmp.execute("migrate", {"uri": uri})
         stale_until = asyncio.get_running_loop().time() + 10.0
-        while True:
-            status, desc = await self._migration_status()
-            if status == "completed":
-                return
+
+        def ended(status: str | None, desc: str) -> bool:
+            nonlocal previous
             if status in ("failed", "cancelled"):
                 stale = (status, desc) == previous
                 if not stale or asyncio.get_running_loop().time() > stale_until:
                     raise errors.CellaError(f"migration {status}: {desc}")
-            else:
+            elif status != "completed":
                 previous = (None, "")  # this migration has started: its end is its own
-            if self.process is not None and self.process.returncode is not None:
-                raise errors.SandboxCrashed(f"QEMU exited: {await self._exit_reason()}")
-            await asyncio.sleep(0.002)
+            return status == "completed"
+
+        await self._await_migration(ended)
 
     async def save_state(self, dest: Path, *, ignore_shared: bool) -> None:
         """Writes the device state (and RAM unless it is shared) to `dest`.
@@ -596,6 +630,8 @@ class QemuVM:
 
 
 UNTHROTTLED = 1 << 40  # bytes per second
+MIGRATION_POLL = 0.002  # seconds between status queries of a migration QEMU does not announce
+MIGRATION_RECHECK = 0.05  # and of one it announces (its events wake the wait at once)
 MERGE_JOB = "cella-merge"
 
 
@@ -645,3 +681,14 @@ def socket_dir(directory: Path) -> Path:
     path = SOCKET_ROOT / digest
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def threads_cpu_seconds(pid: int) -> float:
+    """CPU time of a process's live threads, from their schedstat (nanoseconds, where
+    /proc/PID/stat counts clock ticks of 10 ms)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(task.path, "schedstat").read_text().split()[0])
+    return total / 1e9

@@ -70,7 +70,7 @@ async def list_secrets(svc: DaemonDep, who: Auth) -> SecretList:
 @router.put("/v1/secrets/{name}", response_model=Secret)
 async def put_secret(name: SecretName, body: SecretPut, svc: DaemonDep, who: Auth) -> Secret:
     """Creates or replaces a secret (write-only: the value is never returned)."""
-    return Secret.model_validate(svc.egress.put_secret(who.tenant, name, body))
+    return Secret.model_validate(await svc.egress.put_secret_applied(who.tenant, name, body))
 
 
 @router.post("/v1/secrets-key/rotate", response_model=KeyRotation)

@@ -99,7 +99,7 @@ async def create_secret(body: JsonBody, svc: DaemonDep, who: Caller) -> dict[str
     put = secret_put(body)
     if any(r.name == name for r in svc.egress.list_secrets(who.tenant)):
         raise errors.AlreadyExists(f"secret {name!r} exists")
-    return secret_json(svc.egress.put_secret(who.tenant, name, put))
+    return secret_json(await svc.egress.put_secret_applied(who.tenant, name, put))
 
 
 @router.get("/secrets/{ref}")
@@ -112,7 +112,7 @@ async def update_secret(ref: str, body: JsonBody, svc: DaemonDep, who: Caller) -
     """A new version of the value (and the metadata, when given)."""
     name = secret_name(ref)
     put = next_version(svc.egress.get_secret(who.tenant, name), body)
-    return secret_json(svc.egress.put_secret(who.tenant, name, put))
+    return secret_json(await svc.egress.put_secret_applied(who.tenant, name, put))
 
 
 @router.delete("/secrets/{ref}", status_code=204)
