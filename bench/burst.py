@@ -62,19 +62,30 @@ def pool_work(d: Daemon) -> dict[str, float]:
     return work
 
 
-def pool_full(url: str) -> bool:
-    """Every pool filled to its target (its resting size, or more after a burst)."""
+def pool_state(url: str) -> tuple[bool, dict[str, int]]:
+    """Whether every pool is filled to its target (its resting size, or more after a
+    burst; a daemon that does not say its target: its resting size), and what it holds."""
     h = httpx2.get(f"{url}/v1/health").json()
     target = h.get("pool_target", {})
-    return bool(h["pool"]) and all(
+    full = bool(h["pool"]) and all(
         n >= target.get(shape, h["pool_size"]) for shape, n in h["pool"].items()
     )
+    return full and "pool_target" in h, dict(h["pool"])
 
 
 async def settle(url: str, timeout: float = 120) -> None:
-    """Until the pool is full again: each phase starts from the same state."""
+    """Until the pool is full again (for a daemon that does not say what a burst grew it
+    to: until it stopped growing for 3 s): each phase starts from the same state."""
     deadline = time.monotonic() + timeout
-    while not pool_full(url) and time.monotonic() < deadline:
+    last, still_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        full, held = pool_state(url)
+        if full:
+            return
+        if held != last:
+            last, still_since = held, time.monotonic()
+        elif held and time.monotonic() - still_since > 3:
+            return
         await asyncio.sleep(0.1)
 
 
