@@ -217,6 +217,17 @@ async def cpu_per_call(c: AsyncClient, d: Daemon, n: int = 10) -> dict[str, floa
     return {"per create (ms)": ms((cpu1 - cpu0) / n), "per first exec (ms)": ms((cpu2 - cpu1) / n)}
 
 
+async def spares_ready(url: str, snapshot_id: str, n: int, timeout: float = 120) -> None:
+    """Until the daemon holds `n` QEMUs started for the snapshot's next fork (a daemon
+    without them: at once), as a harness finds them after its rollouts ran."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = httpx2.get(f"{url}/v1/health").json().get("fork_spares")
+        if held is None or held.get(snapshot_id, 0) >= n:
+            return
+        await asyncio.sleep(0.1)
+
+
 async def new_snapshot(c: AsyncClient) -> Any:
     """A snapshot of a fresh sandbox (which is deleted): what `fork(N)` rows fork."""
     parent = await c.create(**SHAPE)
@@ -283,12 +294,15 @@ async def measure(
     """Every phase against one daemon (run from `src` if given); flat figures. Each burst
     and fork runs twice: first as it finds the daemon (a pool at its resting size, a new
     snapshot), then again (the pool grown by the burst before, as a harness that sends
-    batch after batch finds it; the same snapshot forked again, as in RL rollouts)."""
+    batch after batch finds it; the same snapshot forked again once QEMUs were started
+    for it, as RL rollouts fork one snapshot batch after batch)."""
     largest = max([*bursts, *fork_counts, 1])
     settings = {
         "pool_spares": "1",  # the daemon's defaults (the test daemon's are 0)
         "admission_wait_seconds": "2",
         "pool_max_size": str(pool_max),
+        # QEMUs started ahead for a snapshot's next fork: one per branch of the largest
+        "fork_spares": str(max([*fork_counts, 1])),
         "max_host_memory_mib": str((largest + 8) * SHAPE["memory_mib"]),
         "max_sandboxes_per_tenant": str(largest + 8),
     }
@@ -320,6 +334,8 @@ async def measure(
             async def fork(n: int, again: bool) -> dict[str, float]:
                 if not again:
                     snaps[n] = await new_snapshot(c)
+                else:
+                    await spares_ready(d.url, snaps[n].id, n)
                 return await forks(c, d, n, snaps[n], last=again)
 
             for n in fork_counts:

@@ -50,6 +50,7 @@ class Daemon:
         # processes idling beside the ones it counts), a refusal at once (no queue for room)
         self.settings = {
             "pool_spares": "0",
+            "fork_spares": "0",
             "pool_max_size": "0",
             "admission_wait_seconds": "0",
             **settings,

@@ -296,6 +296,14 @@ class DaemonSettings(BaseSettings):
         description="QEMUs started ahead per pool shape, waiting for a restore's state: a "
         "create that finds the pool empty only loads the state",
     )
+    fork_spares: int = Field(
+        default=16,
+        ge=0,
+        le=256,
+        description="QEMUs started ahead, in all, for the next fork of snapshots forked "
+        "before (each up to its last fork's size, gone after pool_shrink_seconds without "
+        "one): a branch that gets one only loads the state",
+    )
     pool_max_size: int = Field(
         default=16,
         ge=0,

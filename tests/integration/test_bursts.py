@@ -12,7 +12,7 @@ import time
 import httpx2
 import pytest
 
-from cella import AsyncClient, errors
+from cella import AsyncClient, AsyncSandbox, errors
 from cella.runtime.qemu.vm import qemu_cmdline
 from tests.daemon import Daemon, DaemonFactory
 from tests.vms import qemu_pids
@@ -145,3 +145,51 @@ def test_the_sdk_drops_an_idle_connection_before_the_daemon_closes_it(daemon: Da
     first, second, third = ports()[before:]
     assert first == second  # kept alive while it is used
     assert third != second  # let go once idle past 2 s, before the daemon's 5 s
+
+
+async def test_the_next_fork_of_a_snapshot_loads_into_qemus_started_for_it(
+    module_daemon_factory: DaemonFactory,
+) -> None:
+    """After a fork of three, three QEMUs wait for the snapshot's state; the next fork's
+    branches load into them (and as many as it had are kept for the one after) (their `forked` events say so), hold the parent's files and
+    processes and are each their own; without spares (a fork of another snapshot's first
+    fork) none is used. Deleting the snapshot ends its spares: nothing is left behind."""
+    d = module_daemon_factory("fork-spares", fork_spares="3", pool_size="0")
+
+    def spares() -> dict[str, int]:
+        held = health(d)["fork_spares"]
+        assert isinstance(held, dict)
+        return {str(k): int(v) for k, v in held.items()}
+
+    async with AsyncClient(d.url, d.admin_key, timeout=300) as c:
+        parent = await c.create(**POOLED)
+        await parent.files.write("/root/kept.txt", b"from the parent")
+        await parent.exec(["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"])
+        snap = await parent.snapshot("spares")
+        await parent.delete()
+
+        async def used_spares(branches: list[AsyncSandbox]) -> int:
+            events = [(await b.events(types=["forked"]))[0] for b in branches]
+            return sum(1 for e in events if e.data["spare"])
+
+        first = await snap.fork(3)
+        assert await used_spares(first) == 0  # the control: nothing was started ahead yet
+        await until(lambda: spares() == {snap.id: 3}, timeout=60)
+
+        second = await snap.fork(2)
+        assert await used_spares(second) == 2
+        for b in second:
+            assert await b.files.read("/root/kept.txt") == b"from the parent"
+            sleeping = await b.exec(["pgrep", "-x", "sleep"])
+            assert sleeping.exit_code == 0  # the parent's process, restored
+        await second[0].files.write("/root/mine.txt", b"one branch")
+        missing = await second[1].exec(["test", "-e", "/root/mine.txt"])
+        assert missing.exit_code == 1  # each branch is its own
+        # made again, to the last fork's size: one was left, one more is started
+        await until(lambda: spares() == {snap.id: 2}, timeout=60)
+
+        await asyncio.gather(*(b.delete() for b in [*first, *second]))
+        await snap.delete()
+        assert spares() == {}
+        await until(lambda: qemus_of(d) == 0, timeout=30)
+        assert list((d.data_dir / "vms").iterdir()) == []

@@ -296,6 +296,7 @@ class Daemon:
         await self.metrics.close()
         await self.webhooks.deliveries.close()
         await self.processes.close()
+        await self.forks.spares.close()
         await self.pool.close()
         await self.snapshots.close()
         await self.registry.detach_all()
@@ -392,5 +393,6 @@ class Daemon:
             "pool_size": self.pool.size,
             "pool_target": self.pool.targets(),
             "spares": self.pool.spares(),
+            "fork_spares": self.forks.spares.held(),
             "proxy": {"running": self.egress.proxy.pid is not None, "port": self.egress.proxy.port},
         }

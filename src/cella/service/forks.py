@@ -19,8 +19,10 @@ from cella import errors
 from cella.models import SandboxCreate, SnapshotState
 from cella.models.sandbox import RestoreMemory
 from cella.policy.access import Principal
+from cella.runtime.contract import VM
 from cella.service.admission import Admission
 from cella.service.egress import rules_of
+from cella.service.fork_spares import ForkSpares
 from cella.service.lifecycle import Lifecycle, restore_spans_ms
 from cella.service.registry import Registry
 from cella.service.rewrites import kept_setter
@@ -45,6 +47,11 @@ class Forks:
         self.admission = admission
         self.lifecycle = lifecycle
         self.snapshots = snapshots
+        settings = lifecycle.settings
+        self.spares = ForkSpares(
+            self.driver, settings.fork_spares, settings.pool_shrink_seconds, lifecycle.pool.quiet
+        )
+        snapshots.deleted_hooks.append(self.spares.drop)
 
     async def fork(self, who: Principal, sandbox_id: str, count: int) -> list[SandboxRecord]:
         """Snapshots a running sandbox once (a caller who may exec in it), then restores
@@ -108,38 +115,53 @@ class Forks:
             self.lifecycle.egress.check_policy(who, rules_of(spec))
         shape = {"vcpus": snap_row.vcpus, "memory_mib": snap_row.memory_mib}
         spec = spec.model_copy(update=shape)
-        async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
-            self.registry.check_name(tenant, who.principal or None, spec.name)
-            rows = self.registry.insert_many(  # one transaction for the branches
-                [
-                    new_record(
-                        who,
-                        new_sandbox_id(),
-                        spec,
-                        secrets,
-                        "fork",
-                        inherited_setter=inherited,
-                        parent_id=snap_row.sandbox_id,
-                        snapshot_id=snap_row.id,
-                        base_snapshot_id=snap_row.id,
-                        delegation=delegation,
+        with self.spares.forking():
+            async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
+                self.registry.check_name(tenant, who.principal or None, spec.name)
+                # QEMUs started ahead for this snapshot: their branches take their ids
+                spares = self.spares.claim(snap_row.id, count) if memory else []
+                ids = [vm.directory.name for vm in spares if vm.directory is not None]
+                ids += [new_sandbox_id() for _ in range(count - len(ids))]
+                try:
+                    rows = self.registry.insert_many(  # one transaction for the branches
+                        [
+                            new_record(
+                                who,
+                                sandbox_id,
+                                spec,
+                                secrets,
+                                "fork",
+                                inherited_setter=inherited,
+                                parent_id=snap_row.sandbox_id,
+                                snapshot_id=snap_row.id,
+                                base_snapshot_id=snap_row.id,
+                                delegation=delegation,
+                            )
+                            for sandbox_id in ids
+                        ]
                     )
-                    for _ in range(count)
-                ]
-            )
+                except BaseException:
+                    for vm in spares:
+                        await self.driver.destroy(vm)
+                    raise
+            spare_of = {vm.directory.name: vm for vm in spares if vm.directory is not None}
 
-        async def one(row: SandboxRecord) -> str:
-            began = time.perf_counter()
-            async with self.lifecycle.restoring:  # shared with creates
-                return await self._restore_fork(snap_row, snap, row, memory, began, flat_wait)
+            async def one(row: SandboxRecord) -> str:
+                began = time.perf_counter()
+                async with self.lifecycle.restoring:  # shared with creates
+                    return await self._restore_fork(
+                        snap_row, snap, row, memory, began, flat_wait, spare_of.get(row.id)
+                    )
 
-        results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+            results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             for result in results:
                 if isinstance(result, str):
                     await self.lifecycle.delete(who, result)
             raise failed[0]
+        if memory:  # the next fork of this snapshot finds QEMUs started for it
+            self.spares.forked(snap_row.id, snap, count)
         return [self.registry.get(who, r.id) for r in rows]
 
     async def _restore_fork(
@@ -150,13 +172,14 @@ class Forks:
         memory: bool,
         began: float,
         flat_wait_ms: float = 0.0,
+        spare: VM | None = None,
     ) -> str:
         async with self.registry.lock(row.id):
             gated = time.perf_counter()
             vm = None
             try:
                 if memory:
-                    vm = await self.lifecycle.restore_vm(snap, row.id)
+                    vm = await self.lifecycle.restore_vm(snap, row.id, spare)
                 else:  # its files, none of what ran
                     vm = await self.driver.boot_snapshot(
                         snap,
@@ -184,6 +207,7 @@ class Forks:
                     "parent_id": snap_row.sandbox_id,
                     "snapshot_id": snap_row.id,
                     "memory": memory,
+                    "spare": spare is not None,
                     "restore_ms": round((vm.boot_seconds or 0) * 1000, 1),
                     # where its time went: the fork's wait for the snapshot's flat RAM
                     # file, the gate, the VM (by step), readying it

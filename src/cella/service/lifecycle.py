@@ -178,9 +178,10 @@ class Lifecycle:
             )
         return row
 
-    async def restore_vm(self, snap: SnapshotDir, sandbox_id: str) -> VM:
-        """A VM restored for a sandbox (readied by `ready`)."""
-        return await self.driver.restore(snap, self.registry.directory(sandbox_id))
+    async def restore_vm(self, snap: SnapshotDir, sandbox_id: str, spare: VM | None = None) -> VM:
+        """A VM restored for a sandbox (readied by `ready`); into `spare`, a QEMU started
+        ahead for `snap` in the sandbox's directory, if given."""
+        return await self.driver.restore(snap, self.registry.directory(sandbox_id), spare=spare)
 
     async def ready(self, vm: VM, row: SandboxRecord) -> None:
         """A restored guest is a copy: it gets the sandbox's egress, and its own name,

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cella import errors
@@ -42,6 +43,8 @@ class Snapshots:
         self.driver = registry.driver
         self.events = registry.events
         self._flattening: dict[str, asyncio.Task[None]] = {}
+        # awaited with a snapshot's id as it is deleted (what was kept ready for it goes)
+        self.deleted_hooks: list[Callable[[str], Awaitable[None]]] = []
 
     @property
     def root(self) -> Path:
@@ -361,6 +364,8 @@ class Snapshots:
         if task := self._flattening.get(snapshot_id):
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
+        for hook in self.deleted_hooks:
+            await hook(snapshot_id)
         shutil.rmtree(self.root / snapshot_id, ignore_errors=True)
         self.store.untag_snapshot(snapshot_id)
         self.store.update_snapshot(snapshot_id, state="deleted")

@@ -267,7 +267,7 @@ class WarmPool:
         while len(pool.ready) > pool.target:
             self._reap(pool.ready.pop())
 
-    async def _quiet(self) -> None:
+    async def quiet(self) -> None:
         """Until no create has been under way for `QUIET` seconds."""
         while self._creating or time.monotonic() - self._last_create < QUIET:
             await asyncio.sleep(QUIET if self._creating else QUIET / 5)
@@ -282,7 +282,7 @@ class WarmPool:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(pool.wake.wait(), wait)
                 continue
-            await self._quiet()
+            await self.quiet()
             try:
                 snap = await self.snapshots.ensure(pool.shape)
                 if len(pool.spares) < self.spare_count:  # cheap, and what an empty pool uses
