@@ -151,9 +151,10 @@ async def test_the_next_fork_of_a_snapshot_loads_into_qemus_started_for_it(
     module_daemon_factory: DaemonFactory,
 ) -> None:
     """After a fork of three, three QEMUs wait for the snapshot's state; the next fork's
-    branches load into them (and as many as it had are kept for the one after) (their `forked` events say so), hold the parent's files and
-    processes and are each their own; without spares (a fork of another snapshot's first
-    fork) none is used. Deleting the snapshot ends its spares: nothing is left behind."""
+    branches load into them (their `forked` events say so), hold the parent's files and
+    processes and are each their own, and as many as it had are kept for the one after;
+    the first fork (nothing started yet) used none. Deleting the snapshot ends its spares:
+    nothing is left behind."""
     d = module_daemon_factory("fork-spares", fork_spares="3", pool_size="0")
 
     def spares() -> dict[str, int]:
