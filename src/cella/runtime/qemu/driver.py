@@ -438,7 +438,11 @@ class QemuDriver:
         if spare.spare_of != snap.path or spare.directory != directory or not spare.usable:
             await self.destroy(spare)
             raise errors.InvalidArgument(f"the spare QEMU is not one for {snap.path.name}")
-        snap.verify()  # the files may have changed since the spare mapped them
+        try:
+            snap.verify()  # the files may have changed since the spare mapped them
+        except BaseException:
+            await self.destroy(spare)
+            raise
         spare.spare_of = None
         spare.restore_spans.clear()  # its start and overlay were made ahead, off this path
         spare.mark_cpu()
