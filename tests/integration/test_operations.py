@@ -124,10 +124,13 @@ def test_prometheus_scrapes_the_creates_and_execs_it_made(
     named = {line.split()[0].split("{")[0] for line in exposed.splitlines() if line[:1] != "#"}
     named |= {line.split()[2] for line in exposed.splitlines() if line.startswith("# TYPE")}
     assert drawn and drawn <= named, drawn - named
-    # the control: the same server, the same target, no key
+    # the control: the same server, the same target, no key (once both were scraped)
+    instance = "instance=" + daemon.url.removeprefix("http://")
+    jobs = [f"{instance},job=cella", f"{instance},job=nokey"]
+    _until(lambda: all(j in _query(prometheus, "up") for j in jobs), 60)
     up = _query(prometheus, "up")
-    assert up["instance=" + daemon.url.removeprefix("http://") + ",job=cella"] == 1.0
-    assert up["instance=" + daemon.url.removeprefix("http://") + ",job=nokey"] == 0.0
+    assert up[jobs[0]] == 1.0
+    assert up[jobs[1]] == 0.0
 
 
 def test_metrics_are_for_admin_keys_and_name_gauges(daemon: Daemon, admin: Client) -> None:
