@@ -89,6 +89,21 @@ async def test_spares_go_with_their_snapshot_or_when_it_is_not_forked(tmp_path: 
         await close(d)
 
 
+async def test_at_the_limit_the_snapshot_forked_last_gets_them(tmp_path: Path) -> None:
+    d, driver = daemon(tmp_path, fork_spares=2)
+    try:
+        row = await d.lifecycle.create(T, SandboxCreate())
+        older = await d.snapshots.snapshot(T, row.id, "older")
+        newer = await d.snapshots.snapshot(T, row.id, "newer")
+        await d.forks.fork_snapshot(T, older.id, 2)
+        await until(lambda: d.forks.spares.held() == {older.id: 2})
+        await d.forks.fork_snapshot(T, newer.id, 2)
+        await until(lambda: d.forks.spares.held() == {newer.id: 2})
+        await until(lambda: sum(1 for vm in driver.vms if vm.spare_of and vm.running) == 2)
+    finally:
+        await close(d)
+
+
 async def test_no_spares_when_the_limit_is_zero(tmp_path: Path) -> None:
     d, driver = daemon(tmp_path, fork_spares=0)
     try:

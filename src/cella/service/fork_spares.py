@@ -6,9 +6,9 @@ with the snapshot's RAM mapped and its channels connected, waiting for the devic
 (`Driver.prespawn`, as the warm pool's spares do for templates): a branch that gets one only
 loads the state, and QEMU's own start (about half a restore's CPU under emulation, all of
 it under KVM) is paid while the host is quiet. Spares are started only once creates and
-forks have gone quiet; they go when their snapshot is deleted, or when it was not forked for
-`idle_seconds`. Like the pool's spares they hold no guest memory of their own and are not
-counted as committed.
+forks have gone quiet; they go when their snapshot is deleted, when it was not forked for
+`idle_seconds`, or at the limit, to a snapshot forked more recently. Like the pool's spares
+they hold no guest memory of their own and are not counted as committed.
 """
 
 from __future__ import annotations
@@ -125,18 +125,26 @@ class ForkSpares:
             await self._creates_quiet()
 
     def _next(self) -> _Wanted | None:
-        """The snapshot forked last that lacks spares, while the limit allows; snapshots
-        not forked for `idle_seconds` lose theirs first."""
+        """The snapshot forked last that lacks spares. Snapshots not forked for
+        `idle_seconds` lose theirs first; at the limit, the one forked least recently
+        gives one up to it."""
         now = time.monotonic()
         for snapshot_id, wanted in list(self._wanted.items()):
             if now - wanted.forked_at > self.idle_seconds:
                 del self._wanted[snapshot_id]
                 for vm in wanted.spares:
                     self._destroy_later(vm)
-        if sum(len(w.spares) for w in self._wanted.values()) >= self.limit:
-            return None
         lacking = [w for w in self._wanted.values() if len(w.spares) < w.count]
-        return max(lacking, key=lambda w: w.forked_at) if lacking else None
+        if not lacking:
+            return None
+        newest = max(lacking, key=lambda w: w.forked_at)
+        if sum(len(w.spares) for w in self._wanted.values()) >= self.limit:
+            older = [w for w in self._wanted.values() if w.spares and w is not newest]
+            older = [w for w in older if w.forked_at < newest.forked_at]
+            if not older:
+                return None
+            self._destroy_later(min(older, key=lambda w: w.forked_at).spares.pop())
+        return newest
 
     async def _fill(self) -> None:
         while self._wanted:
