@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx2
 
+from cella import errors
 from cella.config import DaemonSettings
 from cella.fleet.backups import GatewayBackups
 from cella.fleet.cordons import Cordons
@@ -41,7 +42,7 @@ from cella.fleet.locator import Locator
 from cella.fleet.membership import Membership
 from cella.fleet.moves import FleetMoves
 from cella.fleet.named_templates import NamedTemplates
-from cella.fleet.node_client import Node
+from cella.fleet.node_client import GATHER_TIMEOUT, Node
 from cella.fleet.placement_table import Placements
 from cella.fleet.planner import Planner
 from cella.fleet.quotas import Quotas
@@ -198,8 +199,8 @@ class Gateway:
 
         async def of(node: Node) -> str | None:
             try:
-                answer = await node.call("GET", "/metrics")
-            except (httpx2.HTTPError, OSError) as exc:
+                answer = await node.call("GET", "/metrics", timeout=GATHER_TIMEOUT)
+            except (httpx2.HTTPError, OSError, errors.CellaError) as exc:
                 log.warning("metrics of node %s: %s", node.name, exc)
                 return None
             return answer.text if answer.is_success else None

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from cella import errors
 from cella.fleet import cluster
-from cella.fleet.node_client import Node
+from cella.fleet.node_client import GATHER_TIMEOUT, Node
 from cella.fleet.placement_table import Placements
 from cella.network.interfaces import host_addresses
 from cella.service.keys import Principal
@@ -219,7 +219,11 @@ class Membership:
         return node if node is not None and node.healthy else None
 
     async def each(self, method: str, path: str, who: Principal | None, **kw: Any) -> list[Any]:
-        """The same call on every healthy node; (node, answer) pairs in node order."""
+        """The same call on every healthy node; (node, answer) pairs in node order. A read
+        waits `GATHER_TIMEOUT` for each node: one that hangs fails it (`node_unavailable`,
+        naming the node), not the minutes a long operation may take."""
+        if method == "GET":
+            kw.setdefault("timeout", GATHER_TIMEOUT)
         nodes = self.healthy()
         answers = await asyncio.gather(*(n.json(method, path, who, **kw) for n in nodes))
         return list(zip(nodes, answers, strict=True))

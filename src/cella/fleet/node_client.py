@@ -14,6 +14,9 @@ from cella.fleet.tls import trusting
 from cella.service.keys import PRINCIPAL_HEADER, READ_ONLY_HEADER, ROLES_HEADER, Principal
 
 TIMEOUT = httpx2.Timeout(30.0, read=600.0)
+# a read the gateway gathers from every node (lists, status, metrics): a node that does not
+# answer in this long fails it, naming the node, instead of holding it for TIMEOUT's read
+GATHER_TIMEOUT = httpx2.Timeout(30.0, read=20.0)
 
 
 def as_header(who: Principal | None) -> dict[str, str]:

@@ -10,7 +10,7 @@ from cella import errors
 from cella.fleet.cordons import Cordons
 from cella.fleet.growth import Growth
 from cella.fleet.membership import Membership
-from cella.fleet.node_client import Node
+from cella.fleet.node_client import GATHER_TIMEOUT, Node
 from cella.fleet.placement_table import Placements
 from cella.models import Capacity
 from cella.models.fleet import FleetNode, FleetStatus
@@ -51,11 +51,12 @@ async def fleet_status(
         if not node.healthy:
             return shown
         try:
+            quick = GATHER_TIMEOUT  # a hung node is shown so, not waited on
             capacity, health, snaps, templates = await asyncio.gather(
-                node.json("GET", "/v1/capacity"),
-                node.json("GET", "/v1/health"),
-                node.json("GET", "/v1/snapshots", params={"all_tenants": "true"}),
-                node.json("GET", "/v1/templates"),
+                node.json("GET", "/v1/capacity", timeout=quick),
+                node.json("GET", "/v1/health", timeout=quick),
+                node.json("GET", "/v1/snapshots", params={"all_tenants": "true"}, timeout=quick),
+                node.json("GET", "/v1/templates", timeout=quick),
             )
         except errors.CellaError as exc:
             return shown.model_copy(update={"healthy": False, "reason": exc.message})
