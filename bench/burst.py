@@ -221,13 +221,13 @@ async def cpu_per_call(c: AsyncClient, d: Daemon, n: int = 10) -> dict[str, floa
     return {"per create (ms)": ms((cpu1 - cpu0) / n), "per first exec (ms)": ms((cpu2 - cpu1) / n)}
 
 
-async def spares_ready(url: str, snapshot_id: str, n: int, timeout: float = 120) -> None:
-    """Until the daemon holds `n` QEMUs started for the snapshot's next fork (a daemon
-    without them: at once), as a harness finds them after its rollouts ran."""
+async def spares_ready(url: str, n: int, timeout: float = 120) -> None:
+    """Until the daemon holds `n` QEMUs started for the next fork (of the one snapshot it
+    forked; a daemon without them: at once), as a harness finds them after its rollouts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         held = httpx2.get(f"{url}/v1/health").json().get("fork_spares")
-        if held is None or held.get(snapshot_id, 0) >= n:
+        if held is None or held >= n:
             return
         await asyncio.sleep(0.1)
 
@@ -341,7 +341,7 @@ async def measure(
                 if not again:
                     snaps[n] = await new_snapshot(c)
                 else:
-                    await spares_ready(d.url, snaps[n].id, n)
+                    await spares_ready(d.url, n)
                 return await forks(c, d, n, snaps[n], last=again)
 
             for n in fork_counts:

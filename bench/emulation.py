@@ -24,7 +24,7 @@ from bench._stats import report
 from cella import AsyncClient
 from cella.paths import Paths
 from cella.runtime.qemu.args import QEMU
-from cella.runtime.qemu.vm import no_thp_inherited, threads_cpu_seconds
+from cella.runtime.qemu.vm import no_thp_inherited, threads_cpu_seconds, threads_schedstat
 from tests.daemon import Daemon, kill_vms_of
 from tests.vms import qemu_of
 
@@ -89,16 +89,6 @@ def qemu_start(accel: str, kernel: Path, initrd: Path) -> tuple[float, int]:
             proc.wait()
 
 
-def thread_cpu(pid: int) -> tuple[float, int]:
-    """CPU seconds and wake-ups (context switches) of all of a process's threads."""
-    cpu, wakeups = 0.0, 0
-    for task in os.scandir(f"/proc/{pid}/task"):
-        fields = Path(task.path, "schedstat").read_text().split()
-        cpu += int(fields[0]) / 1e9
-        wakeups += int(fields[2])
-    return cpu, wakeups
-
-
 async def guest_side(creates: int, idle: float) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="cella-emu-"))
     d = Daemon(tmp / "d", pool_size="0", pool_spares="0")
@@ -124,9 +114,9 @@ async def guest_side(creates: int, idle: float) -> dict[str, float]:
             pid, began = qemu_of(sb.id), time.monotonic()
             window = 5.0
             while time.monotonic() - began < idle:
-                cpu0, wake0 = thread_cpu(pid)
+                cpu0, wake0 = threads_schedstat(pid)
                 await asyncio.sleep(window)
-                cpu1, wake1 = thread_cpu(pid)
+                cpu1, wake1 = threads_schedstat(pid)
                 at = round(time.monotonic() - began)
                 out[f"idle VM, {at - 5}-{at} s after its create: CPU (ms/s)"] = round(
                     (cpu1 - cpu0) * 1000 / window, 1

@@ -393,6 +393,7 @@ class Daemon:
             "pool_size": self.pool.size,
             "pool_target": self.pool.targets(),
             "spares": self.pool.spares(),
-            "fork_spares": self.forks.spares.held(),
+            # how many in all: the endpoint takes no key, so no tenant's snapshot ids
+            "fork_spares": sum(self.forks.spares.held().values()),
             "proxy": {"running": self.egress.proxy.pid is not None, "port": self.egress.proxy.port},
         }

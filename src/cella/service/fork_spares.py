@@ -56,7 +56,6 @@ class ForkSpares:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._destroying: set[asyncio.Task[None]] = set()
-        self.work = {"started": 0.0, "claimed": 0.0}
 
     @contextlib.contextmanager
     def forking(self) -> Iterator[None]:
@@ -68,18 +67,17 @@ class ForkSpares:
             self._forking -= 1
             self._last_fork = time.monotonic()
 
-    def claim(self, snapshot_id: str, count: int) -> list[VM]:
-        """Up to `count` spares of the snapshot, each in the directory whose name the
-        branch that loads it takes as its id."""
+    def claim(self, snapshot_id: str, count: int) -> dict[str, VM]:
+        """Up to `count` spares of the snapshot, by the name of their directory: the id of
+        the branch that loads each."""
         wanted = self._wanted.get(snapshot_id)
-        claimed: list[VM] = []
+        claimed: dict[str, VM] = {}
         while wanted is not None and wanted.spares and len(claimed) < count:
             vm = wanted.spares.pop()
             if vm.usable and vm.directory is not None:
-                claimed.append(vm)
+                claimed[vm.directory.name] = vm
             else:
                 self._destroy_later(vm)
-        self.work["claimed"] += len(claimed)
         return claimed
 
     def forked(self, snapshot_id: str, snap: SnapshotDir, count: int) -> None:
@@ -99,7 +97,7 @@ class ForkSpares:
         return {sid: len(w.spares) for sid, w in self._wanted.items() if w.spares}
 
     async def drop(self, snapshot_id: str) -> None:
-        """The snapshot goes (or changed): its spares are destroyed."""
+        """The snapshot goes: its spares are destroyed."""
         wanted = self._wanted.pop(snapshot_id, None)
         for vm in wanted.spares if wanted else []:
             await self.driver.destroy(vm)
@@ -171,6 +169,5 @@ class ForkSpares:
                 continue
             if self._wanted.get(wanted.snapshot_id) is wanted:
                 wanted.spares.append(vm)
-                self.work["started"] += 1
             else:
                 await self.driver.destroy(vm)

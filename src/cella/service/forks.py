@@ -119,9 +119,8 @@ class Forks:
             async with self.admission.admit(tenant, snap_row.vcpus, snap_row.memory_mib, count):
                 self.registry.check_name(tenant, who.principal or None, spec.name)
                 # QEMUs started ahead for this snapshot: their branches take their ids
-                spares = self.spares.claim(snap_row.id, count) if memory else []
-                ids = [vm.directory.name for vm in spares if vm.directory is not None]
-                ids += [new_sandbox_id() for _ in range(count - len(ids))]
+                spares = self.spares.claim(snap_row.id, count) if memory else {}
+                ids = [*spares, *(new_sandbox_id() for _ in range(count - len(spares)))]
                 try:
                     rows = self.registry.insert_many(  # one transaction for the branches
                         [
@@ -141,16 +140,15 @@ class Forks:
                         ]
                     )
                 except BaseException:
-                    for vm in spares:
+                    for vm in spares.values():
                         await self.driver.destroy(vm)
                     raise
-            spare_of = {vm.directory.name: vm for vm in spares if vm.directory is not None}
 
             async def one(row: SandboxRecord) -> str:
                 began = time.perf_counter()
                 async with self.lifecycle.restoring:  # shared with creates
                     return await self._restore_fork(
-                        snap_row, snap, row, memory, began, flat_wait, spare_of.get(row.id)
+                        snap_row, snap, row, memory, began, flat_wait, spares.get(row.id)
                     )
 
             results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)

@@ -683,12 +683,18 @@ def socket_dir(directory: Path) -> Path:
     return path
 
 
-def threads_cpu_seconds(pid: int) -> float:
-    """CPU time of a process's live threads, from their schedstat (nanoseconds, where
-    /proc/PID/stat counts clock ticks of 10 ms)."""
-    total = 0
+def threads_schedstat(pid: int) -> tuple[float, int]:
+    """CPU seconds and times scheduled in (wake-ups) of a process's live threads, from their
+    schedstat (nanoseconds, where /proc/PID/stat counts clock ticks of 10 ms)."""
+    cpu_ns = wakeups = 0
     with contextlib.suppress(OSError):
         for task in os.scandir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int(Path(task.path, "schedstat").read_text().split()[0])
-    return total / 1e9
+                fields = Path(task.path, "schedstat").read_text().split()
+                cpu_ns, wakeups = cpu_ns + int(fields[0]), wakeups + int(fields[2])
+    return cpu_ns / 1e9, wakeups
+
+
+def threads_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process's live threads (`threads_schedstat`)."""
+    return threads_schedstat(pid)[0]
